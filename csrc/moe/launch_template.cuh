@@ -1,0 +1,97 @@
+// Launch template of the persistent kernel: grid from the occupancy API, cooperative launch so that a
+// grid that cannot be co-resident is refused instead of deadlocking.
+#pragma once
+#include <stdexcept>
+#include <string>
+#include "moe/launch.h"
+#include "moe/moe_forward.cuh"
+
+namespace flashdmoe {
+
+inline void throw_on_cuda_error(cudaError_t status, const char* what) {
+  if (status != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(status));
+}
+
+template <typename Element>
+LaunchInfo launch_forward_typed(const ForwardArgs& a, cudaStream_t stream) {
+  const std::string shape_error = check_shapes(a.tokens, a.hidden, a.ffn, a.experts, a.top_k);
+  if (!shape_error.empty()) throw std::invalid_argument(shape_error);
+  const WorkspaceLayout ws = workspace_layout(a.tokens, a.hidden, a.ffn, a.experts, a.top_k, a.dtype);
+  if (a.workspace_bytes < ws.total_bytes)
+    throw std::invalid_argument("workspace holds " + std::to_string(a.workspace_bytes) + " bytes, needs " +
+                                std::to_string(ws.total_bytes));
+
+  char* base = static_cast<char*>(a.workspace);
+  MoEParams p{};
+  p.tokens = a.tokens; p.hidden = a.hidden; p.ffn = a.ffn; p.experts = a.experts; p.top_k = a.top_k;
+  p.w1_cols = a.activation == Activation::Swiglu ? 2 * a.ffn : a.ffn;
+  p.capacity = a.capacity < a.tokens ? a.capacity : a.tokens;
+  p.activation = a.activation;
+  p.normalize_topk = a.normalize_topk;
+  p.x = a.x; p.router = a.router; p.w1 = a.w1; p.w2 = a.w2; p.y = a.y;
+  p.topk_expert = a.topk_expert; p.topk_weight = a.topk_weight; p.topk_row = a.topk_row;
+  p.expert_counts = a.expert_counts;
+  p.barrier_counter = reinterpret_cast<uint32_t*>(base + ws.barrier_counter);
+  p.task_counter = reinterpret_cast<uint32_t*>(base + ws.task_counter);
+  p.error_word = reinterpret_cast<unsigned long long*>(base + ws.error_word);
+  p.status_flags = reinterpret_cast<uint32_t*>(base + ws.status_flags);
+  p.phase_clock = reinterpret_cast<unsigned long long*>(base + ws.phase_clock);
+  p.row_tile_done = reinterpret_cast<uint32_t*>(base + ws.row_tile_done);
+  p.slot_in_tile = reinterpret_cast<int*>(base + ws.slot_in_tile);
+  p.tile_expert_count = reinterpret_cast<int*>(base + ws.tile_expert_count);
+  p.tile_expert_offset = reinterpret_cast<int*>(base + ws.tile_expert_offset);
+  p.expert_kept = reinterpret_cast<int*>(base + ws.expert_kept);
+  p.row_token = reinterpret_cast<int*>(base + ws.row_token);
+  p.intermediate = base + ws.intermediate;
+  p.expert_out = base + ws.expert_out;
+  p.gate_tiles = ws.gate_tiles;
+  p.max_row_tiles = ws.max_row_tiles;
+  p.timeout_ns = a.timeout_ns;
+  p.debug_withhold_phase = a.debug_withhold_phase;
+
+  const SmemLayout smem = make_smem_layout(a.experts, a.top_k);
+  auto kernel = moe_forward_kernel<Element>;
+  int device = 0, sms = 0, smem_optin = 0;
+  throw_on_cuda_error(cudaGetDevice(&device), "cudaGetDevice");
+  throw_on_cuda_error(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "SM count");
+  throw_on_cuda_error(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
+                      "shared memory limit");
+  if (smem.total_bytes > smem_optin)
+    throw std::invalid_argument("experts=" + std::to_string(a.experts) + " needs " +
+                                std::to_string(smem.total_bytes) + " bytes of shared memory per block; the GPU allows " +
+                                std::to_string(smem_optin));
+  throw_on_cuda_error(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem.total_bytes),
+                      "cudaFuncSetAttribute");
+  int blocks_per_sm = 0;
+  throw_on_cuda_error(
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, kernel, kThreads, smem.total_bytes),
+      "occupancy query");
+  if (blocks_per_sm < 1)
+    throw std::runtime_error("the fused kernel cannot be resident on this GPU (0 blocks per SM with " +
+                             std::to_string(smem.total_bytes) + " bytes of shared memory)");
+  const int grid = blocks_per_sm * sms;
+
+  throw_on_cuda_error(cudaMemsetAsync(a.workspace, 0, ws.sync_bytes, stream), "zeroing sync words");
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(grid);
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = smem.total_bytes;
+  config.stream = stream;
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeCooperative;  // refused if the grid cannot be co-resident
+  attribute.val.cooperative = 1;
+  config.attrs = &attribute;
+  config.numAttrs = 1;
+  throw_on_cuda_error(cudaLaunchKernelEx(&config, kernel, p), "launching moe_forward_kernel");
+  return {grid, blocks_per_sm, smem.total_bytes};
+}
+
+template <typename Element>
+KernelAttributes kernel_attributes_typed() {
+  cudaFuncAttributes attr{};
+  throw_on_cuda_error(cudaFuncGetAttributes(&attr, moe_forward_kernel<Element>), "cudaFuncGetAttributes");
+  return {attr.numRegs, static_cast<int>(attr.localSizeBytes), attr.maxThreadsPerBlock,
+          static_cast<int>(attr.sharedSizeBytes)};
+}
+
+}  // namespace flashdmoe

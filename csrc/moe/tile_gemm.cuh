@@ -1,0 +1,148 @@
+// Block-level tensor-core tile GEMM: a cp.async multi-stage pipeline feeding mma.sync m16n8k16
+// (fp32 accumulation). A rows are gathered through per-row pointers (token rows of x, or rows of the
+// intermediate); B is either N-contiguous ([K, N] expert weights) or K-contiguous ([N, K] router).
+#pragma once
+#include "common/ptx.cuh"
+
+namespace flashdmoe {
+
+// Shared-memory tiles are 64 elements (128 bytes) deep in K; 16-byte chunks are XOR-swizzled by the
+// row index so that ldmatrix reads of 8 rows hit 8 different bank groups.
+template <typename Element, int BM, int BN, int WARPS_M, int WARPS_N, int STAGES, bool B_K_CONTIGUOUS>
+struct TileGemm {
+  static constexpr int kBlockK = 64;
+  static constexpr int kThreads = WARPS_M * WARPS_N * 32;
+  static constexpr int kWarpM = BM / WARPS_M;
+  static constexpr int kWarpN = BN / WARPS_N;
+  static constexpr int kMmaM = kWarpM / 16;
+  static constexpr int kMmaN = kWarpN / 8;
+  static_assert(kWarpM % 16 == 0 && kWarpN % 16 == 0, "warp tile must be a multiple of 16x16");
+  static constexpr int kStageBytesA = BM * kBlockK * 2;
+  static constexpr int kStageBytesB = BN * kBlockK * 2;
+  static constexpr int kPipelineBytes = STAGES * (kStageBytesA + kStageBytesB);
+  static constexpr int kChunksPerRowB = BN / 8;  // N-contiguous B: 16-byte chunks per K row
+
+  float acc[kMmaM][kMmaN][4];
+
+  __device__ static uint32_t k_major_offset(int row, int chunk) { return row * 128 + ((chunk ^ (row & 7)) << 4); }
+  __device__ static uint32_t n_major_offset(int k, int chunk) {
+    return k * (BN * 2) + ((chunk ^ (k & 7)) << 4);
+  }
+
+  // ---- loaders (all threads) ----
+  // Rows given by pointers; nullptr rows are zero-filled.
+  // `fallback` is any valid address: a zero-filling cp.async still needs one.
+  template <int ROWS>
+  __device__ static void load_rows(uint32_t dst, const Element* const* rows, int k0, const Element* fallback) {
+    constexpr int kChunks = ROWS * 8;
+    for (int i = threadIdx.x; i < kChunks; i += kThreads) {
+      const int row = i >> 3, chunk = i & 7;
+      const Element* src = rows[row];
+      const bool valid = src != nullptr;
+      ptx::cp_async_16(dst + k_major_offset(row, chunk), valid ? src + k0 + chunk * 8 : fallback, valid);
+    }
+  }
+  // N-contiguous B: the tile's first BN/2 columns start at col_lo, the second half at col_hi (the two
+  // halves of a swiglu W1, or simply consecutive columns); columns at or past the limits are zero.
+  __device__ static void load_b_n_major(uint32_t dst, const Element* b, int ldb, int k0, int col_lo, int lo_end,
+                                        int col_hi, int hi_end) {
+    constexpr int kChunks = kBlockK * kChunksPerRowB;
+    constexpr int kHalf = kChunksPerRowB / 2;
+    for (int i = threadIdx.x; i < kChunks; i += kThreads) {
+      const int k = i / kChunksPerRowB, chunk = i % kChunksPerRowB;
+      const bool low = chunk < kHalf;
+      const int col = low ? col_lo + chunk * 8 : col_hi + (chunk - kHalf) * 8;
+      const bool valid = col < (low ? lo_end : hi_end);
+      const Element* src = b + static_cast<size_t>(k0 + k) * ldb + (valid ? col : 0);
+      ptx::cp_async_16(dst + n_major_offset(k, chunk), src, valid);
+    }
+  }
+
+  __device__ void zero_acc() {
+#pragma unroll
+    for (int i = 0; i < kMmaM; ++i)
+#pragma unroll
+      for (int j = 0; j < kMmaN; ++j)
+#pragma unroll
+        for (int v = 0; v < 4; ++v) acc[i][j][v] = 0.f;
+  }
+
+  // One 64-deep K slab from shared memory into the accumulators.
+  __device__ void mma_stage(uint32_t a_base, uint32_t b_base) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int warp_m = warp / WARPS_N, warp_n = warp % WARPS_N;
+#pragma unroll
+    for (int kk = 0; kk < kBlockK / 16; ++kk) {
+      uint32_t a_frag[kMmaM][4];
+      uint32_t b_frag[kMmaN][2];
+#pragma unroll
+      for (int mi = 0; mi < kMmaM; ++mi) {
+        const int row = warp_m * kWarpM + mi * 16 + (lane & 15);
+        ptx::ldmatrix_x4(a_frag[mi], a_base + k_major_offset(row, kk * 2 + (lane >> 4)));
+      }
+#pragma unroll
+      for (int nj = 0; nj < kMmaN / 2; ++nj) {
+        uint32_t r[4];
+        if constexpr (B_K_CONTIGUOUS) {
+          const int n = warp_n * kWarpN + nj * 16 + (lane & 7) + ((lane >> 4) << 3);
+          ptx::ldmatrix_x4(r, b_base + k_major_offset(n, kk * 2 + ((lane >> 3) & 1)));
+        } else {
+          const int k = kk * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
+          const int n = warp_n * kWarpN + nj * 16 + ((lane >> 4) << 3);
+          ptx::ldmatrix_x4_trans(r, b_base + n_major_offset(k, n >> 3));
+        }
+        b_frag[2 * nj][0] = r[0];
+        b_frag[2 * nj][1] = r[1];
+        b_frag[2 * nj + 1][0] = r[2];
+        b_frag[2 * nj + 1][1] = r[3];
+      }
+#pragma unroll
+      for (int mi = 0; mi < kMmaM; ++mi)
+#pragma unroll
+        for (int ni = 0; ni < kMmaN; ++ni) ptx::mma_16816<Element>(acc[mi][ni], a_frag[mi], b_frag[ni][0], b_frag[ni][1]);
+    }
+  }
+
+  // The pipelined main loop over k_tiles slabs. load_stage(a_dst, b_dst, k0) issues one slab's copies.
+  template <typename LoadStage>
+  __device__ void run(char* smem, int k_tiles, LoadStage&& load_stage) {
+    const uint32_t base = ptx::smem_addr(smem);
+    auto a_stage = [&](int s) { return base + s * kStageBytesA; };
+    auto b_stage = [&](int s) { return base + STAGES * kStageBytesA + s * kStageBytesB; };
+    zero_acc();
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+      if (s < k_tiles) load_stage(a_stage(s), b_stage(s), s * kBlockK);
+      ptx::cp_async_commit();
+    }
+    for (int kt = 0; kt < k_tiles; ++kt) {
+      ptx::cp_async_wait<STAGES - 2>();
+      __syncthreads();  // slab kt visible to all; slab kt-1's buffer is free to overwrite
+      const int next = kt + STAGES - 1;
+      if (next < k_tiles) load_stage(a_stage(next % STAGES), b_stage(next % STAGES), next * kBlockK);
+      ptx::cp_async_commit();
+      mma_stage(a_stage(kt % STAGES), b_stage(kt % STAGES));
+    }
+    ptx::cp_async_wait<0>();
+    __syncthreads();  // pipeline buffers may now be reused by the epilogue
+  }
+
+  // Visit every accumulator element with its (row, col) inside the block tile.
+  template <typename Visit>
+  __device__ void for_each_acc(Visit&& visit) const {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int warp_m = warp / WARPS_N, warp_n = warp % WARPS_N;
+#pragma unroll
+    for (int mi = 0; mi < kMmaM; ++mi)
+#pragma unroll
+      for (int ni = 0; ni < kMmaN; ++ni)
+#pragma unroll
+        for (int v = 0; v < 4; ++v) {
+          const int row = warp_m * kWarpM + mi * 16 + (lane >> 2) + ((v >> 1) << 3);
+          const int col = warp_n * kWarpN + ni * 8 + ((lane & 3) << 1) + (v & 1);
+          visit(row, col, acc[mi][ni][v]);
+        }
+  }
+};
+
+}  // namespace flashdmoe

@@ -1,0 +1,51 @@
+"""FlashDMoE: a distributed Mixture-of-Experts layer as one persistent GPU kernel per GPU.
+
+Public API::
+
+    import flashdmoe
+    y = flashdmoe.moe(x, router_weight, w1, w2, top_k=2)          # function (DESIGN.md §2)
+    layer = flashdmoe.MoELayer(flashdmoe.MoEConfig.from_yaml("configs/tiny.yaml").replace(world_size=1))
+
+``flashdmoe.reference`` is the plain-PyTorch oracle; ``flashdmoe.Team`` describes the ranks.
+"""
+
+from __future__ import annotations
+
+import importlib
+from importlib import metadata
+
+from flashdmoe.api import moe
+from flashdmoe.config import MoEConfig, make_tokens, make_weights
+from flashdmoe.errors import BackendUnavailable, KernelTimeout
+from flashdmoe.layer import MoELayer
+
+try:
+    __version__ = metadata.version("flashdmoe")
+except metadata.PackageNotFoundError:  # running from a source tree that is not installed
+    __version__ = "0.0.0+source"
+
+__all__ = [
+    "BackendUnavailable",
+    "KernelTimeout",
+    "MoEConfig",
+    "MoELayer",
+    "Team",
+    "__version__",
+    "make_tokens",
+    "make_weights",
+    "moe",
+    "reference",
+]
+
+# Imported on first use: the reference and the team module are heavier or come from other parts.
+_LAZY_ATTRIBUTES = {"Team": ("flashdmoe.team", "Team"), "reference": ("flashdmoe.reference", None)}
+
+
+def __getattr__(name: str):
+    if name in _LAZY_ATTRIBUTES:
+        module_name, attribute = _LAZY_ATTRIBUTES[name]
+        module = importlib.import_module(module_name)
+        value = module if attribute is None else getattr(module, attribute)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'flashdmoe' has no attribute {name!r}")

@@ -1,0 +1,144 @@
+"""``flashdmoe.moe``: the public MoE function and its backend choice (DESIGN.md §2)."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import torch
+
+from flashdmoe.errors import BackendUnavailable
+from flashdmoe.validation import validate_moe_inputs
+
+__all__ = ["BACKENDS", "CUDA_DTYPES", "cuda_unavailable_reason", "moe", "resolve_backend"]
+
+#: Accepted values of ``backend``.
+BACKENDS: tuple[str, ...] = ("auto", "reference", "cuda")
+
+#: Dtypes the fused kernel is designed for (fp32 as TF32 on tensor cores); float64 is reference-only.
+#: What a given build runs is ``flashdmoe.cuda_backend.DTYPE_CODES``'s keys, checked at dispatch.
+CUDA_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _team_world_size(team: Any) -> int:
+    if team is None:
+        return 1
+    world_size = getattr(team, "world_size", None)
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"team: expected None or a flashdmoe.Team with an integer world_size >= 1, got {team!r}")
+    return world_size
+
+
+def cuda_unavailable_reason(x: torch.Tensor) -> str | None:
+    """Why the fused CUDA backend cannot run on ``x`` here, or ``None`` if it can.
+
+    Args:
+        x: ``[T, H]`` input tokens (only its device and dtype are looked at).
+    """
+    if not x.is_cuda:
+        return f"tensors are on {x.device.type}; the fused kernel needs CUDA tensors"
+    try:
+        cuda_backend = importlib.import_module("flashdmoe.cuda_backend")
+    except ImportError as error:
+        return f"flashdmoe.cuda_backend cannot be imported: {error}"
+    supported = tuple(getattr(cuda_backend, "DTYPE_CODES", CUDA_DTYPES))
+    if x.dtype not in supported:
+        names = ", ".join(str(dtype).removeprefix("torch.") for dtype in supported)
+        return f"dtype {x.dtype} is not supported by the fused kernel (it runs {names})"
+    try:
+        extension = importlib.import_module("flashdmoe.extension")
+    except ImportError as error:
+        return f"flashdmoe.extension cannot be imported: {error}"
+    if not extension.available():
+        return extension.unavailable_reason() or "the CUDA extension is not available"
+    return None
+
+
+def resolve_backend(x: torch.Tensor, backend: str, team: Any = None) -> str:
+    """The backend :func:`moe` will run: ``"reference"`` or ``"cuda"``.
+
+    ``"auto"`` picks ``"cuda"`` when ``x`` is a CUDA tensor of a kernel dtype and the extension
+    is built, else ``"reference"``.
+
+    Raises:
+        ValueError: unknown ``backend``, or a multi-rank ``team`` on the reference backend.
+        BackendUnavailable: ``backend="cuda"`` cannot run here; the message says why.
+    """
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r}: expected one of {', '.join(BACKENDS)}")
+    world_size = _team_world_size(team)
+    if backend == "cuda":
+        reason = cuda_unavailable_reason(x)
+        if reason is not None:
+            raise BackendUnavailable(f"backend='cuda' is unavailable: {reason}")
+        return "cuda"
+    if backend == "auto" and cuda_unavailable_reason(x) is None:
+        return "cuda"
+    if world_size > 1:
+        raise ValueError(
+            f"team: world_size={world_size} needs the fused CUDA backend; the reference backend runs one "
+            "rank per call. For a multi-rank reference use "
+            "flashdmoe.reference.moe_expert_parallel(xs, router_weight, w1s, w2s, ...)"
+        )
+    return "reference"
+
+
+def moe(
+    x: torch.Tensor,
+    router_weight: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    *,
+    top_k: int,
+    activation: str = "gelu",
+    normalize_topk: bool = True,
+    capacity_factor: float | None = None,
+    team: Any = None,
+    backend: str = "auto",
+    return_aux: bool = False,
+):
+    """Mixture-of-Experts layer: gate, dispatch, expert FFN, combine (DESIGN.md §2).
+
+    Args:
+        x: ``[T, H]`` tokens on this rank (float32, bfloat16, float16; float64 on the reference).
+        router_weight: ``[E, H]`` router in ``nn.Linear`` layout, same dtype/device, replicated on ranks.
+        w1: ``[L, H, I]`` (``[L, H, 2I]`` for swiglu, gate half first) this rank's experts.
+        w2: ``[L, I, H]`` this rank's experts.
+        top_k: experts per token, ``1 <= top_k <= E``.
+        activation: ``relu``, ``gelu`` (exact erf), ``silu`` or ``swiglu``.
+        normalize_topk: divide the top-k probabilities by their sum.
+        capacity_factor: ``None`` (dropless) or ``c > 0``: each (source rank, expert) keeps
+            ``ceil(c * T * k / E)`` rows in token order; dropped choices contribute zero.
+        team: ``None`` (one rank) or a :class:`flashdmoe.Team`; ``L * team.world_size == E``.
+        backend: ``"auto"``, ``"reference"`` or ``"cuda"`` (see :func:`resolve_backend`).
+        return_aux: also return :class:`flashdmoe.reference.MoEAux` (per-expert counts ``[E]``
+            int64, dropped choices, Switch load-balancing loss).
+
+    Returns:
+        ``y [T, H]`` in ``x``'s dtype, or ``(y, aux)`` when ``return_aux``. Differentiable with
+        respect to ``x``, ``router_weight``, ``w1`` and ``w2``.
+
+    Raises:
+        ValueError: bad input, naming the argument (see :func:`flashdmoe.validation.validate_moe_inputs`).
+        BackendUnavailable: ``backend="cuda"`` cannot run here.
+        KernelTimeout: the fused kernel's watchdog fired.
+    """
+    world_size = _team_world_size(team)
+    if not isinstance(normalize_topk, bool):
+        raise ValueError(f"normalize_topk={normalize_topk!r}: expected True or False")
+    if not isinstance(return_aux, bool):
+        raise ValueError(f"return_aux={return_aux!r}: expected True or False")
+    validate_moe_inputs(x, router_weight, w1, w2, top_k=top_k, activation=activation,
+                        capacity_factor=capacity_factor, world_size=world_size)
+    chosen = resolve_backend(x, backend, team)
+    if chosen == "cuda":
+        from flashdmoe import cuda_backend
+
+        return cuda_backend.moe_cuda(x, router_weight, w1, w2, top_k=top_k, activation=activation,
+                                     normalize_topk=normalize_topk, capacity_factor=capacity_factor,
+                                     return_aux=return_aux, team=team)
+    from flashdmoe import reference
+
+    return reference.moe(x, router_weight, w1, w2, top_k=top_k, activation=activation,
+                         normalize_topk=normalize_topk, capacity_factor=capacity_factor,
+                         return_aux=return_aux)

@@ -1,0 +1,9 @@
+"""``flashdmoe bench``: the fused MoE kernel timed beside unfused PyTorch baselines (DESIGN.md §7).
+
+``configure_parser(parser)`` adds the options to an argparse (sub)parser, ``run(args) -> int`` runs
+them, ``main(argv=None)`` does both. Suites live in a registry (``flashdmoe.bench.suites``).
+"""
+
+from flashdmoe.bench.cli import configure_parser, main, run
+
+__all__ = ["configure_parser", "main", "run"]

@@ -1,0 +1,5 @@
+"""``python -m flashdmoe.bench`` runs the benchmark CLI."""
+
+from flashdmoe.bench.cli import main
+
+raise SystemExit(main())

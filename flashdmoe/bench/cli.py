@@ -1,0 +1,179 @@
+"""``flashdmoe bench``: argument parsing and the run that ties suites, timing and reports together.
+
+Entry points: ``configure_parser(parser)`` adds the options to an argparse (sub)parser,
+``run(args) -> int`` runs them, ``main(argv)`` does both (``python -m flashdmoe.bench``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import pathlib
+import shlex
+import sys
+from collections.abc import Sequence
+
+import torch
+from rich.console import Console
+
+from flashdmoe.bench import report
+from flashdmoe.bench.results import parse_shapes
+from flashdmoe.bench.suites import SUITES, SuiteOptions, get_suite
+from flashdmoe.bench.workload import DTYPES
+
+DEFAULT_OUTPUT_DIR = "results/bench"
+QUICK_MAX_INPUT_SETS = 4
+ACTIVATION_CHOICES = ("relu", "gelu", "silu", "swiglu")
+
+
+def _default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def configure_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the ``bench`` options to ``parser`` (a top-level parser or a subcommand's)."""
+    parser.add_argument(
+        "--suite", default="single-gpu",
+        help=f"suite to run (registered: {', '.join(sorted(SUITES))}; default: single-gpu)",
+    )
+    parser.add_argument(
+        "--output", default=DEFAULT_OUTPUT_DIR, metavar="DIR",
+        help=f"directory for <suite>.json, <suite>.md and <suite>.png (default: {DEFAULT_OUTPUT_DIR})",
+    )
+    parser.add_argument("--repeats", type=int, default=20, help="timed runs per entry (default: 20)")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed warm-up runs per entry (default: 5)")
+    parser.add_argument(
+        "--device", choices=("cuda", "cpu"), default=None,
+        help="where to run (default: cuda when available, else cpu)",
+    )
+    parser.add_argument(
+        "--quick", action="store_true",
+        help="tiny shapes (seconds on a CPU): a smoke test of the whole pipeline, not a measurement",
+    )
+    parser.add_argument(
+        "--configs", default=None, metavar="'T,H,I,E,k;...'",
+        help="shapes to run instead of the suite's (e.g. '8192,2048,2048,32,2;128,4096,1408,64,6')",
+    )
+    parser.add_argument(
+        "--entries", default=None, metavar="NAME,...",
+        help="comma-separated entries to run (single-gpu: fused,grouped_mm,per_expert_loop,reference)",
+    )
+    parser.add_argument(
+        "--dtype", choices=tuple(DTYPES), default=None, help="input dtype (default: the suite's, bfloat16)"
+    )
+    parser.add_argument(
+        "--activation", choices=ACTIVATION_CHOICES, default=None,
+        help="expert activation (default: the suite's, gelu)",
+    )
+    parser.add_argument(
+        "--reference-max-tokens", type=int, default=None, metavar="T",
+        help="skip timing the reference loop on shapes with more than T tokens (default: never skip)",
+    )
+    parser.add_argument(
+        "--input-sets", type=int, default=None, metavar="N",
+        help="input sets rotated between runs (default: enough to exceed twice the L2 cache)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default: 0)")
+    return parser
+
+
+def _positive(name: str, value: int | None, minimum: int) -> None:
+    if value is not None and value < minimum:
+        raise ValueError(f"{name} {value}: expected an integer >= {minimum}")
+
+
+def options_from_args(args: argparse.Namespace, console: Console) -> SuiteOptions:
+    """Validate the parsed options and resolve the suite's defaults. Raises ValueError."""
+    suite = get_suite(args.suite)
+    _positive("--repeats", args.repeats, 1)
+    _positive("--warmup", args.warmup, 0)
+    _positive("--reference-max-tokens", args.reference_max_tokens, 0)
+    _positive("--input-sets", args.input_sets, 1)
+    device = args.device or _default_device()
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is visible to torch; use --device cpu")
+    if args.configs:
+        shapes = parse_shapes(args.configs)
+    else:
+        shapes = list(suite.quick_shapes if args.quick else suite.default_shapes)
+    if args.entries:
+        entries = [name.strip() for name in args.entries.split(",") if name.strip()]
+        unknown = [name for name in entries if name not in suite.entry_names]
+        if unknown or not entries:
+            raise ValueError(
+                f"--entries {args.entries!r}: expected a comma-separated subset of {list(suite.entry_names)}"
+            )
+    else:
+        entries = list(suite.entry_names)
+    return SuiteOptions(
+        suite=suite.name,
+        device=device,
+        dtype=args.dtype or suite.dtype,
+        activation=args.activation or suite.activation,
+        shapes=shapes,
+        entries=entries,
+        repeats=args.repeats,
+        warmup=args.warmup,
+        reference_max_tokens=args.reference_max_tokens,
+        input_sets=args.input_sets,
+        # A smoke test needs the rotation exercised, not a cold cache: a few sets are enough.
+        max_input_sets=QUICK_MAX_INPUT_SETS if args.quick else SuiteOptions.max_input_sets,
+        seed=args.seed,
+        console=console,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the suite named by ``args`` and write its reports.
+
+    Returns 0 when every entry that ran is within its error tolerance, 1 when an entry failed or
+    exceeded it (results are still written), 2 for bad options.
+    """
+    console = Console(stderr=True, log_path=False)
+    try:
+        options = options_from_args(args, console)
+    except ValueError as error:
+        console.print(f"[red]flashdmoe bench: {error}[/red]")
+        return 2
+    suite = get_suite(options.suite)
+    started = datetime.datetime.now(datetime.timezone.utc)
+    result = suite.runner(options)
+    result.date = started.isoformat(timespec="seconds")
+    result.command = getattr(args, "command_line", None) or _command_line(sys.argv)
+    paths = report.write_all(result, args.output)
+    console.print("wrote " + ", ".join(str(path) for path in paths.values()))
+    failures = [
+        f"{config.label} / {entry.label}"
+        for config in result.configs
+        for entry in config.entries
+        if entry.status == "error" or entry.correct is False
+    ]
+    if failures:
+        console.print("[red]failed or out of tolerance: " + "; ".join(failures) + "[/red]")
+    # The table goes last and to stdout, so it is what a reader sees at the end of the log.
+    report.print_summary(result, Console())
+    return 1 if failures else 0
+
+
+def _command_line(argv: Sequence[str]) -> str:
+    """The command as a user would retype it (``python -m flashdmoe.bench`` or ``flashdmoe bench``)."""
+    if not argv:
+        return "flashdmoe bench"
+    path = pathlib.Path(argv[0])
+    if path.name == "__main__.py":  # python -m flashdmoe (the CLI) or python -m flashdmoe.bench
+        module = "flashdmoe.bench" if path.parent.name == "bench" else "flashdmoe"
+        return shlex.join(["python", "-m", module, *argv[1:]])
+    return shlex.join([path.name, *argv[1:]])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = configure_parser(
+        argparse.ArgumentParser(
+            prog="flashdmoe bench",
+            description="Time the fused MoE kernel beside unfused baselines (DESIGN.md §7).",
+        )
+    )
+    args = parser.parse_args(argv)
+    if argv is not None:
+        args.command_line = shlex.join(["flashdmoe", "bench", *argv])
+    return run(args)

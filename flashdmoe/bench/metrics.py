@@ -1,0 +1,79 @@
+"""The numbers an entry is judged by: FLOPs, the bytes floor, and error against the reference."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# Max relative error (max|y - y_ref| / max|y_ref|) accepted per input dtype. bf16/fp16 outputs and
+# bf16 intermediates carry ~2^-8 / 2^-11 rounding; fp32 inputs may run as TF32 on tensor cores.
+ERROR_TOLERANCES = {"bfloat16": 2e-2, "float16": 5e-3, "float32": 5e-3}
+
+# Tokens whose k-th and (k+1)-th router log-probabilities differ by less than this are near ties:
+# a different (equally valid) fp32 summation order may pick the other expert, so they are left out
+# of the comparison (and counted).
+NEAR_TIE_LOG_GAP = 1e-4
+
+
+def moe_flops(shape_tokens: int, hidden: int, ffn: int, experts: int, top_k: int, activation: str) -> int:
+    """Forward FLOPs: ``2*T*k*H*I*(2, or 3 for swiglu) + 2*T*H*E`` (expert GEMMs + router GEMM)."""
+    expert_matmuls = 3 if activation == "swiglu" else 2
+    return 2 * shape_tokens * top_k * hidden * ffn * expert_matmuls + 2 * shape_tokens * hidden * experts
+
+
+def tflops(flops: int, milliseconds: float) -> float:
+    return flops / (milliseconds * 1e-3) / 1e12
+
+
+def bytes_floor(
+    active_experts: int, tokens: int, hidden: int, ffn: int, activation: str, element_size: int
+) -> int:
+    """Bytes a forward must move at least: active experts' W1 and W2 once, x read, y written."""
+    w1_cols = 2 * ffn if activation == "swiglu" else ffn
+    expert_bytes = (hidden * w1_cols + ffn * hidden) * element_size
+    return active_experts * expert_bytes + 2 * tokens * hidden * element_size
+
+
+def active_expert_count(experts: torch.Tensor) -> int:
+    """Distinct experts chosen at least once in experts [T, k] (int64)."""
+    return int(torch.unique(experts).numel())
+
+
+def near_tie_mask(probabilities: torch.Tensor, top_k: int, log_gap: float = NEAR_TIE_LOG_GAP) -> torch.Tensor:
+    """bool [T]: the k-th and (k+1)-th largest of probabilities [T, E] are within ``log_gap`` in log.
+
+    All False when k == E (no boundary to fall on).
+    """
+    experts = probabilities.shape[-1]
+    if top_k >= experts:
+        return torch.zeros(probabilities.shape[0], dtype=torch.bool, device=probabilities.device)
+    largest = torch.topk(probabilities.double(), top_k + 1, dim=-1).values
+    return (torch.log(largest[:, top_k - 1]) - torch.log(largest[:, top_k])) < log_gap
+
+
+@dataclass(frozen=True)
+class ErrorReport:
+    max_relative_error: float
+    compared_tokens: int
+
+
+def max_relative_error(output: torch.Tensor, expected: torch.Tensor, keep: torch.Tensor) -> ErrorReport:
+    """max|output - expected| / max|expected| over the rows where keep [T] is True.
+
+    output, expected: [T, H] (any float dtype; compared in float64). Non-finite output gives inf.
+    """
+    if output.shape != expected.shape:
+        raise ValueError(
+            f"output.shape={tuple(output.shape)}: expected the reference's shape {tuple(expected.shape)}"
+        )
+    compared = int(keep.sum())
+    if compared == 0:
+        return ErrorReport(0.0, 0)
+    got = output[keep].double()
+    want = expected[keep].double()
+    if not bool(torch.isfinite(got).all()):
+        return ErrorReport(float("inf"), compared)
+    scale = float(want.abs().max())
+    difference = float((got - want).abs().max())
+    return ErrorReport(difference / scale if scale > 0 else difference, compared)

@@ -1,0 +1,298 @@
+"""Registry of named benchmark suites, and the ``single-gpu`` suite.
+
+A suite is a ``Suite`` record with a ``runner(options) -> SuiteResult``; ``register_suite`` adds more
+(the expert-parallel and multi-GPU suites register themselves the same way).
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from rich.console import Console
+
+from flashdmoe import reference
+from flashdmoe.bench import hardware, metrics
+from flashdmoe.bench.entries import (
+    ENTRY_TYPES,
+    BenchEntry,
+    EntryUnavailable,
+    MoEInputs,
+    describe_error,
+    MoEProblem,
+)
+from flashdmoe.bench.results import BenchShape, ConfigResult, EntryResult, SuiteResult
+from flashdmoe.bench.timing import cache_bytes, input_sets_for_cache, measure
+from flashdmoe.bench.workload import make_inputs, torch_dtype
+
+
+@dataclass
+class SuiteOptions:
+    """Everything a suite runner needs, already validated and with defaults resolved."""
+
+    suite: str
+    device: str
+    dtype: str
+    activation: str
+    shapes: list[BenchShape]
+    entries: list[str]
+    repeats: int = 20
+    warmup: int = 5
+    normalize_topk: bool = True
+    reference_max_tokens: int | None = None
+    input_sets: int | None = None  # None: enough sets to exceed twice the cache
+    max_input_sets: int = 16
+    seed: int = 0
+    console: Console = field(default_factory=lambda: Console(stderr=True, log_path=False))
+
+
+@dataclass(frozen=True)
+class Suite:
+    name: str
+    description: str
+    runner: Callable[[SuiteOptions], SuiteResult]
+    default_shapes: tuple[BenchShape, ...]
+    quick_shapes: tuple[BenchShape, ...]
+    entry_names: tuple[str, ...]
+    activation: str = "gelu"
+    dtype: str = "bfloat16"
+
+
+SUITES: dict[str, Suite] = {}
+
+
+def register_suite(suite: Suite) -> Suite:
+    if suite.name in SUITES:
+        raise ValueError(f"suite name={suite.name!r}: already registered")
+    SUITES[suite.name] = suite
+    return suite
+
+
+def get_suite(name: str) -> Suite:
+    if name not in SUITES:
+        raise ValueError(f"--suite {name!r}: expected one of {sorted(SUITES)}")
+    return SUITES[name]
+
+
+# ---------------------------------------------------------------------------------------------
+# single-gpu: the fused kernel beside the unfused baselines on one device, DESIGN.md §7 shapes.
+
+SINGLE_GPU_SHAPES = (
+    BenchShape(8192, 2048, 2048, 32, 2),  # the FlashDMoE paper's per-GPU problem
+    BenchShape(16384, 2048, 2048, 64, 2),
+    BenchShape(16384, 4096, 1024, 128, 2),
+    BenchShape(4096, 2048, 2048, 64, 2),
+    BenchShape(128, 4096, 1408, 64, 6),  # decode-sized: bound by reading the active experts
+)
+QUICK_SHAPES = (BenchShape(64, 64, 128, 8, 2), BenchShape(40, 32, 64, 4, 1))
+
+
+def _free_device_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def run_single_gpu(options: SuiteOptions) -> SuiteResult:
+    """Time every entry on every shape; peaks measured first in the same process."""
+    device = torch.device(options.device)
+    dtype = torch_dtype(options.dtype)
+    console = options.console
+    ceiling_tflops = None
+    if device.type == "cuda":
+        console.log("measuring the bf16 matmul ceiling (8192^3)")
+        ceiling_tflops, _ = hardware.measure_matmul_ceiling(device)
+    console.log("measuring copy bandwidth")
+    copy_bandwidth, _ = hardware.measure_copy_bandwidth(device)
+
+    configs = []
+    for config_index, shape in enumerate(options.shapes):
+        problem = MoEProblem(shape.top_k, options.activation, options.normalize_topk)
+        console.log(f"[{config_index + 1}/{len(options.shapes)}] {shape.label}")
+        with torch.no_grad():  # forward-only benchmark: no autograd bookkeeping in any entry
+            configs.append(
+                _run_single_gpu_config(
+                    shape, config_index, problem, dtype, device, options, copy_bandwidth, ceiling_tflops,
+                )
+            )
+        _free_device_memory(device)
+
+    return SuiteResult(
+        suite=options.suite,
+        machine=hardware.machine_info(device),
+        settings={
+            "device": str(device),
+            "dtype": options.dtype,
+            "activation": options.activation,
+            "normalize_topk": options.normalize_topk,
+            "repeats": options.repeats,
+            "warmup": options.warmup,
+            "seed": options.seed,
+            "entries": list(options.entries),
+            "reference_max_tokens": options.reference_max_tokens,
+            "error_tolerance": metrics.ERROR_TOLERANCES[options.dtype],
+            "near_tie_log_gap": metrics.NEAR_TIE_LOG_GAP,
+            "flops_formula": "2*T*k*H*I*(2, or 3 for swiglu) + 2*T*H*E",
+            "bytes_floor_formula": "(active experts' W1+W2 bytes + x bytes + y bytes) / copy bandwidth",
+        },
+        configs=configs,
+        ceiling_tflops=ceiling_tflops,
+        copy_bandwidth_gbps=copy_bandwidth / 1e9,
+    )
+
+
+def _run_single_gpu_config(
+    shape: BenchShape,
+    config_index: int,
+    problem: MoEProblem,
+    dtype: torch.dtype,
+    device: torch.device,
+    options: SuiteOptions,
+    copy_bandwidth: float,
+    ceiling_tflops: float | None,
+) -> ConfigResult:
+    def inputs_for(set_index: int) -> MoEInputs:
+        seed = options.seed + 1000 * config_index + set_index
+        return make_inputs(shape, activation=options.activation, dtype=dtype, device=device, seed=seed)
+
+    input_sets = [inputs_for(0)]
+    output_bytes = shape.tokens * shape.hidden * input_sets[0].x.element_size()
+    set_count = options.input_sets or input_sets_for_cache(
+        input_sets[0].nbytes + output_bytes, cache_bytes(device), limit=options.max_input_sets
+    )
+    input_sets += [inputs_for(index) for index in range(1, set_count)]
+
+    # The oracle's answer and routing on set 0 (untimed); active experts counted on every set.
+    first = input_sets[0]
+    expected = reference.moe(first.x, first.router_weight, first.w1, first.w2, **problem.kwargs())
+    routing = reference.route(first.x, first.router_weight, shape.top_k, options.normalize_topk)
+    near_ties = metrics.near_tie_mask(routing.probs, shape.top_k)
+    compare_rows = ~near_ties
+    active_experts = [metrics.active_expert_count(routing.experts)] + [
+        metrics.active_expert_count(
+            reference.route(s.x, s.router_weight, shape.top_k, options.normalize_topk).experts
+        )
+        for s in input_sets[1:]
+    ]
+    floor_bytes = round(
+        sum(
+            metrics.bytes_floor(
+                active, shape.tokens, shape.hidden, shape.ffn, options.activation, first.x.element_size()
+            )
+            for active in active_experts
+        )
+        / len(active_experts)
+    )
+    floor_ms = floor_bytes / copy_bandwidth * 1e3
+    flops = metrics.moe_flops(
+        shape.tokens, shape.hidden, shape.ffn, shape.experts, shape.top_k, options.activation
+    )
+    tolerance = metrics.ERROR_TOLERANCES[options.dtype]
+
+    entries = []
+    for name in options.entries:
+        entry = ENTRY_TYPES[name]()
+        result = _run_entry(entry, shape, input_sets, problem, expected, compare_rows, device, options)
+        if result.status == "ok":
+            result.tflops = metrics.tflops(flops, result.median_ms)
+            if ceiling_tflops:
+                result.percent_of_ceiling = 100.0 * result.tflops / ceiling_tflops
+            result.percent_of_floor = 100.0 * floor_ms / result.median_ms
+            result.error_tolerance = tolerance
+            result.correct = result.max_relative_error <= tolerance
+        options.console.log(
+            f"    {entry.label}: "
+            + (f"{result.median_ms:.3f} ms, err {result.max_relative_error:.2e}"
+               if result.status == "ok" else f"{result.status}: {result.reason}")
+        )
+        entries.append(result)
+
+    config = ConfigResult(
+        label=shape.label,
+        shape=shape.to_dict(),
+        activation=options.activation,
+        dtype=options.dtype,
+        flops=flops,
+        input_sets=len(input_sets),
+        entries=entries,
+        bytes_floor=floor_bytes,
+        floor_ms=floor_ms,
+        compared_tokens=int(compare_rows.sum()),
+        near_tie_tokens=int(near_ties.sum()),
+        details={"active_experts_per_set": active_experts},
+    )
+    _add_speedups(config)
+    return config
+
+
+def _run_entry(
+    entry: BenchEntry,
+    shape: BenchShape,
+    input_sets: list[MoEInputs],
+    problem: MoEProblem,
+    expected: torch.Tensor,
+    compare_rows: torch.Tensor,
+    device: torch.device,
+    options: SuiteOptions,
+) -> EntryResult:
+    if (
+        entry.name == "reference"
+        and options.reference_max_tokens is not None
+        and shape.tokens > options.reference_max_tokens
+    ):
+        return EntryResult(
+            entry.name, entry.label, "skipped",
+            reason=f"T={shape.tokens} > --reference-max-tokens {options.reference_max_tokens}",
+        )
+    try:
+        with torch.no_grad():
+            prepared = [entry.prepare(inputs, problem) for inputs in input_sets]
+    except EntryUnavailable as error:
+        return EntryResult(entry.name, entry.label, "unavailable", reason=str(error))
+    except Exception as error:  # one broken entry must not cost the rest of the GPU run
+        return EntryResult(entry.name, entry.label, "error", reason=describe_error(error))
+    try:
+        with torch.no_grad(), entry.timing_context():
+            output = prepared[0].run()
+            error_report = metrics.max_relative_error(output, expected, compare_rows)
+            del output
+            stats = measure(
+                [p.run for p in prepared], device=device, warmup=options.warmup, repeats=options.repeats
+            )
+    except Exception as error:
+        return EntryResult(entry.name, entry.label, "error", reason=describe_error(error))
+    return EntryResult(
+        entry.name,
+        entry.label,
+        "ok",
+        median_ms=stats.median_ms,
+        p10_ms=stats.p10_ms,
+        p90_ms=stats.p90_ms,
+        samples_ms=list(stats.samples_ms),
+        max_relative_error=error_report.max_relative_error,
+        details=dict(prepared[0].details),
+    )
+
+
+def _add_speedups(config: ConfigResult) -> None:
+    """speed-up over grouped_mm = grouped_mm median / entry median, for every timed entry."""
+    baseline = config.entry("grouped_mm")
+    if baseline is None or baseline.status != "ok":
+        return
+    for entry in config.entries:
+        if entry.status == "ok":
+            entry.speedup_over_grouped_mm = baseline.median_ms / entry.median_ms
+
+
+register_suite(
+    Suite(
+        name="single-gpu",
+        description="fused kernel vs torch grouped_mm, per-expert loop and reference on one device",
+        runner=run_single_gpu,
+        default_shapes=SINGLE_GPU_SHAPES,
+        quick_shapes=QUICK_SHAPES,
+        entry_names=("fused", "grouped_mm", "per_expert_loop", "reference"),
+    )
+)

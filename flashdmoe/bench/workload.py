@@ -1,0 +1,42 @@
+"""Fresh random MoE inputs for benchmarking (randn, never zeros), built directly on the device."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from flashdmoe.bench.entries import MoEInputs
+from flashdmoe.bench.results import BenchShape
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ValueError(f"dtype={name!r}: expected one of {tuple(DTYPES)}")
+    return DTYPES[name]
+
+
+def make_inputs(
+    shape: BenchShape, *, activation: str, dtype: torch.dtype, device: torch.device | str, seed: int
+) -> MoEInputs:
+    """One input set, deterministic from ``seed``.
+
+    x [T, H] ~ N(0, 1); router_weight [E, H] ~ N(0, 1/H) so logits are O(1) and routing is spread;
+    w1 [E, H, I or 2I] ~ N(0, 1/H) and w2 [E, I, H] ~ N(0, 1/I) so y is O(1). All in ``dtype``.
+    """
+    device = torch.device(device)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    w1_cols = 2 * shape.ffn if activation == "swiglu" else shape.ffn
+
+    def normal(*size: int, scale: float = 1.0) -> torch.Tensor:
+        values = torch.randn(*size, device=device, dtype=dtype, generator=generator)
+        return values.mul_(scale) if scale != 1.0 else values
+
+    return MoEInputs(
+        x=normal(shape.tokens, shape.hidden),
+        router_weight=normal(shape.experts, shape.hidden, scale=1.0 / math.sqrt(shape.hidden)),
+        w1=normal(shape.experts, shape.hidden, w1_cols, scale=1.0 / math.sqrt(shape.hidden)),
+        w2=normal(shape.experts, shape.ffn, shape.hidden, scale=1.0 / math.sqrt(shape.ffn)),
+    )

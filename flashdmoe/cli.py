@@ -1,0 +1,336 @@
+"""The ``flashdmoe`` command line: ``info``, ``run``, ``bench``, ``build``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.metadata
+import importlib.util
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+__all__ = ["build_parser", "collect_info", "main"]
+
+_EXIT_BAD_INPUT = 2
+_EXIT_VERIFICATION_FAILED = 1
+
+
+def _package_version(distribution: str) -> str | None:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _error_text(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"
+
+
+# -- info ------------------------------------------------------------------------------------------
+
+
+def _nvcc_info() -> dict[str, Any]:
+    candidates = [shutil.which("nvcc")]
+    for variable in ("CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(variable):
+            candidates.append(str(Path(os.environ[variable]) / "bin" / "nvcc"))
+    candidates.append("/usr/local/cuda/bin/nvcc")
+    for candidate in candidates:
+        if candidate and Path(candidate).is_file():
+            try:
+                output = subprocess.run([candidate, "--version"], capture_output=True, text=True, timeout=30).stdout
+            except (OSError, subprocess.SubprocessError) as error:
+                return {"path": candidate, "version": None, "error": _error_text(error)}
+            match = re.search(r"release ([\d.]+)", output)
+            return {"path": candidate, "version": match.group(1) if match else output.strip() or None}
+    return {"path": None, "version": None}
+
+
+def _nvshmem_info() -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "nvshmem4py": _package_version("nvshmem4py-cu13"),
+        "nvidia_nvshmem": _package_version("nvidia-nvshmem-cu13"),
+        "core_importable": False,
+        "lib_dir": None,
+    }
+    if importlib.util.find_spec("nvshmem") is not None:
+        try:
+            importlib.import_module("nvshmem.core")
+            info["core_importable"] = True
+        except Exception as error:  # a broken install must not break `info`
+            info["import_error"] = _error_text(error)
+    # The nvidia-nvshmem wheel ships versioned libs under nvidia/nvshmem/lib (a namespace package).
+    nvidia_spec = importlib.util.find_spec("nvidia")
+    for location in (nvidia_spec.submodule_search_locations or []) if nvidia_spec else []:
+        lib_dir = Path(location) / "nvshmem" / "lib"
+        if lib_dir.is_dir():
+            info["lib_dir"] = str(lib_dir)
+            break
+    return info
+
+
+def _extension_info() -> dict[str, Any]:
+    try:
+        extension = importlib.import_module("flashdmoe.extension")
+    except Exception as error:
+        return {"available": False, "reason": f"flashdmoe.extension cannot be imported: {_error_text(error)}"}
+    try:
+        available = bool(extension.available())
+        return {"available": available, "reason": None if available else extension.unavailable_reason()}
+    except Exception as error:
+        return {"available": False, "reason": _error_text(error)}
+
+
+def collect_info() -> dict[str, Any]:
+    """Versions and hardware as a JSON-serialisable dict (works without a GPU)."""
+    import torch
+
+    from flashdmoe import __version__
+
+    devices = []
+    cuda_available = torch.cuda.is_available()
+    if cuda_available:
+        for index in range(torch.cuda.device_count()):
+            properties = torch.cuda.get_device_properties(index)
+            devices.append({
+                "index": index,
+                "name": properties.name,
+                "capability": f"{properties.major}.{properties.minor}",
+                "memory_gib": round(properties.total_memory / 2**30, 1),
+                "multiprocessors": properties.multi_processor_count,
+            })
+    return {
+        "flashdmoe": __version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "cuda_available": cuda_available,
+        "devices": devices,
+        "nvcc": _nvcc_info(),
+        "nvshmem": _nvshmem_info(),
+        "cutlass": _package_version("nvidia-cutlass"),
+        "extension": _extension_info(),
+        "ray": _package_version("ray"),
+    }
+
+
+def _print_info(info: dict[str, Any], console: Console) -> None:
+    def shown(value: Any) -> str:
+        return "not found" if value is None else str(value)
+
+    table = Table(title="flashdmoe info", show_header=False)
+    table.add_column("item", style="bold")
+    table.add_column("value")
+    table.add_row("flashdmoe", info["flashdmoe"])
+    table.add_row("python", f"{info['python']} ({info['platform']})")
+    table.add_row("torch", f"{info['torch']} (built for CUDA {shown(info['torch_cuda'])})")
+    table.add_row("CUDA available", "yes" if info["cuda_available"] else "no")
+    if info["devices"]:
+        for device in info["devices"]:
+            table.add_row(f"GPU {device['index']}",
+                          f"{device['name']}, sm_{device['capability'].replace('.', '')}, "
+                          f"{device['memory_gib']} GiB, {device['multiprocessors']} SMs")
+    else:
+        table.add_row("GPUs", "none visible")
+    nvcc = info["nvcc"]
+    table.add_row("nvcc", f"{nvcc['version']} ({nvcc['path']})" if nvcc["path"] else "not found")
+    nvshmem = info["nvshmem"]
+    core = "importable" if nvshmem["core_importable"] else nvshmem.get("import_error", "not importable")
+    table.add_row("nvshmem4py", f"{shown(nvshmem['nvshmem4py'])}; nvshmem.core {core}")
+    table.add_row("NVSHMEM libs", f"{shown(nvshmem['nvidia_nvshmem'])} ({shown(nvshmem['lib_dir'])})")
+    table.add_row("CUTLASS (nvidia-cutlass)", shown(info["cutlass"]))
+    extension = info["extension"]
+    table.add_row("CUDA extension", "available" if extension["available"] else f"unavailable: {extension['reason']}")
+    table.add_row("ray", shown(info["ray"]))
+    console.print(table)
+
+
+def _command_info(args: argparse.Namespace) -> int:
+    info = collect_info()
+    if args.json:
+        print(json.dumps(info, indent=2))
+    else:
+        _print_info(info, Console())
+    return 0
+
+
+# -- run -------------------------------------------------------------------------------------------
+
+
+def _format(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _print_run(results: dict[str, Any], console: Console) -> None:
+    run = results["run"]
+    config = results["config"]
+    console.print(f"[bold]flashdmoe run[/bold]: {run['mode']}; backend {run['backend']} on {run['device']}")
+    title = (f"T={config['tokens_per_rank']}/rank H={config['hidden']} I={config['ffn']} E={config['experts']} "
+             f"k={config['top_k']} P={config['world_size']} {config['dtype']} {config['activation']}")
+    table = Table(title=title)
+    for column in ("step", "fwd ms", "bwd ms", "tokens/s", "TFLOP/s", "dropped", "max err", "ok"):
+        table.add_column(column, justify="right")
+    for record in results["steps"]:
+        passed = record["passed"]
+        table.add_row(
+            str(record["step"]),
+            _format(record["forward_ms"], ".3f"),
+            _format(record["backward_ms"], ".3f"),
+            _format(record["tokens_per_s"], ",.0f"),
+            _format(record["tflops"], ".3g"),
+            str(record["dropped_choices"]),
+            _format(record["max_error"], ".2e"),
+            "-" if passed is None else ("yes" if passed else "NO"),
+        )
+    console.print(table)
+    metrics = results["metrics"]
+    console.print(f"median over {metrics['steps_in_median']} step(s): forward {_format(metrics['forward_ms_median'], '.3f')} ms, "
+                  f"backward {_format(metrics['backward_ms_median'], '.3f')} ms, "
+                  f"{_format(metrics['tokens_per_s_median'], ',.0f')} tokens/s")
+    verification = results["verification"]
+    if verification["enabled"]:
+        verdict = "passed" if verification["passed"] else "FAILED"
+        console.print(f"verification {verdict}: max error {verification['max_error']:.2e} "
+                      f"(tolerance {verification['tolerance']:.0e}) against {verification['oracle']}")
+    else:
+        console.print("verification skipped (--no-verify)")
+    if "output" in results:
+        console.print(f"results written to {results['output']}")
+
+
+def _command_run(args: argparse.Namespace) -> int:
+    from flashdmoe.config import MoEConfig
+    from flashdmoe.runner import run_in_process
+
+    config = MoEConfig.from_yaml(args.config)
+    if args.address is not None:
+        raise ValueError(
+            f"--address={args.address!r}: running on a Ray cluster needs the Ray driver (ray_actors.driver), "
+            "which `flashdmoe run` does not use yet; omit --address to run the ranks in this process"
+        )
+    if args.workers is not None and args.workers != config.world_size:
+        raise ValueError(
+            f"--workers={args.workers}: the in-process run emulates config world_size={config.world_size} "
+            f"ranks; expected --workers {config.world_size} or no --workers"
+        )
+    results = run_in_process(config, args.output, backend=args.backend, device=args.device,
+                             verify=args.verify, progress=not args.no_progress)
+    _print_run(results, Console())
+    if args.verify and not results["verification"]["passed"]:
+        return _EXIT_VERIFICATION_FAILED
+    return 0
+
+
+# -- build -----------------------------------------------------------------------------------------
+
+
+def _command_build(args: argparse.Namespace) -> int:
+    from flashdmoe import extension
+
+    try:
+        path = extension.build(arch=args.arch, force=args.force, verbose=args.verbose)
+    except extension.BuildError as error:
+        print(f"error: build failed: {error}", file=sys.stderr)
+        return 1
+    print(path)
+    return 0
+
+
+# -- bench -----------------------------------------------------------------------------------------
+
+
+def _add_bench(subparsers: argparse._SubParsersAction) -> None:
+    description = "Benchmark suites (see docs/benchmarks.md)."
+    try:
+        bench = importlib.import_module("flashdmoe.bench")
+        configure_parser, run = bench.configure_parser, bench.run
+    except Exception as error:  # keep info/run/build usable if the bench suites are broken or absent
+        reason = _error_text(error)
+        # prefix_chars no user types: every word, options included, lands in `rest`, so any bench
+        # command line reaches the handler that explains why bench is unavailable.
+        parser = subparsers.add_parser("bench", help="benchmark suites (unavailable here)", add_help=False,
+                                       prefix_chars="\x01", description=f"{description} Unavailable: {reason}")
+        parser.add_argument("rest", nargs="*", help=argparse.SUPPRESS)
+
+        def unavailable(_: argparse.Namespace) -> int:
+            print(f"error: flashdmoe bench is unavailable: {reason}", file=sys.stderr)
+            return _EXIT_BAD_INPUT
+
+        parser.set_defaults(handler=unavailable)
+        return
+    parser = subparsers.add_parser("bench", help="benchmark suites", description=description)
+    configure_parser(parser)
+    parser.set_defaults(handler=run)
+
+
+# -- parser ----------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``flashdmoe`` argument parser with its subcommands."""
+    from flashdmoe import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="flashdmoe",
+        description="FlashDMoE: a distributed Mixture-of-Experts layer as one persistent GPU kernel per GPU.",
+    )
+    parser.add_argument("--version", action="version", version=f"flashdmoe {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    info = subparsers.add_parser("info", help="versions, GPUs, NVSHMEM and extension status",
+                                 description="Show versions, GPUs, nvcc, NVSHMEM and the CUDA extension's status.")
+    info.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    info.set_defaults(handler=_command_info)
+
+    run = subparsers.add_parser(
+        "run", help="the main job: forward + backward steps of a configured layer",
+        description="Run config.steps forward + backward steps of the layer for config.world_size ranks "
+                    "(emulated in this process), verify against the reference, print a table and write "
+                    "results.json.",
+    )
+    run.add_argument("--config", required=True, type=Path, help="YAML config (see configs/)")
+    run.add_argument("--output", type=Path, default=Path("results"),
+                     help="directory for results.json (default: results/)")
+    run.add_argument("--address", default=None, help="Ray cluster address (not supported by the in-process run yet)")
+    run.add_argument("--workers", type=int, default=None, help="number of ranks; must equal the config's world_size")
+    run.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True,
+                     help="check outputs and gradients against the float64 reference (default: on)")
+    run.add_argument("--backend", choices=("auto", "reference", "cuda"), default="auto",
+                     help="backend for one-rank runs (default: auto)")
+    run.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    run.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    run.set_defaults(handler=_command_run)
+
+    _add_bench(subparsers)
+
+    build = subparsers.add_parser("build", help="build the CUDA extension ahead of time",
+                                  description="Compile csrc/ into the flashdmoe_cuda extension and print its path.")
+    build.add_argument("--arch", default=None,
+                       help="GPU architecture, e.g. sm_90a (default: $FLASHDMOE_CUDA_ARCH, the GPU's, else sm_90a)")
+    build.add_argument("--force", action="store_true", help="rebuild even if a cached build matches")
+    build.add_argument("--verbose", action="store_true", help="show the compiler commands")
+    build.set_defaults(handler=_command_build)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``flashdmoe`` console script; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    from flashdmoe.errors import BackendUnavailable
+
+    try:
+        return int(args.handler(args) or 0)
+    except (ValueError, FileNotFoundError, BackendUnavailable) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return _EXIT_BAD_INPUT

@@ -1,0 +1,17 @@
+"""Exceptions raised by FlashDMoE beyond plain ``ValueError`` for bad input."""
+
+from __future__ import annotations
+
+__all__ = ["BackendUnavailable", "KernelTimeout"]
+
+
+class KernelTimeout(RuntimeError):
+    """The fused kernel's watchdog expired while waiting on a signal.
+
+    The message carries the kernel's error word decoded into text: the phase that was waiting
+    (gate, dispatch, expert, combine) and, for cross-rank waits, the peer that never signalled.
+    """
+
+
+class BackendUnavailable(RuntimeError):
+    """A backend was asked for explicitly but cannot run here; the message says why."""

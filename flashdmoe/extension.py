@@ -1,0 +1,654 @@
+"""Build, cache and load the CUDA extension ``flashdmoe_cuda`` (DESIGN.md §5).
+
+The extension is a pybind11 module compiled from every ``*.cu`` and ``*.cpp`` file under ``csrc/``
+with ``nvcc``, driven by a generated ``build.ninja`` (one object per source, then ``nvcc -shared``).
+It links neither libtorch nor libcuda: the bindings take raw device pointers, shapes and the stream
+handle, so the module imports on a machine without a GPU driver and works across torch versions.
+
+Builds are cached under ``$FLASHDMOE_CACHE_DIR`` (default ``~/.cache/flashdmoe``) in a folder named
+after a SHA-256 key of everything that changes the binary: source and header contents with their
+relative paths, nvcc flags and include folders, target arch, the nvcc version, the Python version and
+the CUTLASS / pybind11 / NVSHMEM versions. The first use builds (under a file lock, so concurrent
+processes build once), later uses import the cached shared object.
+
+Environment:
+    FLASHDMOE_CUDA_ARCH   target arch when none is passed (only ``sm_90a`` is supported).
+    FLASHDMOE_CACHE_DIR   root of the build cache.
+    FLASHDMOE_SOURCE_DIR  the CUDA source tree (default: ``csrc/`` beside the package).
+    FLASHDMOE_BUILD_JOBS  parallel compile jobs given to ninja (default: ninja's own choice).
+    CUDA_HOME / CUDA_PATH where to find ``nvcc`` (else ``PATH``, else ``/usr/local/cuda``).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import sysconfig
+import threading
+import time
+import types
+from pathlib import Path
+from typing import NamedTuple
+
+MODULE_NAME = "flashdmoe_cuda"
+DEFAULT_ARCH = "sm_90a"
+# The kernel uses Hopper-only instructions (wgmma, TMA), so sm_90a is the one arch it can target.
+SUPPORTED_ARCHS = ("sm_90a",)
+_ARCH_BY_CAPABILITY = {(9, 0): "sm_90a"}
+
+COMPILE_UNIT_SUFFIXES = (".cu", ".cpp")
+HEADER_SUFFIXES = (".cuh", ".h", ".hpp")
+
+# Flags shared by every compile unit. -Xptxas=-v puts ptxas' register/spill report into the build
+# log (see build_log_path / parse_ptxas_report); -fvisibility=hidden is what pybind11 expects.
+BASE_NVCC_FLAGS = (
+    "-std=c++17",
+    "-O3",
+    "--expt-relaxed-constexpr",
+    "--expt-extended-lambda",
+    "-Xcompiler=-fPIC,-O3,-fvisibility=hidden",
+    "-lineinfo",
+    "-Xptxas=-v",
+    "-DNDEBUG",
+)
+
+BUILD_LOG_NAME = "build.log"
+_KEY_FILE_NAME = "key.json"
+_LOCK_FILE_NAME = ".lock"
+
+
+class BuildError(RuntimeError):
+    """The extension could not be built (missing toolchain, no sources, or a compiler error).
+
+    ``log_path`` is the full build log when the compiler ran, else ``None``.
+    """
+
+    def __init__(self, message: str, log_path: Path | None = None):
+        super().__init__(message)
+        self.log_path = log_path
+
+
+class SourceTree(NamedTuple):
+    """The files of a CUDA source tree: ``root`` (absolute), ``compile_units`` (``*.cu``,
+    ``*.cpp``) and ``headers`` (``*.cuh``, ``*.h``, ``*.hpp``), both sorted absolute paths."""
+
+    root: Path
+    compile_units: tuple[Path, ...]
+    headers: tuple[Path, ...]
+
+
+class Toolchain(NamedTuple):
+    """Resolved build tools: the ``nvcc`` and ``ninja`` executables and nvcc's version text."""
+
+    nvcc: Path
+    ninja: Path
+    nvcc_version: str
+
+
+class KernelResources(NamedTuple):
+    """One entry function's resource use as reported by ``ptxas -v``."""
+
+    name: str
+    arch: str
+    registers: int
+    spill_store_bytes: int
+    spill_load_bytes: int
+    stack_frame_bytes: int
+
+
+# ---------------------------------------------------------------------------------------------
+# Locating sources and tools
+
+
+def default_source_dir() -> Path:
+    """``$FLASHDMOE_SOURCE_DIR``, else ``csrc/`` at the repository root (beside the package)."""
+    from_env = os.environ.get("FLASHDMOE_SOURCE_DIR")
+    if from_env:
+        return Path(from_env).expanduser().resolve()
+    package_dir = Path(__file__).resolve().parent
+    for candidate in (package_dir.parent / "csrc", package_dir / "csrc"):
+        if candidate.is_dir():
+            return candidate
+    return package_dir.parent / "csrc"
+
+
+def collect_sources(source_dir: str | os.PathLike | None = None) -> SourceTree:
+    """All compile units and headers under ``source_dir`` (default: :func:`default_source_dir`).
+
+    Raises ``ValueError`` if ``source_dir`` is not a directory, ``BuildError`` if it holds no
+    ``*.cu`` / ``*.cpp`` file.
+    """
+    root = Path(source_dir).expanduser().resolve() if source_dir is not None else default_source_dir()
+    if not root.is_dir():
+        raise ValueError(f"source_dir={str(root)!r} is not a directory; expected the CUDA source tree (csrc/)")
+    files = sorted(path for path in root.rglob("*") if path.is_file())
+    compile_units = tuple(path for path in files if path.suffix in COMPILE_UNIT_SUFFIXES)
+    headers = tuple(path for path in files if path.suffix in HEADER_SUFFIXES)
+    if not compile_units:
+        raise BuildError(f"no CUDA sources ({', '.join('*' + s for s in COMPILE_UNIT_SUFFIXES)}) under {root}")
+    return SourceTree(root, compile_units, headers)
+
+
+def _cuda_home_candidates() -> list[Path]:
+    homes = [os.environ.get(name) for name in ("CUDA_HOME", "CUDA_PATH")]
+    return [Path(home) for home in homes if home] + [Path("/usr/local/cuda")]
+
+
+def find_nvcc() -> Path | None:
+    """``nvcc`` from ``$CUDA_HOME``/``$CUDA_PATH``, else ``PATH``, else ``/usr/local/cuda``."""
+    explicit = [home / "bin" / "nvcc" for home in _cuda_home_candidates()[:-1]]
+    fallback = [home / "bin" / "nvcc" for home in _cuda_home_candidates()[-1:]]
+    on_path = shutil.which("nvcc")
+    for candidate in [*explicit, *([Path(on_path)] if on_path else []), *fallback]:
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return candidate
+    return None
+
+
+def _nvidia_wheel_dirs() -> list[Path]:
+    """The folders of the ``nvidia`` namespace package (NVIDIA's pip wheels install into it)."""
+    spec = importlib.util.find_spec("nvidia")
+    if spec is None or spec.submodule_search_locations is None:
+        return []
+    return [Path(location) for location in spec.submodule_search_locations]
+
+
+def find_cuda_tool(name: str) -> Path | None:
+    """A CUDA binary such as ``cuobjdump``: beside nvcc (its real location, even through a
+    wrapper script), in a CUDA home, on ``PATH``, or from an NVIDIA wheel (``nvidia/cu13/bin``)."""
+    candidates: list[Path] = []
+    nvcc = find_nvcc()
+    if nvcc is not None:
+        candidates += [nvcc.parent / name, nvcc.resolve().parent / name]
+        candidates += _bin_dirs_named_in_wrapper(nvcc, name)
+    candidates += [home / "bin" / name for home in _cuda_home_candidates()]
+    on_path = shutil.which(name)
+    if on_path:
+        candidates.append(Path(on_path))
+    for wheel_dir in _nvidia_wheel_dirs():
+        candidates += sorted(wheel_dir.glob(f"cu*/bin/{name}"))
+        candidates += sorted(wheel_dir.glob(f"*/bin/{name}"))
+    for candidate in candidates:
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return candidate
+    return None
+
+
+def _bin_dirs_named_in_wrapper(nvcc: Path, name: str) -> list[Path]:
+    # Some installs put a tiny `exec /opt/cuda/bin/nvcc "$@"` script on PATH: look where it points.
+    try:
+        if nvcc.stat().st_size > 4096:
+            return []
+        text = nvcc.read_text(errors="replace")
+    except OSError:
+        return []
+    return [Path(match).parent / name for match in re.findall(r"(/\S+/nvcc)\b", text)]
+
+
+def find_ninja() -> Path | None:
+    """The ``ninja`` binary of the ``ninja`` PyPI package, else the one on ``PATH``."""
+    try:
+        import ninja  # the PyPI package ships the binary in BIN_DIR
+
+        bundled = Path(ninja.BIN_DIR) / "ninja"
+        if bundled.is_file():
+            return bundled
+    except ImportError:
+        pass
+    on_path = shutil.which("ninja")
+    return Path(on_path) if on_path else None
+
+
+_nvcc_version_cache: dict[Path, str] = {}
+
+
+def _nvcc_version(nvcc: Path) -> str:
+    if nvcc not in _nvcc_version_cache:
+        result = subprocess.run([str(nvcc), "--version"], capture_output=True, text=True, check=False)
+        if result.returncode != 0:
+            raise BuildError(f"{nvcc} --version failed (exit {result.returncode}): {result.stderr.strip()}")
+        _nvcc_version_cache[nvcc] = result.stdout.strip()
+    return _nvcc_version_cache[nvcc]
+
+
+def find_toolchain() -> Toolchain:
+    """nvcc and ninja, or ``BuildError`` saying which one is missing and how to provide it."""
+    nvcc = find_nvcc()
+    if nvcc is None:
+        raise BuildError("nvcc not found (set CUDA_HOME or put nvcc on PATH)")
+    ninja = find_ninja()
+    if ninja is None:
+        raise BuildError("ninja not found (pip install ninja)")
+    return Toolchain(nvcc, ninja, _nvcc_version(nvcc))
+
+
+def _package_dir(module_name: str) -> Path | None:
+    # find_spec only locates the package; importing cutlass_library would pull in far more.
+    spec = importlib.util.find_spec(module_name)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _distribution_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def include_dirs(source_dir: Path) -> list[Path]:
+    """Include folders: the source tree, pybind11, Python, CUTLASS/CuTe (``nvidia-cutlass`` wheel)
+    and NVSHMEM (``nvidia-nvshmem-cu13`` wheel) when installed."""
+    import pybind11
+
+    dirs = [source_dir, Path(pybind11.get_include()), Path(sysconfig.get_paths()["include"])]
+    cutlass_dir = _package_dir("cutlass_library")
+    if cutlass_dir is not None:
+        dirs += [cutlass_dir / "source" / "include", cutlass_dir / "source" / "tools" / "util" / "include"]
+    dirs += [wheel_dir / "nvshmem" / "include" for wheel_dir in _nvidia_wheel_dirs()]
+    unique: list[Path] = []
+    for directory in dirs:
+        if directory.is_dir() and directory not in unique:
+            unique.append(directory)
+    return unique
+
+
+# ---------------------------------------------------------------------------------------------
+# Arch selection and device checks
+
+
+def _normalise_arch(value: str, origin: str) -> str:
+    text = value.strip().lower()
+    arch = text if text.startswith("sm_") else f"sm_{text}"
+    if arch not in SUPPORTED_ARCHS:
+        raise ValueError(
+            f"{origin}={value!r} is not supported; expected one of {SUPPORTED_ARCHS}: "
+            "the fused kernel needs Hopper (wgmma, TMA)"
+        )
+    return arch
+
+
+def _gpu_problem() -> str | None:
+    """Why the current CUDA device cannot run the kernel, or ``None`` when it is a Hopper GPU."""
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    if not torch.cuda.is_available():
+        return "torch.cuda.is_available() is False (no CUDA device)"
+    device = torch.cuda.current_device()
+    capability = tuple(torch.cuda.get_device_capability(device))
+    if capability not in _ARCH_BY_CAPABILITY:
+        name = torch.cuda.get_device_name(device)
+        return (
+            f"GPU {name} has compute capability {capability[0]}.{capability[1]}; "
+            "the fused kernel needs Hopper (sm_90a)"
+        )
+    return None
+
+
+def resolve_arch(arch: str | None = None) -> str:
+    """The target arch: ``arch``, else ``$FLASHDMOE_CUDA_ARCH``, else the current GPU's (Hopper
+    9.0 -> ``sm_90a``), else :data:`DEFAULT_ARCH` when there is no GPU.
+
+    Raises ``ValueError`` for an unsupported arch and ``BuildError`` when the present GPU is not
+    a Hopper GPU.
+    """
+    if arch is not None:
+        return _normalise_arch(arch, "arch")
+    from_env = os.environ.get("FLASHDMOE_CUDA_ARCH")
+    if from_env:
+        return _normalise_arch(from_env, "FLASHDMOE_CUDA_ARCH")
+    problem = _gpu_problem()
+    if problem is None:
+        import torch
+
+        return _ARCH_BY_CAPABILITY[tuple(torch.cuda.get_device_capability(torch.cuda.current_device()))]
+    if problem.startswith("GPU "):
+        raise BuildError(f"{problem}; pass arch='sm_90a' or set FLASHDMOE_CUDA_ARCH to cross-compile")
+    return DEFAULT_ARCH
+
+
+def gencode_flag(arch: str) -> str:
+    """``-gencode=arch=compute_XX,code=sm_XX`` for ``arch`` (e.g. ``sm_90a``)."""
+    number = arch.removeprefix("sm_")
+    return f"-gencode=arch=compute_{number},code=sm_{number}"
+
+
+def nvcc_flags(arch: str) -> list[str]:
+    """Every nvcc flag of a compile unit except include folders and the dependency file."""
+    return [*BASE_NVCC_FLAGS, gencode_flag(arch)]
+
+
+def extension_filename() -> str:
+    """``flashdmoe_cuda`` plus this interpreter's extension suffix (sysconfig ``EXT_SUFFIX``)."""
+    return MODULE_NAME + sysconfig.get_config_var("EXT_SUFFIX")
+
+
+# ---------------------------------------------------------------------------------------------
+# Cache key and folders
+
+
+def cache_root() -> Path:
+    """``$FLASHDMOE_CACHE_DIR``, else ``$XDG_CACHE_HOME/flashdmoe``, else ``~/.cache/flashdmoe``."""
+    from_env = os.environ.get("FLASHDMOE_CACHE_DIR")
+    if from_env:
+        return Path(from_env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "flashdmoe"
+
+
+def _file_digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _key_inputs(tree: SourceTree, arch: str, toolchain: Toolchain) -> dict:
+    files = sorted(tree.compile_units + tree.headers)
+    return {
+        "module": MODULE_NAME,
+        "arch": arch,
+        "nvcc_flags": nvcc_flags(arch),
+        # The source folder itself is named by a placeholder: a moved tree keeps its key.
+        "include_dirs": ["<source_dir>" if path == tree.root else str(path) for path in include_dirs(tree.root)],
+        "nvcc_version": toolchain.nvcc_version,
+        "python": sys.version,
+        "ext_suffix": sysconfig.get_config_var("EXT_SUFFIX"),
+        "cutlass": _distribution_version("nvidia-cutlass"),
+        "pybind11": _distribution_version("pybind11"),
+        "nvshmem": _distribution_version("nvidia-nvshmem-cu13"),
+        "sources": [[path.relative_to(tree.root).as_posix(), _file_digest(path)] for path in files],
+    }
+
+
+def cache_key(arch: str | None = None, source_dir: str | os.PathLike | None = None) -> str:
+    """SHA-256 (hex) of the build inputs of ``source_dir`` for ``arch`` (see module docstring)."""
+    tree = collect_sources(source_dir)
+    inputs = _key_inputs(tree, resolve_arch(arch), find_toolchain())
+    return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
+
+
+def build_dir(arch: str | None = None, source_dir: str | os.PathLike | None = None) -> Path:
+    """The cache folder of this build: ``<cache_root>/<arch>-<first 16 hex digits of the key>``."""
+    resolved = resolve_arch(arch)
+    return cache_root() / f"{resolved}-{cache_key(resolved, source_dir)[:16]}"
+
+
+def build_log_path(arch: str | None = None, source_dir: str | os.PathLike | None = None) -> Path:
+    """The build log (nvcc commands and ptxas' register/spill report) of the cached build."""
+    return build_dir(arch, source_dir) / BUILD_LOG_NAME
+
+
+# ---------------------------------------------------------------------------------------------
+# Building
+
+
+def _write_build_ninja(out_dir: Path, tree: SourceTree, arch: str, toolchain: Toolchain) -> Path:
+    from ninja import ninja_syntax
+
+    def shell_join(args: list[str]) -> str:
+        # Shell-quote for /bin/sh, then escape '$' for ninja's own variable syntax.
+        return ninja_syntax.escape(" ".join(shlex.quote(arg) for arg in args))
+
+    include_flags = [f"-I{directory}" for directory in include_dirs(tree.root)]
+    object_paths = []
+    ninja_file = out_dir / "build.ninja"
+    with ninja_file.open("w") as handle:
+        # No line wrapping: a wrap inside a quoted path would drop the space there.
+        writer = ninja_syntax.Writer(handle, width=1 << 20)
+        writer.comment(f"Generated by flashdmoe.extension for {MODULE_NAME} ({arch}); do not edit.")
+        writer.variable("ninja_required_version", "1.3")
+        writer.variable("nvcc", shell_join([str(toolchain.nvcc)]))
+        writer.variable("nvcc_flags", shell_join(nvcc_flags(arch)))
+        writer.variable("include_flags", shell_join(include_flags))
+        writer.newline()
+        writer.rule(
+            "cuda_compile",
+            "$nvcc $nvcc_flags $include_flags -MD -MF $out.d -c $in -o $out",
+            description="NVCC $in",
+            depfile="$out.d",
+            deps="gcc",
+        )
+        # Link to a temporary name, then rename: a cached .so is either complete or absent.
+        # The arch is repeated at link time: without it nvcc adds a device-link cubin for its default arch.
+        writer.variable("link_flags", shell_join(["-shared", gencode_flag(arch)]))
+        writer.rule("cuda_link", "$nvcc $link_flags $in -o $out.tmp && mv -f $out.tmp $out", description="LINK $out")
+        writer.newline()
+        for source in tree.compile_units:
+            object_path = f"objects/{source.relative_to(tree.root).as_posix()}.o"
+            writer.build(object_path, "cuda_compile", str(source))
+            object_paths.append(object_path)
+        writer.build(extension_filename(), "cuda_link", object_paths)
+        writer.default(extension_filename())
+    return ninja_file
+
+
+def _first_error_lines(log_text: str, limit: int = 6) -> str:
+    lines = [line.strip() for line in log_text.splitlines() if line.strip()]
+    errors = [line for line in lines if re.search(r"\berror\b", line, re.IGNORECASE)]
+    chosen = errors[:limit] if errors else lines[-limit:]
+    return " | ".join(chosen)
+
+
+def _run_ninja(out_dir: Path, toolchain: Toolchain, verbose: bool) -> None:
+    command = [str(toolchain.ninja), "-C", str(out_dir), "-v"]
+    jobs = os.environ.get("FLASHDMOE_BUILD_JOBS")
+    if jobs:
+        if not jobs.isdigit() or int(jobs) < 1:
+            raise ValueError(f"FLASHDMOE_BUILD_JOBS={jobs!r} is invalid; expected a positive integer")
+        command += ["-j", jobs]
+    log_path = out_dir / BUILD_LOG_NAME
+    with log_path.open("w") as log:
+        log.write(f"$ {shlex.join(command)}\n")
+        log.flush()
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        assert process.stdout is not None
+        for line in process.stdout:
+            log.write(line)
+            if verbose:
+                sys.stderr.write(line)
+        returncode = process.wait()
+    if returncode != 0:
+        summary = _first_error_lines(log_path.read_text(errors="replace"))
+        raise BuildError(f"build failed: {summary}, full log at {log_path}", log_path)
+
+
+def _build_into(out_dir: Path, tree: SourceTree, arch: str, toolchain: Toolchain, *, force: bool,
+                verbose: bool, key_inputs: dict | None = None) -> Path:
+    """Build ``tree`` into ``out_dir`` under its file lock; return the shared object's path."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    output = out_dir / extension_filename()
+    with (out_dir / _LOCK_FILE_NAME).open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # waits while another process builds the same folder
+        try:
+            if force:
+                output.unlink(missing_ok=True)
+                shutil.rmtree(out_dir / "objects", ignore_errors=True)
+            elif output.is_file():
+                return output  # built by someone else while we waited for the lock
+            if key_inputs is not None:
+                (out_dir / _KEY_FILE_NAME).write_text(json.dumps(key_inputs, indent=2, sort_keys=True))
+            _write_build_ninja(out_dir, tree, arch, toolchain)
+            count = len(tree.compile_units)
+            print(f"building {MODULE_NAME} ({count} source{'s' if count != 1 else ''}) ...", file=sys.stderr,
+                  flush=True)
+            started = time.perf_counter()
+            _run_ninja(out_dir, toolchain, verbose)
+            print(f"built {output.name} in {time.perf_counter() - started:.1f} s (log: {out_dir / BUILD_LOG_NAME})",
+                  file=sys.stderr, flush=True)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    if not output.is_file():
+        raise BuildError(f"build finished but {output} is missing, full log at {out_dir / BUILD_LOG_NAME}",
+                         out_dir / BUILD_LOG_NAME)
+    return output
+
+
+def build(arch: str | None = None, force: bool = False, verbose: bool = False,
+          source_dir: str | os.PathLike | None = None) -> Path:
+    """Build the extension into the cache (or reuse the cached build) and return the ``.so`` path.
+
+    Works without a GPU: ``arch`` defaults to ``$FLASHDMOE_CUDA_ARCH``, the current GPU's arch, or
+    ``sm_90a``. ``force`` rebuilds even when cached; ``verbose`` echoes the compiler output.
+    Raises ``BuildError`` (missing toolchain, no sources, compile error) and ``ValueError``
+    (unsupported ``arch``, missing ``source_dir``).
+    """
+    tree = collect_sources(source_dir)
+    resolved = resolve_arch(arch)
+    toolchain = find_toolchain()
+    inputs = _key_inputs(tree, resolved, toolchain)
+    key = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
+    out_dir = cache_root() / f"{resolved}-{key[:16]}"
+    output = out_dir / extension_filename()
+    if output.is_file() and not force:
+        return output  # cache hit: the .so only appears once fully linked
+    return _build_into(out_dir, tree, resolved, toolchain, force=force, verbose=verbose, key_inputs=inputs)
+
+
+def compile_sources(out_dir: str | os.PathLike, arch: str = DEFAULT_ARCH,
+                    source_dir: str | os.PathLike | None = None, verbose: bool = False) -> Path:
+    """Compile and link ``source_dir`` into ``out_dir`` without importing it (the CI compile check).
+
+    Always compiles (an existing ``out_dir`` build is redone). Returns the ``.so`` path; the build
+    log with ptxas' report is ``out_dir / "build.log"``. Needs nvcc, no GPU.
+    """
+    tree = collect_sources(source_dir)
+    resolved = _normalise_arch(arch, "arch")
+    return _build_into(Path(out_dir).resolve(), tree, resolved, find_toolchain(), force=True, verbose=verbose)
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+_loaded_modules: dict[Path, types.ModuleType] = {}
+_load_lock = threading.Lock()
+
+
+def import_extension(path: str | os.PathLike) -> types.ModuleType:
+    """Import a built ``flashdmoe_cuda`` shared object from ``path`` (once per process).
+
+    Importing touches no CUDA API (cudart initialises lazily), so it works without a GPU.
+    A process holds one build: pybind11 (>= 3) keeps the first module initialised under a name and
+    hands its contents to any later one of the same name, so importing a second, different build
+    raises ``ImportError`` instead of silently running the old code. A rebuild needs a new process.
+    """
+    so_path = Path(path).resolve()
+    with _load_lock:
+        if so_path not in _loaded_modules:
+            if _loaded_modules:
+                (earlier,) = _loaded_modules
+                raise ImportError(
+                    f"{MODULE_NAME} is already imported in this process from {earlier}; one process holds "
+                    f"one build (pybind11 caches modules by name), so {so_path} needs a new process"
+                )
+            spec = importlib.util.spec_from_file_location(MODULE_NAME, so_path)
+            if spec is None or spec.loader is None:
+                raise ImportError(f"{so_path} is not an importable extension module")
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            _loaded_modules[so_path] = module
+        return _loaded_modules[so_path]
+
+
+def _unavailable(reason: str) -> RuntimeError:
+    try:
+        from flashdmoe.errors import BackendUnavailable
+    except ImportError:  # errors.py not present: still say why
+        return RuntimeError(f"CUDA backend unavailable: {reason}")
+    return BackendUnavailable(f"CUDA backend unavailable: {reason}")
+
+
+def load(source_dir: str | os.PathLike | None = None) -> types.ModuleType:
+    """The ``flashdmoe_cuda`` module for the current Hopper GPU, building it on first use.
+
+    Raises ``flashdmoe.errors.BackendUnavailable`` with the reason (no GPU, wrong arch, no nvcc,
+    build failure, import failure).
+    """
+    problem = _gpu_problem()
+    if problem is not None:
+        raise _unavailable(problem)
+    try:
+        return import_extension(build(source_dir=source_dir))
+    except (BuildError, ValueError) as error:
+        raise _unavailable(str(error)) from error
+    except ImportError as error:
+        raise _unavailable(f"import of the built extension failed: {error}") from error
+    except OSError as error:  # e.g. an unwritable cache folder
+        raise _unavailable(f"{type(error).__name__}: {error}") from error
+
+
+_status_cache: dict[str, str | None] = {}
+
+
+def unavailable_reason(source_dir: str | os.PathLike | None = None) -> str | None:
+    """Why the CUDA backend cannot be used in this process, or ``None`` if it can.
+
+    On a Hopper GPU this builds the extension on first use. The answer is cached for the process.
+    """
+    cache_entry = str(Path(source_dir).resolve()) if source_dir is not None else ""
+    if cache_entry not in _status_cache:
+        try:
+            load(source_dir)
+            _status_cache[cache_entry] = None
+        except RuntimeError as error:
+            _status_cache[cache_entry] = str(error).removeprefix("CUDA backend unavailable: ")
+    return _status_cache[cache_entry]
+
+
+def available(source_dir: str | os.PathLike | None = None) -> bool:
+    """Whether the fused CUDA kernel can run here (a Hopper GPU and a built extension)."""
+    return unavailable_reason(source_dir) is None
+
+
+# ---------------------------------------------------------------------------------------------
+# Inspecting a build
+
+
+_ENTRY_RE = re.compile(r"Compiling entry function '([^']+)' for '([^']+)'")
+_PROPERTIES_RE = re.compile(r"Function properties for (\S+)")
+_FRAME_RE = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_REGISTERS_RE = re.compile(r"Used (\d+) registers")
+
+
+def parse_ptxas_report(log_text: str) -> list[KernelResources]:
+    """Per-entry-function registers, spills and stack frame from ``ptxas -v`` output (a build log)."""
+    results: list[KernelResources] = []
+    entry: tuple[str, str] | None = None
+    frames: dict[str, tuple[int, int, int]] = {}
+    properties_of: str | None = None
+    for line in log_text.splitlines():
+        if match := _ENTRY_RE.search(line):
+            entry, properties_of = (match.group(1), match.group(2)), None
+        elif match := _PROPERTIES_RE.search(line):
+            properties_of = match.group(1)
+        elif (match := _FRAME_RE.search(line)) and properties_of is not None:
+            frames[properties_of] = (int(match.group(1)), int(match.group(2)), int(match.group(3)))
+        elif (match := _REGISTERS_RE.search(line)) and entry is not None:
+            name, arch = entry
+            stack, stores, loads = frames.get(name, (0, 0, 0))
+            results.append(KernelResources(name, arch, int(match.group(1)), stores, loads, stack))
+            entry = None
+    return results
+
+
+def embedded_cubin_archs(so_path: str | os.PathLike) -> list[str]:
+    """The SASS archs (e.g. ``["sm_90a"]``) of the cubins embedded in a built shared object,
+    listed by ``cuobjdump --list-elf``. Raises ``BuildError`` when cuobjdump is not found."""
+    cuobjdump = find_cuda_tool("cuobjdump")
+    if cuobjdump is None:
+        raise BuildError("cuobjdump not found (CUDA's bin folder, PATH, or pip install nvidia-cuda-cuobjdump)")
+    result = subprocess.run([str(cuobjdump), "--list-elf", str(so_path)], capture_output=True, text=True,
+                            check=False)
+    if result.returncode != 0:
+        raise BuildError(f"cuobjdump --list-elf {so_path} failed: {result.stderr.strip() or result.stdout.strip()}")
+    return re.findall(r"\.(sm_\w+?)\.cubin", result.stdout)

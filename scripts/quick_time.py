@@ -1,0 +1,65 @@
+"""Quick device-side timing of the fused forward on DESIGN.md §7's shapes (CUDA events, median of 20
+after warm-up, 3 rotated input sets). A development probe; the benchmark of record is `flashdmoe bench`."""
+
+import math
+import statistics
+
+import torch
+
+from flashdmoe import cuda_backend, extension
+
+SHAPES = [(8192, 2048, 2048, 32, 2), (16384, 2048, 2048, 64, 2), (16384, 4096, 1024, 128, 2),
+          (4096, 2048, 2048, 64, 2), (128, 4096, 1408, 64, 6)]
+
+
+def main():
+    ext = extension.load()
+    print("kernel attributes bf16:", ext.kernel_attributes(0))
+    print(f"{'T':>6} {'H':>5} {'I':>5} {'E':>4} {'k':>2} {'ms':>8} {'TF/s':>7}")
+    for T, H, I, E, k in SHAPES:
+        sets = []
+        for _ in range(3):
+            x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+            r = (torch.randn(E, H, device="cuda") / math.sqrt(H)).bfloat16()
+            w1 = (torch.randn(E, H, I, device="cuda") / math.sqrt(H)).bfloat16()
+            w2 = (torch.randn(E, I, H, device="cuda") / math.sqrt(I)).bfloat16()
+            sets.append((x, r, w1, w2))
+        run = lambda s: cuda_backend.fused_forward(*s, top_k=k, activation="gelu", normalize_topk=True,
+                                                   capacity_factor=None)
+        times = []
+        with cuda_backend.deferred_status_checks():
+            for i in range(5):
+                run(sets[i % 3])
+            for i in range(21):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                run(sets[i % 3])
+                b.record()
+                b.synchronize()
+                times.append(a.elapsed_time(b))
+        from torch.profiler import ProfilerActivity, profile
+
+        with cuda_backend.deferred_status_checks(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for i in range(6):
+                run(sets[i % 3])
+            torch.cuda.synchronize()
+        kern = [e.device_time for e in prof.events() if "moe_forward_kernel" in e.name]
+        kernel_ms = statistics.median(kern) / 1000 if kern else float("nan")
+        import time as _t
+
+        torch.cuda.synchronize()
+        h0 = _t.perf_counter()
+        with cuda_backend.deferred_status_checks():
+            for i in range(10):
+                run(sets[i % 3])
+            h1 = _t.perf_counter()
+        host_us = (h1 - h0) / 10 * 1e6
+        ms = statistics.median(times)
+        flops = 2 * T * k * H * I * 2 + 2 * T * H * E
+        phases = " ".join(f"{k}={v:.3f}" for k, v in cuda_backend.last_phase_ms.items())
+        print(f"{T:>6} {H:>5} {I:>5} {E:>4} {k:>2} {ms:>8.3f} {flops / ms / 1e9:>7.1f}  kernel {kernel_ms:.3f} ms"
+              f" ({flops / kernel_ms / 1e9:.0f} TF/s)  host {host_us:.0f} us/call  phases(ms) {phases}")
+
+
+if __name__ == "__main__":
+    main()

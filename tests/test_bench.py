@@ -1,0 +1,346 @@
+"""``flashdmoe bench``: end-to-end CPU smoke run, result schema, baselines against the reference,
+metrics and timing statistics. Fast: tiny shapes, few repeats."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from flashdmoe import reference
+from flashdmoe.bench import baselines, main, metrics, suites, timing
+from flashdmoe.bench.entries import ENTRY_TYPES, BenchEntry, MoEInputs, MoEProblem, PreparedRun
+from flashdmoe.bench.results import BenchShape, parse_shapes
+from flashdmoe.bench.workload import make_inputs
+
+QUICK_ARGS = ["--device", "cpu", "--quick", "--repeats", "3", "--warmup", "1"]
+ENTRY_NAMES = ["fused", "grouped_mm", "per_expert_loop", "reference"]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    """One ``--device cpu --quick`` run of the single-gpu suite: (exit code, output dir, JSON)."""
+    output = tmp_path_factory.mktemp("bench")
+    code = main([*QUICK_ARGS, "--output", str(output)])
+    return code, output, json.loads((output / "single-gpu.json").read_text())
+
+
+def test_quick_run_writes_json_markdown_and_png(quick_run):
+    code, output, results = quick_run
+    assert code == 0
+    assert (output / "single-gpu.png").read_bytes()[:8] == PNG_MAGIC
+    markdown = (output / "single-gpu.md").read_text()
+    assert "| T | H | I | E | k | floor ms | entry |" in markdown
+    # one table row per (configuration, entry)
+    rows = [line for line in markdown.splitlines() if line.startswith("| ") and "---" not in line]
+    assert len(rows) == 1 + len(results["configs"]) * len(ENTRY_NAMES)
+    assert results["command"].startswith("flashdmoe bench --device cpu --quick")
+    assert results["machine"]["torch"] == torch.__version__
+    assert results["date"]
+    assert results["settings"]["repeats"] == 3 and results["settings"]["dtype"] == "bfloat16"
+    assert results["copy_bandwidth_gbps"] > 0
+    assert results["ceiling_tflops"] is None  # the tensor-core ceiling is a GPU measurement
+
+
+def test_every_config_has_every_entry_with_consistent_numbers(quick_run):
+    _, _, results = quick_run
+    assert [config["shape"] for config in results["configs"]] == [
+        shape.to_dict() for shape in suites.QUICK_SHAPES
+    ]
+    for config in results["configs"]:
+        assert [entry["name"] for entry in config["entries"]] == ENTRY_NAMES
+        assert config["compared_tokens"] + config["near_tie_tokens"] == config["shape"]["T"]
+        assert config["floor_ms"] > 0
+        assert config["input_sets"] == 4  # tiny sets: rotation capped at --quick's 4 sets
+        timed = [entry for entry in config["entries"] if entry["status"] == "ok"]
+        assert {"per_expert_loop", "reference"} <= {entry["name"] for entry in timed}
+        for entry in timed:
+            assert len(entry["samples_ms"]) == 3
+            assert entry["p10_ms"] <= entry["median_ms"] <= entry["p90_ms"]
+            assert entry["median_ms"] == pytest.approx(float(np.median(entry["samples_ms"])))
+            assert entry["tflops"] == pytest.approx(config["flops"] / (entry["median_ms"] * 1e-3) / 1e12)
+            assert entry["percent_of_floor"] == pytest.approx(100 * config["floor_ms"] / entry["median_ms"])
+            assert entry["correct"] is True
+            assert entry["max_relative_error"] <= entry["error_tolerance"] == 2e-2
+        assert config["entries"][3]["max_relative_error"] == 0.0  # the reference against itself
+
+
+def test_flop_count_matches_hand_computed_number(quick_run):
+    _, _, results = quick_run
+    first = results["configs"][0]
+    assert first["shape"] == {"T": 64, "H": 64, "I": 128, "E": 8, "k": 2}
+    # 2*T*k*H*I*2 (two expert GEMMs) + 2*T*H*E (router) = 4194304 + 65536
+    assert first["flops"] == 4_259_840
+    # swiglu: three expert GEMMs' worth. T=3 H=4 I=5 E=6 k=2: 2*3*2*4*5*3 + 2*3*4*6 = 720 + 144
+    assert metrics.moe_flops(3, 4, 5, 6, 2, "swiglu") == 864
+    assert metrics.moe_flops(3, 4, 5, 6, 2, "relu") == 2 * 3 * 2 * 4 * 5 * 2 + 144
+
+
+def test_bytes_floor_counts_active_experts_once_plus_activations():
+    # 3 active experts x (H*I + I*H) bf16 + x and y (T*H each); swiglu's W1 is twice as wide
+    assert metrics.bytes_floor(3, 10, 4, 5, "gelu", 2) == 3 * (20 + 20) * 2 + 2 * 10 * 4 * 2
+    assert metrics.bytes_floor(3, 10, 4, 5, "swiglu", 2) == 3 * (40 + 20) * 2 + 2 * 10 * 4 * 2
+    assert metrics.active_expert_count(torch.tensor([[0, 5], [5, 2], [0, 2]])) == 3
+
+
+def test_fused_entry_reported_unavailable_with_reason_on_cpu(quick_run):
+    _, output, results = quick_run
+    for config in results["configs"]:
+        fused = config["entries"][0]
+        assert fused["status"] == "unavailable"
+        assert "cuda" in fused["reason"].lower()
+        assert fused["median_ms"] is None and fused["samples_ms"] == []
+    assert "unavailable: " in (output / "single-gpu.md").read_text()
+
+
+@pytest.mark.skipif(not baselines.grouped_mm_available(), reason="this torch has no torch._grouped_mm")
+def test_grouped_mm_entry_runs_on_cpu_and_is_the_speedup_baseline(quick_run):
+    _, _, results = quick_run
+    for config in results["configs"]:
+        grouped = config["entries"][1]
+        assert grouped["status"] == "ok", grouped["reason"]
+        assert grouped["speedup_over_grouped_mm"] == pytest.approx(1.0)
+        loop = config["entries"][2]
+        assert loop["speedup_over_grouped_mm"] == pytest.approx(grouped["median_ms"] / loop["median_ms"])
+
+
+def test_configs_entries_and_reference_limit_options(tmp_path):
+    code = main(
+        [*QUICK_ARGS, "--output", str(tmp_path), "--configs", "24,32,64,4,2; 9,16,32,4,3",
+         "--entries", "per_expert_loop,reference", "--reference-max-tokens", "10",
+         "--activation", "swiglu", "--dtype", "float32"]
+    )
+    assert code == 0
+    results = json.loads((tmp_path / "single-gpu.json").read_text())
+    assert [c["shape"]["T"] for c in results["configs"]] == [24, 9]
+    first, second = results["configs"]
+    assert [e["name"] for e in first["entries"]] == ["per_expert_loop", "reference"]
+    assert first["entries"][1]["status"] == "skipped"
+    assert "--reference-max-tokens 10" in first["entries"][1]["reason"]
+    assert second["entries"][1]["status"] == "ok"  # T=9 <= 10
+    assert first["flops"] == metrics.moe_flops(24, 32, 64, 4, 2, "swiglu")
+    assert first["entries"][0]["max_relative_error"] < 1e-5  # float32 end to end on the CPU
+
+
+@pytest.mark.parametrize(
+    "arguments",
+    [["--entries", "bogus"], ["--suite", "no-such-suite"], ["--configs", "1,2,3"], ["--repeats", "0"],
+     ["--configs", "8,16,16,4,5"]],
+)
+def test_bad_options_exit_with_code_2(tmp_path, arguments, capsys):
+    assert main([*QUICK_ARGS, "--output", str(tmp_path), *arguments]) == 2
+    assert "flashdmoe bench:" in capsys.readouterr().err
+    assert not (tmp_path / "single-gpu.json").exists()
+
+
+def test_parse_shapes():
+    assert parse_shapes("8192,2048,2048,32,2;128,4096,1408,64,6") == [
+        BenchShape(8192, 2048, 2048, 32, 2), BenchShape(128, 4096, 1408, 64, 6)
+    ]
+    with pytest.raises(ValueError, match="expected 5 comma-separated integers"):
+        parse_shapes("8,16,a,4,2")
+    with pytest.raises(ValueError, match="top_k=5"):
+        parse_shapes("8,16,16,4,5")
+    with pytest.raises(ValueError, match="tokens=0"):
+        parse_shapes("0,16,16,4,1")
+
+
+# ------------------------------------------------------------------------------------------------
+# Baselines against the reference
+
+
+def _random_problem(seed, tokens, hidden, ffn, experts, activation, dtype=torch.float32):
+    shape = BenchShape(tokens, hidden, ffn, experts, 1)
+    return make_inputs(shape, activation=activation, dtype=dtype, device="cpu", seed=seed)
+
+
+BASELINE_CASES = [
+    # (tokens, hidden, ffn, experts, top_k, activation, normalize_topk)
+    (37, 24, 40, 8, 2, "gelu", True),
+    (50, 16, 32, 6, 3, "relu", False),
+    (19, 32, 24, 4, 1, "silu", True),
+    (33, 16, 16, 8, 2, "swiglu", True),
+    (5, 16, 32, 16, 1, "gelu", True),  # most experts get no token: empty groups
+    (12, 8, 16, 4, 4, "swiglu", False),  # k = E
+]
+
+
+def _baseline_functions():
+    functions = [baselines.per_expert_loop]
+    if baselines.grouped_mm_available():
+        functions.append(baselines.grouped_mm_pipeline)
+    return functions
+
+
+@pytest.mark.parametrize("baseline", _baseline_functions(), ids=lambda f: f.__name__)
+@pytest.mark.parametrize("case", BASELINE_CASES, ids=lambda c: f"T{c[0]}-E{c[3]}-k{c[4]}-{c[5]}")
+def test_baseline_equals_reference_float32(baseline, case):
+    tokens, hidden, ffn, experts, top_k, activation, normalize = case
+    inputs = _random_problem(BASELINE_CASES.index(case), tokens, hidden, ffn, experts, activation)
+    got = baseline(inputs.x, inputs.router_weight, inputs.w1, inputs.w2,
+                   top_k=top_k, activation=activation, normalize_topk=normalize)
+    want = reference.moe(inputs.x, inputs.router_weight, inputs.w1, inputs.w2,
+                         top_k=top_k, activation=activation, normalize_topk=normalize)
+    assert got.dtype == torch.float32 and got.shape == (tokens, hidden)
+    # float32 on both sides, same routing (same fp32 router GEMM); only summation order differs
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("baseline", _baseline_functions(), ids=lambda f: f.__name__)
+def test_baseline_equals_reference_bfloat16(baseline):
+    inputs = _random_problem(7, 64, 64, 96, 8, "gelu", dtype=torch.bfloat16)
+    got = baseline(inputs.x, inputs.router_weight, inputs.w1, inputs.w2,
+                   top_k=2, activation="gelu", normalize_topk=True)
+    want = reference.moe(inputs.x, inputs.router_weight, inputs.w1, inputs.w2, top_k=2, activation="gelu")
+    assert got.dtype == torch.bfloat16
+    routing = reference.route(inputs.x, inputs.router_weight, 2)
+    keep = ~metrics.near_tie_mask(routing.probs, 2)
+    # bf16 operands and a bf16 intermediate in the baseline, fp32 in the reference
+    assert metrics.max_relative_error(got, want, keep).max_relative_error < metrics.ERROR_TOLERANCES["bfloat16"]
+
+
+@pytest.mark.skipif(not baselines.grouped_mm_available(), reason="this torch has no torch._grouped_mm")
+@pytest.mark.parametrize("layout", sorted(baselines.GROUPED_MM_LAYOUTS))
+def test_grouped_mm_weight_layouts_give_the_same_output(layout):
+    inputs = _random_problem(11, 29, 32, 48, 8, "swiglu")
+    w1, w2, chosen, trials = baselines.prepare_grouped_mm_weights(
+        inputs.x, inputs.router_weight, inputs.w1, inputs.w2, top_k=2, activation="swiglu",
+        layouts=(layout,),
+    )
+    assert chosen == layout and set(trials) == {layout}
+    assert torch.equal(w1, inputs.w1) and torch.equal(w2, inputs.w2)
+    if layout == "column-major":
+        assert w1.stride(-2) == 1 and w2.stride(-2) == 1
+    got = baselines.grouped_mm_pipeline(inputs.x, inputs.router_weight, w1, w2, top_k=2, activation="swiglu")
+    want = reference.moe(inputs.x, inputs.router_weight, inputs.w1, inputs.w2, top_k=2, activation="swiglu")
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_baselines_reject_bad_arguments():
+    inputs = _random_problem(3, 8, 16, 32, 4, "gelu")
+    with pytest.raises(ValueError, match="activation='tanh'"):
+        baselines.per_expert_loop(inputs.x, inputs.router_weight, inputs.w1, inputs.w2,
+                                  top_k=1, activation="tanh")
+    with pytest.raises(ValueError, match="top_k=5"):
+        baselines.per_expert_loop(inputs.x, inputs.router_weight, inputs.w1, inputs.w2,
+                                  top_k=5, activation="gelu")
+    with pytest.raises(ValueError, match="w1.shape"):
+        baselines.per_expert_loop(inputs.x, inputs.router_weight, inputs.w1, inputs.w2,
+                                  top_k=1, activation="swiglu")
+
+
+# ------------------------------------------------------------------------------------------------
+# Suite internals: a wrong or failing entry is caught, not hidden
+
+
+class _WrongEntry(BenchEntry):
+    name = "wrong"
+    label = "wrong answer"
+
+    def prepare(self, inputs: MoEInputs, problem: MoEProblem) -> PreparedRun:
+        return PreparedRun(lambda: inputs.x * 1.5)
+
+
+class _CrashingEntry(BenchEntry):
+    name = "crashing"
+    label = "crashes"
+
+    def prepare(self, inputs: MoEInputs, problem: MoEProblem) -> PreparedRun:
+        def forward():
+            raise RuntimeError("device fell over")
+
+        return PreparedRun(forward)
+
+
+def test_wrong_and_failing_entries_are_reported(monkeypatch):
+    monkeypatch.setitem(ENTRY_TYPES, "wrong", _WrongEntry)
+    monkeypatch.setitem(ENTRY_TYPES, "crashing", _CrashingEntry)
+    options = suites.SuiteOptions(
+        suite="single-gpu", device="cpu", dtype="float32", activation="gelu",
+        shapes=[BenchShape(16, 16, 32, 4, 2)], entries=["per_expert_loop", "wrong", "crashing"],
+        repeats=2, warmup=0,
+    )
+    result = suites.run_single_gpu(options)
+    loop, wrong, crashing = result.configs[0].entries
+    assert loop.status == "ok" and loop.correct is True
+    assert wrong.status == "ok" and wrong.correct is False and wrong.max_relative_error > 0.1
+    assert crashing.status == "error" and crashing.reason == "RuntimeError: device fell over"
+
+
+# ------------------------------------------------------------------------------------------------
+# Metrics and timing
+
+
+def test_near_tie_mask_and_relative_error():
+    probabilities = torch.tensor([[0.4, 0.3, 0.3], [0.5, 0.3, 0.2], [0.6, 0.3, 0.1]])
+    assert metrics.near_tie_mask(probabilities, 1).tolist() == [False, False, False]
+    assert metrics.near_tie_mask(probabilities, 2).tolist() == [True, False, False]
+    assert metrics.near_tie_mask(probabilities, 3).tolist() == [False, False, False]  # k = E
+    expected = torch.tensor([[1.0, -2.0], [4.0, 0.5]])
+    output = torch.tensor([[1.1, -2.0], [4.0, 0.0]])
+    report = metrics.max_relative_error(output, expected, torch.tensor([True, True]))
+    assert report.max_relative_error == pytest.approx(0.5 / 4.0) and report.compared_tokens == 2
+    report = metrics.max_relative_error(output, expected, torch.tensor([True, False]))
+    assert report.max_relative_error == pytest.approx(0.1 / 2.0) and report.compared_tokens == 1
+    output[0, 0] = float("nan")
+    assert metrics.max_relative_error(output, expected, torch.tensor([True, True])).max_relative_error == float("inf")
+
+
+def test_timing_statistics_of_known_samples():
+    samples = [float(value) for value in range(10, 0, -1)]
+    stats = timing.TimingStats.from_samples(samples)
+    assert stats.median_ms == 5.5
+    assert stats.p10_ms == pytest.approx(np.percentile(samples, 10))
+    assert stats.p90_ms == pytest.approx(np.percentile(samples, 90))
+    assert stats.samples_ms == tuple(samples)  # run order kept
+    with pytest.raises(ValueError, match="samples_ms"):
+        timing.TimingStats.from_samples([])
+
+
+def test_measure_times_a_sleep_and_rotates_inputs():
+    calls = []
+
+    def sleeper(tag, seconds):
+        def run():
+            calls.append(tag)
+            time.sleep(seconds)
+        return run
+
+    stats = timing.measure([sleeper("a", 0.004), sleeper("b", 0.012)], device="cpu", warmup=2, repeats=20)
+    assert calls == ["a", "b"] * 11  # 2 warm-up + 20 timed, round robin
+    assert len(stats.samples_ms) == 20
+    # timed runs alternate a (4 ms) and b (12 ms): every sample at least its sleep, p10 near 4, p90 near 12
+    assert all(sample >= 4.0 for sample in stats.samples_ms[0::2])
+    assert all(sample >= 12.0 for sample in stats.samples_ms[1::2])
+    assert 4.0 <= stats.p10_ms < 12.0 <= stats.p90_ms
+    assert stats.p10_ms <= stats.median_ms <= stats.p90_ms
+    with pytest.raises(ValueError, match="repeats=0"):
+        timing.measure([sleeper("a", 0)], device="cpu", repeats=0)
+
+
+def test_input_sets_exceed_twice_the_cache():
+    megabyte = 1 << 20
+    assert timing.input_sets_for_cache(10 * megabyte, 60 * megabyte, limit=32) == 12
+    assert timing.input_sets_for_cache(10 * megabyte, 60 * megabyte, limit=8) == 8
+    assert timing.input_sets_for_cache(500 * megabyte, 60 * megabyte, limit=32) == 1
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU
+
+
+@pytest.mark.gpu
+def test_quick_run_on_gpu(tmp_path):
+    code = main(["--device", "cuda", "--quick", "--repeats", "5", "--warmup", "2", "--output", str(tmp_path)])
+    results = json.loads((tmp_path / "single-gpu.json").read_text())
+    assert code == 0
+    assert results["machine"]["gpu_name"] and results["ceiling_tflops"] > 10
+    for config in results["configs"]:
+        for entry in config["entries"]:
+            assert entry["status"] in ("ok", "unavailable"), entry
+            assert entry["status"] == "ok" or entry["reason"]
+        assert config["entries"][1]["status"] == "ok", config["entries"][1]["reason"]  # grouped_mm

@@ -1,0 +1,236 @@
+"""The flashdmoe CLI end to end (subprocess) and the in-process runner behind `flashdmoe run`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from flashdmoe import api, cli, reference, runner
+from flashdmoe.config import MoEConfig
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "configs" / "tiny.yaml"
+
+
+def run_cli(*arguments: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    environment = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                   "COLUMNS": "160"}
+    return subprocess.run([sys.executable, "-m", "flashdmoe", *arguments], cwd=cwd, env=environment,
+                          capture_output=True, text=True, timeout=600)
+
+
+# -- end to end, as a user runs it ---------------------------------------------------------------
+
+
+def test_info_prints_a_readable_table():
+    result = run_cli("info")
+    assert result.returncode == 0, result.stderr
+    for text in ("flashdmoe info", "torch", torch.__version__, "CUDA available", "nvcc", "nvshmem4py",
+                 "CUDA extension", "ray"):
+        assert text in result.stdout, (text, result.stdout)
+    if not torch.cuda.is_available():
+        assert "none visible" in result.stdout
+
+
+def test_info_json_matches_this_machine():
+    result = run_cli("info", "--json")
+    assert result.returncode == 0, result.stderr
+    info = json.loads(result.stdout)
+    assert info["torch"] == torch.__version__
+    assert info["cuda_available"] is torch.cuda.is_available()
+    assert len(info["devices"]) == (torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    assert set(info["nvshmem"]) >= {"nvshmem4py", "nvidia_nvshmem", "core_importable", "lib_dir"}
+    assert isinstance(info["extension"]["available"], bool)
+    if not info["extension"]["available"]:
+        assert info["extension"]["reason"]
+    assert info["ray"] is not None
+
+
+def test_run_tiny_config_prints_table_and_writes_json(tmp_path):
+    output = tmp_path / "out"
+    result = run_cli("run", "--config", str(TINY), "--output", str(output))
+    assert result.returncode == 0, result.stdout + result.stderr
+    config = MoEConfig.from_yaml(TINY)
+    for text in ("flashdmoe run", "fwd ms", "bwd ms", "tokens/s", "max err", "verification passed",
+                 f"results written to {output / 'results.json'}"):
+        assert text in result.stdout, (text, result.stdout)
+    table_rows = [line for line in result.stdout.splitlines() if line.strip().startswith("│")]
+    assert len(table_rows) == config.steps
+
+    results = json.loads((output / "results.json").read_text())
+    assert results["config"] == yaml.safe_load(TINY.read_text())
+    assert results["run"]["world_size"] == config.world_size == 2
+    assert results["run"]["backend"] == "reference"
+    assert [step["step"] for step in results["steps"]] == list(range(config.steps))
+    for step in results["steps"]:
+        assert step["forward_ms"] > 0 and step["backward_ms"] > 0 and step["tokens_per_s"] > 0
+        assert step["tokens"] == config.tokens_per_rank * config.world_size
+        assert set(step["errors"]) == {"y", "dx", "d_router_weight", "d_w1", "d_w2"}
+        assert step["passed"] is True and step["max_error"] <= results["verification"]["tolerance"]
+    verification = results["verification"]
+    assert verification["enabled"] is True and verification["passed"] is True
+    assert verification["tolerance"] == runner.tolerance_for("float32", "reference")
+    assert results["metrics"]["forward_ms_median"] > 0
+    assert results["metrics"]["steps_in_median"] == config.steps - 1
+    assert results["environment"]["torch"] == torch.__version__
+
+
+def test_run_bad_config_exits_2_naming_the_problem(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(TINY.read_text() + "expert_count: 3\n")
+    result = run_cli("run", "--config", str(bad), "--output", str(tmp_path / "out"))
+    assert result.returncode == 2
+    assert "unknown key(s) expert_count" in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+# -- CLI paths in process (fast) -----------------------------------------------------------------
+
+
+def test_run_refuses_address_and_mismatched_workers(tmp_path, capsys):
+    assert cli.main(["run", "--config", str(TINY), "--address", "127.0.0.1:6379", "--output", str(tmp_path)]) == 2
+    assert "--address='127.0.0.1:6379'" in capsys.readouterr().err
+    assert cli.main(["run", "--config", str(TINY), "--workers", "3", "--output", str(tmp_path)]) == 2
+    assert "--workers=3" in capsys.readouterr().err
+    assert not (tmp_path / "results.json").exists()
+
+
+def test_run_missing_config_file(tmp_path, capsys):
+    assert cli.main(["run", "--config", str(tmp_path / "absent.yaml")]) == 2
+    assert "absent.yaml" in capsys.readouterr().err
+
+
+def test_run_cuda_backend_without_cuda_says_why(tmp_path, capsys):
+    single = tmp_path / "single.yaml"
+    single.write_text(yaml.safe_dump({**yaml.safe_load(TINY.read_text()), "world_size": 1, "steps": 1}))
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    assert cli.main(["run", "--config", str(single), "--backend", "cuda", "--output", str(tmp_path)]) == 2
+    assert "backend='cuda' is unavailable" in capsys.readouterr().err
+
+
+def test_run_exits_1_when_verification_fails(tmp_path, monkeypatch, capsys):
+    real = reference.moe_expert_parallel
+
+    def off_by_one_percent(*args, **kwargs):
+        ys, auxes = real(*args, **kwargs)
+        return [y * 1.01 for y in ys], auxes
+
+    monkeypatch.setattr(reference, "moe_expert_parallel", off_by_one_percent)
+    assert cli.main(["run", "--config", str(TINY), "--output", str(tmp_path), "--no-progress"]) == 1
+    output = capsys.readouterr().out
+    assert "verification FAILED" in output and "NO" in output
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["verification"]["passed"] is False
+    assert results["steps"][0]["errors"]["y"] == pytest.approx(0.01, rel=1e-3)
+
+
+def test_bench_subcommand_delegates_to_flashdmoe_bench():
+    import flashdmoe.bench
+
+    args = cli.build_parser().parse_args(["bench", "--suite", "single-gpu", "--quick"])
+    assert args.handler is flashdmoe.bench.run
+    assert args.suite == "single-gpu" and args.quick is True
+
+
+def test_bench_unavailable_is_reported_not_fatal(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "flashdmoe.bench", None)  # makes `import flashdmoe.bench` fail
+    assert cli.main(["bench", "--suite", "single-gpu"]) == 2
+    assert "flashdmoe bench is unavailable" in capsys.readouterr().err
+    assert cli.main(["info", "--json"]) == 0  # the other commands still work
+
+
+def test_build_prints_the_extension_path(monkeypatch, capsys, tmp_path):
+    from flashdmoe import extension
+
+    calls = []
+
+    def fake_build(arch=None, force=False, verbose=False):
+        calls.append((arch, force, verbose))
+        return tmp_path / "flashdmoe_cuda.so"
+
+    monkeypatch.setattr(extension, "build", fake_build)
+    assert cli.main(["build", "--force", "--arch", "sm_90a"]) == 0
+    assert capsys.readouterr().out.strip() == str(tmp_path / "flashdmoe_cuda.so")
+    assert calls == [("sm_90a", True, False)]
+
+    def failing_build(arch=None, force=False, verbose=False):
+        raise extension.BuildError("nvcc: not found")
+
+    monkeypatch.setattr(extension, "build", failing_build)
+    assert cli.main(["build"]) == 1
+    assert "build failed: nvcc: not found" in capsys.readouterr().err
+
+
+# -- the runner ----------------------------------------------------------------------------------
+
+
+RUNNER_CASES = [
+    dict(world_size=1, activation="swiglu", capacity_factor=0.75),
+    dict(world_size=2, activation="relu", normalize_topk=False, top_k=1),
+    dict(world_size=4, activation="silu", capacity_factor=0.5, top_k=3),
+    dict(world_size=2, dtype="bfloat16"),
+    dict(world_size=2, tokens_per_rank=0),
+]
+
+
+@pytest.mark.parametrize("options", RUNNER_CASES, ids=[str(i) for i in range(len(RUNNER_CASES))])
+def test_run_in_process_verifies_outputs_and_gradients(options, tmp_path):
+    config = MoEConfig(**{"hidden": 16, "ffn": 24, "experts": 8, "top_k": 2, "tokens_per_rank": 21, "steps": 2,
+                          "seed": 11, **options})
+    results = runner.run_in_process(config, tmp_path, progress=False)
+    assert results["verification"]["passed"] is True, results["steps"]
+    assert len(results["steps"]) == 2
+    if config.capacity_factor is not None and config.tokens_per_rank:
+        assert all(step["dropped_choices"] > 0 for step in results["steps"])
+    if config.tokens_per_rank:
+        # A real comparison happened: float32 runs differ from the float64 oracle by rounding only.
+        assert 0 < results["verification"]["max_error"] <= results["verification"]["tolerance"]
+    on_disk = json.loads((tmp_path / runner.RESULTS_FILENAME).read_text())
+    assert on_disk["config"] == config.to_dict() and on_disk["verification"] == results["verification"]
+
+
+def test_run_in_process_single_rank_detects_a_wrong_backend(monkeypatch, tmp_path):
+    real = api.moe
+
+    def wrong_router_gradient(x, router_weight, *args, **kwargs):
+        # Same forward values, but the router gradient is lost: only the gradient check can see it.
+        return real(x, router_weight.detach(), *args, **kwargs)
+
+    monkeypatch.setattr(api, "moe", wrong_router_gradient)
+    config = MoEConfig(hidden=16, ffn=16, experts=4, top_k=2, tokens_per_rank=12, steps=1)
+    results = runner.run_in_process(config, None, progress=False)
+    errors = results["steps"][0]["errors"]
+    assert errors["y"] < 1e-5 and errors["d_router_weight"] == pytest.approx(1.0)
+    assert results["verification"]["passed"] is False
+    assert "output" not in results
+
+
+def test_run_in_process_without_verification(tmp_path):
+    config = MoEConfig(hidden=8, ffn=8, experts=2, top_k=1, tokens_per_rank=5, steps=1)
+    results = runner.run_in_process(config, tmp_path, verify=False, progress=False)
+    assert results["verification"]["enabled"] is False and results["steps"][0]["passed"] is None
+    assert results["metrics"]["steps_in_median"] == 1
+
+
+def test_run_in_process_rejects_cuda_for_several_ranks():
+    from flashdmoe.errors import BackendUnavailable
+
+    config = MoEConfig(hidden=8, ffn=8, experts=2, top_k=1, tokens_per_rank=5, world_size=2)
+    with pytest.raises(BackendUnavailable, match="world_size=2"):
+        runner.run_in_process(config, None, backend="cuda", progress=False)
+    with pytest.raises(ValueError, match="backend='fast'"):
+        runner.run_in_process(config, None, backend="fast", progress=False)
+
+
+def test_forward_flops_formula():
+    config = MoEConfig(hidden=4, ffn=6, experts=8, top_k=2, tokens_per_rank=1)
+    assert runner.forward_flops(config, 10) == 2 * 10 * 2 * 4 * 6 * 2 + 2 * 10 * 4 * 8
+    assert runner.forward_flops(config.replace(activation="swiglu"), 10) == 2 * 10 * 2 * 4 * 6 * 3 + 2 * 10 * 4 * 8

@@ -1,0 +1,807 @@
+"""Offline validation of the deployment: Dockerfile, k8s/ manifests and their kustomize overlays.
+
+Nothing here needs a cluster or a Docker engine (DESIGN.md §6, issue 6):
+- every YAML file under k8s/ parses;
+- core kinds (PersistentVolumeClaim, batch/v1 Job) validate strictly (unknown fields rejected) with
+  kubernetes-validate against the Kubernetes versions in ``KUBERNETES_VERSIONS``;
+- KubeRay kinds (RayJob, RayCluster) validate against the openAPIV3Schema of the KubeRay CRDs, made
+  strict by ``forbid_unknown_fields``; their metadata validates strictly as ObjectMeta and every pod
+  template they embed strictly as a core PodTemplate;
+- cross-checks: GPUs per run == the referenced config's world_size, the config file exists, one image
+  tag everywhere (manifests, overlays, Dockerfile label), Ray version, user id and working directory
+  match the Dockerfile, multicast-off environment and /dev/shm on every GPU pod, results on the PVC;
+- `kubectl kustomize` renders every overlay and the rendered objects pass the same checks;
+- hadolint passes on the Dockerfile with no finding at any level.
+Each validator also has a test showing it rejects a bad input, so none of them can pass vacuously.
+
+KubeRay CRDs are data kept outside the repository (../shared/k8s/crds beside the checkout). Policy:
+``FLASHDMOE_CRD_DIR`` unset -> use that default; set to a path -> use it; set to the empty string ->
+the CRD-schema tests are skipped (an explicit opt-out). A CRD directory that was asked for (by default
+or by path) but is missing or incomplete FAILS the CRD tests with a message saying where it looked.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import os
+import re
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+try:  # Python >= 3.11; pyproject allows 3.10, where only the version cross-check is skipped.
+    import tomllib
+except ModuleNotFoundError:  # pragma: no cover - depends on the interpreter
+    tomllib = None
+
+REPO = Path(__file__).resolve().parents[1]
+K8S_DIR = REPO / "k8s"
+BASE_DIR = K8S_DIR / "base"
+OVERLAYS_DIR = K8S_DIR / "overlays"
+DOCKERFILE = REPO / "Dockerfile"
+
+# A floor most managed clusters still run, and the newest schema kubernetes-validate ships: a field
+# that exists in only one of them fails.
+KUBERNETES_VERSIONS = ("1.33", kubernetes_validate.utils.latest_version())
+
+CRD_DIR_ENV = "FLASHDMOE_CRD_DIR"
+DEFAULT_CRD_DIR = REPO.parent / "shared" / "k8s" / "crds"
+CRD_FILES = {"RayJob": "ray.io_rayjobs.yaml", "RayCluster": "ray.io_rayclusters.yaml"}
+
+GPU_RESOURCE = "nvidia.com/gpu"
+IMAGE_NAME = "flashdmoe"
+RESULTS_MOUNT = "/results"
+COMPONENT_LABEL = "app.kubernetes.io/component"
+CONFIG_ANNOTATION = "flashdmoe.io/config"
+MULTICAST_OFF_ENV = {
+    "NVSHMEM_DISABLE_NVLS": "1",
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+}
+WORKLOAD_KINDS = ("RayJob", "RayCluster", "Job")
+
+
+# --------------------------------------------------------------------------------------------------
+# Loading and rendering
+
+
+def load_yaml_documents(path: Path) -> list[dict[str, Any]]:
+    """Every non-empty YAML document of a file, parsed with yaml.safe_load_all."""
+    with path.open() as handle:
+        return [document for document in yaml.safe_load_all(handle) if document is not None]
+
+
+def base_manifest_files() -> list[Path]:
+    """The resource files of the kustomize base (its kustomization.yaml excluded)."""
+    return sorted(path for path in BASE_DIR.glob("*.yaml") if path.name != "kustomization.yaml")
+
+
+def overlay_dirs() -> list[Path]:
+    return sorted(path.parent for path in OVERLAYS_DIR.glob("*/kustomization.yaml"))
+
+
+def require_tool(name: str) -> str:
+    """Path of a command-line tool the tests need; a missing one is a failure, not a skip."""
+    path = shutil.which(name)
+    if path is None:
+        pytest.fail(f"`{name}` is not on PATH; it is a test dependency (see pyproject.toml test extras)")
+    return path
+
+
+def kustomize_build(directory: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [require_tool("kubectl"), "kustomize", str(directory)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _rendered_cached(directory: str) -> tuple[dict[str, Any], ...]:
+    result = kustomize_build(Path(directory))
+    if result.returncode != 0:
+        raise AssertionError(f"`kubectl kustomize {directory}` failed:\n{result.stderr}")
+    return tuple(document for document in yaml.safe_load_all(result.stdout) if document is not None)
+
+
+def rendered(directory: Path) -> list[dict[str, Any]]:
+    """The objects `kubectl kustomize DIR` renders (a fresh deep copy each call)."""
+    return copy.deepcopy(list(_rendered_cached(str(directory))))
+
+
+MANIFEST_SET_IDS = ["base-files", "base-rendered"] + [f"overlay-{path.name}" for path in overlay_dirs()]
+
+
+def load_manifest_set(set_id: str) -> list[dict[str, Any]]:
+    """The objects of one manifest set: the base files as written, or a directory as kustomize renders it."""
+    if set_id == "base-files":
+        return [obj for path in base_manifest_files() for obj in load_yaml_documents(path)]
+    if set_id == "base-rendered":
+        return rendered(BASE_DIR)
+    return rendered(OVERLAYS_DIR / set_id.removeprefix("overlay-"))
+
+
+@pytest.fixture(params=MANIFEST_SET_IDS)
+def manifest_set(request: pytest.FixtureRequest) -> tuple[str, list[dict[str, Any]]]:
+    """(set id, objects) for every manifest set: each test runs on the base and on every overlay."""
+    return request.param, load_manifest_set(request.param)
+
+
+def object_name(obj: dict[str, Any]) -> str:
+    return f"{obj.get('kind')}/{obj.get('metadata', {}).get('name')}"
+
+
+# --------------------------------------------------------------------------------------------------
+# Pod templates inside the workloads
+
+
+def pod_templates(obj: dict[str, Any]) -> list[tuple[str, dict[str, Any], int, bool]]:
+    """The pod templates a workload runs, as (role, template, pod count, runs the driver).
+
+    role names the template in messages; pod count is how many pods run from it (replicas x hosts);
+    the driver (`flashdmoe run`) runs in the Ray head (RayJob, RayCluster) or the Job's pod.
+    """
+    kind, spec = obj["kind"], obj.get("spec", {})
+    if kind == "Job":
+        return [("pod", spec["template"], 1, True)]
+    if kind not in ("RayJob", "RayCluster"):
+        return []
+    cluster = spec["rayClusterSpec"] if kind == "RayJob" else spec
+    templates = [("head", cluster["headGroupSpec"]["template"], 1, True)]
+    for group in cluster.get("workerGroupSpecs", []):
+        pods = group.get("replicas", group.get("minReplicas", 0)) * group.get("numOfHosts", 1)
+        templates.append((f"worker group {group['groupName']}", group["template"], pods, False))
+    if kind == "RayJob" and "submitterPodTemplate" in spec:
+        templates.append(("submitter", spec["submitterPodTemplate"], 1, False))
+    return templates
+
+
+def containers(template: dict[str, Any]) -> list[dict[str, Any]]:
+    pod_spec = template.get("spec", {})
+    return pod_spec.get("initContainers", []) + pod_spec.get("containers", [])
+
+
+def gpus_of_pod(template: dict[str, Any]) -> int:
+    """GPUs one pod of this template requests (sum over its main containers' limits)."""
+    return sum(
+        int(container.get("resources", {}).get("limits", {}).get(GPU_RESOURCE, 0))
+        for container in template.get("spec", {}).get("containers", [])
+    )
+
+
+def as_pod_template(name: str, template: dict[str, Any]) -> dict[str, Any]:
+    """Wrap a PodTemplateSpec in a core v1 PodTemplate so kubernetes-validate checks it strictly."""
+    return {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": name}, "template": template}
+
+
+def as_object_meta_carrier(metadata: dict[str, Any]) -> dict[str, Any]:
+    """Wrap ObjectMeta in a ConfigMap (no other required fields) to validate the metadata strictly."""
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": metadata}
+
+
+# --------------------------------------------------------------------------------------------------
+# Validators
+
+
+def validate_core(obj: dict[str, Any], version: str) -> None:
+    """Strict kubernetes-validate of a core object; raises kubernetes_validate.ValidationError."""
+    kubernetes_validate.validate(obj, version, strict=True)
+
+
+def forbid_unknown_fields(schema: Any) -> Any:
+    """Copy of a CRD OpenAPI v3 schema in which unknown fields are errors.
+
+    CRD schemas leave objects open (the API server prunes unknown fields instead of rejecting them),
+    so every object schema that lists ``properties`` gets ``additionalProperties: false`` unless it
+    opts out with ``x-kubernetes-preserve-unknown-fields`` or already says what extra keys may be.
+    """
+    if isinstance(schema, list):
+        return [forbid_unknown_fields(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    strict = {}
+    for key, value in schema.items():
+        if key == "properties":
+            strict[key] = {name: forbid_unknown_fields(sub) for name, sub in value.items()}
+        elif key in ("items", "additionalProperties", "not", "anyOf", "allOf", "oneOf"):
+            strict[key] = forbid_unknown_fields(value)
+        else:
+            strict[key] = value
+    if (
+        "properties" in schema
+        and not schema.get("x-kubernetes-preserve-unknown-fields", False)
+        and "additionalProperties" not in schema
+    ):
+        strict["additionalProperties"] = False
+    return strict
+
+
+def crd_schema(crd: dict[str, Any], version: str = "v1") -> dict[str, Any]:
+    """The openAPIV3Schema of one served version of a CustomResourceDefinition."""
+    for served in crd["spec"]["versions"]:
+        if served["name"] == version:
+            return served["schema"]["openAPIV3Schema"]
+    raise AssertionError(f"CRD {crd['metadata']['name']} has no version {version!r}")
+
+
+def schema_errors(validator: jsonschema.protocols.Validator, obj: dict[str, Any]) -> list[str]:
+    return [
+        f"{'.'.join(str(part) for part in error.absolute_path) or '<root>'}: {error.message}"
+        for error in sorted(validator.iter_errors(obj), key=lambda error: list(map(str, error.path)))
+    ]
+
+
+def crd_directory() -> Path | None:
+    """The CRD directory by the policy in the module docstring; None means explicitly opted out."""
+    configured = os.environ.get(CRD_DIR_ENV)
+    if configured == "":
+        return None
+    directory = Path(configured) if configured is not None else DEFAULT_CRD_DIR
+    missing = [name for name in CRD_FILES.values() if not (directory / name).is_file()]
+    if missing:
+        source = f"{CRD_DIR_ENV}={configured}" if configured is not None else f"default (unset {CRD_DIR_ENV})"
+        pytest.fail(
+            f"KubeRay CRDs not found: {', '.join(missing)} missing in {directory} ({source}). "
+            f"Put the KubeRay CRDs there, point {CRD_DIR_ENV} at them, or set {CRD_DIR_ENV}='' to "
+            "skip the CRD-schema checks deliberately."
+        )
+    return directory
+
+
+@functools.lru_cache(maxsize=None)
+def _load_crd(path: str) -> dict[str, Any]:
+    # The CRDs are ~40k lines: libyaml's loader when PyYAML has it (about 4x faster), same result.
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    with open(path) as handle:
+        crd = yaml.load(handle, Loader=loader)
+    return crd
+
+
+def crd_validator(path: Path, kind: str, strict: bool = True) -> jsonschema.protocols.Validator:
+    """A jsonschema validator for one CRD file's v1 schema, strict (unknown fields rejected) or as shipped."""
+    crd = _load_crd(str(path))
+    assert crd["spec"]["names"]["kind"] == kind, f"{path} defines {crd['spec']['names']['kind']}, not {kind}"
+    schema = crd_schema(crd)
+    return jsonschema.Draft7Validator(forbid_unknown_fields(schema) if strict else schema)
+
+
+@pytest.fixture(scope="session")
+def crd_validators() -> dict[str, jsonschema.protocols.Validator]:
+    """Strict jsonschema validators for RayJob and RayCluster, keyed by kind."""
+    directory = crd_directory()
+    if directory is None:
+        pytest.skip(f"{CRD_DIR_ENV} is set to '': KubeRay CRD-schema validation skipped on request")
+    return {kind: crd_validator(directory / name, kind) for kind, name in CRD_FILES.items()}
+
+
+@pytest.fixture(scope="session")
+def raw_crd_validators(crd_validators) -> dict[str, jsonschema.protocols.Validator]:
+    """The CRD schemas exactly as shipped (no strictness added), for the negative tests."""
+    directory = crd_directory()
+    return {kind: crd_validator(directory / name, kind, strict=False) for kind, name in CRD_FILES.items()}
+
+
+def validate_custom_resource(
+    obj: dict[str, Any], validators: dict[str, jsonschema.protocols.Validator]
+) -> list[str]:
+    """Errors of a RayJob/RayCluster against its strict CRD schema (empty list when valid)."""
+    return [f"{object_name(obj)}: {message}" for message in schema_errors(validators[obj["kind"]], obj)]
+
+
+# --------------------------------------------------------------------------------------------------
+# Dockerfile facts the manifests must agree with
+
+
+@functools.lru_cache(maxsize=None)
+def dockerfile_facts() -> dict[str, str]:
+    """Image version label, pinned Ray version, numeric user id, working directory and ENV names."""
+    text = DOCKERFILE.read_text()
+    # Join continuation lines so multi-line instructions read as one.
+    joined = re.sub(r"\\\n", " ", text)
+
+    def single(pattern: str, what: str) -> str:
+        matches = re.findall(pattern, joined, flags=re.MULTILINE)
+        assert len(matches) == 1, f"Dockerfile: expected one {what}, found {matches}"
+        return matches[0]
+
+    return {
+        "version": single(r'org\.opencontainers\.image\.version="([^"]+)"', "image version label"),
+        "ray": single(r"ray\[default\]==([0-9][^\s\"']*)", "ray[default]==<version> pin"),
+        "user": single(r"^USER\s+(\d+)(?::\d+)?\s*$", "numeric USER"),
+        "workdir": single(r"^WORKDIR\s+(\S+)\s*$", "WORKDIR"),
+        "env": " ".join(re.findall(r"^ENV\s+(.*)$", joined, flags=re.MULTILINE)),
+    }
+
+
+def image_reference(image: str) -> tuple[str, str | None]:
+    """(name, tag) of an image reference; tag None when it has none (a registry port is no tag)."""
+    if ":" in image.rsplit("/", 1)[-1]:
+        name, tag = image.rsplit(":", 1)
+        return name, tag
+    return image, None
+
+
+# --------------------------------------------------------------------------------------------------
+# Cross-checks: each returns a list of problems (empty when consistent) so negative tests can see them
+
+
+def read_world_size(config_path: str) -> int | None:
+    """world_size of a repo config file (MoEConfig's default 1 when absent); None if no such file."""
+    path = REPO / config_path
+    if not path.is_file():
+        return None
+    with path.open() as handle:
+        config = yaml.safe_load(handle)
+    return int(config.get("world_size", 1))
+
+
+def command_config(obj: dict[str, Any]) -> tuple[str | None, list[str]]:
+    """The --config of the command a workload runs (None for a RayCluster) and that command's argv."""
+    if obj["kind"] == "RayJob":
+        argv = shlex.split(obj["spec"]["entrypoint"])
+    elif obj["kind"] == "Job":
+        container = obj["spec"]["template"]["spec"]["containers"][0]
+        argv = list(container.get("command", [])) + list(container.get("args", []))
+    else:
+        return None, []
+    if "--config" not in argv or argv.index("--config") + 1 >= len(argv):
+        return None, argv
+    return argv[argv.index("--config") + 1], argv
+
+
+def check_gpus_match_config(objects: list[dict[str, Any]]) -> list[str]:
+    """GPUs per run == world_size of the config each workload runs; the config file exists."""
+    problems = []
+    for obj in objects:
+        if obj["kind"] not in WORKLOAD_KINDS:
+            continue
+        name = object_name(obj)
+        annotated = obj["metadata"].get("annotations", {}).get(CONFIG_ANNOTATION)
+        commanded, argv = command_config(obj)
+        if obj["kind"] != "RayCluster":
+            if commanded is None:
+                problems.append(f"{name}: command {argv} has no --config FILE")
+                continue
+            if argv[:2] != ["flashdmoe", "run"]:
+                problems.append(f"{name}: command {argv} does not start with `flashdmoe run`")
+            if annotated != commanded:
+                problems.append(f"{name}: annotation {CONFIG_ANNOTATION}={annotated} but --config {commanded}")
+        config = commanded or annotated
+        if config is None:
+            problems.append(f"{name}: no {CONFIG_ANNOTATION} annotation naming the config it is sized for")
+            continue
+        world_size = read_world_size(config)
+        if world_size is None:
+            problems.append(f"{name}: config {config} does not exist in the repository")
+            continue
+        total_gpus = 0
+        for role, template, pods, runs_driver in pod_templates(obj):
+            total_gpus += pods * gpus_of_pod(template)
+            if runs_driver and obj["kind"] != "Job" and gpus_of_pod(template) != 0:
+                problems.append(f"{name}: the Ray head must be CPU-only, it requests {gpus_of_pod(template)} GPUs")
+            for container in containers(template):
+                resources = container.get("resources", {})
+                requested = resources.get("requests", {}).get(GPU_RESOURCE)
+                limited = resources.get("limits", {}).get(GPU_RESOURCE)
+                if requested is not None and requested != limited:
+                    problems.append(f"{name} {role}: GPU request {requested} != limit {limited}")
+        if total_gpus != world_size:
+            problems.append(f"{name}: requests {total_gpus} GPUs but {config} has world_size {world_size}")
+    return problems
+
+
+def check_images(objects: list[dict[str, Any]], expected_tag: str) -> list[str]:
+    """Every container runs [registry/]IMAGE_NAME:expected_tag (an overlay may set a registry)."""
+    problems = []
+    for obj in objects:
+        for role, template, _, _ in pod_templates(obj):
+            for container in containers(template):
+                name, tag = image_reference(container.get("image", ""))
+                if (name.rsplit("/", 1)[-1], tag) != (IMAGE_NAME, expected_tag):
+                    problems.append(
+                        f"{object_name(obj)} {role} container {container['name']}: image "
+                        f"{container.get('image')!r}, expected {IMAGE_NAME}:{expected_tag}"
+                    )
+    return problems
+
+
+def check_pods_match_image(objects: list[dict[str, Any]]) -> list[str]:
+    """Pods run as the image's non-root user, in its working directory; Ray version == the image's."""
+    facts = dockerfile_facts()
+    problems = []
+    for obj in objects:
+        if obj["kind"] == "RayJob":
+            ray_version = obj["spec"]["rayClusterSpec"].get("rayVersion")
+        elif obj["kind"] == "RayCluster":
+            ray_version = obj["spec"].get("rayVersion")
+        else:
+            ray_version = facts["ray"]
+        if ray_version != facts["ray"]:
+            problems.append(f"{object_name(obj)}: rayVersion {ray_version!r}, the image has Ray {facts['ray']}")
+        for role, template, _, _ in pod_templates(obj):
+            security = template["spec"].get("securityContext", {})
+            if security.get("runAsNonRoot") is not True or str(security.get("runAsUser")) != facts["user"]:
+                problems.append(
+                    f"{object_name(obj)} {role}: securityContext {security} must set runAsNonRoot: true "
+                    f"and runAsUser: {facts['user']} (the Dockerfile's USER)"
+                )
+            for container in containers(template):
+                if container.get("workingDir") != facts["workdir"]:
+                    problems.append(
+                        f"{object_name(obj)} {role} container {container['name']}: workingDir "
+                        f"{container.get('workingDir')!r}, expected {facts['workdir']} (relative "
+                        "config paths resolve there)"
+                    )
+    return problems
+
+
+def check_gpu_pods(objects: list[dict[str, Any]]) -> list[str]:
+    """GPU pods: multicast-off env, /dev/shm as a memory emptyDir; driver pods: results PVC mounted."""
+    claim_names = {obj["metadata"]["name"] for obj in objects if obj["kind"] == "PersistentVolumeClaim"}
+    problems = []
+    for obj in objects:
+        for role, template, _, runs_driver in pod_templates(obj):
+            where = f"{object_name(obj)} {role}"
+            volumes = {volume["name"]: volume for volume in template["spec"].get("volumes", [])}
+            mounts = {
+                mount["mountPath"]: mount["name"]
+                for container in template["spec"]["containers"]
+                for mount in container.get("volumeMounts", [])
+            }
+            if gpus_of_pod(template) > 0:
+                for container in template["spec"]["containers"]:
+                    env = {item["name"]: item.get("value") for item in container.get("env", [])}
+                    for variable, value in MULTICAST_OFF_ENV.items():
+                        if env.get(variable) != value:
+                            problems.append(f"{where}: {variable} is {env.get(variable)!r}, expected {value!r}")
+                shm = volumes.get(mounts.get("/dev/shm", ""), {})
+                if shm.get("emptyDir", {}).get("medium") != "Memory":
+                    problems.append(f"{where}: /dev/shm must be an emptyDir with medium Memory, got {shm}")
+            if runs_driver:
+                results = volumes.get(mounts.get(RESULTS_MOUNT, ""), {})
+                claim = results.get("persistentVolumeClaim", {}).get("claimName")
+                if claim is None:
+                    problems.append(f"{where}: runs the driver but mounts no PVC at {RESULTS_MOUNT}")
+                elif claim_names and claim not in claim_names:
+                    problems.append(f"{where}: claims PVC {claim!r}, not among {sorted(claim_names)}")
+    return problems
+
+
+# --------------------------------------------------------------------------------------------------
+# Tests: parsing
+
+
+def all_yaml_files() -> list[Path]:
+    return sorted(K8S_DIR.rglob("*.yaml"))
+
+
+def test_k8s_tree_has_the_expected_pieces():
+    kinds = sorted(obj["kind"] for path in base_manifest_files() for obj in load_yaml_documents(path))
+    assert kinds == ["Job", "PersistentVolumeClaim", "RayCluster", "RayJob"], kinds
+    assert [path.name for path in overlay_dirs()] == ["h200x4", "h200x8"]
+
+
+@pytest.mark.parametrize("path", all_yaml_files(), ids=lambda path: str(path.relative_to(K8S_DIR)))
+def test_every_manifest_parses(path: Path):
+    documents = load_yaml_documents(path)
+    assert documents, f"{path} holds no YAML document"
+    for document in documents:
+        assert isinstance(document, dict) and document.get("apiVersion") and document.get("kind"), (
+            f"{path}: every document needs apiVersion and kind, got {document!r:.200}"
+        )
+
+
+def test_every_base_file_is_a_kustomize_resource():
+    """A manifest left out of kustomization.yaml would be validated here but never deployed."""
+    kustomization = load_yaml_documents(BASE_DIR / "kustomization.yaml")[0]
+    assert sorted(kustomization["resources"]) == sorted(path.name for path in base_manifest_files())
+
+
+# --------------------------------------------------------------------------------------------------
+# Tests: schema validation
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+def test_core_kinds_validate_strictly(manifest_set, version: str):
+    set_id, objects = manifest_set
+    core = [obj for obj in objects if obj["kind"] not in CRD_FILES]
+    assert {obj["kind"] for obj in core} == {"PersistentVolumeClaim", "Job"}, set_id
+    for obj in core:
+        validate_core(obj, version)
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+def test_kuberay_pod_templates_and_metadata_validate_strictly(manifest_set, version: str):
+    _, objects = manifest_set
+    custom = [obj for obj in objects if obj["kind"] in CRD_FILES]
+    assert sorted(obj["kind"] for obj in custom) == ["RayCluster", "RayJob"]
+    for obj in custom:
+        validate_core(as_object_meta_carrier(obj["metadata"]), version)
+        for role, template, _, _ in pod_templates(obj):
+            validate_core(as_pod_template(f"{obj['metadata']['name']}-{role.replace(' ', '-')}", template), version)
+
+
+def test_kuberay_kinds_validate_against_crd_schemas(manifest_set, crd_validators):
+    _, objects = manifest_set
+    problems = [
+        problem
+        for obj in objects
+        if obj["kind"] in CRD_FILES
+        for problem in validate_custom_resource(obj, crd_validators)
+    ]
+    assert not problems, "\n".join(problems)
+
+
+# --------------------------------------------------------------------------------------------------
+# Tests: cross-checks
+
+
+def test_gpu_requests_match_config_world_size(manifest_set):
+    _, objects = manifest_set
+    problems = check_gpus_match_config(objects)
+    assert not problems, "\n".join(problems)
+
+
+def test_one_image_tag_everywhere(manifest_set):
+    _, objects = manifest_set
+    problems = check_images(objects, dockerfile_facts()["version"])
+    assert not problems, "\n".join(problems)
+
+
+def test_overlays_pin_the_dockerfile_image_version():
+    version = dockerfile_facts()["version"]
+    for directory in overlay_dirs():
+        images = load_yaml_documents(directory / "kustomization.yaml")[0].get("images", [])
+        assert [(image["name"], image.get("newTag")) for image in images] == [(IMAGE_NAME, version)], (
+            f"{directory}: images {images}, expected {IMAGE_NAME} with newTag {version}"
+        )
+
+
+def test_project_version_matches_image_version():
+    if tomllib is None:
+        pytest.skip("tomllib needs Python >= 3.11")
+    pyproject = REPO / "pyproject.toml"
+    if not pyproject.is_file():
+        pytest.fail("pyproject.toml is missing")
+    project = tomllib.loads(pyproject.read_text()).get("project", {})
+    if "version" not in project:
+        pytest.skip("pyproject.toml declares a dynamic version; the image label is the only version")
+    assert project["version"] == dockerfile_facts()["version"]
+
+
+def test_overlay_image_tag_reaches_every_container(tmp_path: Path):
+    """kustomize's image transformer must rewrite images inside the KubeRay CRs too, not only the Job."""
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    (probe / "kustomization.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "kustomize.config.k8s.io/v1beta1",
+                "kind": "Kustomization",
+                "resources": [os.path.relpath(BASE_DIR, probe)],
+                "images": [{"name": IMAGE_NAME, "newTag": "probe-tag"}],
+            }
+        )
+    )
+    result = kustomize_build(probe)
+    assert result.returncode == 0, result.stderr
+    objects = [obj for obj in yaml.safe_load_all(result.stdout) if obj]
+    assert check_images(objects, "probe-tag") == []
+    assert sum(len(containers(t)) for obj in objects for _, t, _, _ in pod_templates(obj)) >= 6
+
+
+def test_pods_match_the_image(manifest_set):
+    _, objects = manifest_set
+    problems = check_pods_match_image(objects)
+    assert not problems, "\n".join(problems)
+
+
+def test_gpu_pods_have_shm_multicast_off_and_results(manifest_set):
+    _, objects = manifest_set
+    problems = check_gpu_pods(objects)
+    assert not problems, "\n".join(problems)
+
+
+def test_component_selector_picks_one_workload(manifest_set):
+    """docs/deploy.md applies `-l 'app.kubernetes.io/component in (results,<workload>)'`."""
+    _, objects = manifest_set
+    components = {}
+    for obj in objects:
+        component = obj["metadata"].get("labels", {}).get(COMPONENT_LABEL)
+        assert component, f"{object_name(obj)} has no {COMPONENT_LABEL} label"
+        components.setdefault(component, []).append(obj["kind"])
+    assert components == {
+        "results": ["PersistentVolumeClaim"],
+        "rayjob": ["RayJob"],
+        "raycluster": ["RayCluster"],
+        "job": ["Job"],
+    }
+
+
+def test_dockerfile_contract():
+    facts = dockerfile_facts()
+    text = DOCKERFILE.read_text()
+    for variable, value in MULTICAST_OFF_ENV.items():
+        assert re.search(rf"\b{variable}={value}\b", facts["env"]), f"Dockerfile ENV lacks {variable}={value}"
+    assert re.search(r"\bFLASHDMOE_CUDA_ARCH=sm_90a\b", facts["env"])
+    assert int(facts["user"]) != 0
+    assert re.search(r'^ENTRYPOINT \["flashdmoe"\]\s*$', text, flags=re.MULTILINE)
+    assert re.search(r'^CMD \["info"\]\s*$', text, flags=re.MULTILINE)
+    (base_image,) = re.findall(r"^FROM\s+(\S+)", text, flags=re.MULTILINE)
+    assert re.fullmatch(r"nvcr\.io/nvidia/cuda:13\.0\.\d+-[a-z-]*devel-ubuntu\d+\.\d+", base_image), base_image
+    assert re.search(r"^RUN .*\bflashdmoe build\b", re.sub(r"\\\n", " ", text), flags=re.MULTILINE)
+
+
+# --------------------------------------------------------------------------------------------------
+# Tests: tools
+
+
+@pytest.mark.parametrize("directory", [BASE_DIR] + overlay_dirs(), ids=lambda path: path.name)
+def test_kustomize_renders(directory: Path):
+    result = kustomize_build(directory)
+    assert result.returncode == 0, result.stderr
+    assert len([obj for obj in yaml.safe_load_all(result.stdout) if obj]) == 4
+
+
+def test_hadolint_passes_on_the_dockerfile():
+    result = subprocess.run(
+        [require_tool("hadolint"), "--failure-threshold", "info", str(DOCKERFILE)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, f"hadolint findings:\n{result.stdout}{result.stderr}"
+
+
+# --------------------------------------------------------------------------------------------------
+# Negative tests: every validator rejects a bad input
+
+
+def base_object(kind: str) -> dict[str, Any]:
+    (obj,) = [obj for path in base_manifest_files() for obj in load_yaml_documents(path) if obj["kind"] == kind]
+    return obj
+
+
+def test_core_validation_rejects_unknown_field_and_wrong_type():
+    job = base_object("Job")
+    job["spec"]["template"]["spec"]["containers"][0]["gpus"] = 8
+    with pytest.raises(kubernetes_validate.ValidationError, match="'gpus' was unexpected"):
+        validate_core(job, KUBERNETES_VERSIONS[0])
+    job = base_object("Job")
+    job["spec"]["backoffLimit"] = "never"
+    with pytest.raises(kubernetes_validate.ValidationError, match="'never' is not of type"):
+        validate_core(job, KUBERNETES_VERSIONS[0])
+
+
+def test_pod_template_validation_rejects_typo_in_kuberay_template():
+    ray_job = base_object("RayJob")
+    worker = ray_job["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"]
+    worker["spec"]["containers"][0]["resource"] = worker["spec"]["containers"][0].pop("resources")
+    with pytest.raises(kubernetes_validate.ValidationError, match="'resource' was unexpected"):
+        validate_core(as_pod_template("worker", worker), KUBERNETES_VERSIONS[0])
+
+
+def test_metadata_validation_rejects_unknown_field():
+    ray_cluster = base_object("RayCluster")
+    ray_cluster["metadata"]["label"] = {"team": "moe"}
+    with pytest.raises(kubernetes_validate.ValidationError, match="'label' was unexpected"):
+        validate_core(as_object_meta_carrier(ray_cluster["metadata"]), KUBERNETES_VERSIONS[0])
+
+
+def test_crd_validation_rejects_unknown_field_the_raw_schema_accepts(crd_validators, raw_crd_validators):
+    ray_job = base_object("RayJob")
+    ray_job["spec"]["rayClusterSpec"]["headGroupSpec"]["rayStartParam"] = {"num-cpus": "0"}
+    assert validate_custom_resource(ray_job, raw_crd_validators) == [], "the shipped schema already rejects it"
+    problems = validate_custom_resource(ray_job, crd_validators)
+    assert any("'rayStartParam' was unexpected" in problem for problem in problems), problems
+
+
+def test_crd_validation_rejects_wrong_types(crd_validators):
+    ray_job = base_object("RayJob")
+    ray_job["spec"]["entrypoint"] = ["flashdmoe", "run"]
+    problems = validate_custom_resource(ray_job, crd_validators)
+    assert any(problem.startswith("RayJob/flashdmoe-run: spec.entrypoint:") for problem in problems), problems
+    ray_cluster = base_object("RayCluster")
+    # rayStartParams values are strings; an unquoted number is a classic mistake.
+    ray_cluster["spec"]["headGroupSpec"]["rayStartParams"]["num-cpus"] = 0
+    problems = validate_custom_resource(ray_cluster, crd_validators)
+    assert any("rayStartParams.num-cpus: 0 is not of type 'string'" in problem for problem in problems), problems
+
+
+def test_forbid_unknown_fields_respects_preserve_unknown_fields():
+    schema = {
+        "type": "object",
+        "properties": {
+            "open": {"type": "object", "properties": {"a": {}}, "x-kubernetes-preserve-unknown-fields": True},
+            "closed": {"type": "object", "properties": {"a": {}}},
+            "mapping": {"type": "object", "additionalProperties": {"type": "object", "properties": {"a": {}}}},
+            "listed": {"type": "array", "items": {"type": "object", "properties": {"a": {}}}},
+        },
+    }
+    validator = jsonschema.Draft7Validator(forbid_unknown_fields(schema))
+    assert validator.is_valid({"open": {"b": 1}})
+    assert not validator.is_valid({"closed": {"b": 1}})
+    assert not validator.is_valid({"mapping": {"key": {"b": 1}}})
+    assert validator.is_valid({"mapping": {"key": {"a": 1}}})
+    assert not validator.is_valid({"listed": [{"b": 1}]})
+    assert not validator.is_valid({"unknown": 1})
+    assert "additionalProperties" not in schema, "the input schema must not be modified"
+
+
+def test_gpu_cross_check_rejects_mismatch_and_missing_config():
+    job = base_object("Job")
+    job["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"][GPU_RESOURCE] = 4
+    job["spec"]["template"]["spec"]["containers"][0]["resources"]["requests"][GPU_RESOURCE] = 4
+    assert any("requests 4 GPUs but configs/h200x8.yaml has world_size 8" in p for p in check_gpus_match_config([job]))
+
+    ray_job = base_object("RayJob")
+    ray_job["spec"]["entrypoint"] = "flashdmoe run --config configs/no-such-config.yaml --output /results"
+    ray_job["metadata"]["annotations"][CONFIG_ANNOTATION] = "configs/no-such-config.yaml"
+    problems = check_gpus_match_config([ray_job])
+    assert problems == ["RayJob/flashdmoe-run: config configs/no-such-config.yaml does not exist in the repository"]
+
+    ray_cluster = base_object("RayCluster")
+    ray_cluster["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["resources"]["limits"][GPU_RESOURCE] = 1
+    problems = check_gpus_match_config([ray_cluster])
+    assert any("Ray head must be CPU-only" in problem for problem in problems), problems
+
+
+def test_image_and_pod_cross_checks_reject_drift():
+    ray_cluster = base_object("RayCluster")
+    worker = ray_cluster["spec"]["workerGroupSpecs"][0]["template"]["spec"]
+    worker["containers"][0]["image"] = f"{IMAGE_NAME}:0.0.9"
+    assert check_images([ray_cluster], dockerfile_facts()["version"]) == [
+        f"RayCluster/flashdmoe-interactive worker group gpu container ray-worker: image "
+        f"'{IMAGE_NAME}:0.0.9', expected {IMAGE_NAME}:{dockerfile_facts()['version']}"
+    ]
+    worker["containers"][0]["workingDir"] = "/"
+    worker["securityContext"]["runAsUser"] = 0
+    ray_cluster["spec"]["rayVersion"] = "2.9.0"
+    problems = check_pods_match_image([ray_cluster])
+    assert len(problems) == 3, problems
+
+    job = base_object("Job")
+    pod = job["spec"]["template"]["spec"]
+    pod["containers"][0]["env"] = [e for e in pod["containers"][0]["env"] if e["name"] != "NCCL_NVLS_ENABLE"]
+    pod["volumes"] = [v for v in pod["volumes"] if v["name"] != "dshm"]
+    problems = check_gpu_pods([job])
+    assert any("NCCL_NVLS_ENABLE" in p for p in problems) and any("/dev/shm" in p for p in problems), problems
+
+
+def test_kustomize_build_fails_on_a_broken_overlay(tmp_path: Path):
+    (tmp_path / "kustomization.yaml").write_text("resources:\n  - missing.yaml\n")
+    result = kustomize_build(tmp_path)
+    assert result.returncode != 0 and "missing.yaml" in result.stderr
+
+
+def test_hadolint_rejects_a_bad_dockerfile(tmp_path: Path):
+    bad = tmp_path / "Dockerfile"
+    bad.write_text("FROM ubuntu:latest\nRUN apt-get update && apt-get install -y curl\n")
+    result = subprocess.run(
+        [require_tool("hadolint"), "--failure-threshold", "info", str(bad)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode != 0 and "DL3007" in result.stdout, result.stdout
+
+
+def test_crd_directory_policy(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    """Missing CRDs fail loudly; only an explicit empty FLASHDMOE_CRD_DIR opts out."""
+    monkeypatch.setenv(CRD_DIR_ENV, "")
+    assert crd_directory() is None
+    monkeypatch.setenv(CRD_DIR_ENV, str(tmp_path))
+    with pytest.raises(pytest.fail.Exception, match="KubeRay CRDs not found"):
+        crd_directory()

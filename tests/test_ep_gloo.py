@@ -1,0 +1,184 @@
+"""The gloo expert-parallel MoE (``flashdmoe.ep_gloo``) in real multi-process runs against the reference.
+
+Each test spawns P processes (one per rank) that join a gloo group on 127.0.0.1, run many cases, and
+compare their own output and gradients with ``reference.moe_expert_parallel`` (computed by every rank for
+all ranks, from the same seeded inputs). Spawning costs a few seconds per process, so one spawn covers
+many cases.
+
+Tolerances (max |got - want| <= atol + rtol * |want|): float64 1e-10 / 1e-10 (only summation order
+differs: the router gradient is all-reduced across ranks); float32 2e-5 / 2e-5; bfloat16 (outputs and
+gradients rounded to bfloat16 once, like the reference) 2e-2 / 2e-2.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from flashdmoe import reference
+from flashdmoe.ep_gloo import TrafficCounter, expert_parallel_moe
+
+TOLERANCES = {torch.float64: (1e-10, 1e-10), torch.float32: (2e-5, 2e-5), torch.bfloat16: (2e-2, 2e-2)}
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _case_inputs(case: dict, world_size: int):
+    """Seeded inputs of every rank: xs, dys ``[T_r, H]``, router ``[E, H]``, w1s/w2s shards (random normal)."""
+    generator = torch.Generator().manual_seed(case["seed"])
+    hidden, ffn, local, dtype = case["hidden"], case["ffn"], case["local_experts"], case["dtype"]
+    experts = local * world_size
+    w1_cols = 2 * ffn if case["activation"] == "swiglu" else ffn
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=generator, dtype=torch.float64) * scale).to(dtype)
+
+    router = randn(experts, hidden, scale=hidden ** -0.5)
+    if case.get("zero_router"):
+        router = torch.zeros_like(router)
+    w1s = [randn(local, hidden, w1_cols, scale=hidden ** -0.5) for _ in range(world_size)]
+    w2s = [randn(local, ffn, hidden, scale=ffn ** -0.5) for _ in range(world_size)]
+    xs = [randn(tokens, hidden) for tokens in case["tokens"]]
+    dys = [randn(tokens, hidden) for tokens in case["tokens"]]
+    return xs, dys, router, w1s, w2s
+
+
+def _assert_close(name: str, got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    atol, rtol = TOLERANCES[dtype]
+    assert got.shape == want.shape and got.dtype == want.dtype, f"{name}: {got.shape}/{got.dtype} vs {want.shape}/{want.dtype}"
+    if want.numel():
+        error = (got.double() - want.double()).abs()
+        bound = atol + rtol * want.double().abs()
+        assert bool((error <= bound).all()), f"{name}: max abs error {error.max().item():.3e} exceeds {atol}+{rtol}*|want|"
+
+
+def _run_case(case: dict, rank: int, world_size: int) -> None:
+    xs, dys, router, w1s, w2s = _case_inputs(case, world_size)
+    options = dict(top_k=case["top_k"], activation=case["activation"], normalize_topk=case["normalize_topk"],
+                   capacity_factor=case["capacity_factor"])
+    dtype = case["dtype"]
+
+    # Reference: all ranks in one process, summed loss sum_r <y_r, dy_r> + aux weight * sum_r aux_r.
+    ref_xs = [x.clone().requires_grad_() for x in xs]
+    ref_router = router.clone().requires_grad_()
+    ref_w1s = [w.clone().requires_grad_() for w in w1s]
+    ref_w2s = [w.clone().requires_grad_() for w in w2s]
+    ref_ys, ref_auxes = reference.moe_expert_parallel(ref_xs, ref_router, ref_w1s, ref_w2s, return_aux=True, **options)
+    loss = sum((y.double() * dy.double()).sum() for y, dy in zip(ref_ys, dys))
+    loss = loss + 0.1 * sum(aux.aux_loss.double() for aux in ref_auxes)
+    loss.backward()
+
+    # Distributed: this rank's tokens and shard only.
+    x = xs[rank].clone().requires_grad_(case.get("x_requires_grad", [True] * world_size)[rank])
+    my_router = router.clone().requires_grad_()
+    w1, w2 = w1s[rank].clone().requires_grad_(), w2s[rank].clone().requires_grad_()
+    traffic = TrafficCounter()
+    y, aux = expert_parallel_moe(x, my_router, w1, w2, return_aux=True, traffic=traffic, **options)
+    local_loss = (y.double() * dys[rank].double()).sum() + 0.1 * aux.aux_loss.double()
+    local_loss.backward()
+
+    label = f"case {case['name']} rank {rank}"
+    _assert_close(f"{label} y", y, ref_ys[rank].detach(), dtype)
+    assert torch.equal(aux.counts, ref_auxes[rank].counts), label
+    assert int(aux.dropped) == int(ref_auxes[rank].dropped), label
+    _assert_close(f"{label} aux_loss", aux.aux_loss.detach(), ref_auxes[rank].aux_loss.detach(), torch.float64
+                  if dtype == torch.float64 else torch.float32)
+    if x.requires_grad:
+        _assert_close(f"{label} dx", x.grad, ref_xs[rank].grad, dtype)
+    _assert_close(f"{label} d router_weight", my_router.grad, ref_router.grad, dtype)
+    _assert_close(f"{label} dw1", w1.grad, ref_w1s[rank].grad, dtype)
+    _assert_close(f"{label} dw2", w2.grad, ref_w2s[rank].grad, dtype)
+    # Traffic: exactly the rows this rank dispatched to the other ranks' experts.
+    local = case["local_experts"]
+    owner = ref_auxes[rank].counts.new_tensor([e // local for e in range(local * world_size)])
+    # with capacity, dropped choices do not travel: count the kept ones per destination
+    routing = reference.route(xs[rank], router, case["top_k"], case["normalize_topk"])
+    capacity = reference.expert_capacity(xs[rank].shape[0], case["top_k"], local * world_size, case["capacity_factor"])
+    keep = reference.keep_mask(routing.experts, local * world_size, capacity)
+    remote_rows = int((owner[routing.experts][keep] != rank).sum())
+    assert traffic.rows_sent_remote == remote_rows, label
+
+
+def _worker(rank: int, world_size: int, port: int, cases: list[dict], error_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        for case in cases:
+            if case.get("mismatch_rank") is not None:
+                _run_mismatch(case, rank, world_size)
+            else:
+                _run_case(case, rank, world_size)
+            dist.barrier()
+    except BaseException:
+        with open(os.path.join(error_dir, f"rank{rank}.txt"), "w") as handle:
+            handle.write(traceback.format_exc())
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def _run_mismatch(case: dict, rank: int, world_size: int) -> None:
+    """One rank uses a different top_k: every rank must raise ValueError naming it (no hang)."""
+    xs, _, router, w1s, w2s = _case_inputs(case, world_size)
+    top_k = case["top_k"] + (1 if rank == case["mismatch_rank"] else 0)
+    with pytest.raises(ValueError, match="top_k"):
+        expert_parallel_moe(xs[rank], router, w1s[rank], w2s[rank], top_k=top_k, activation=case["activation"])
+
+
+def _spawn(world_size: int, cases: list[dict], tmp_path) -> None:
+    try:
+        mp.spawn(_worker, args=(world_size, _free_port(), cases, str(tmp_path)), nprocs=world_size, join=True)
+    except mp.ProcessRaisedException as error:
+        reports = sorted(tmp_path.glob("rank*.txt"))
+        details = "\n".join(report.read_text() for report in reports)
+        raise AssertionError(f"a rank failed:\n{details or error}") from None
+
+
+def _cases(world_size: int) -> list[dict]:
+    generator = torch.Generator().manual_seed(1000 + world_size)
+    activations = reference.ACTIVATIONS
+    cases = []
+    for index in range(8):
+        tokens = torch.randint(1, 40, (world_size,), generator=generator).tolist()
+        tokens[index % world_size] = 0 if index % 3 == 0 else tokens[index % world_size]  # a rank with T = 0
+        cases.append(dict(
+            name=f"p{world_size}-{index}", seed=index + 10 * world_size, tokens=tokens,
+            hidden=int(torch.randint(4, 24, (1,), generator=generator)), ffn=int(torch.randint(3, 20, (1,), generator=generator)),
+            local_experts=1 + index % 3,
+            top_k=min(1 + index % 2 + (index % 4 == 3), (1 + index % 3) * world_size),
+            activation=activations[index % len(activations)], normalize_topk=index % 2 == 0,
+            capacity_factor=(None, 0.5, 1.0, 1.25)[index % 4],
+            dtype=(torch.float64, torch.float64, torch.float32, torch.bfloat16)[index % 4]))
+    # no tokens anywhere: the exchanges are all empty
+    cases.append(dict(cases[0], name=f"p{world_size}-no-tokens", tokens=[0] * world_size))
+    # fully skewed routing: a zero router makes every probability tie, so every token picks experts
+    # 0..k-1 (ties to the lower index) and rank 0 receives everything; with capacity some are dropped
+    cases.append(dict(cases[1], name=f"p{world_size}-skewed", zero_router=True, tokens=[17] * world_size))
+    # rank 0's x does not require grad while others' do: collectives must still line up
+    cases.append(dict(cases[1], name=f"p{world_size}-mixed-requires-grad",
+                      x_requires_grad=[False] + [True] * (world_size - 1)))
+    cases.append(dict(cases[2], name=f"p{world_size}-layer-mismatch", mismatch_rank=world_size - 1))
+    return cases
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_expert_parallel_gloo_matches_reference(world_size, tmp_path):
+    _spawn(world_size, _cases(world_size), tmp_path)
+
+
+def test_expert_parallel_requires_initialised_group():
+    x = torch.randn(3, 4)
+    with pytest.raises(ValueError, match="init_process_group"):
+        expert_parallel_moe(x, torch.randn(2, 4), torch.randn(2, 4, 5), torch.randn(2, 5, 4), top_k=1)

@@ -1,0 +1,363 @@
+"""Tests of flashdmoe.extension: building, caching and loading the CUDA extension.
+
+Most tests build a tiny throwaway source tree (one trivial kernel, a header, pybind11 bindings)
+with the real toolchain (nvcc + ninja), then import the module on this GPU-less machine and call a
+host-only function. ``test_real_csrc_compiles_for_sm_90a`` is CI's compile check of the real
+kernel: it compiles ``csrc/`` for sm_90a and inspects the embedded SASS (nothing runs).
+
+Compile tests need nvcc: without it they skip locally but fail in CI (``CI`` set), so the compile
+check can never pass by skipping.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from flashdmoe import extension
+
+try:
+    from flashdmoe.errors import BackendUnavailable
+except ImportError:  # errors.py not written yet: load() falls back to RuntimeError
+    BackendUnavailable = RuntimeError
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+ARCH = "sm_90a"
+
+
+def _skip_or_fail(reason: str) -> None:
+    """Skip on a developer machine, fail in CI: a compile check must never pass by skipping."""
+    if os.environ.get("CI"):
+        pytest.fail(f"{reason} (CI is set, so this is a failure, not a skip)")
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="module")
+def toolchain():
+    try:
+        return extension.find_toolchain()
+    except extension.BuildError as error:
+        _skip_or_fail(str(error))
+
+
+def _write_tiny_tree(root: Path, answer: int) -> Path:
+    """A throwaway csrc/-like tree: a header, a kernel in a subfolder, and pybind11 bindings.
+
+    ``answer`` is baked into the header so a content change is visible through the module.
+    """
+    (root / "include").mkdir(parents=True)
+    (root / "kernels").mkdir()
+    (root / "include" / "tiny.cuh").write_text(
+        "#pragma once\n"
+        f"constexpr int kAnswer = {answer};\n"
+        "int scale_kernel_block_size();\n"
+    )
+    (root / "kernels" / "scale.cu").write_text(
+        '#include "include/tiny.cuh"\n'
+        "__global__ void scale_kernel(float* values, float factor, int count) {\n"
+        "  int index = blockIdx.x * blockDim.x + threadIdx.x;\n"
+        "  if (index < count) values[index] *= factor;\n"
+        "}\n"
+        "int scale_kernel_block_size() { return 256; }\n"
+    )
+    (root / "bindings.cpp").write_text(
+        "#include <pybind11/pybind11.h>\n"
+        '#include "include/tiny.cuh"\n'
+        "PYBIND11_MODULE(flashdmoe_cuda, m) {\n"
+        '  m.def("add", [](long a, long b) { return a + b; });\n'
+        '  m.def("answer", []() { return kAnswer; });\n'
+        '  m.def("block_size", &scale_kernel_block_size);\n'
+        "}\n"
+    )
+    return root
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    """An isolated build cache for the whole module (never the user's ~/.cache)."""
+    path = tmp_path_factory.mktemp("flashdmoe-cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("FLASHDMOE_CACHE_DIR", str(path))
+        patch.delenv("FLASHDMOE_CUDA_ARCH", raising=False)
+        yield path
+
+
+@pytest.fixture(scope="module")
+def tiny_tree(tmp_path_factory):
+    return _write_tiny_tree(tmp_path_factory.mktemp("tiny-csrc"), answer=41)
+
+
+@pytest.fixture(scope="module")
+def tiny_build(toolchain, cache_dir, tiny_tree):
+    """The tiny tree built once into the isolated cache: (so path, build seconds)."""
+    started = time.perf_counter()
+    so_path = extension.build(arch=ARCH, source_dir=tiny_tree)
+    return so_path, time.perf_counter() - started
+
+
+def _call_in_fresh_process(so_path: Path, expression: str) -> str:
+    """Import ``so_path`` in a new interpreter and return ``repr`` of ``expression`` on it (``module``).
+
+    A process can hold one flashdmoe_cuda build (see extension.import_extension), so a second build
+    is checked in a child process.
+    """
+    script = (
+        "import sys\n"
+        "from flashdmoe.extension import import_extension\n"
+        "module = import_extension(sys.argv[1])\n"
+        f"print(repr({expression}))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script, str(so_path)], capture_output=True, text=True,
+                            cwd=REPO_ROOT, check=False)
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip().splitlines()[-1]
+
+
+def _report(capture, text: str) -> None:
+    """Print past pytest's capture (``capture`` is the test's capsys or capfd): timings belong in the log."""
+    with capture.disabled():
+        print(f"\n[test_extension] {text}")
+
+
+def test_build_then_import_and_call_host_function(tiny_build, cache_dir, capsys):
+    so_path, seconds = tiny_build
+    _report(capsys, f"tiny tree build: {seconds:.1f} s")
+    assert so_path.is_file()
+    assert so_path.parent.parent == cache_dir
+    assert so_path.name == extension.extension_filename()
+    assert so_path.parent.name.startswith(f"{ARCH}-")
+    module = extension.import_extension(so_path)  # no GPU here: importing must not touch CUDA
+    assert module.__name__ == "flashdmoe_cuda"
+    rng = random.Random(1234)
+    a, b = rng.randrange(-10**9, 10**9), rng.randrange(-10**9, 10**9)
+    assert module.add(a, b) == a + b
+    assert module.answer() == 41
+    assert module.block_size() == 256  # defined in the .cu object: the link took every source
+    assert extension.import_extension(so_path) is module  # imported once per process
+
+
+def test_build_ninja_has_one_object_per_source_and_the_required_flags(tiny_build, tiny_tree):
+    so_path, _ = tiny_build
+    ninja_text = (so_path.parent / "build.ninja").read_text()
+    assert "objects/kernels/scale.cu.o" in ninja_text
+    assert "objects/bindings.cpp.o" in ninja_text
+    for flag in ("-std=c++17", "-O3", "-gencode=arch=compute_90a,code=sm_90a", "--expt-relaxed-constexpr",
+                 "--expt-extended-lambda", "-Xcompiler=-fPIC,-O3", "-lineinfo", "-Xptxas=-v", "-DNDEBUG"):
+        assert flag in ninja_text, flag
+    assert f"-I{tiny_tree}" in ninja_text
+    assert "-lcuda" not in ninja_text and "-ltorch" not in ninja_text and "libtorch" not in ninja_text
+
+
+def test_second_build_is_a_cache_hit(tiny_build, tiny_tree, capfd):
+    so_path, _ = tiny_build
+    log_path = so_path.parent / extension.BUILD_LOG_NAME
+    stamps = (so_path.stat().st_mtime_ns, log_path.stat().st_mtime_ns)
+    capfd.readouterr()
+    assert extension.build(arch=ARCH, source_dir=tiny_tree) == so_path
+    assert extension.build_log_path(ARCH, tiny_tree) == log_path
+    assert (so_path.stat().st_mtime_ns, log_path.stat().st_mtime_ns) == stamps
+    assert "building" not in capfd.readouterr().err
+
+
+def test_build_log_keeps_the_ptxas_register_report(tiny_build, tiny_tree):
+    so_path, _ = tiny_build
+    log_text = extension.build_log_path(ARCH, tiny_tree).read_text()
+    assert "nvcc" in log_text and "-Xptxas=-v" in log_text  # ninja -v logs the commands
+    report = extension.parse_ptxas_report(log_text)
+    kernels = {entry.name: entry for entry in report}
+    scale = kernels["_Z12scale_kernelPffi"]
+    assert scale.arch == ARCH
+    assert 0 < scale.registers <= 255
+    assert scale.spill_store_bytes == 0 and scale.spill_load_bytes == 0
+
+
+def test_cache_key_follows_sources_and_relative_paths(toolchain, cache_dir, tmp_path):
+    tree = _write_tiny_tree(tmp_path / "tree", answer=7)
+    original = extension.cache_key(ARCH, tree)
+    assert len(original) == 64 and original == extension.cache_key(ARCH, tree)
+
+    header = tree / "include" / "tiny.cuh"
+    header_text = header.read_text()
+    header.write_text(header_text + "// a header edit must invalidate the cache\n")
+    assert extension.cache_key(ARCH, tree) != original
+    header.write_text(header_text)
+    assert extension.cache_key(ARCH, tree) == original
+
+    kernel = tree / "kernels" / "scale.cu"
+    kernel.rename(tree / "kernels" / "scale_renamed.cu")
+    assert extension.cache_key(ARCH, tree) != original
+    (tree / "kernels" / "scale_renamed.cu").rename(kernel)
+
+    (tree / "notes.txt").write_text("not a source: ignored by the key")
+    assert extension.cache_key(ARCH, tree) == original
+
+    # The same contents elsewhere share the key: only relative paths count.
+    copy = shutil.copytree(tree, tmp_path / "copy")
+    assert extension.cache_key(ARCH, copy) == original
+
+
+def test_changed_source_rebuilds_once_under_concurrent_builds(toolchain, cache_dir, tiny_build, tmp_path, capfd):
+    old_so, _ = tiny_build
+    tree = _write_tiny_tree(tmp_path / "tree", answer=random.Random(99).randrange(1000, 2000))
+    expected_answer = int((tree / "include" / "tiny.cuh").read_text().split("=")[1].split(";")[0])
+    capfd.readouterr()
+    results: list[Path] = []
+    errors: list[BaseException] = []
+
+    def build_in_thread():
+        try:
+            results.append(extension.build(arch=ARCH, source_dir=tree))
+        except BaseException as error:  # surfaced below
+            errors.append(error)
+
+    started = time.perf_counter()
+    threads = [threading.Thread(target=build_in_thread) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    seconds = time.perf_counter() - started
+    assert not errors, errors
+    assert len(results) == 2 and results[0] == results[1]
+    assert results[0] != old_so  # different sources, different cache folder
+    assert capfd.readouterr().err.count("building flashdmoe_cuda (2 sources) ...") == 1  # the lock held
+    _report(capfd, f"changed tree, two concurrent builds: {seconds:.1f} s")
+    assert _call_in_fresh_process(results[0], "module.answer()") == repr(expected_answer)
+    extension.import_extension(old_so)
+    with pytest.raises(ImportError, match="already imported in this process"):
+        extension.import_extension(results[0])  # would otherwise silently return the old build's code
+
+
+def test_force_rebuilds(toolchain, tiny_build, tiny_tree, capfd):
+    so_path, _ = tiny_build
+    before = so_path.stat().st_mtime_ns
+    capfd.readouterr()
+    assert extension.build(arch=ARCH, source_dir=tiny_tree, force=True) == so_path
+    assert so_path.stat().st_mtime_ns != before
+    assert "building flashdmoe_cuda (2 sources) ..." in capfd.readouterr().err
+
+
+def test_compile_error_reports_first_error_and_log(toolchain, cache_dir, tmp_path):
+    tree = tmp_path / "tree"  # no bindings: the failing compile is the only job
+    tree.mkdir()
+    (tree / "broken.cu").write_text("__global__ void broken() { undeclared_symbol = 1; }\n")
+    with pytest.raises(extension.BuildError) as caught:
+        extension.build(arch=ARCH, source_dir=tree)
+    message = str(caught.value)
+    assert message.startswith("build failed: ")
+    assert "undeclared_symbol" in message
+    assert caught.value.log_path is not None and caught.value.log_path.is_file()
+    assert f"full log at {caught.value.log_path}" in message
+    assert not (caught.value.log_path.parent / extension.extension_filename()).exists()
+
+
+def test_arch_argument_and_environment_are_validated(cache_dir, tiny_tree, monkeypatch):
+    with pytest.raises(ValueError, match=r"arch='sm_80' is not supported.*sm_90a"):
+        extension.build(arch="sm_80", source_dir=tiny_tree)
+    monkeypatch.setenv("FLASHDMOE_CUDA_ARCH", "sm_86")
+    with pytest.raises(ValueError, match=r"FLASHDMOE_CUDA_ARCH='sm_86' is not supported"):
+        extension.resolve_arch()
+    monkeypatch.setenv("FLASHDMOE_CUDA_ARCH", "90a")
+    assert extension.resolve_arch() == "sm_90a"
+    assert extension.gencode_flag("sm_90a") == "-gencode=arch=compute_90a,code=sm_90a"
+
+
+def test_source_dir_errors(tmp_path):
+    with pytest.raises(ValueError, match="source_dir=.*is not a directory"):
+        extension.collect_sources(tmp_path / "missing")
+    (tmp_path / "only_headers").mkdir()
+    (tmp_path / "only_headers" / "a.cuh").write_text("#pragma once\n")
+    with pytest.raises(extension.BuildError, match=r"no CUDA sources \(\*\.cu, \*\.cpp\)"):
+        extension.collect_sources(tmp_path / "only_headers")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the reason given on a machine without CUDA")
+def test_unavailable_reason_names_the_missing_cuda_device(monkeypatch):
+    monkeypatch.setattr(extension, "_status_cache", {})
+    reason = extension.unavailable_reason()
+    assert reason == "torch.cuda.is_available() is False (no CUDA device)"
+    assert extension.available() is False
+    with pytest.raises(BackendUnavailable, match=r"no CUDA device"):
+        extension.load()
+    assert extension.resolve_arch() == extension.DEFAULT_ARCH  # no GPU: build for sm_90a
+
+
+def _pretend_gpu(monkeypatch, name: str, capability: tuple[int, int]) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    monkeypatch.setattr(extension, "_status_cache", {})
+
+
+def test_unavailable_reason_names_a_non_hopper_gpu(monkeypatch):
+    monkeypatch.delenv("FLASHDMOE_CUDA_ARCH", raising=False)
+    _pretend_gpu(monkeypatch, "NVIDIA A100-SXM4-80GB", (8, 0))
+    assert extension.unavailable_reason() == (
+        "GPU NVIDIA A100-SXM4-80GB has compute capability 8.0; the fused kernel needs Hopper (sm_90a)"
+    )
+    with pytest.raises(extension.BuildError, match="compute capability 8.0.*FLASHDMOE_CUDA_ARCH"):
+        extension.resolve_arch()
+
+
+def test_unavailable_reason_names_missing_nvcc(monkeypatch, tiny_tree):
+    monkeypatch.delenv("FLASHDMOE_CUDA_ARCH", raising=False)
+    _pretend_gpu(monkeypatch, "NVIDIA H200", (9, 0))
+    monkeypatch.setattr(extension, "find_nvcc", lambda: None)
+    assert extension.resolve_arch() == "sm_90a"
+    assert extension.unavailable_reason(tiny_tree) == "nvcc not found (set CUDA_HOME or put nvcc on PATH)"
+    assert extension.available(tiny_tree) is False
+
+
+def test_tiny_build_embeds_sm_90a_sass(tiny_build):
+    if extension.find_cuda_tool("cuobjdump") is None:
+        _skip_or_fail("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
+    so_path, _ = tiny_build
+    assert set(extension.embedded_cubin_archs(so_path)) == {"sm_90a"}
+
+
+def _needed_libraries(so_path: Path) -> list[str]:
+    readelf = shutil.which("readelf")
+    assert readelf is not None, "readelf (binutils) is needed to list the .so's dependencies"
+    dynamic = subprocess.run([readelf, "-d", str(so_path)], capture_output=True, text=True, check=True).stdout
+    return [line.split("[", 1)[1].rstrip("]") for line in dynamic.splitlines() if "(NEEDED)" in line]
+
+
+@pytest.mark.cuda_compile
+def test_real_csrc_compiles_for_sm_90a(toolchain, tmp_path, capsys, record_property):
+    """CI's compile check: the real kernel compiles for sm_90a, holds sm_90a SASS, needs no driver."""
+    source_dir = extension.default_source_dir()
+    units = sorted(source_dir.rglob("*.cu")) + sorted(source_dir.rglob("*.cpp")) if source_dir.is_dir() else []
+    if not units:
+        pytest.fail(f"{source_dir} holds no *.cu / *.cpp: the compile check has nothing to compile")
+    if extension.find_cuda_tool("cuobjdump") is None:
+        _skip_or_fail("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
+
+    started = time.perf_counter()
+    so_path = extension.compile_sources(tmp_path / "build", arch=ARCH)
+    seconds = time.perf_counter() - started
+    record_property("compile_seconds", round(seconds, 1))
+
+    archs = extension.embedded_cubin_archs(so_path)
+    assert archs and set(archs) == {"sm_90a"}, archs
+    report = extension.parse_ptxas_report((tmp_path / "build" / extension.BUILD_LOG_NAME).read_text())
+    assert report and {entry.arch for entry in report} == {"sm_90a"}
+    needed = _needed_libraries(so_path)
+    assert not [lib for lib in needed if lib.startswith(("libcuda.", "libtorch", "libc10"))], needed
+
+    # Importing must need no driver. In a child process: this one may already hold the tiny build.
+    assert _call_in_fresh_process(so_path, "module.__name__") == repr("flashdmoe_cuda")
+
+    lines = [f"real csrc/ ({len(units)} sources) compiled for sm_90a in {seconds:.1f} s; ptxas report:"]
+    lines += [f"  {entry.name}: {entry.registers} registers, spill stores {entry.spill_store_bytes} B, "
+              f"spill loads {entry.spill_load_bytes} B, stack {entry.stack_frame_bytes} B" for entry in report]
+    _report(capsys, "\n".join(lines))
