@@ -241,7 +241,7 @@ def _command_build(args: argparse.Namespace) -> int:
     try:
         path = extension.build(arch=args.arch, force=args.force, verbose=args.verbose)
     except extension.BuildError as error:
-        print(f"error: build failed: {error}", file=sys.stderr)
+        print(f"error: {error}", file=sys.stderr)
         return 1
     print(path)
     return 0
@@ -305,7 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--address", default=None, help="Ray cluster address (not supported by the in-process run yet)")
     run.add_argument("--workers", type=int, default=None, help="number of ranks; must equal the config's world_size")
     run.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True,
-                     help="check outputs and gradients against the float64 reference (default: on)")
+                     help="check outputs and gradients against the per-rank reference (default: on)")
     run.add_argument("--backend", choices=("auto", "reference", "cuda"), default="auto",
                      help="backend for one-rank runs (default: auto)")
     run.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")

@@ -39,6 +39,9 @@ class DebugKnobs:
     withhold_phase: int = 0
     poison_outputs: bool = False
     timeout_ms: int | None = None
+    # Expert GEMMs on Hopper wgmma (default) or on mma.sync, the comparison path
+    # (FLASHDMOE_EXPERT_MMA=mma_sync).
+    use_wgmma: bool = os.environ.get("FLASHDMOE_EXPERT_MMA", "wgmma") != "mma_sync"
 
 
 debug = DebugKnobs()
@@ -168,7 +171,7 @@ def fused_forward(x, router_weight, w1, w2, *, top_k, activation, normalize_topk
         expert_counts=counts.data_ptr(), workspace=workspace.data_ptr(), workspace_bytes=layout["total_bytes"],
         tokens=T, hidden=H, ffn=I, experts=E, top_k=top_k, dtype=dtype_code,
         activation=ACTIVATION_CODES[activation], normalize_topk=bool(normalize_topk), capacity=capacity,
-        timeout_ns=timeout_ns(), debug_withhold_phase=int(debug.withhold_phase),
+        timeout_ns=timeout_ns(), debug_withhold_phase=int(debug.withhold_phase), use_wgmma=debug.use_wgmma,
         stream=torch.cuda.current_stream(device).cuda_stream,
     )
     # One device-to-host copy of the status bytes (no extra kernels: a forward is one launch).

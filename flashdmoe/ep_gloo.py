@@ -106,7 +106,7 @@ class _DispatchExpertsCombine(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, anchor, router_alias, x_compute, w1, w2, experts, keep, activation, transport_dtype,
-                group, traffic):
+                build_graph, group, traffic):
         rank, world_size = dist.get_rank(group), dist.get_world_size(group)
         tokens, top_k = experts.shape
         hidden = x_compute.shape[1]
@@ -135,15 +135,16 @@ class _DispatchExpertsCombine(torch.autograd.Function):
         # Group the received rows by local expert (sources in rank order, rows in arrival order).
         received_expert = torch.repeat_interleave(
             torch.arange(local_experts).repeat(world_size), received_counts)
-        by_expert = torch.sort(received_expert, stable=True).indices
+        by_expert = torch.arange(received_expert.numel())
         rows_per_expert = torch.bincount(received_expert, minlength=local_experts).tolist()
 
-        needs_grad = any(ctx.needs_input_grad)
+        # With grad mode on (the caller's), keep the local expert graph for backward: it runs there on
+        # the gradients that arrive for these rows, without recomputing the experts.
         compute_dtype = x_compute.dtype
-        received_leaf = received.to(compute_dtype).detach().requires_grad_(needs_grad)
-        w1_leaf = w1.detach().requires_grad_(needs_grad)
-        w2_leaf = w2.detach().requires_grad_(needs_grad)
-        with torch.set_grad_enabled(needs_grad):
+        received_leaf = received.to(compute_dtype).detach().requires_grad_(build_graph)
+        w1_leaf = w1.detach().requires_grad_(build_graph)
+        w2_leaf = w2.detach().requires_grad_(build_graph)
+        with torch.set_grad_enabled(build_graph):
             grouped = received_leaf[by_expert].split(rows_per_expert)
             # every expert runs, even on 0 rows, so w1/w2 always get a (zero) gradient
             results_grouped = torch.cat([
@@ -158,7 +159,7 @@ class _DispatchExpertsCombine(torch.autograd.Function):
         ctx.group, ctx.traffic = group, traffic
         ctx.splits = (input_splits, output_splits)
         ctx.shape = (tokens, top_k, hidden)
-        ctx.graph = (received_leaf, w1_leaf, w2_leaf, results) if needs_grad else None
+        ctx.graph = (received_leaf, w1_leaf, w2_leaf, results) if build_graph else None
         ctx.save_for_backward(sent_choices)
         return choice_outputs.view(tokens, top_k, hidden)
 
@@ -169,6 +170,9 @@ class _DispatchExpertsCombine(torch.autograd.Function):
         group, traffic = ctx.group, ctx.traffic
         rank = dist.get_rank(group)
         tokens, top_k, hidden = ctx.shape
+        if ctx.graph is None:
+            raise RuntimeError("expert_parallel_moe: backward ran twice through one forward (retain_graph); "
+                               "run the forward again for a second backward")
         received_leaf, w1_leaf, w2_leaf, results = ctx.graph
         ctx.graph = None  # free the saved expert graph once used
 
@@ -186,7 +190,7 @@ class _DispatchExpertsCombine(torch.autograd.Function):
         grad_rows = _exchange(grad_received, input_splits, output_splits, rank, group, traffic)
         grad_choices = grad_rows.new_zeros(tokens * top_k, hidden).index_copy(0, sent_choices, grad_rows)
         grad_x = grad_choices.view(tokens, top_k, hidden).sum(dim=1)
-        return None, None, grad_x, grad_w1, grad_w2, None, None, None, None, None, None
+        return None, None, grad_x, grad_w1, grad_w2, None, None, None, None, None, None, None
 
 
 def _check_same_layer_on_every_rank(sizes, activation: str, normalize_topk: bool,
@@ -278,7 +282,7 @@ def expert_parallel_moe(
 
     # `router` is passed only so the router all-reduce waits for this node's backward (fixed order).
     choice_outputs = _DispatchExpertsCombine.apply(
-        anchor, router, x_compute, w1, w2, routing.experts, keep, activation, x.dtype, group, traffic)
+        anchor, router, x_compute, w1, w2, routing.experts, keep, activation, x.dtype, grad_enabled, group, traffic)
     y = reference.weighted_sum(routing.weights, keep, choice_outputs).to(x.dtype)
     if not return_aux:
         return y

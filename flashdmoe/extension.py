@@ -410,6 +410,8 @@ def _write_build_ninja(out_dir: Path, tree: SourceTree, arch: str, toolchain: To
         writer.variable("nvcc", shell_join([str(toolchain.nvcc)]))
         writer.variable("nvcc_flags", shell_join(nvcc_flags(arch)))
         writer.variable("include_flags", shell_join(include_flags))
+        # The arch is repeated at link time: without it nvcc adds a device-link cubin for its default arch.
+        writer.variable("link_flags", shell_join(["-shared", gencode_flag(arch)]))
         writer.newline()
         writer.rule(
             "cuda_compile",
@@ -419,8 +421,6 @@ def _write_build_ninja(out_dir: Path, tree: SourceTree, arch: str, toolchain: To
             deps="gcc",
         )
         # Link to a temporary name, then rename: a cached .so is either complete or absent.
-        # The arch is repeated at link time: without it nvcc adds a device-link cubin for its default arch.
-        writer.variable("link_flags", shell_join(["-shared", gencode_flag(arch)]))
         writer.rule("cuda_link", "$nvcc $link_flags $in -o $out.tmp && mv -f $out.tmp $out", description="LINK $out")
         writer.newline()
         for source in tree.compile_units:

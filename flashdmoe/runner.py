@@ -4,7 +4,8 @@
 :func:`flashdmoe.moe` (fused kernel on CUDA when built, else the reference); with several ranks it
 runs the expert-parallel reference :func:`flashdmoe.reference.moe_expert_parallel`, each rank
 holding only its expert shard. Verification recomputes every rank's output and all gradients
-with the single-rank reference in float64 on the full weights, an independent code path.
+with the single-rank reference on the full weights (float64 for float32 configs), an
+independent code path.
 """
 
 from __future__ import annotations
@@ -99,24 +100,36 @@ def _system_forward(config: MoEConfig, ranks: _Ranks, xs: list[torch.Tensor], ba
     return reference.moe_expert_parallel(xs, ranks.router_weight, ranks.w1s, ranks.w2s, **options)
 
 
+def _oracle_dtype(config: MoEConfig) -> torch.dtype:
+    """float64 for float32 configs; half-precision inputs stay as they are, because the reference
+    already computes them in float32 (the contract's router precision) and a float64 router could
+    pick a different expert on near-ties among many tokens."""
+    return torch.float64 if config.torch_dtype == torch.float32 else config.torch_dtype
+
+
+def _oracle_name(config: MoEConfig) -> str:
+    precision = "float64" if _oracle_dtype(config) == torch.float64 else f"{config.dtype} inputs, float32 compute"
+    return f"flashdmoe.reference.moe per rank on the full weights ({precision})"
+
+
 def _oracle(config: MoEConfig, ranks: _Ranks, xs: list[torch.Tensor], output_grads: list[torch.Tensor]):
-    """Per-rank single-rank reference in float64 on the full weights.
+    """Per-rank single-rank reference on the full weights (see :func:`_oracle_dtype`).
 
     Per rank is exact for capacity too: capacity is per (source rank, expert) pair,
     ``ceil(c * T_r * k / E)``, which is what one rank's own call with all ``E`` experts applies.
-    Returns (ys, dxs, d_router [E, H], d_w1 [E, H, .], d_w2 [E, I, H]), all float64.
+    Returns (ys, dxs, d_router [E, H], d_w1 [E, H, .], d_w2 [E, I, H]) in the oracle dtype.
     """
-    router64 = ranks.router_weight.detach().double().requires_grad_()
-    w1_64 = torch.cat([w1.detach() for w1 in ranks.w1s]).double().requires_grad_()
-    w2_64 = torch.cat([w2.detach() for w2 in ranks.w2s]).double().requires_grad_()
-    xs64 = [x.detach().double().requires_grad_() for x in xs]
-    ys = [reference.moe(x, router64, w1_64, w2_64, top_k=config.top_k, activation=config.activation,
+    dtype = _oracle_dtype(config)
+    router = ranks.router_weight.detach().to(dtype).requires_grad_()
+    w1 = torch.cat([shard.detach() for shard in ranks.w1s]).to(dtype).requires_grad_()
+    w2 = torch.cat([shard.detach() for shard in ranks.w2s]).to(dtype).requires_grad_()
+    xs_oracle = [x.detach().to(dtype).requires_grad_() for x in xs]
+    ys = [reference.moe(x, router, w1, w2, top_k=config.top_k, activation=config.activation,
                         normalize_topk=config.normalize_topk, capacity_factor=config.capacity_factor)
-          for x in xs64]
-    grads = torch.autograd.grad(ys, [*xs64, router64, w1_64, w2_64],
-                                [grad.double() for grad in output_grads], allow_unused=True)
-    grads = [torch.zeros_like(leaf) if grad is None else grad
-             for grad, leaf in zip(grads, [*xs64, router64, w1_64, w2_64])]
+          for x in xs_oracle]
+    leaves = [*xs_oracle, router, w1, w2]
+    grads = torch.autograd.grad(ys, leaves, [grad.to(dtype) for grad in output_grads], allow_unused=True)
+    grads = [torch.zeros_like(leaf) if grad is None else grad for grad, leaf in zip(grads, leaves)]
     world = config.world_size
     return [y.detach() for y in ys], list(grads[:world]), grads[world], grads[world + 1], grads[world + 2]
 
@@ -157,7 +170,7 @@ def run_in_process(config: MoEConfig, output_dir: str | Path | None = "results",
             expert-parallel reference (``cuda`` is refused there until the multi-rank kernel lands).
         device: torch device for all tensors (default: CUDA when available and the backend is
             not ``reference``, else CPU).
-        verify: compare every step's outputs and gradients with the float64 reference.
+        verify: compare every step's outputs and gradients with the per-rank reference.
         progress: show a progress bar on a terminal.
 
     Returns:
@@ -254,7 +267,7 @@ def run_in_process(config: MoEConfig, output_dir: str | Path | None = "results",
         },
         "verification": {
             "enabled": verify,
-            "oracle": "flashdmoe.reference.moe per rank, float64, full weights" if verify else None,
+            "oracle": _oracle_name(config) if verify else None,
             "metric": "max |got - want| / max |want| over y, dx, d_router_weight, d_w1, d_w2",
             "tolerance": tolerance if verify else None,
             "max_error": max(record["max_error"] for record in step_records) if verify else None,

@@ -136,7 +136,8 @@ class MoECluster:
                 raise ValueError(f"workers={workers}: {error}") from None
         if backend not in BACKENDS:
             raise ValueError(f"backend={backend!r}: expected one of {', '.join(BACKENDS)}")
-        if isinstance(gpus_per_worker, bool) or not isinstance(gpus_per_worker, (int, float)) or not 0 < gpus_per_worker <= 1:
+        if isinstance(gpus_per_worker, bool) or not isinstance(gpus_per_worker, (int, float)) \
+                or not 0 < gpus_per_worker <= 1:
             raise ValueError(f"gpus_per_worker={gpus_per_worker!r}: expected a number in (0, 1]")
         if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
             raise ValueError(f"max_retries={max_retries!r}: expected an integer >= 0")
@@ -213,7 +214,8 @@ class MoECluster:
             ray.get(group.ready(), timeout=self.call_timeout_s)
         except ray.exceptions.GetTimeoutError:
             raise RuntimeError(f"could not reserve {self.world_size} x {resource} on one node within "
-                               f"{self.call_timeout_s:g}s (STRICT_PACK); cluster resources: {ray.cluster_resources()}") from None
+                               f"{self.call_timeout_s:g}s (STRICT_PACK); cluster resources: "
+                               f"{ray.cluster_resources()}") from None
         if self.backend == "cuda":
             options = dict(num_cpus=0, num_gpus=self.gpus_per_worker, runtime_env={"env_vars": GPU_ENVIRONMENT})
         else:
@@ -441,7 +443,8 @@ class MoECluster:
         if crash is not None:
             if not isinstance(crash, dict) or crash.get("at") not in CRASH_POINTS or \
                     crash.get("rank") not in range(self.world_size):
-                raise ValueError(f"crash={crash!r}: expected {{'rank': 0..{self.world_size - 1}, 'at': one of {CRASH_POINTS}}}")
+                raise ValueError(f"crash={crash!r}: expected {{'rank': 0..{self.world_size - 1}, "
+                                 f"'at': one of {CRASH_POINTS}}}")
         attempts = []
 
         def attempt(number: int) -> list[dict[str, Any]]:
@@ -591,11 +594,13 @@ def _print_results(results: dict[str, Any], console) -> None:
         table.add_row(str(entry["rank"]), shown(entry["forward_ms_median"], ".3f"),
                       shown(entry["backward_ms_median"], ".3f"), shown(entry["latency_ms_median"], ".3f"),
                       shown(entry["tokens_per_s"], ",.0f"), shown(entry["tflops"], ".4f"),
-                      shown(entry["bytes_sent_per_step"] / 1024, ",.1f"), shown(None if peak is None else peak / 2**20, ",.0f"))
+                      shown(entry["bytes_sent_per_step"] / 1024, ",.1f"),
+                      shown(None if peak is None else peak / 2**20, ",.0f"))
     console.print(table)
     console.print(f"{len(results['steps'])} steps; median over {metrics['steps_in_median']}: step "
                   f"{shown(metrics.get('latency_ms_median'), '.3f')} ms (slowest rank), "
-                  f"{shown(metrics.get('tokens_per_s'), ',.0f')} tokens/s, {shown(metrics.get('tflops'), '.4f')} TFLOP/s")
+                  f"{shown(metrics.get('tokens_per_s'), ',.0f')} tokens/s, "
+                  f"{shown(metrics.get('tflops'), '.4f')} TFLOP/s")
     console.print(f"retries: {results['retries']}" + "".join(
         f"\n  step {fault['step']} ({fault['call']}): {fault['kind']} on rank(s) {fault['ranks']}"
         + (f", recovered in {fault['recovery_s']:.1f}s" if fault.get("recovered") else ", NOT recovered")
@@ -621,6 +626,9 @@ def plot_latency(results: dict[str, Any], path: str | Path) -> Path:
     steps = [record["step"] for record in results["steps"]]
     for rank in range(results["world_size"]):
         axes.plot(steps, [record["latency_ms"][rank] for record in results["steps"]], marker="o", label=f"rank {rank}")
+    latencies = [value for record in results["steps"] for value in record["latency_ms"]]
+    if latencies and min(latencies) > 0 and max(latencies) / min(latencies) > 20:
+        axes.set_yscale("log")  # e.g. a retried step next to fast ones
     axes.set_xlabel("step")
     axes.set_ylabel("forward + backward (ms)")
     axes.set_title(f"per-step latency per rank ({results['backend']}, {results['world_size']} workers)")
@@ -714,7 +722,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-retries", type=int, default=2, help="recoveries allowed per call (default 2)")
     parser.add_argument("--verify", action=argparse.BooleanOptionalAction, default=False,
                         help="check outputs and gradients against the reference (default: off)")
-    parser.add_argument("--output", type=Path, default=Path("results"), help="directory for results.json and latency.png")
+    parser.add_argument("--output", type=Path, default=Path("results"),
+                        help="directory for results.json and latency.png (default: results/)")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     return parser
 

@@ -21,6 +21,7 @@ each call to every worker.
 from __future__ import annotations
 
 import datetime
+import importlib
 import os
 import resource
 import socket
@@ -86,7 +87,8 @@ class MoEWorker:
 
     def node_info(self) -> dict[str, Any]:
         """Where this actor runs: ``pid``, ``hostname``, Ray ``node_id``, assigned ``gpu_ids``, ``cuda``."""
-        return {"pid": os.getpid(), "hostname": socket.gethostname(), "node_id": ray.get_runtime_context().get_node_id(),
+        return {"pid": os.getpid(), "hostname": socket.gethostname(),
+                "node_id": ray.get_runtime_context().get_node_id(),
                 "gpu_ids": [str(gpu) for gpu in ray.get_gpu_ids()], "cuda": torch.cuda.is_available()}
 
     def free_port(self) -> int:
@@ -100,7 +102,8 @@ class MoEWorker:
         os.environ.update(GPU_ENVIRONMENT)
         return bytes(_gpu_team_class().make_unique_id())
 
-    def setup(self, rank: int, world_size: int, config_dict: dict[str, Any], rendezvous: dict[str, Any]) -> dict[str, Any]:
+    def setup(self, rank: int, world_size: int, config_dict: dict[str, Any],
+              rendezvous: dict[str, Any]) -> dict[str, Any]:
         """Join the team and build this rank's expert shard. Collective: the driver submits it to every
         rank before waiting on any (team initialisation blocks until all ranks arrive).
 
@@ -141,6 +144,9 @@ class MoEWorker:
         else:
             raise ValueError(f"rendezvous['backend']={backend!r}: expected 'gloo' or 'cuda'")
         self.rank, self.world_size, self.config, self.backend = rank, world_size, config, backend
+        # torch imports this (and sympy, ~1-2 s) lazily inside the first backward with an explicit
+        # gradient; importing it here keeps that one-time cost out of the first step's timing
+        importlib.import_module("torch.fx.experimental.symbolic_shapes")
         router_weight, w1, w2 = make_weights(config, experts=config.expert_range(rank), device=self.device)
         self.router_weight = router_weight.requires_grad_()
         self.w1 = w1.requires_grad_()
@@ -295,7 +301,8 @@ class MoEWorker:
                 backward_ms=statistics.median(record["backward_ms"] for record in self.records),
                 latency_ms=latency,
                 tokens_per_s=config.tokens_per_rank / (latency / 1e3) if latency > 0 else None,
-                tflops=3 * forward_flops(config, config.tokens_per_rank) / (latency / 1e3) / 1e12 if latency > 0 else None)
+                tflops=3 * forward_flops(config, config.tokens_per_rank) / (latency / 1e3) / 1e12
+                if latency > 0 else None)
         return summary
 
     def ping(self) -> int:

@@ -190,9 +190,10 @@ def test_run_in_process_verifies_outputs_and_gradients(options, tmp_path):
     assert len(results["steps"]) == 2
     if config.capacity_factor is not None and config.tokens_per_rank:
         assert all(step["dropped_choices"] > 0 for step in results["steps"])
-    if config.tokens_per_rank:
+    if config.tokens_per_rank and config.dtype == "float32":
         # A real comparison happened: float32 runs differ from the float64 oracle by rounding only.
         assert 0 < results["verification"]["max_error"] <= results["verification"]["tolerance"]
+        assert "float64" in results["verification"]["oracle"]
     on_disk = json.loads((tmp_path / runner.RESULTS_FILENAME).read_text())
     assert on_disk["config"] == config.to_dict() and on_disk["verification"] == results["verification"]
 
@@ -234,3 +235,15 @@ def test_forward_flops_formula():
     config = MoEConfig(hidden=4, ffn=6, experts=8, top_k=2, tokens_per_rank=1)
     assert runner.forward_flops(config, 10) == 2 * 10 * 2 * 4 * 6 * 2 + 2 * 10 * 4 * 8
     assert runner.forward_flops(config.replace(activation="swiglu"), 10) == 2 * 10 * 2 * 4 * 6 * 3 + 2 * 10 * 4 * 8
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_run_in_process_on_cuda(world_size, tmp_path):
+    # H and I are multiples of 64 so that a one-rank run can take the fused kernel when it is built.
+    config = MoEConfig(hidden=256, ffn=512, experts=8, top_k=2, tokens_per_rank=300, dtype="bfloat16",
+                       world_size=world_size, steps=2)
+    results = runner.run_in_process(config, tmp_path, progress=False)
+    assert results["run"]["device"].startswith("cuda")
+    assert results["verification"]["passed"] is True, results["steps"]
+    assert all(step["forward_ms"] > 0 for step in results["steps"])

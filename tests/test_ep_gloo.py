@@ -56,11 +56,13 @@ def _case_inputs(case: dict, world_size: int):
 
 def _assert_close(name: str, got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
     atol, rtol = TOLERANCES[dtype]
-    assert got.shape == want.shape and got.dtype == want.dtype, f"{name}: {got.shape}/{got.dtype} vs {want.shape}/{want.dtype}"
+    assert got.shape == want.shape and got.dtype == want.dtype, \
+        f"{name}: {got.shape}/{got.dtype} vs {want.shape}/{want.dtype}"
     if want.numel():
         error = (got.double() - want.double()).abs()
         bound = atol + rtol * want.double().abs()
-        assert bool((error <= bound).all()), f"{name}: max abs error {error.max().item():.3e} exceeds {atol}+{rtol}*|want|"
+        assert bool((error <= bound).all()), \
+            f"{name}: max abs error {error.max().item():.3e} exceeds {atol}+{rtol}*|want|"
 
 
 def _run_case(case: dict, rank: int, world_size: int) -> None:
@@ -90,6 +92,9 @@ def _run_case(case: dict, rank: int, world_size: int) -> None:
 
     label = f"case {case['name']} rank {rank}"
     _assert_close(f"{label} y", y, ref_ys[rank].detach(), dtype)
+    with torch.no_grad():  # inference: no graph, same output
+        y_inference = expert_parallel_moe(x, my_router, w1, w2, **options)
+    assert not y_inference.requires_grad and torch.equal(y_inference, y.detach()), label
     assert torch.equal(aux.counts, ref_auxes[rank].counts), label
     assert int(aux.dropped) == int(ref_auxes[rank].dropped), label
     _assert_close(f"{label} aux_loss", aux.aux_loss.detach(), ref_auxes[rank].aux_loss.detach(), torch.float64
@@ -155,7 +160,8 @@ def _cases(world_size: int) -> list[dict]:
         tokens[index % world_size] = 0 if index % 3 == 0 else tokens[index % world_size]  # a rank with T = 0
         cases.append(dict(
             name=f"p{world_size}-{index}", seed=index + 10 * world_size, tokens=tokens,
-            hidden=int(torch.randint(4, 24, (1,), generator=generator)), ffn=int(torch.randint(3, 20, (1,), generator=generator)),
+            hidden=int(torch.randint(4, 24, (1,), generator=generator)),
+            ffn=int(torch.randint(3, 20, (1,), generator=generator)),
             local_experts=1 + index % 3,
             top_k=min(1 + index % 2 + (index % 4 == 3), (1 + index % 3) * world_size),
             activation=activations[index % len(activations)], normalize_topk=index % 2 == 0,

@@ -16,8 +16,8 @@ import random
 import shutil
 import subprocess
 import sys
-import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -104,19 +104,15 @@ def tiny_build(toolchain, cache_dir, tiny_tree):
     return so_path, time.perf_counter() - started
 
 
-def _call_in_fresh_process(so_path: Path, expression: str) -> str:
-    """Import ``so_path`` in a new interpreter and return ``repr`` of ``expression`` on it (``module``).
+def _run_in_fresh_process(code: str, *arguments: object) -> str:
+    """Run ``code`` in a new interpreter (``import_extension``, ``sys`` and ``argv`` = ``arguments`` as
+    strings are in scope) and return the last line it prints.
 
-    A process can hold one flashdmoe_cuda build (see extension.import_extension), so a second build
-    is checked in a child process.
+    Built modules are imported in child processes: a process holds one flashdmoe_cuda build (see
+    extension.import_extension), and the pytest process may already hold another (e.g. the real one).
     """
-    script = (
-        "import sys\n"
-        "from flashdmoe.extension import import_extension\n"
-        "module = import_extension(sys.argv[1])\n"
-        f"print(repr({expression}))\n"
-    )
-    result = subprocess.run([sys.executable, "-c", script, str(so_path)], capture_output=True, text=True,
+    script = "import sys\nfrom flashdmoe.extension import import_extension\nargv = sys.argv[1:]\n" + code
+    result = subprocess.run([sys.executable, "-c", script, *map(str, arguments)], capture_output=True, text=True,
                             cwd=REPO_ROOT, check=False)
     assert result.returncode == 0, result.stderr
     return result.stdout.strip().splitlines()[-1]
@@ -135,14 +131,17 @@ def test_build_then_import_and_call_host_function(tiny_build, cache_dir, capsys)
     assert so_path.parent.parent == cache_dir
     assert so_path.name == extension.extension_filename()
     assert so_path.parent.name.startswith(f"{ARCH}-")
-    module = extension.import_extension(so_path)  # no GPU here: importing must not touch CUDA
-    assert module.__name__ == "flashdmoe_cuda"
     rng = random.Random(1234)
     a, b = rng.randrange(-10**9, 10**9), rng.randrange(-10**9, 10**9)
-    assert module.add(a, b) == a + b
-    assert module.answer() == 41
-    assert module.block_size() == 256  # defined in the .cu object: the link took every source
-    assert extension.import_extension(so_path) is module  # imported once per process
+    # No GPU here: importing must not touch CUDA. block_size() lives in the .cu object, so a right
+    # answer also shows the link took every source.
+    printed = _run_in_fresh_process(
+        "module = import_extension(argv[0])\n"
+        "print(repr((module.__name__, module.add(int(argv[1]), int(argv[2])), module.answer(),"
+        " module.block_size(), import_extension(argv[0]) is module)))\n",
+        so_path, a, b,
+    )
+    assert printed == repr(("flashdmoe_cuda", a + b, 41, 256, True))
 
 
 def test_build_ninja_has_one_object_per_source_and_the_required_flags(tiny_build, tiny_tree):
@@ -169,7 +168,6 @@ def test_second_build_is_a_cache_hit(tiny_build, tiny_tree, capfd):
 
 
 def test_build_log_keeps_the_ptxas_register_report(tiny_build, tiny_tree):
-    so_path, _ = tiny_build
     log_text = extension.build_log_path(ARCH, tiny_tree).read_text()
     assert "nvcc" in log_text and "-Xptxas=-v" in log_text  # ninja -v logs the commands
     report = extension.parse_ptxas_report(log_text)
@@ -210,31 +208,25 @@ def test_changed_source_rebuilds_once_under_concurrent_builds(toolchain, cache_d
     tree = _write_tiny_tree(tmp_path / "tree", answer=random.Random(99).randrange(1000, 2000))
     expected_answer = int((tree / "include" / "tiny.cuh").read_text().split("=")[1].split(";")[0])
     capfd.readouterr()
-    results: list[Path] = []
-    errors: list[BaseException] = []
-
-    def build_in_thread():
-        try:
-            results.append(extension.build(arch=ARCH, source_dir=tree))
-        except BaseException as error:  # surfaced below
-            errors.append(error)
-
     started = time.perf_counter()
-    threads = [threading.Thread(target=build_in_thread) for _ in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    with ThreadPoolExecutor(max_workers=2) as pool:  # two builders racing for the same cache folder
+        futures = [pool.submit(extension.build, arch=ARCH, source_dir=tree) for _ in range(2)]
+        results = [future.result() for future in futures]  # re-raises a builder's exception
     seconds = time.perf_counter() - started
-    assert not errors, errors
     assert len(results) == 2 and results[0] == results[1]
     assert results[0] != old_so  # different sources, different cache folder
     assert capfd.readouterr().err.count("building flashdmoe_cuda (2 sources) ...") == 1  # the lock held
     _report(capfd, f"changed tree, two concurrent builds: {seconds:.1f} s")
-    assert _call_in_fresh_process(results[0], "module.answer()") == repr(expected_answer)
-    extension.import_extension(old_so)
-    with pytest.raises(ImportError, match="already imported in this process"):
-        extension.import_extension(results[0])  # would otherwise silently return the old build's code
+    printed = _run_in_fresh_process(
+        "print(import_extension(argv[0]).answer())\n"
+        "try:\n"
+        "    import_extension(argv[1])  # would otherwise silently return the first build's code\n"
+        "except ImportError as error:\n"
+        "    print(error)\n",
+        results[0], old_so,
+    )
+    assert printed.startswith(f"flashdmoe_cuda is already imported in this process from {results[0]}")
+    assert _run_in_fresh_process("print(import_extension(argv[0]).answer())", results[0]) == str(expected_answer)
 
 
 def test_force_rebuilds(toolchain, tiny_build, tiny_tree, capfd):
@@ -355,7 +347,7 @@ def test_real_csrc_compiles_for_sm_90a(toolchain, tmp_path, capsys, record_prope
     assert not [lib for lib in needed if lib.startswith(("libcuda.", "libtorch", "libc10"))], needed
 
     # Importing must need no driver. In a child process: this one may already hold the tiny build.
-    assert _call_in_fresh_process(so_path, "module.__name__") == repr("flashdmoe_cuda")
+    assert _run_in_fresh_process("print(import_extension(argv[0]).__name__)", so_path) == "flashdmoe_cuda"
 
     lines = [f"real csrc/ ({len(units)} sources) compiled for sm_90a in {seconds:.1f} s; ptxas report:"]
     lines += [f"  {entry.name}: {entry.registers} registers, spill stores {entry.spill_store_bytes} B, "

@@ -119,6 +119,18 @@ def test_random_configurations(backend, T, H, I, E, k, activation, dtype, normal
                             capacity_factor=capacity_factor)
 
 
+@pytest.mark.parametrize("T,H,I,E,k,activation,dtype,normalize,capacity_factor", random_configs(8, seed=99))
+def test_mma_sync_expert_path(backend, T, H, I, E, k, activation, dtype, normalize, capacity_factor):
+    """The mma.sync expert GEMMs (the comparison path of the benchmarks) stay correct too."""
+    backend.debug.use_wgmma = False
+    try:
+        x, router, w1, w2 = make_inputs(T, H, I, E, k, activation, dtype)
+        check_against_reference(backend, x, router, w1, w2, top_k=k, activation=activation, normalize=normalize,
+                                capacity_factor=capacity_factor)
+    finally:
+        backend.debug.use_wgmma = True
+
+
 @pytest.mark.parametrize("capacity_factor", [None, 1.0])
 def test_all_tokens_to_one_expert(backend, capacity_factor):
     x, router, w1, w2 = make_inputs(3000, 256, 128, 16, 2, "gelu", torch.bfloat16, one_expert=True)

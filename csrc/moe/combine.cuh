@@ -14,17 +14,24 @@ __device__ void combine_tokens(const MoEParams& p) {
   Element* y = static_cast<Element*>(p.y);
   for (int token = blockIdx.x * (kThreads / 32) + (threadIdx.x >> 5); token < p.tokens; token += warps_in_grid) {
     const size_t first = static_cast<size_t>(token) * k;
-    for (int c = lane * 8; c < H; c += 32 * 8) {
+    // Lane j holds choice j's row and weight (k <= 32); the loop broadcasts them, so each chunk's k
+    // loads are independent and in flight together.
+    const int my_row = lane < k ? __ldcg(p.topk_row + first + lane) : -1;
+    const float my_weight = lane < k ? __ldcg(p.topk_weight + first + lane) : 0.f;
+    for (int c0 = 0; c0 < H; c0 += 32 * 8) {  // warp-uniform trip count: the shuffles need every lane
+      const int c = c0 + lane * 8;
+      const bool in_row = c < H;
       float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
       for (int j = 0; j < k; ++j) {
-        const int row = __ldcg(p.topk_row + first + j);
-        if (row < 0) continue;
-        const float w = __ldcg(p.topk_weight + first + j);
+        const int row = __shfl_sync(0xffffffffu, my_row, j);
+        const float w = __shfl_sync(0xffffffffu, my_weight, j);
+        if (row < 0 || !in_row) continue;
         const int4 raw = __ldcg(reinterpret_cast<const int4*>(expert_out + static_cast<size_t>(row) * H + c));
         const Element* v = reinterpret_cast<const Element*>(&raw);
 #pragma unroll
         for (int i = 0; i < 8; ++i) acc[i] = fmaf(w, static_cast<float>(v[i]), acc[i]);
       }
+      if (!in_row) continue;
       Pack8<Element> pack;
 #pragma unroll
       for (int i = 0; i < 8; ++i) pack.v[i] = static_cast<Element>(acc[i]);

@@ -1,7 +1,9 @@
 // Launch template of the persistent kernel: grid from the occupancy API, cooperative launch so that a
 // grid that cannot be co-resident is refused instead of deadlocking.
 #pragma once
+#include <mutex>
 #include <stdexcept>
+#include <vector>
 #include <string>
 #include "moe/launch.h"
 #include "moe/moe_forward.cuh"
@@ -10,6 +12,44 @@ namespace flashdmoe {
 
 inline void throw_on_cuda_error(cudaError_t status, const char* what) {
   if (status != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(status));
+}
+
+struct ResidentGrid {
+  int blocks_per_sm;
+  int sms;
+};
+
+// Occupancy of (kernel, device, shared memory bytes), asked once and remembered: these driver queries
+// cost tens of microseconds, too much for every forward.
+inline ResidentGrid resident_grid(const void* kernel, int device, int smem_bytes) {
+  struct Entry {
+    const void* kernel;
+    int device, smem_bytes;
+    ResidentGrid grid;
+  };
+  static std::mutex mutex;
+  static std::vector<Entry> known;
+  std::lock_guard<std::mutex> lock(mutex);
+  for (const Entry& e : known)
+    if (e.kernel == kernel && e.device == device && e.smem_bytes == smem_bytes) return e.grid;
+  int sms = 0, smem_optin = 0;
+  throw_on_cuda_error(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "SM count");
+  throw_on_cuda_error(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
+                      "shared memory limit");
+  if (smem_bytes > smem_optin)
+    throw std::invalid_argument("the fused kernel needs " + std::to_string(smem_bytes) +
+                                " bytes of shared memory per block for these experts/top_k; the GPU allows " +
+                                std::to_string(smem_optin));
+  throw_on_cuda_error(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes),
+                      "cudaFuncSetAttribute");
+  int blocks_per_sm = 0;
+  throw_on_cuda_error(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, kernel, kThreads, smem_bytes),
+                      "occupancy query");
+  if (blocks_per_sm < 1)
+    throw std::runtime_error("the fused kernel cannot be resident on this GPU (0 blocks per SM with " +
+                             std::to_string(smem_bytes) + " bytes of shared memory)");
+  known.push_back({kernel, device, smem_bytes, {blocks_per_sm, sms}});
+  return known.back().grid;
 }
 
 template <typename Element>
@@ -50,26 +90,11 @@ LaunchInfo launch_forward_typed(const ForwardArgs& a, cudaStream_t stream) {
   p.debug_withhold_phase = a.debug_withhold_phase;
 
   const SmemLayout smem = make_smem_layout(a.experts, a.top_k);
-  auto kernel = moe_forward_kernel<Element>;
-  int device = 0, sms = 0, smem_optin = 0;
+  auto kernel = a.use_wgmma ? moe_forward_kernel<Element, true> : moe_forward_kernel<Element, false>;
+  int device = 0;
   throw_on_cuda_error(cudaGetDevice(&device), "cudaGetDevice");
-  throw_on_cuda_error(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "SM count");
-  throw_on_cuda_error(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
-                      "shared memory limit");
-  if (smem.total_bytes > smem_optin)
-    throw std::invalid_argument("experts=" + std::to_string(a.experts) + " needs " +
-                                std::to_string(smem.total_bytes) + " bytes of shared memory per block; the GPU allows " +
-                                std::to_string(smem_optin));
-  throw_on_cuda_error(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem.total_bytes),
-                      "cudaFuncSetAttribute");
-  int blocks_per_sm = 0;
-  throw_on_cuda_error(
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, kernel, kThreads, smem.total_bytes),
-      "occupancy query");
-  if (blocks_per_sm < 1)
-    throw std::runtime_error("the fused kernel cannot be resident on this GPU (0 blocks per SM with " +
-                             std::to_string(smem.total_bytes) + " bytes of shared memory)");
-  const int grid = blocks_per_sm * sms;
+  const ResidentGrid resident = resident_grid(reinterpret_cast<const void*>(kernel), device, smem.total_bytes);
+  const int grid = resident.blocks_per_sm * resident.sms;
 
   throw_on_cuda_error(cudaMemsetAsync(a.workspace, 0, ws.sync_bytes, stream), "zeroing sync words");
   cudaLaunchConfig_t config{};
@@ -83,13 +108,15 @@ LaunchInfo launch_forward_typed(const ForwardArgs& a, cudaStream_t stream) {
   config.attrs = &attribute;
   config.numAttrs = 1;
   throw_on_cuda_error(cudaLaunchKernelEx(&config, kernel, p), "launching moe_forward_kernel");
-  return {grid, blocks_per_sm, smem.total_bytes};
+  return {grid, resident.blocks_per_sm, smem.total_bytes};
 }
 
 template <typename Element>
-KernelAttributes kernel_attributes_typed() {
+KernelAttributes kernel_attributes_typed(bool use_wgmma) {
   cudaFuncAttributes attr{};
-  throw_on_cuda_error(cudaFuncGetAttributes(&attr, moe_forward_kernel<Element>), "cudaFuncGetAttributes");
+  throw_on_cuda_error(cudaFuncGetAttributes(&attr, use_wgmma ? moe_forward_kernel<Element, true>
+                                                              : moe_forward_kernel<Element, false>),
+                      "cudaFuncGetAttributes");
   return {attr.numRegs, static_cast<int>(attr.localSizeBytes), attr.maxThreadsPerBlock,
           static_cast<int>(attr.sharedSizeBytes)};
 }

@@ -3,5 +3,5 @@
 
 namespace flashdmoe {
 template LaunchInfo launch_forward_typed<__half>(const ForwardArgs&, cudaStream_t);
-template KernelAttributes kernel_attributes_typed<__half>();
+template KernelAttributes kernel_attributes_typed<__half>(bool);
 }  // namespace flashdmoe

@@ -26,7 +26,7 @@ __host__ __device__ inline SmemLayout make_smem_layout(int experts, int top_k) {
   l.scratch_bytes = round_up16(scratch);
   l.tables_offset = l.scratch_bytes;
   l.row_ptrs_offset = l.tables_offset + round_up16((3 * experts + 2) * 4);
-  l.total_bytes = l.row_ptrs_offset + (kExpertTileM + kGateTileN) * 8;
+  l.total_bytes = l.row_ptrs_offset + (kExpertTileM + kGateTileN) * 8 + 1024;  // + alignment slack
   return l;
 }
 

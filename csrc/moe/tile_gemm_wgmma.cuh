@@ -1,0 +1,110 @@
+// Block tile GEMM on Hopper warpgroup MMA: 128x128 tile, two warpgroups of 64 rows each issuing
+// wgmma.m64n128k16 from shared memory. A (gathered rows, K-major) and B ([K, N] weights, loaded as
+// MN-major 64-column panels) are 128-byte swizzled as wgmma's descriptors expect; a cp.async pipeline
+// fills the stages. Same interface as TileGemm (run / for_each_acc / loaders), so the expert tasks can
+// use either.
+#pragma once
+#include "common/ptx.cuh"
+#include "common/wgmma.cuh"
+
+namespace flashdmoe {
+
+template <typename Element, int STAGES>
+struct WgmmaTileGemm {
+  static constexpr int kBlockM = 128, kBlockN = 128, kBlockK = 64;
+  static constexpr int kThreads = 256;
+  static constexpr int kStageBytesA = kBlockM * kBlockK * 2;
+  static constexpr int kStageBytesB = kBlockK * kBlockN * 2;
+  static constexpr int kPanelBytes = kBlockK * 64 * 2;  // one 64-column B panel: 64 K rows x 128 bytes
+  static constexpr int kPipelineBytes = STAGES * (kStageBytesA + kStageBytesB);
+  static constexpr uint32_t kAtomBytes = 1024;  // 8 rows x 128 bytes: the swizzle repeat
+
+  float acc[64];
+
+  // A: row r, 16-byte chunk c of the 128-byte K slice (same pattern as wgmma's K-major SW128).
+  __device__ static uint32_t a_offset(int row, int chunk) { return row * 128 + ((chunk ^ (row & 7)) << 4); }
+  // B: column panel (0/1), K row, chunk within the panel's 128-byte row (MN-major SW128).
+  __device__ static uint32_t b_offset(int panel, int k, int chunk) {
+    return panel * kPanelBytes + k * 128 + ((chunk ^ (k & 7)) << 4);
+  }
+
+  template <int ROWS>
+  __device__ static void load_rows(uint32_t dst, const Element* const* rows, int k0, const Element* fallback) {
+    constexpr int kChunks = ROWS * 8;
+    for (int i = threadIdx.x; i < kChunks; i += kThreads) {
+      const int row = i >> 3, chunk = i & 7;
+      const Element* src = rows[row];
+      const bool valid = src != nullptr;
+      ptx::cp_async_16(dst + a_offset(row, chunk), valid ? src + k0 + chunk * 8 : fallback, valid);
+    }
+  }
+  // The first 64 tile columns start at col_lo (panel 0), the next 64 at col_hi (panel 1).
+  __device__ static void load_b_n_major(uint32_t dst, const Element* b, int ldb, int k0, int col_lo, int lo_end,
+                                        int col_hi, int hi_end) {
+    constexpr int kChunks = kBlockK * 16;
+    for (int i = threadIdx.x; i < kChunks; i += kThreads) {
+      const int k = i >> 4, panel = (i >> 3) & 1, chunk = i & 7;
+      const int col = (panel == 0 ? col_lo : col_hi) + chunk * 8;
+      const bool valid = col < (panel == 0 ? lo_end : hi_end);
+      const Element* src = b + static_cast<size_t>(k0 + k) * ldb + (valid ? col : 0);
+      ptx::cp_async_16(dst + b_offset(panel, k, chunk), src, valid);
+    }
+  }
+
+  __device__ void mma_stage(uint32_t a_base, uint32_t b_base) {
+    const int warpgroup = threadIdx.x >> 7;
+    const uint32_t a_rows = a_base + warpgroup * 64 * 128;
+    wgmma::fence_operands(acc);
+    wgmma::fence();
+#pragma unroll
+    for (int kk = 0; kk < kBlockK / 16; ++kk) {
+      // K-major A: the next 16 K elements are 32 bytes further inside the swizzled row.
+      const uint64_t desc_a = wgmma::smem_descriptor(a_rows + kk * 32, 16, kAtomBytes);
+      // MN-major B: 16 K rows further; panels kPanelBytes apart; 8-row groups 1024 bytes apart.
+      const uint64_t desc_b = wgmma::smem_descriptor(b_base + kk * 16 * 128, kPanelBytes, kAtomBytes);
+      wgmma::wgmma_m64n128k16<Element>(acc, desc_a, desc_b);
+    }
+    wgmma::commit_group();
+    wgmma::wait_group<0>();
+    wgmma::fence_operands(acc);
+  }
+
+  template <typename LoadStage>
+  __device__ void run(char* smem, int k_tiles, LoadStage&& load_stage) {
+    const uint32_t base = ptx::smem_addr(smem);  // caller guarantees 1024-byte alignment
+    auto a_stage = [&](int s) { return base + s * kStageBytesA; };
+    auto b_stage = [&](int s) { return base + STAGES * kStageBytesA + s * kStageBytesB; };
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+      if (s < k_tiles) load_stage(a_stage(s), b_stage(s), s * kBlockK);
+      ptx::cp_async_commit();
+    }
+    for (int kt = 0; kt < k_tiles; ++kt) {
+      ptx::cp_async_wait<STAGES - 2>();
+      wgmma::fence_proxy_async_shared();  // this thread's cp.async data -> visible to wgmma
+      __syncthreads();
+      const int next = kt + STAGES - 1;
+      if (next < k_tiles) load_stage(a_stage(next % STAGES), b_stage(next % STAGES), next * kBlockK);
+      ptx::cp_async_commit();
+      mma_stage(a_stage(kt % STAGES), b_stage(kt % STAGES));
+    }
+    ptx::cp_async_wait<0>();
+    __syncthreads();
+  }
+
+  // Accumulator j*4+v of a thread: warpgroup rows 64*wg + 16*(warp%4) + lane/4 (+8 for v >= 2),
+  // column 8*j + 2*(lane%4) + (v & 1).
+  template <typename Visit>
+  __device__ void for_each_acc(Visit&& visit) const {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int row0 = (warp >> 2) * 64 + (warp & 3) * 16 + (lane >> 2);
+#pragma unroll
+    for (int j = 0; j < 16; ++j)
+#pragma unroll
+      for (int v = 0; v < 4; ++v) visit(row0 + ((v >> 1) << 3), j * 8 + ((lane & 3) << 1) + (v & 1), acc[j * 4 + v]);
+  }
+};
+
+}  // namespace flashdmoe
