@@ -18,7 +18,7 @@ py::dict forward(uintptr_t x, uintptr_t router, uintptr_t w1, uintptr_t w2, uint
                  uintptr_t topk_weight, uintptr_t topk_row, uintptr_t expert_counts, uintptr_t workspace,
                  size_t workspace_bytes, int tokens, int hidden, int ffn, int experts, int top_k, int dtype,
                  int activation, bool normalize_topk, int capacity, uint64_t timeout_ns, int debug_withhold_phase,
-                 bool use_wgmma, uintptr_t stream) {
+                 int expert_variant, uintptr_t stream) {
   ForwardArgs a{};
   a.x = as_ptr<const void>(x);
   a.router = as_ptr<const void>(router);
@@ -38,7 +38,7 @@ py::dict forward(uintptr_t x, uintptr_t router, uintptr_t w1, uintptr_t w2, uint
   a.capacity = capacity;
   a.timeout_ns = timeout_ns;
   a.debug_withhold_phase = debug_withhold_phase;
-  a.use_wgmma = use_wgmma;
+  a.expert_variant = expert_variant;
   LaunchInfo info;
   {
     py::gil_scoped_release release;
@@ -65,8 +65,8 @@ py::dict layout(int tokens, int hidden, int ffn, int experts, int top_k, int dty
   return out;
 }
 
-py::dict attributes(int dtype, bool use_wgmma) {
-  const KernelAttributes k = kernel_attributes(static_cast<DType>(dtype), use_wgmma);
+py::dict attributes(int dtype, int expert_variant) {
+  const KernelAttributes k = kernel_attributes(static_cast<DType>(dtype), expert_variant);
   py::dict out;
   out["registers"] = k.registers;
   out["local_bytes"] = k.local_bytes;
@@ -84,10 +84,10 @@ PYBIND11_MODULE(flashdmoe_cuda, m) {
         py::arg("topk_weight"), py::arg("topk_row"), py::arg("expert_counts"), py::arg("workspace"),
         py::arg("workspace_bytes"), py::arg("tokens"), py::arg("hidden"), py::arg("ffn"), py::arg("experts"),
         py::arg("top_k"), py::arg("dtype"), py::arg("activation"), py::arg("normalize_topk"), py::arg("capacity"),
-        py::arg("timeout_ns"), py::arg("debug_withhold_phase"), py::arg("use_wgmma"), py::arg("stream"));
+        py::arg("timeout_ns"), py::arg("debug_withhold_phase"), py::arg("expert_variant"), py::arg("stream"));
   m.def("workspace_layout", &layout, py::arg("tokens"), py::arg("hidden"), py::arg("ffn"), py::arg("experts"),
         py::arg("top_k"), py::arg("dtype"));
   m.def("check_shapes", &check_shapes, py::arg("tokens"), py::arg("hidden"), py::arg("ffn"), py::arg("experts"),
         py::arg("top_k"));
-  m.def("kernel_attributes", &attributes, py::arg("dtype"), py::arg("use_wgmma") = true);
+  m.def("kernel_attributes", &attributes, py::arg("dtype"), py::arg("expert_variant") = 0);
 }

@@ -1,4 +1,9 @@
-"""The ``flashdmoe`` command line: ``info``, ``run``, ``bench``, ``build``."""
+"""The ``flashdmoe`` command line: ``info``, ``run``, ``bench``, ``build``.
+
+``flashdmoe run`` is a thin layer over :func:`ray_actors.driver.run_job` (one Ray worker per rank); with
+``--in-process`` it calls :func:`flashdmoe.runner.run_in_process` instead, which needs no Ray. Ray is
+imported only for a Ray run, so the other commands and ``--in-process`` work where Ray is absent.
+"""
 
 from __future__ import annotations
 
@@ -19,10 +24,13 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-__all__ = ["build_parser", "collect_info", "main"]
+__all__ = ["RAY_BACKENDS", "build_parser", "collect_info", "main"]
 
+# `flashdmoe run` exit status: 1 when the result is not a verified one (verification failed, or a
+# fault the bounded retries could not recover), 2 for bad input, before anything starts.
 _EXIT_BAD_INPUT = 2
 _EXIT_VERIFICATION_FAILED = 1
+_EXIT_RUN_FAILED = 1
 
 
 def _package_version(distribution: str) -> str | None:
@@ -209,27 +217,74 @@ def _print_run(results: dict[str, Any], console: Console) -> None:
         console.print(f"results written to {results['output']}")
 
 
-def _command_run(args: argparse.Namespace) -> int:
+#: ``flashdmoe run --backend`` to :func:`ray_actors.driver.run_job`'s backend: the reference layer runs
+#: on Ray as the CPU expert-parallel path (gloo all-to-all, reference experts).
+RAY_BACKENDS = {"auto": "auto", "reference": "gloo", "cuda": "cuda"}
+
+
+def _load_run_config(args: argparse.Namespace):
+    """The validated config with ``--workers`` applied; raises ValueError/FileNotFoundError before any
+    Ray process or actor starts."""
     from flashdmoe.config import MoEConfig
-    from flashdmoe.runner import run_in_process
 
     config = MoEConfig.from_yaml(args.config)
-    if args.address is not None:
-        raise ValueError(
-            f"--address={args.address!r}: running on a Ray cluster needs the Ray driver (ray_actors.driver), "
-            "which `flashdmoe run` does not use yet; omit --address to run the ranks in this process"
-        )
-    if args.workers is not None and args.workers != config.world_size:
-        raise ValueError(
-            f"--workers={args.workers}: the in-process run emulates config world_size={config.world_size} "
-            f"ranks; expected --workers {config.world_size} or no --workers"
-        )
+    if args.workers is not None:
+        try:
+            config = config.replace(world_size=args.workers)
+        except ValueError as error:
+            raise ValueError(f"--workers={args.workers}: {error}") from None
+    return config
+
+
+def _run_in_process(args: argparse.Namespace, config) -> int:
+    from flashdmoe.runner import run_in_process
+
+    ray_only = {"--address": args.address, "--gpus-per-worker": args.gpus_per_worker,
+                "--max-retries": args.max_retries}
+    for option, value in ray_only.items():
+        if value is not None:
+            raise ValueError(f"{option}={value!r}: applies to runs on Ray; --in-process runs every rank in this "
+                             f"process (drop {option} or --in-process)")
     results = run_in_process(config, args.output, backend=args.backend, device=args.device,
                              verify=args.verify, progress=not args.no_progress)
     _print_run(results, Console())
     if args.verify and not results["verification"]["passed"]:
         return _EXIT_VERIFICATION_FAILED
     return 0
+
+
+def _run_on_ray(args: argparse.Namespace, config) -> int:
+    if args.device is not None:
+        raise ValueError(f"--device={args.device!r}: applies to --in-process runs only; each Ray worker uses "
+                         "its own GPU (or the CPU)")
+    try:
+        from ray_actors.driver import WorkerFault, run_job
+    except ImportError as error:
+        raise ValueError(f"the Ray run cannot start: {error}; install ray[default] (pip install -e .) or "
+                         "pass --in-process to run every rank in this process without Ray") from None
+    options = {}
+    if args.gpus_per_worker is not None:
+        options["gpus_per_worker"] = args.gpus_per_worker
+    if args.max_retries is not None:
+        options["max_retries"] = args.max_retries
+    try:
+        results = run_job(config, address=args.address, workers=args.workers, verify=args.verify,
+                          output_dir=args.output, progress=not args.no_progress,
+                          backend=RAY_BACKENDS[args.backend], **options)
+    except WorkerFault as fault:  # the team broke and the bounded retries did not bring it back
+        print(f"error: the run failed ({fault.kind} on rank(s) {fault.ranks}): {fault}", file=sys.stderr)
+        return _EXIT_RUN_FAILED
+    verification = results["verification"]
+    if verification is not None and not verification["passed"]:
+        return _EXIT_VERIFICATION_FAILED
+    return 0
+
+
+def _command_run(args: argparse.Namespace) -> int:
+    config = _load_run_config(args)
+    if args.in_process:
+        return _run_in_process(args, config)
+    return _run_on_ray(args, config)
 
 
 # -- build -----------------------------------------------------------------------------------------
@@ -294,21 +349,37 @@ def build_parser() -> argparse.ArgumentParser:
     info.set_defaults(handler=_command_info)
 
     run = subparsers.add_parser(
-        "run", help="the main job: forward + backward steps of a configured layer",
-        description="Run config.steps forward + backward steps of the layer for config.world_size ranks "
-                    "(emulated in this process), verify against the reference, print a table and write "
-                    "results.json.",
+        "run", help="the main job: forward + backward steps of a configured layer on Ray workers",
+        description="Run config.steps forward + backward steps of the layer on world_size Ray workers (one rank "
+                    "each; without --address an embedded Ray on 127.0.0.1), verify outputs and gradients "
+                    "against the reference, print a table and write results.json and latency.png. "
+                    "--in-process runs the ranks inside this process instead (no Ray).",
     )
     run.add_argument("--config", required=True, type=Path, help="YAML config (see configs/)")
     run.add_argument("--output", type=Path, default=Path("results"),
-                     help="directory for results.json (default: results/)")
-    run.add_argument("--address", default=None, help="Ray cluster address (not supported by the in-process run yet)")
-    run.add_argument("--workers", type=int, default=None, help="number of ranks; must equal the config's world_size")
+                     help="directory for results.json (and latency.png on Ray) (default: results/)")
+    run.add_argument("--address", default=None,
+                     help="Ray cluster to join, e.g. 'auto' (the cluster of this node or of the Ray job) or "
+                          "HOST:PORT (default: $RAY_ADDRESS, else an embedded Ray on 127.0.0.1)")
+    run.add_argument("--workers", type=int, default=None,
+                     help="number of ranks, one Ray worker each (default: the config's world_size)")
     run.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True,
-                     help="check outputs and gradients against the per-rank reference (default: on)")
-    run.add_argument("--backend", choices=("auto", "reference", "cuda"), default="auto",
-                     help="backend for one-rank runs (default: auto)")
-    run.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+                     help="check outputs and gradients against the reference, in float64 on the driver's CPU "
+                          "(default: on; use --no-verify for large configs)")
+    run.add_argument("--backend", choices=tuple(RAY_BACKENDS), default="auto",
+                     help="auto: the fused kernel where every worker has a GPU, else the reference; reference: "
+                          "CPU expert parallelism over gloo (on Ray) or the reference layer (--in-process); "
+                          "cuda: the fused kernel (default: auto)")
+    run.add_argument("--gpus-per-worker", type=float, default=None,
+                     help="GPU share per worker on the cuda backend, in (0, 1]; below 1 ranks share a GPU "
+                          "under MPS (default: 1)")
+    run.add_argument("--max-retries", type=int, default=None,
+                     help="recoveries from a dead worker or a hung team allowed per call (default: 2)")
+    run.add_argument("--in-process", action="store_true",
+                     help="run every rank inside this process (no Ray): the expert-parallel reference, or "
+                          "flashdmoe.moe for one rank")
+    run.add_argument("--device", default=None,
+                     help="torch device for --in-process (default: cuda if available, else cpu)")
     run.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     run.set_defaults(handler=_command_run)
 

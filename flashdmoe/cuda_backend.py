@@ -18,6 +18,9 @@ from flashdmoe.errors import KernelTimeout
 
 ACTIVATION_CODES = {"relu": 0, "gelu": 1, "silu": 2, "swiglu": 3}
 DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1}
+# Expert GEMM variants compiled into the kernel (csrc/moe/tile_config.cuh): MMA family, cp.async
+# stages, blocks per SM.
+EXPERT_VARIANTS = {"wgmma-3stage": 0, "wgmma-4stage": 1, "wgmma-6stage": 2, "mma.sync-3stage": 3}
 
 # Phase ids written by the kernel's watchdog (csrc/moe/params.cuh, enum Phase).
 PHASE_NAMES = {
@@ -39,9 +42,8 @@ class DebugKnobs:
     withhold_phase: int = 0
     poison_outputs: bool = False
     timeout_ms: int | None = None
-    # Expert GEMMs on Hopper wgmma (default) or on mma.sync, the comparison path
-    # (FLASHDMOE_EXPERT_MMA=mma_sync).
-    use_wgmma: bool = os.environ.get("FLASHDMOE_EXPERT_MMA", "wgmma") != "mma_sync"
+    # Expert GEMM variant (EXPERT_VARIANTS); FLASHDMOE_EXPERT_VARIANT overrides the default.
+    expert_variant: str = os.environ.get("FLASHDMOE_EXPERT_VARIANT", "wgmma-3stage")
 
 
 debug = DebugKnobs()
@@ -171,7 +173,7 @@ def fused_forward(x, router_weight, w1, w2, *, top_k, activation, normalize_topk
         expert_counts=counts.data_ptr(), workspace=workspace.data_ptr(), workspace_bytes=layout["total_bytes"],
         tokens=T, hidden=H, ffn=I, experts=E, top_k=top_k, dtype=dtype_code,
         activation=ACTIVATION_CODES[activation], normalize_topk=bool(normalize_topk), capacity=capacity,
-        timeout_ns=timeout_ns(), debug_withhold_phase=int(debug.withhold_phase), use_wgmma=debug.use_wgmma,
+        timeout_ns=timeout_ns(), debug_withhold_phase=int(debug.withhold_phase), expert_variant=EXPERT_VARIANTS[debug.expert_variant],
         stream=torch.cuda.current_stream(device).cuda_stream,
     )
     # One device-to-host copy of the status bytes (no extra kernels: a forward is one launch).

@@ -135,7 +135,7 @@ class _DispatchExpertsCombine(torch.autograd.Function):
         # Group the received rows by local expert (sources in rank order, rows in arrival order).
         received_expert = torch.repeat_interleave(
             torch.arange(local_experts).repeat(world_size), received_counts)
-        by_expert = torch.arange(received_expert.numel())
+        by_expert = torch.sort(received_expert, stable=True).indices
         rows_per_expert = torch.bincount(received_expert, minlength=local_experts).tolist()
 
         # With grad mode on (the caller's), keep the local expert graph for backward: it runs there on

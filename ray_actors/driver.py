@@ -110,8 +110,8 @@ class MoECluster:
             cluster of the Ray job this driver runs in, from ``RAY_ADDRESS``).
         workers: number of ranks ``P``; default ``config.world_size`` (the config is re-validated with it).
         backend: one of :data:`BACKENDS`.
-        gpus_per_worker: GPU share per rank on the CUDA backend, ``0 < g <= 1`` (``0.5`` puts two ranks on
-            one GPU, for MPS).
+        gpus_per_worker: GPU share per rank on the CUDA backend, ``0 < g <= 1``; below 1 several ranks share
+            a GPU (run the MPS daemon, DESIGN.md §4) and each gets ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=100*g``.
         max_retries: recoveries allowed per call before the fault is raised.
         collective_timeout_s: gloo's timeout for one collective (a dead peer is usually noticed sooner).
         call_timeout_s: longest a call may take on any rank before the team counts as hung.
@@ -178,7 +178,9 @@ class MoECluster:
         if ray.is_initialized():
             return  # the caller's Ray session; leave it running at close()
         if address is None and not os.environ.get("RAY_ADDRESS"):
-            ray.init(_node_ip_address="127.0.0.1", include_dashboard=False,
+            # address="local": always a new embedded Ray; with None, ray.init joins a `ray start` cluster
+            # recorded in /tmp/ray (and then refuses num_cpus)
+            ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False,
                      num_cpus=num_cpus or max(os.cpu_count() or 1, self.world_size),
                      runtime_env={"env_vars": {"PYTHONPATH": _code_paths()}}, logging_level=logging.WARNING)
         else:
@@ -217,7 +219,10 @@ class MoECluster:
                                f"{self.call_timeout_s:g}s (STRICT_PACK); cluster resources: "
                                f"{ray.cluster_resources()}") from None
         if self.backend == "cuda":
-            options = dict(num_cpus=0, num_gpus=self.gpus_per_worker, runtime_env={"env_vars": GPU_ENVIRONMENT})
+            environment = dict(GPU_ENVIRONMENT)
+            if self.gpus_per_worker < 1:  # ranks share a GPU: under MPS each gets its share of the SMs
+                environment["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(max(1, int(100 * self.gpus_per_worker)))
+            options = dict(num_cpus=0, num_gpus=self.gpus_per_worker, runtime_env={"env_vars": environment})
         else:
             options = dict(num_cpus=1)
         self.workers = [
@@ -700,7 +705,9 @@ def run_job(config: MoEConfig | dict[str, Any] | str | Path, *, address: str | N
     results["wall_s"] = time.perf_counter() - started
     results["created"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     if output_dir is not None:
-        directory = Path(output_dir)
+        # absolute, so the printed paths say where a `ray job submit` run (cwd: the job's copy of its
+        # working dir) left its results
+        directory = Path(output_dir).resolve()
         directory.mkdir(parents=True, exist_ok=True)
         results["plot"] = str(plot_latency(results, directory / PLOT_FILENAME))
         results["output"] = str(directory / RESULTS_FILENAME)

@@ -12,18 +12,17 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
-python3 -c "import torch; print('torch', torch.__version__, torch.version.cuda)" | tee -a "$OUT/gpu.txt"
+{ date -u; nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv; python3 -c "import torch; print('torch', torch.__version__, torch.version.cuda)"; } | tee "$OUT/gpu.txt"
 
 echo "== build"
 t0=$(date +%s)
 python3 -m flashdmoe build --verbose > "$OUT/build.log" 2>&1; rc=$?
 echo "build rc=$rc in $(( $(date +%s) - t0 )) s"; tail -5 "$OUT/build.log"
-grep -E "registers|spill|stack frame" "$OUT/build.log" | sort | uniq | head -20
+grep -E "registers|spill|stack frame" "$OUT/build.log" | sort | uniq -c | head -20 | tee -a "$OUT/gpu.txt"
 so=$(python3 -c "from flashdmoe import extension; print(extension.build())" 2>/dev/null | tail -1)
 if [ -n "$so" ] && [ -f "$so" ]; then
-  cuobjdump -sass "$so" > "$OUT/sass.txt" 2>/dev/null
-  echo "SASS: HGMMA=$(grep -c HGMMA "$OUT/sass.txt") HMMA=$(grep -c HMMA "$OUT/sass.txt") LDL/STL=$(grep -cE 'LDL|STL' "$OUT/sass.txt")"
+  cuobjdump -sass "$so" > /tmp/sass.txt 2>/dev/null
+  echo "SASS: HGMMA=$(grep -c HGMMA /tmp/sass.txt) HMMA=$(grep -c HMMA /tmp/sass.txt) LDL/STL=$(grep -cE 'LDL|STL' /tmp/sass.txt)" | tee -a "$OUT/gpu.txt"
 fi
 
 echo "== gpu tests"

@@ -14,11 +14,11 @@ SHAPES = [(8192, 2048, 2048, 32, 2), (16384, 2048, 2048, 64, 2), (16384, 4096, 1
 
 def main():
     ext = extension.load()
-    for variant in (True, False):
-        print("kernel attributes bf16 wgmma=%s:" % variant, ext.kernel_attributes(0, variant))
-    print(f"{'mma':>8} {'T':>6} {'H':>5} {'I':>5} {'E':>4} {'k':>2} {'ms':>8} {'TF/s':>7}")
-    for (T, H, I, E, k), use_wgmma in [(s, v) for s in SHAPES for v in (True, False)]:
-        cuda_backend.debug.use_wgmma = use_wgmma
+    for name, code in cuda_backend.EXPERT_VARIANTS.items():
+        print(f"kernel attributes bf16 {name}:", ext.kernel_attributes(0, code))
+    print(f"{'variant':>16} {'T':>6} {'H':>5} {'I':>5} {'E':>4} {'k':>2} {'ms':>8} {'TF/s':>7}")
+    for (T, H, I, E, k), variant in [(s, v) for s in SHAPES for v in cuda_backend.EXPERT_VARIANTS]:
+        cuda_backend.debug.expert_variant = variant
         sets = []
         for _ in range(3):
             x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
@@ -59,7 +59,7 @@ def main():
         ms = statistics.median(times)
         flops = 2 * T * k * H * I * 2 + 2 * T * H * E
         phases = " ".join(f"{k}={v:.3f}" for k, v in cuda_backend.last_phase_ms.items())
-        print(f"{'wgmma' if use_wgmma else 'mma.sync':>8} {T:>6} {H:>5} {I:>5} {E:>4} {k:>2} {ms:>8.3f} {flops / ms / 1e9:>7.1f}  kernel {kernel_ms:.3f} ms"
+        print(f"{variant:>16} {T:>6} {H:>5} {I:>5} {E:>4} {k:>2} {ms:>8.3f} {flops / ms / 1e9:>7.1f}  kernel {kernel_ms:.3f} ms"
               f" ({flops / kernel_ms / 1e9:.0f} TF/s)  host {host_us:.0f} us/call  phases(ms) {phases}")
 
 

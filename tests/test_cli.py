@@ -1,4 +1,5 @@
-"""The flashdmoe CLI end to end (subprocess) and the in-process runner behind `flashdmoe run`."""
+"""The flashdmoe CLI end to end (subprocess): `flashdmoe run` through a real embedded Ray on 127.0.0.1
+(gloo workers), `flashdmoe run --in-process` and the runner behind it, argument handling, info, bench, build."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -19,11 +21,13 @@ REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "tiny.yaml"
 
 
-def run_cli(*arguments: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
-    environment = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                   "COLUMNS": "160"}
+def run_cli(*arguments: str, cwd: Path = REPO, timeout: float = 600) -> subprocess.CompletedProcess:
+    # RAY_ADDRESS unset: a Ray run must start its own embedded Ray, not join one from the environment
+    environment = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
+    environment.update(PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), COLUMNS="160",
+                       RAY_AUTH_MODE="disabled")
     return subprocess.run([sys.executable, "-m", "flashdmoe", *arguments], cwd=cwd, env=environment,
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=timeout)
 
 
 # -- end to end, as a user runs it ---------------------------------------------------------------
@@ -53,9 +57,40 @@ def test_info_json_matches_this_machine():
     assert info["ray"] is not None
 
 
-def test_run_tiny_config_prints_table_and_writes_json(tmp_path):
+def test_run_tiny_config_on_ray_prints_table_and_writes_json(tmp_path):
+    """The main job as a user runs it: an embedded Ray on 127.0.0.1, one gloo worker per rank, verified."""
     output = tmp_path / "out"
-    result = run_cli("run", "--config", str(TINY), "--output", str(output))
+    started = time.monotonic()
+    result = run_cli("run", "--config", str(TINY), "--output", str(output), "--no-progress", timeout=180)
+    elapsed = time.monotonic() - started
+    assert result.returncode == 0, result.stdout + result.stderr
+    config = MoEConfig.from_yaml(TINY)
+    for text in (f"FlashDMoE Ray run: backend gloo, {config.world_size} workers", "forward ms", "backward ms",
+                 "tokens/s", "retries: 0", "verification PASSED",
+                 f"results written to {output / 'results.json'} and {output / 'latency.png'}"):
+        assert text in " ".join(result.stdout.split()), (text, result.stdout)  # rich wraps long lines
+    rank_rows = [line.strip("│ ").split()[0] for line in result.stdout.splitlines() if line.startswith("│")]
+    assert rank_rows == [str(rank) for rank in range(config.world_size)], result.stdout
+
+    results = json.loads((output / "results.json").read_text())
+    assert results["config"] == yaml.safe_load(TINY.read_text())
+    assert results["world_size"] == config.world_size == 2 and results["backend"] == "gloo"
+    assert len({worker["pid"] for worker in results["workers"]}) == 2  # one process per rank
+    assert [step["step"] for step in results["steps"]] == list(range(config.steps))
+    for step in results["steps"]:
+        assert step["attempts"] == 1 and len(step["latency_ms"]) == config.world_size
+        assert all(latency > 0 for latency in step["latency_ms"]) and sum(step["bytes_sent"]) > 0
+    verification = results["verification"]
+    assert verification["passed"] is True
+    assert 0 < verification["max_rel_err"] <= verification["tolerance"] == runner.tolerance_for("float32", "reference")
+    assert results["retries"] == 0 and results["faults"] == []
+    assert (output / "latency.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert elapsed < 120, f"the tiny Ray run took {elapsed:.0f}s"
+
+
+def test_run_in_process_tiny_config_prints_table_and_writes_json(tmp_path):
+    output = tmp_path / "out"
+    result = run_cli("run", "--in-process", "--config", str(TINY), "--output", str(output))
     assert result.returncode == 0, result.stdout + result.stderr
     config = MoEConfig.from_yaml(TINY)
     for text in ("flashdmoe run", "fwd ms", "bwd ms", "tokens/s", "max err", "verification passed",
@@ -94,12 +129,87 @@ def test_run_bad_config_exits_2_naming_the_problem(tmp_path):
 # -- CLI paths in process (fast) -----------------------------------------------------------------
 
 
-def test_run_refuses_address_and_mismatched_workers(tmp_path, capsys):
-    assert cli.main(["run", "--config", str(TINY), "--address", "127.0.0.1:6379", "--output", str(tmp_path)]) == 2
-    assert "--address='127.0.0.1:6379'" in capsys.readouterr().err
-    assert cli.main(["run", "--config", str(TINY), "--workers", "3", "--output", str(tmp_path)]) == 2
-    assert "--workers=3" in capsys.readouterr().err
-    assert not (tmp_path / "results.json").exists()
+@pytest.fixture
+def no_ray_start(monkeypatch):
+    """Fails the test if anything tries to start or join Ray."""
+    import ray
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("ray.init was called")
+
+    monkeypatch.setattr(ray, "init", refuse)
+
+
+@pytest.mark.parametrize("workers, message", [
+    ("3", "--workers=3: experts=8: expected a multiple of world_size=3"),
+    ("0", "--workers=0: world_size=0: expected an integer >= 1"),
+    ("-2", "--workers=-2: world_size=-2: expected an integer >= 1"),
+])
+@pytest.mark.parametrize("mode", [[], ["--in-process"]], ids=["ray", "in-process"])
+def test_run_refuses_bad_workers_before_ray_starts(workers, message, mode, tmp_path, capsys, no_ray_start):
+    arguments = ["run", "--config", str(TINY), "--workers", workers, "--output", str(tmp_path / "out"), *mode]
+    assert cli.main(arguments) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_run_refuses_options_of_the_other_mode(tmp_path, capsys, no_ray_start):
+    base = ["run", "--config", str(TINY), "--output", str(tmp_path / "out")]
+    for extra, message in ((["--in-process", "--address", "auto"], "--address='auto': applies to runs on Ray"),
+                           (["--in-process", "--max-retries", "1"], "--max-retries=1: applies to runs on Ray"),
+                           (["--device", "cpu"], "--device='cpu': applies to --in-process runs only")):
+        assert cli.main(base + extra) == 2, extra
+        assert message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def _fake_run_job(calls: list, passed: bool | None):
+    def fake(config, **options):
+        calls.append((config, options))
+        return {"verification": None if passed is None else {"passed": passed}}
+
+    return fake
+
+
+@pytest.mark.parametrize("backend, ray_backend", [("auto", "auto"), ("reference", "gloo"), ("cuda", "cuda")])
+def test_run_hands_its_arguments_to_the_ray_driver(backend, ray_backend, monkeypatch, tmp_path):
+    from ray_actors import driver
+
+    calls = []
+    monkeypatch.setattr(driver, "run_job", _fake_run_job(calls, passed=True))
+    assert cli.main(["run", "--config", str(TINY), "--address", "auto", "--workers", "4", "--backend", backend,
+                     "--output", str(tmp_path), "--no-progress", "--gpus-per-worker", "0.5"]) == 0
+    config, options = calls[0]
+    assert config == MoEConfig.from_yaml(TINY).replace(world_size=4)
+    assert options == dict(address="auto", workers=4, verify=True, output_dir=tmp_path, progress=False,
+                           backend=ray_backend, gpus_per_worker=0.5)
+    assert cli.main(["run", "--config", str(TINY), "--no-verify"]) == 0
+    config, options = calls[1]
+    assert config == MoEConfig.from_yaml(TINY)
+    assert options == dict(address=None, workers=None, verify=False, output_dir=Path("results"), progress=True,
+                           backend="auto")
+
+
+def test_run_on_ray_exit_status(monkeypatch, capsys):
+    from ray_actors import driver
+
+    monkeypatch.setattr(driver, "run_job", _fake_run_job([], passed=False))
+    assert cli.main(["run", "--config", str(TINY)]) == 1
+
+    def broken_team(config, **options):
+        raise driver.WorkerFault("worker_died", [1], "rank(s) [1] died during step: gone")
+
+    monkeypatch.setattr(driver, "run_job", broken_team)
+    assert cli.main(["run", "--config", str(TINY)]) == 1
+    assert "the run failed (worker_died on rank(s) [1])" in capsys.readouterr().err
+
+
+def test_run_without_ray_points_to_in_process(monkeypatch, capsys):
+    monkeypatch.delitem(sys.modules, "ray_actors.driver", raising=False)
+    monkeypatch.setitem(sys.modules, "ray", None)  # makes `import ray` fail, as on a machine without Ray
+    assert cli.main(["run", "--config", str(TINY)]) == 2
+    error = capsys.readouterr().err
+    assert "the Ray run cannot start" in error and "--in-process" in error
 
 
 def test_run_missing_config_file(tmp_path, capsys):
@@ -112,7 +222,8 @@ def test_run_cuda_backend_without_cuda_says_why(tmp_path, capsys):
     single.write_text(yaml.safe_dump({**yaml.safe_load(TINY.read_text()), "world_size": 1, "steps": 1}))
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    assert cli.main(["run", "--config", str(single), "--backend", "cuda", "--output", str(tmp_path)]) == 2
+    assert cli.main(["run", "--in-process", "--config", str(single), "--backend", "cuda",
+                     "--output", str(tmp_path)]) == 2
     assert "backend='cuda' is unavailable" in capsys.readouterr().err
 
 
@@ -124,7 +235,7 @@ def test_run_exits_1_when_verification_fails(tmp_path, monkeypatch, capsys):
         return [y * 1.01 for y in ys], auxes
 
     monkeypatch.setattr(reference, "moe_expert_parallel", off_by_one_percent)
-    assert cli.main(["run", "--config", str(TINY), "--output", str(tmp_path), "--no-progress"]) == 1
+    assert cli.main(["run", "--in-process", "--config", str(TINY), "--output", str(tmp_path), "--no-progress"]) == 1
     output = capsys.readouterr().out
     assert "verification FAILED" in output and "NO" in output
     results = json.loads((tmp_path / "results.json").read_text())

@@ -119,16 +119,17 @@ def test_random_configurations(backend, T, H, I, E, k, activation, dtype, normal
                             capacity_factor=capacity_factor)
 
 
-@pytest.mark.parametrize("T,H,I,E,k,activation,dtype,normalize,capacity_factor", random_configs(8, seed=99))
-def test_mma_sync_expert_path(backend, T, H, I, E, k, activation, dtype, normalize, capacity_factor):
-    """The mma.sync expert GEMMs (the comparison path of the benchmarks) stay correct too."""
-    backend.debug.use_wgmma = False
+@pytest.mark.parametrize("T,H,I,E,k,activation,dtype,normalize,capacity_factor", random_configs(12, seed=99))
+def test_other_expert_variants(backend, T, H, I, E, k, activation, dtype, normalize, capacity_factor):
+    """The other expert GEMM variants (the benchmarks compare them) stay correct too."""
+    variants = [v for v in backend.EXPERT_VARIANTS if v != "wgmma-3stage"]
+    backend.debug.expert_variant = variants[hash((T, H, I, E)) % len(variants)]
     try:
         x, router, w1, w2 = make_inputs(T, H, I, E, k, activation, dtype)
         check_against_reference(backend, x, router, w1, w2, top_k=k, activation=activation, normalize=normalize,
                                 capacity_factor=capacity_factor)
     finally:
-        backend.debug.use_wgmma = True
+        backend.debug.expert_variant = "wgmma-3stage"
 
 
 @pytest.mark.parametrize("capacity_factor", [None, 1.0])

@@ -269,3 +269,37 @@ def test_cuda_backend_one_worker_matches_reference(tmp_path):
     assert results["backend"] == "cuda" and results["workers"][0]["gpu_ids"]
     assert results["verification"]["passed"], results["verification"]
     _check_results_schema(results, steps=3, world_size=1)
+
+
+@pytest.fixture
+def mps_daemon(monkeypatch):
+    """The CUDA MPS control daemon (DESIGN.md §4), so several ranks share one GPU as full NVSHMEM PEs.
+    Ray's workers inherit the pipe/log directories from this process's environment."""
+    control = shutil.which("nvidia-cuda-mps-control")
+    if control is None:
+        pytest.skip("nvidia-cuda-mps-control is not installed")
+    pipe_dir = tempfile.mkdtemp(prefix="mps-pipe", dir="/tmp")
+    log_dir = tempfile.mkdtemp(prefix="mps-log", dir="/tmp")
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", pipe_dir)
+    monkeypatch.setenv("CUDA_MPS_LOG_DIRECTORY", log_dir)
+    subprocess.run([control, "-d"], env=os.environ.copy(), check=True, timeout=60)
+    try:
+        yield
+    finally:
+        subprocess.run([control], input="quit\n", text=True, env=os.environ.copy(), timeout=60)
+        shutil.rmtree(pipe_dir, ignore_errors=True)
+        shutil.rmtree(log_dir, ignore_errors=True)
+
+
+@pytest.mark.gpu
+def test_cuda_backend_two_workers_share_one_gpu_under_mps(mps_daemon, tmp_path):
+    """Two ranks with num_gpus=0.5 on one GPU (MPS), an NVSHMEM team of two, against the reference."""
+    if not driver._nvshmem_team_available():
+        pytest.skip("flashdmoe.team.Team has no nvshmem()/make_unique_id() in this build")
+    config = _config(hidden=256, ffn=512, experts=8, top_k=2, tokens_per_rank=300, dtype="bfloat16", world_size=2)
+    results = run_job(config, workers=2, backend="cuda", gpus_per_worker=0.5, verify=True, output_dir=tmp_path,
+                      progress=False)
+    assert results["backend"] == "cuda"
+    assert len({info["node_id"] for info in results["workers"]}) == 1
+    assert results["verification"]["passed"], results["verification"]
+    _check_results_schema(results, steps=3, world_size=2)

@@ -12,10 +12,10 @@
 namespace flashdmoe {
 
 // Hopper wgmma tiles, or the mma.sync tiles (kept as the portable comparison point).
-template <typename Element, bool kUseWgmma>
-using ExpertGemm =
-    std::conditional_t<kUseWgmma, WgmmaTileGemm<Element, kExpertStages>,
-                       TileGemm<Element, kExpertTileM, kExpertTileN, 2, 4, kExpertStages, /*B_K_CONTIGUOUS=*/false>>;
+template <typename Element, typename Variant>
+using ExpertGemm = std::conditional_t<
+    Variant::kUseWgmma, WgmmaTileGemm<Element, Variant::kStages>,
+    TileGemm<Element, kExpertTileM, kExpertTileN, 2, 4, Variant::kStages, /*B_K_CONTIGUOUS=*/false>>;
 
 template <typename Element>
 struct Pack8 {  // eight elements, one 16-byte store
@@ -40,7 +40,7 @@ __device__ __forceinline__ float* stage_accumulators(const Gemm& gemm, char* sme
   return staged;
 }
 
-template <typename Element, bool kUseWgmma>
+template <typename Element, typename Variant>
 __device__ void gemm1_tile(const MoEParams& p, int row_tile, int col_tile, int expert, int seg_row0, int rows,
                            char* smem, const Element** a_rows) {
   const int H = p.hidden, I = p.ffn;
@@ -58,7 +58,7 @@ __device__ void gemm1_tile(const MoEParams& p, int row_tile, int col_tile, int e
   const int lo_end = I, hi_end = swiglu ? 2 * I : I;
   const Element* w1 = static_cast<const Element*>(p.w1) + static_cast<size_t>(expert) * H * p.w1_cols;
 
-  using Gemm = ExpertGemm<Element, kUseWgmma>;
+  using Gemm = ExpertGemm<Element, Variant>;
   Gemm gemm;
   gemm.run(smem, H / 64, [&](uint32_t a_dst, uint32_t b_dst, int k0) {
     Gemm::template load_rows<kExpertTileM>(a_dst, a_rows, k0, x);
@@ -87,7 +87,7 @@ __device__ void gemm1_tile(const MoEParams& p, int row_tile, int col_tile, int e
   }
 }
 
-template <typename Element, bool kUseWgmma>
+template <typename Element, typename Variant>
 __device__ bool gemm2_tile(const MoEParams& p, int row_tile, int col_tile, int expert, int seg_row0, int rows,
                            char* smem, const Element** a_rows) {
   __shared__ int inputs_ready;
@@ -102,7 +102,7 @@ __device__ bool gemm2_tile(const MoEParams& p, int row_tile, int col_tile, int e
   const int col0 = col_tile * kExpertTileN;
   const Element* w2 = static_cast<const Element*>(p.w2) + static_cast<size_t>(expert) * I * H;
 
-  using Gemm = ExpertGemm<Element, kUseWgmma>;
+  using Gemm = ExpertGemm<Element, Variant>;
   Gemm gemm;
   gemm.run(smem, I / 64, [&](uint32_t a_dst, uint32_t b_dst, int k0) {
     Gemm::template load_rows<kExpertTileM>(a_dst, a_rows, k0, hidden);
@@ -127,7 +127,7 @@ __device__ bool gemm2_tile(const MoEParams& p, int row_tile, int col_tile, int e
 
 // Drain the task queue: every GEMM1 task precedes every GEMM2 task, so a GEMM2 wait never blocks a
 // GEMM1 tile that has not been taken yet (no deadlock with all blocks resident).
-template <typename Element, bool kUseWgmma>
+template <typename Element, typename Variant>
 __device__ bool run_expert_tasks(const MoEParams& p, const RoutingTables& t, char* smem, const Element** a_rows) {
   __shared__ int next_task;
   const int row_tiles = t.tile_start[p.experts];
@@ -149,8 +149,8 @@ __device__ bool run_expert_tasks(const MoEParams& p, const RoutingTables& t, cha
     const int rows = min(kExpertTileM, t.kept[expert] - m0);
     const int seg_row0 = t.seg_start[expert] + m0;
     if (!second) {
-      gemm1_tile<Element, kUseWgmma>(p, row_tile, col_tile, expert, seg_row0, rows, smem, a_rows);
-    } else if (!gemm2_tile<Element, kUseWgmma>(p, row_tile, col_tile, expert, seg_row0, rows, smem, a_rows)) {
+      gemm1_tile<Element, Variant>(p, row_tile, col_tile, expert, seg_row0, rows, smem, a_rows);
+    } else if (!gemm2_tile<Element, Variant>(p, row_tile, col_tile, expert, seg_row0, rows, smem, a_rows)) {
       return false;
     }
   }

@@ -33,9 +33,9 @@ LaunchInfo launch_forward(const ForwardArgs& args, cudaStream_t stream) {
   return launch_forward_typed<__half>(args, stream);
 }
 
-KernelAttributes kernel_attributes(DType dtype, bool use_wgmma) {
-  if (dtype == DType::BFloat16) return kernel_attributes_typed<__nv_bfloat16>(use_wgmma);
-  return kernel_attributes_typed<__half>(use_wgmma);
+KernelAttributes kernel_attributes(DType dtype, int expert_variant) {
+  if (dtype == DType::BFloat16) return kernel_attributes_typed<__nv_bfloat16>(expert_variant);
+  return kernel_attributes_typed<__half>(expert_variant);
 }
 
 }  // namespace flashdmoe

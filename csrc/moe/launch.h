@@ -29,7 +29,7 @@ struct ForwardArgs {
   int capacity;  // rows kept per expert; >= tokens means dropless
   uint64_t timeout_ns;
   int debug_withhold_phase;
-  bool use_wgmma;  // expert GEMMs on wgmma (Hopper) or on mma.sync (comparison path)
+  int expert_variant;  // tile_config.cuh: 0 wgmma/3 stages (default), 1 wgmma/4, 2 wgmma/6, 3 mma.sync/3
 };
 
 struct LaunchInfo {
@@ -50,11 +50,11 @@ std::string check_shapes(int tokens, int hidden, int ffn, int experts, int top_k
 WorkspaceLayout workspace_layout(int tokens, int hidden, int ffn, int experts, int top_k, DType dtype);
 // Zeroes the sync words and launches the persistent kernel on `stream` (throws std::runtime_error).
 LaunchInfo launch_forward(const ForwardArgs& args, cudaStream_t stream);
-KernelAttributes kernel_attributes(DType dtype, bool use_wgmma);
+KernelAttributes kernel_attributes(DType dtype, int expert_variant);
 
 template <typename Element>
 LaunchInfo launch_forward_typed(const ForwardArgs& args, cudaStream_t stream);
 template <typename Element>
-KernelAttributes kernel_attributes_typed(bool use_wgmma);
+KernelAttributes kernel_attributes_typed(int expert_variant);
 
 }  // namespace flashdmoe

@@ -27,11 +27,23 @@ inline ResidentGrid resident_grid(const void* kernel, int device, int smem_bytes
     int device, smem_bytes;
     ResidentGrid grid;
   };
+  struct Limit {  // the kernel's dynamic shared memory limit: only ever raised, so cached grids stay valid
+    const void* kernel;
+    int device, smem_bytes;
+  };
   static std::mutex mutex;
   static std::vector<Entry> known;
+  static std::vector<Limit> limits;
   std::lock_guard<std::mutex> lock(mutex);
   for (const Entry& e : known)
     if (e.kernel == kernel && e.device == device && e.smem_bytes == smem_bytes) return e.grid;
+  Limit* limit = nullptr;
+  for (Limit& l : limits)
+    if (l.kernel == kernel && l.device == device) limit = &l;
+  if (limit == nullptr) {
+    limits.push_back({kernel, device, 0});
+    limit = &limits.back();
+  }
   int sms = 0, smem_optin = 0;
   throw_on_cuda_error(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "SM count");
   throw_on_cuda_error(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
@@ -40,8 +52,11 @@ inline ResidentGrid resident_grid(const void* kernel, int device, int smem_bytes
     throw std::invalid_argument("the fused kernel needs " + std::to_string(smem_bytes) +
                                 " bytes of shared memory per block for these experts/top_k; the GPU allows " +
                                 std::to_string(smem_optin));
-  throw_on_cuda_error(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes),
-                      "cudaFuncSetAttribute");
+  if (smem_bytes > limit->smem_bytes) {
+    throw_on_cuda_error(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes),
+                        "cudaFuncSetAttribute");
+    limit->smem_bytes = smem_bytes;
+  }
   int blocks_per_sm = 0;
   throw_on_cuda_error(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, kernel, kThreads, smem_bytes),
                       "occupancy query");
@@ -52,8 +67,8 @@ inline ResidentGrid resident_grid(const void* kernel, int device, int smem_bytes
   return known.back().grid;
 }
 
-template <typename Element>
-LaunchInfo launch_forward_typed(const ForwardArgs& a, cudaStream_t stream) {
+template <typename Element, typename Variant>
+LaunchInfo launch_forward_variant(const ForwardArgs& a, cudaStream_t stream) {
   const std::string shape_error = check_shapes(a.tokens, a.hidden, a.ffn, a.experts, a.top_k);
   if (!shape_error.empty()) throw std::invalid_argument(shape_error);
   const WorkspaceLayout ws = workspace_layout(a.tokens, a.hidden, a.ffn, a.experts, a.top_k, a.dtype);
@@ -89,8 +104,8 @@ LaunchInfo launch_forward_typed(const ForwardArgs& a, cudaStream_t stream) {
   p.timeout_ns = a.timeout_ns;
   p.debug_withhold_phase = a.debug_withhold_phase;
 
-  const SmemLayout smem = make_smem_layout(a.experts, a.top_k);
-  auto kernel = a.use_wgmma ? moe_forward_kernel<Element, true> : moe_forward_kernel<Element, false>;
+  const SmemLayout smem = make_smem_layout(a.experts, a.top_k, Variant::kPipelineBytes);
+  auto kernel = moe_forward_kernel<Element, Variant>;
   int device = 0;
   throw_on_cuda_error(cudaGetDevice(&device), "cudaGetDevice");
   const ResidentGrid resident = resident_grid(reinterpret_cast<const void*>(kernel), device, smem.total_bytes);
@@ -111,14 +126,34 @@ LaunchInfo launch_forward_typed(const ForwardArgs& a, cudaStream_t stream) {
   return {grid, resident.blocks_per_sm, smem.total_bytes};
 }
 
-template <typename Element>
-KernelAttributes kernel_attributes_typed(bool use_wgmma) {
+template <typename Element, typename Variant>
+KernelAttributes kernel_attributes_variant() {
   cudaFuncAttributes attr{};
-  throw_on_cuda_error(cudaFuncGetAttributes(&attr, use_wgmma ? moe_forward_kernel<Element, true>
-                                                              : moe_forward_kernel<Element, false>),
-                      "cudaFuncGetAttributes");
+  throw_on_cuda_error(cudaFuncGetAttributes(&attr, moe_forward_kernel<Element, Variant>), "cudaFuncGetAttributes");
   return {attr.numRegs, static_cast<int>(attr.localSizeBytes), attr.maxThreadsPerBlock,
           static_cast<int>(attr.sharedSizeBytes)};
+}
+
+template <typename Element>
+LaunchInfo launch_forward_typed(const ForwardArgs& a, cudaStream_t stream) {
+  switch (a.expert_variant) {
+    case 0: return launch_forward_variant<Element, WgmmaThreeStages>(a, stream);
+    case 1: return launch_forward_variant<Element, WgmmaFourStages>(a, stream);
+    case 2: return launch_forward_variant<Element, WgmmaSixStages>(a, stream);
+    case 3: return launch_forward_variant<Element, MmaSyncThreeStages>(a, stream);
+    default: throw std::invalid_argument("expert_variant must be 0..3, got " + std::to_string(a.expert_variant));
+  }
+}
+
+template <typename Element>
+KernelAttributes kernel_attributes_typed(int variant) {
+  switch (variant) {
+    case 0: return kernel_attributes_variant<Element, WgmmaThreeStages>();
+    case 1: return kernel_attributes_variant<Element, WgmmaFourStages>();
+    case 2: return kernel_attributes_variant<Element, WgmmaSixStages>();
+    case 3: return kernel_attributes_variant<Element, MmaSyncThreeStages>();
+    default: throw std::invalid_argument("expert_variant must be 0..3, got " + std::to_string(variant));
+  }
 }
 
 }  // namespace flashdmoe

@@ -12,12 +12,13 @@ __device__ __forceinline__ void stamp_phase(const MoEParams& p, int slot) {
   if (blockIdx.x == 0 && threadIdx.x == 0) p.phase_clock[slot] = ptx::global_timer_ns();
 }
 
-template <typename Element, bool kUseWgmma>
-__global__ void __launch_bounds__(kThreads, 2) moe_forward_kernel(const __grid_constant__ MoEParams p) {
+template <typename Element, typename Variant>
+__global__ void __launch_bounds__(kThreads, Variant::kMinBlocksPerSm)
+    moe_forward_kernel(const __grid_constant__ MoEParams p) {
   extern __shared__ __align__(16) char raw_smem[];
   // wgmma's 128-byte swizzle is computed from absolute shared addresses: align the base to its atom.
   char* smem = raw_smem + ((1024u - (ptx::smem_addr(raw_smem) & 1023u)) & 1023u);
-  const SmemLayout layout = make_smem_layout(p.experts, p.top_k);
+  const SmemLayout layout = make_smem_layout(p.experts, p.top_k, Variant::kPipelineBytes);
   stamp_phase(p, 0);
 
   // ---- 1. gate: logits, softmax, top-k, per-tile counts ----
@@ -39,7 +40,7 @@ __global__ void __launch_bounds__(kThreads, 2) moe_forward_kernel(const __grid_c
 
   // ---- 4. expert FFN tiles from the task queue ----
   const Element** a_rows = reinterpret_cast<const Element**>(smem + layout.row_ptrs_offset);
-  if (!run_expert_tasks<Element, kUseWgmma>(p, tables, smem, a_rows)) return;
+  if (!run_expert_tasks<Element, Variant>(p, tables, smem, a_rows)) return;
   if (!grid_barrier(p, kPhaseExpertsDone, 4)) return;
   stamp_phase(p, 4);
 

@@ -3,5 +3,5 @@
 
 namespace flashdmoe {
 template LaunchInfo launch_forward_typed<__nv_bfloat16>(const ForwardArgs&, cudaStream_t);
-template KernelAttributes kernel_attributes_typed<__nv_bfloat16>(bool);
+template KernelAttributes kernel_attributes_typed<__nv_bfloat16>(int);
 }  // namespace flashdmoe

@@ -3,5 +3,5 @@
 
 namespace flashdmoe {
 template LaunchInfo launch_forward_typed<__half>(const ForwardArgs&, cudaStream_t);
-template KernelAttributes kernel_attributes_typed<__half>(bool);
+template KernelAttributes kernel_attributes_typed<__half>(int);
 }  // namespace flashdmoe

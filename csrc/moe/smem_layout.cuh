@@ -16,10 +16,10 @@ __host__ __device__ inline int round_up16(int v) { return (v + 15) / 16 * 16; }
 
 __host__ __device__ inline int gate_logits_stride(int experts) { return experts + 4; }
 
-__host__ __device__ inline SmemLayout make_smem_layout(int experts, int top_k) {
+__host__ __device__ inline SmemLayout make_smem_layout(int experts, int top_k, int expert_pipeline_bytes) {
   const int gate = kGatePipelineBytes + round_up16(kGateTileM * gate_logits_stride(experts) * 4) +
                    round_up16(kGateTileM * top_k * 4) * 2;
-  int scratch = kExpertPipelineBytes;
+  int scratch = expert_pipeline_bytes;
   if (kEpilogueStageBytes > scratch) scratch = kEpilogueStageBytes;
   if (gate > scratch) scratch = gate;
   SmemLayout l{};

@@ -51,7 +51,8 @@ struct WgmmaTileGemm {
     }
   }
 
-  __device__ void mma_stage(uint32_t a_base, uint32_t b_base) {
+  // Issue one 64-deep K slab (4 wgmma) as one commit group; does not wait for it.
+  __device__ void issue_stage(uint32_t a_base, uint32_t b_base) {
     const int warpgroup = threadIdx.x >> 7;
     const uint32_t a_rows = a_base + warpgroup * 64 * 128;
     wgmma::fence_operands(acc);
@@ -65,10 +66,10 @@ struct WgmmaTileGemm {
       wgmma::wgmma_m64n128k16<Element>(acc, desc_a, desc_b);
     }
     wgmma::commit_group();
-    wgmma::wait_group<0>();
-    wgmma::fence_operands(acc);
   }
 
+  // Slab kt's wgmma run while the copies for slab kt+STAGES-1 are issued: a stage is refilled only after
+  // every warpgroup's wgmma on it completed (wait_group<1> then a barrier).
   template <typename LoadStage>
   __device__ void run(char* smem, int k_tiles, LoadStage&& load_stage) {
     const uint32_t base = ptx::smem_addr(smem);  // caller guarantees 1024-byte alignment
@@ -85,11 +86,15 @@ struct WgmmaTileGemm {
       ptx::cp_async_wait<STAGES - 2>();
       wgmma::fence_proxy_async_shared();  // this thread's cp.async data -> visible to wgmma
       __syncthreads();
+      issue_stage(a_stage(kt % STAGES), b_stage(kt % STAGES));
+      wgmma::wait_group<1>();  // slab kt-1 done in this warpgroup
+      __syncthreads();         // ... and in the other one: its stage may be refilled
       const int next = kt + STAGES - 1;
       if (next < k_tiles) load_stage(a_stage(next % STAGES), b_stage(next % STAGES), next * kBlockK);
       ptx::cp_async_commit();
-      mma_stage(a_stage(kt % STAGES), b_stage(kt % STAGES));
     }
+    wgmma::wait_group<0>();
+    wgmma::fence_operands(acc);
     ptx::cp_async_wait<0>();
     __syncthreads();
   }
