@@ -20,7 +20,8 @@ ACTIVATION_CODES = {"relu": 0, "gelu": 1, "silu": 2, "swiglu": 3}
 DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1}
 # Expert GEMM variants compiled into the kernel (csrc/moe/tile_config.cuh): MMA family, cp.async
 # stages, blocks per SM.
-EXPERT_VARIANTS = {"wgmma-3stage": 0, "wgmma-4stage": 1, "wgmma-6stage": 2, "mma.sync-3stage": 3}
+EXPERT_VARIANTS = {"wgmma-128x128-3stage": 0, "wgmma-128x128-4stage": 1, "wgmma-128x256-4stage": 2,
+                   "mma.sync-128x128-3stage": 3}
 
 # Phase ids written by the kernel's watchdog (csrc/moe/params.cuh, enum Phase).
 PHASE_NAMES = {
@@ -43,7 +44,7 @@ class DebugKnobs:
     poison_outputs: bool = False
     timeout_ms: int | None = None
     # Expert GEMM variant (EXPERT_VARIANTS); FLASHDMOE_EXPERT_VARIANT overrides the default.
-    expert_variant: str = os.environ.get("FLASHDMOE_EXPERT_VARIANT", "wgmma-3stage")
+    expert_variant: str = os.environ.get("FLASHDMOE_EXPERT_VARIANT", "wgmma-128x128-3stage")
 
 
 debug = DebugKnobs()

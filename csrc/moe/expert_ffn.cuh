@@ -14,28 +14,40 @@ namespace flashdmoe {
 // Hopper wgmma tiles, or the mma.sync tiles (kept as the portable comparison point).
 template <typename Element, typename Variant>
 using ExpertGemm = std::conditional_t<
-    Variant::kUseWgmma, WgmmaTileGemm<Element, Variant::kStages>,
-    TileGemm<Element, kExpertTileM, kExpertTileN, 2, 4, Variant::kStages, /*B_K_CONTIGUOUS=*/false>>;
+    Variant::kUseWgmma, WgmmaTileGemm<Element, Variant::kTileN, Variant::kStages>,
+    TileGemm<Element, kExpertTileM, Variant::kTileN, 2, 4, Variant::kStages, /*B_K_CONTIGUOUS=*/false>>;
+
+template <typename Variant>
+__host__ __device__ constexpr int expert_scratch_bytes() {
+  return Variant::kPipelineBytes > Variant::kEpilogueBytes ? Variant::kPipelineBytes : Variant::kEpilogueBytes;
+}
 
 template <typename Element>
 struct Pack8 {  // eight elements, one 16-byte store
   Element v[8];
 };
 
-__device__ __forceinline__ int gemm1_column_tiles(const MoEParams& p) {
-  // swiglu tiles hold 64 gate + 64 up columns and produce 64 outputs; the others produce 128.
-  return p.activation == Activation::Swiglu ? p.ffn / 64 : (p.ffn + kExpertTileN - 1) / kExpertTileN;
+// GEMM1 output columns per tile: swiglu tiles hold N/2 gate + N/2 up columns and produce N/2.
+template <typename Variant>
+__device__ __forceinline__ int gemm1_output_columns(const MoEParams& p) {
+  return p.activation == Activation::Swiglu ? Variant::kTileN / 2 : Variant::kTileN;
 }
+template <typename Variant>
+__device__ __forceinline__ int gemm1_column_tiles(const MoEParams& p) {
+  const int cols = gemm1_output_columns<Variant>(p);
+  return (p.ffn + cols - 1) / cols;
+}
+template <typename Variant>
 __device__ __forceinline__ int gemm2_column_tiles(const MoEParams& p) {
-  return (p.hidden + kExpertTileN - 1) / kExpertTileN;
+  return (p.hidden + Variant::kTileN - 1) / Variant::kTileN;
 }
 
 // Stage the accumulators as fp32 rows in shared memory so the epilogue can pair columns and store
 // 16 bytes per thread.
-template <typename Gemm>
+template <typename Variant, typename Gemm>
 __device__ __forceinline__ float* stage_accumulators(const Gemm& gemm, char* smem) {
   float* staged = reinterpret_cast<float*>(smem);
-  gemm.for_each_acc([&](int row, int col, float v) { staged[row * kEpilogueStride + col] = v; });
+  gemm.for_each_acc([&](int row, int col, float v) { staged[row * Variant::kEpilogueStride + col] = v; });
   __syncthreads();
   return staged;
 }
@@ -50,11 +62,12 @@ __device__ void gemm1_tile(const MoEParams& p, int row_tile, int col_tile, int e
                               ? x + static_cast<size_t>(__ldcg(p.row_token + seg_row0 + threadIdx.x)) * H
                               : nullptr;
   __syncthreads();
+  constexpr int kTileN = Variant::kTileN;
   const bool swiglu = p.activation == Activation::Swiglu;
-  const int out_cols = swiglu ? kExpertTileN / 2 : kExpertTileN;
+  const int out_cols = gemm1_output_columns<Variant>(p);
   const int out_col0 = col_tile * out_cols;
   const int col_lo = out_col0;
-  const int col_hi = swiglu ? I + out_col0 : out_col0 + kExpertTileN / 2;
+  const int col_hi = swiglu ? I + out_col0 : out_col0 + kTileN / 2;
   const int lo_end = I, hi_end = swiglu ? 2 * I : I;
   const Element* w1 = static_cast<const Element*>(p.w1) + static_cast<size_t>(expert) * H * p.w1_cols;
 
@@ -64,18 +77,18 @@ __device__ void gemm1_tile(const MoEParams& p, int row_tile, int col_tile, int e
     Gemm::template load_rows<kExpertTileM>(a_dst, a_rows, k0, x);
     Gemm::load_b_n_major(b_dst, w1, p.w1_cols, k0, col_lo, lo_end, col_hi, hi_end);
   });
-  const float* staged = stage_accumulators(gemm, smem);
+  const float* staged = stage_accumulators<Variant>(gemm, smem);
 
   Element* out = static_cast<Element*>(p.intermediate);
   const int chunks_per_row = out_cols / 8;
   for (int i = threadIdx.x; i < rows * chunks_per_row; i += kThreads) {
     const int r = i / chunks_per_row, c = (i % chunks_per_row) * 8;
     if (out_col0 + c >= I) continue;
-    const float* src = staged + r * kEpilogueStride + c;
+    const float* src = staged + r * Variant::kEpilogueStride + c;
     Pack8<Element> pack;
 #pragma unroll
     for (int v = 0; v < 8; ++v) {
-      const float h = swiglu ? silu(src[v]) * src[v + kExpertTileN / 2] : activate(p.activation, src[v]);
+      const float h = swiglu ? silu(src[v]) * src[v + kTileN / 2] : activate(p.activation, src[v]);
       pack.v[v] = static_cast<Element>(h);
     }
     *reinterpret_cast<Pack8<Element>*>(out + static_cast<size_t>(seg_row0 + r) * I + out_col0 + c) = pack;
@@ -93,29 +106,30 @@ __device__ bool gemm2_tile(const MoEParams& p, int row_tile, int col_tile, int e
   __shared__ int inputs_ready;
   const int H = p.hidden, I = p.ffn;
   if (threadIdx.x == 0)
-    inputs_ready = wait_at_least(p.row_tile_done + row_tile, gemm1_column_tiles(p), p, kPhaseIntermediate, 0);
+    inputs_ready = wait_at_least(p.row_tile_done + row_tile, gemm1_column_tiles<Variant>(p), p, kPhaseIntermediate, 0);
   const Element* hidden = static_cast<const Element*>(p.intermediate);
   if (threadIdx.x < kExpertTileM)
     a_rows[threadIdx.x] = threadIdx.x < rows ? hidden + static_cast<size_t>(seg_row0 + threadIdx.x) * I : nullptr;
   __syncthreads();
   if (!inputs_ready) return false;
-  const int col0 = col_tile * kExpertTileN;
+  constexpr int kTileN = Variant::kTileN;
+  const int col0 = col_tile * kTileN;
   const Element* w2 = static_cast<const Element*>(p.w2) + static_cast<size_t>(expert) * I * H;
 
   using Gemm = ExpertGemm<Element, Variant>;
   Gemm gemm;
   gemm.run(smem, I / 64, [&](uint32_t a_dst, uint32_t b_dst, int k0) {
     Gemm::template load_rows<kExpertTileM>(a_dst, a_rows, k0, hidden);
-    Gemm::load_b_n_major(b_dst, w2, H, k0, col0, H, col0 + kExpertTileN / 2, H);
+    Gemm::load_b_n_major(b_dst, w2, H, k0, col0, H, col0 + kTileN / 2, H);
   });
-  const float* staged = stage_accumulators(gemm, smem);
+  const float* staged = stage_accumulators<Variant>(gemm, smem);
 
   Element* out = static_cast<Element*>(p.expert_out);
-  constexpr int kChunksPerRow = kExpertTileN / 8;
+  constexpr int kChunksPerRow = kTileN / 8;
   for (int i = threadIdx.x; i < rows * kChunksPerRow; i += kThreads) {
     const int r = i / kChunksPerRow, c = (i % kChunksPerRow) * 8;
     if (col0 + c >= H) continue;
-    const float* src = staged + r * kEpilogueStride + c;
+    const float* src = staged + r * Variant::kEpilogueStride + c;
     Pack8<Element> pack;
 #pragma unroll
     for (int v = 0; v < 8; ++v) pack.v[v] = static_cast<Element>(src[v]);
@@ -131,7 +145,7 @@ template <typename Element, typename Variant>
 __device__ bool run_expert_tasks(const MoEParams& p, const RoutingTables& t, char* smem, const Element** a_rows) {
   __shared__ int next_task;
   const int row_tiles = t.tile_start[p.experts];
-  const int tiles1 = gemm1_column_tiles(p), tiles2 = gemm2_column_tiles(p);
+  const int tiles1 = gemm1_column_tiles<Variant>(p), tiles2 = gemm2_column_tiles<Variant>(p);
   const int tasks1 = row_tiles * tiles1;
   const int total = tasks1 + row_tiles * tiles2;
   for (;;) {

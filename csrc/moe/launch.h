@@ -29,7 +29,7 @@ struct ForwardArgs {
   int capacity;  // rows kept per expert; >= tokens means dropless
   uint64_t timeout_ns;
   int debug_withhold_phase;
-  int expert_variant;  // tile_config.cuh: 0 wgmma/3 stages (default), 1 wgmma/4, 2 wgmma/6, 3 mma.sync/3
+  int expert_variant;  // tile_config.cuh: 0 wgmma 128x128/3 stages, 1 wgmma 128x128/4, 2 wgmma 128x256/4, 3 mma.sync 128x128/3
 };
 
 struct LaunchInfo {

@@ -104,7 +104,7 @@ LaunchInfo launch_forward_variant(const ForwardArgs& a, cudaStream_t stream) {
   p.timeout_ns = a.timeout_ns;
   p.debug_withhold_phase = a.debug_withhold_phase;
 
-  const SmemLayout smem = make_smem_layout(a.experts, a.top_k, Variant::kPipelineBytes);
+  const SmemLayout smem = make_smem_layout(a.experts, a.top_k, expert_scratch_bytes<Variant>());
   auto kernel = moe_forward_kernel<Element, Variant>;
   int device = 0;
   throw_on_cuda_error(cudaGetDevice(&device), "cudaGetDevice");
@@ -137,10 +137,10 @@ KernelAttributes kernel_attributes_variant() {
 template <typename Element>
 LaunchInfo launch_forward_typed(const ForwardArgs& a, cudaStream_t stream) {
   switch (a.expert_variant) {
-    case 0: return launch_forward_variant<Element, WgmmaThreeStages>(a, stream);
-    case 1: return launch_forward_variant<Element, WgmmaFourStages>(a, stream);
-    case 2: return launch_forward_variant<Element, WgmmaSixStages>(a, stream);
-    case 3: return launch_forward_variant<Element, MmaSyncThreeStages>(a, stream);
+    case 0: return launch_forward_variant<Element, Wgmma128ThreeStages>(a, stream);
+    case 1: return launch_forward_variant<Element, Wgmma128FourStages>(a, stream);
+    case 2: return launch_forward_variant<Element, Wgmma256FourStages>(a, stream);
+    case 3: return launch_forward_variant<Element, MmaSync128ThreeStages>(a, stream);
     default: throw std::invalid_argument("expert_variant must be 0..3, got " + std::to_string(a.expert_variant));
   }
 }
@@ -148,10 +148,10 @@ LaunchInfo launch_forward_typed(const ForwardArgs& a, cudaStream_t stream) {
 template <typename Element>
 KernelAttributes kernel_attributes_typed(int variant) {
   switch (variant) {
-    case 0: return kernel_attributes_variant<Element, WgmmaThreeStages>();
-    case 1: return kernel_attributes_variant<Element, WgmmaFourStages>();
-    case 2: return kernel_attributes_variant<Element, WgmmaSixStages>();
-    case 3: return kernel_attributes_variant<Element, MmaSyncThreeStages>();
+    case 0: return kernel_attributes_variant<Element, Wgmma128ThreeStages>();
+    case 1: return kernel_attributes_variant<Element, Wgmma128FourStages>();
+    case 2: return kernel_attributes_variant<Element, Wgmma256FourStages>();
+    case 3: return kernel_attributes_variant<Element, MmaSync128ThreeStages>();
     default: throw std::invalid_argument("expert_variant must be 0..3, got " + std::to_string(variant));
   }
 }

@@ -18,7 +18,7 @@ __global__ void __launch_bounds__(kThreads, Variant::kMinBlocksPerSm)
   extern __shared__ __align__(16) char raw_smem[];
   // wgmma's 128-byte swizzle is computed from absolute shared addresses: align the base to its atom.
   char* smem = raw_smem + ((1024u - (ptx::smem_addr(raw_smem) & 1023u)) & 1023u);
-  const SmemLayout layout = make_smem_layout(p.experts, p.top_k, Variant::kPipelineBytes);
+  const SmemLayout layout = make_smem_layout(p.experts, p.top_k, expert_scratch_bytes<Variant>());
   stamp_phase(p, 0);
 
   // ---- 1. gate: logits, softmax, top-k, per-tile counts ----

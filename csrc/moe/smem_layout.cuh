@@ -16,11 +16,11 @@ __host__ __device__ inline int round_up16(int v) { return (v + 15) / 16 * 16; }
 
 __host__ __device__ inline int gate_logits_stride(int experts) { return experts + 4; }
 
-__host__ __device__ inline SmemLayout make_smem_layout(int experts, int top_k, int expert_pipeline_bytes) {
+// expert_scratch_bytes: the variant's pipeline or epilogue staging, whichever is larger.
+__host__ __device__ inline SmemLayout make_smem_layout(int experts, int top_k, int expert_scratch_bytes) {
   const int gate = kGatePipelineBytes + round_up16(kGateTileM * gate_logits_stride(experts) * 4) +
                    round_up16(kGateTileM * top_k * 4) * 2;
-  int scratch = expert_pipeline_bytes;
-  if (kEpilogueStageBytes > scratch) scratch = kEpilogueStageBytes;
+  int scratch = expert_scratch_bytes;
   if (gate > scratch) scratch = gate;
   SmemLayout l{};
   l.scratch_bytes = round_up16(scratch);

@@ -11,28 +11,27 @@ constexpr int kGateTileN = 128;
 constexpr int kGateStages = 3;
 constexpr int kGatePipelineBytes = kGateStages * (kGateTileM + kGateTileN) * 64 * 2;
 
-// Expert FFN GEMMs: 128 rows x 128 columns, K slabs of 64.
+// Expert FFN GEMMs: 128-row tiles, 128 or 256 columns (per variant), K slabs of 64.
 constexpr int kExpertTileM = 128;
-constexpr int kExpertTileN = 128;
-constexpr int kExpertStageBytes = (kExpertTileM + kExpertTileN) * 64 * 2;
 
 // Expert GEMM variants, chosen at launch (benchmarks compare them): the MMA instruction family, the
 // cp.async pipeline depth, and the blocks per SM the register budget is cut for.
 enum class ExpertMma : int { Wgmma = 0, MmaSync = 1 };
-template <ExpertMma kMma, int kStagesArg, int kBlocksPerSm>
+template <ExpertMma kMma, int kTileNArg, int kStagesArg, int kBlocksPerSm>
 struct ExpertVariant {
   static constexpr bool kUseWgmma = kMma == ExpertMma::Wgmma;
+  static constexpr int kTileN = kTileNArg;
   static constexpr int kStages = kStagesArg;
   static constexpr int kMinBlocksPerSm = kBlocksPerSm;
-  static constexpr int kPipelineBytes = kStages * kExpertStageBytes;
+  static constexpr int kPipelineBytes = kStages * (kExpertTileM + kTileN) * 64 * 2;
+  static constexpr int kEpilogueStride = kTileN + 4;  // fp32 staging row, padded against bank conflicts
+  static constexpr int kEpilogueBytes = kExpertTileM * kEpilogueStride * 4;
 };
 // Variant ids as the host passes them (flashdmoe/cuda_backend.py EXPERT_VARIANTS).
-using WgmmaThreeStages = ExpertVariant<ExpertMma::Wgmma, 3, 2>;    // 0: default
-using WgmmaFourStages = ExpertVariant<ExpertMma::Wgmma, 4, 1>;     // 1
-using WgmmaSixStages = ExpertVariant<ExpertMma::Wgmma, 6, 1>;      // 2
-using MmaSyncThreeStages = ExpertVariant<ExpertMma::MmaSync, 3, 2>;  // 3
-constexpr int kEpilogueStride = kExpertTileN + 4;  // fp32 staging row, padded against bank conflicts
-constexpr int kEpilogueStageBytes = kExpertTileM * kEpilogueStride * 4;
+using Wgmma128ThreeStages = ExpertVariant<ExpertMma::Wgmma, 128, 3, 2>;    // 0
+using Wgmma128FourStages = ExpertVariant<ExpertMma::Wgmma, 128, 4, 1>;     // 1
+using Wgmma256FourStages = ExpertVariant<ExpertMma::Wgmma, 256, 4, 1>;     // 2
+using MmaSync128ThreeStages = ExpertVariant<ExpertMma::MmaSync, 128, 3, 2>;  // 3
 
 // Shape constraints checked on the host (and named in the error message).
 constexpr int kHiddenMultiple = 64;

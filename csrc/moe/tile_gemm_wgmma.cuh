@@ -1,5 +1,5 @@
-// Block tile GEMM on Hopper warpgroup MMA: 128x128 tile, two warpgroups of 64 rows each issuing
-// wgmma.m64n128k16 from shared memory. A (gathered rows, K-major) and B ([K, N] weights, loaded as
+// Block tile GEMM on Hopper warpgroup MMA: 128 x BN tile (BN = 128 or 256), two warpgroups of 64 rows
+// each issuing wgmma.m64nBNk16 from shared memory. A (gathered rows, K-major) and B ([K, N] weights, loaded as
 // MN-major 64-column panels) are 128-byte swizzled as wgmma's descriptors expect; a cp.async pipeline
 // fills the stages. Same interface as TileGemm (run / for_each_acc / loaders), so the expert tasks can
 // use either.
@@ -9,9 +9,11 @@
 
 namespace flashdmoe {
 
-template <typename Element, int STAGES>
+template <typename Element, int BN, int STAGES>
 struct WgmmaTileGemm {
-  static constexpr int kBlockM = 128, kBlockN = 128, kBlockK = 64;
+  static constexpr int kBlockM = 128, kBlockN = BN, kBlockK = 64;
+  static constexpr int kPanels = BN / 64;  // MN-major B is stored as 64-column panels
+  static constexpr int kAccumulators = BN / 2;
   static constexpr int kThreads = 256;
   static constexpr int kStageBytesA = kBlockM * kBlockK * 2;
   static constexpr int kStageBytesB = kBlockK * kBlockN * 2;
@@ -19,7 +21,7 @@ struct WgmmaTileGemm {
   static constexpr int kPipelineBytes = STAGES * (kStageBytesA + kStageBytesB);
   static constexpr uint32_t kAtomBytes = 1024;  // 8 rows x 128 bytes: the swizzle repeat
 
-  float acc[64];
+  float acc[kAccumulators];
 
   // A: row r, 16-byte chunk c of the 128-byte K slice (same pattern as wgmma's K-major SW128).
   __device__ static uint32_t a_offset(int row, int chunk) { return row * 128 + ((chunk ^ (row & 7)) << 4); }
@@ -38,14 +40,17 @@ struct WgmmaTileGemm {
       ptx::cp_async_16(dst + a_offset(row, chunk), valid ? src + k0 + chunk * 8 : fallback, valid);
     }
   }
-  // The first 64 tile columns start at col_lo (panel 0), the next 64 at col_hi (panel 1).
+  // The first BN/2 tile columns start at col_lo, the second BN/2 at col_hi (the two halves of a swiglu
+  // W1, or simply consecutive columns); columns at or past the limits are zero.
   __device__ static void load_b_n_major(uint32_t dst, const Element* b, int ldb, int k0, int col_lo, int lo_end,
                                         int col_hi, int hi_end) {
-    constexpr int kChunks = kBlockK * 16;
+    constexpr int kChunksPerRow = BN / 8;
+    constexpr int kChunks = kBlockK * kChunksPerRow;
     for (int i = threadIdx.x; i < kChunks; i += kThreads) {
-      const int k = i >> 4, panel = (i >> 3) & 1, chunk = i & 7;
-      const int col = (panel == 0 ? col_lo : col_hi) + chunk * 8;
-      const bool valid = col < (panel == 0 ? lo_end : hi_end);
+      const int k = i / kChunksPerRow, panel = (i % kChunksPerRow) >> 3, chunk = i & 7;
+      const bool low = panel < kPanels / 2;
+      const int col = (low ? col_lo + panel * 64 : col_hi + (panel - kPanels / 2) * 64) + chunk * 8;
+      const bool valid = col < (low ? lo_end : hi_end);
       const Element* src = b + static_cast<size_t>(k0 + k) * ldb + (valid ? col : 0);
       ptx::cp_async_16(dst + b_offset(panel, k, chunk), src, valid);
     }
@@ -63,7 +68,7 @@ struct WgmmaTileGemm {
       const uint64_t desc_a = wgmma::smem_descriptor(a_rows + kk * 32, 16, kAtomBytes);
       // MN-major B: 16 K rows further; panels kPanelBytes apart; 8-row groups 1024 bytes apart.
       const uint64_t desc_b = wgmma::smem_descriptor(b_base + kk * 16 * 128, kPanelBytes, kAtomBytes);
-      wgmma::wgmma_m64n128k16<Element>(acc, desc_a, desc_b);
+      wgmma::wgmma_m64nNk16<BN, Element>(acc, desc_a, desc_b);
     }
     wgmma::commit_group();
   }
@@ -76,7 +81,7 @@ struct WgmmaTileGemm {
     auto a_stage = [&](int s) { return base + s * kStageBytesA; };
     auto b_stage = [&](int s) { return base + STAGES * kStageBytesA + s * kStageBytesB; };
 #pragma unroll
-    for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+    for (int i = 0; i < kAccumulators; ++i) acc[i] = 0.f;
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
       if (s < k_tiles) load_stage(a_stage(s), b_stage(s), s * kBlockK);
@@ -106,7 +111,7 @@ struct WgmmaTileGemm {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int row0 = (warp >> 2) * 64 + (warp & 3) * 16 + (lane >> 2);
 #pragma unroll
-    for (int j = 0; j < 16; ++j)
+    for (int j = 0; j < BN / 8; ++j)
 #pragma unroll
       for (int v = 0; v < 4; ++v) visit(row0 + ((v >> 1) << 3), j * 8 + ((lane & 3) << 1) + (v & 1), acc[j * 4 + v]);
   }
