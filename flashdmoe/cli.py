@@ -296,7 +296,7 @@ def _command_build(args: argparse.Namespace) -> int:
     try:
         path = extension.build(arch=args.arch, force=args.force, verbose=args.verbose)
     except extension.BuildError as error:
-        print(f"error: {error}", file=sys.stderr)
+        print(f"error: build failed: {error}", file=sys.stderr)
         return 1
     print(path)
     return 0

@@ -196,11 +196,11 @@ class MoECluster:
             if gpus < gpus_needed:
                 raise BackendUnavailable(f"backend='cuda': the Ray cluster has {gpus:g} GPUs; {self.world_size} "
                                          f"workers x {self.gpus_per_worker:g} GPU need {gpus_needed:g}")
-            if not _nvshmem_team_available():
+            if self.world_size > 1 and not _nvshmem_team_available():
                 raise BackendUnavailable("backend='cuda': flashdmoe.team.Team has no nvshmem()/make_unique_id() in "
-                                         "this build, so ranks cannot form an NVSHMEM team")
+                                         "this build, so several ranks cannot form an NVSHMEM team (one worker can)")
             return "cuda"
-        if requested == "auto" and gpus >= gpus_needed and _nvshmem_team_available():
+        if requested == "auto" and gpus >= gpus_needed and (self.world_size == 1 or _nvshmem_team_available()):
             return "cuda"
         if cpus < self.world_size:
             raise ValueError(f"workers={self.world_size}: the Ray cluster has {cpus:g} CPUs; the gloo backend needs "
@@ -232,7 +232,9 @@ class MoECluster:
                 max_restarts=0, **options).remote()
             for rank in range(self.world_size)
         ]
-        if self.backend == "cuda":
+        if self.backend == "cuda" and self.world_size == 1:
+            rendezvous = {"backend": "cuda", "unique_id": None}  # a single-rank team needs no bootstrap
+        elif self.backend == "cuda":
             rendezvous = {"backend": "cuda", "unique_id": self._gather([self.workers[0].make_unique_id.remote()],
                                                                         "make_unique_id", ranks=[0])[0]}
         else:

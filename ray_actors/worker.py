@@ -140,7 +140,12 @@ class MoEWorker:
                                          f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
             torch.cuda.set_device(0)  # Ray narrows CUDA_VISIBLE_DEVICES to this actor's GPU
             self.device = torch.device("cuda", 0)
-            self.team = _gpu_team_class().nvshmem(rendezvous["unique_id"], rank, world_size)
+            if world_size == 1:
+                from flashdmoe.team import Team
+
+                self.team = Team.single()
+            else:
+                self.team = _gpu_team_class().nvshmem(rendezvous["unique_id"], rank, world_size)
         else:
             raise ValueError(f"rendezvous['backend']={backend!r}: expected 'gloo' or 'cuda'")
         self.rank, self.world_size, self.config, self.backend = rank, world_size, config, backend

@@ -5,7 +5,7 @@
 set -uo pipefail
 OUT=${OUT:-$PWD/h200-out}
 mkdir -p "$OUT"
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled
 export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 export FLASHDMOE_CACHE_DIR=${FLASHDMOE_CACHE_DIR:-/tmp/flashdmoe-cache}
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -26,7 +26,7 @@ if [ -n "$so" ] && [ -f "$so" ]; then
 fi
 
 echo "== gpu tests"
-python3 -m pytest -m gpu -q -rs --durations=8 -p no:cacheprovider ${1:+-k "$1"} ${GPU_TESTS:-tests/test_fused_gpu.py tests/test_reference.py} > "$OUT/pytest.log" 2>&1
+python3 -m pytest -m gpu -q -rs --durations=8 -p no:cacheprovider ${1:+-k "$1"} ${GPU_TESTS:-tests/test_fused_gpu.py tests/test_reference.py tests/test_ray.py tests/test_bench.py} > "$OUT/pytest.log" 2>&1
 echo "pytest rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest.log" | head -30
 
 echo "== quick timing"
