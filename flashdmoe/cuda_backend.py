@@ -22,6 +22,8 @@ DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1}
 # stages, blocks per SM.
 EXPERT_VARIANTS = {"wgmma-128x128-3stage": 0, "wgmma-128x128-4stage": 1, "wgmma-128x256-4stage": 2,
                    "mma.sync-128x128-3stage": 3}
+# Fastest or tied on all five shapes of docs/benchmarks.md (H200, 2026-12-02 variant sweep).
+DEFAULT_EXPERT_VARIANT = "wgmma-128x256-4stage"
 
 # Phase ids written by the kernel's watchdog (csrc/moe/params.cuh, enum Phase).
 PHASE_NAMES = {
@@ -44,7 +46,7 @@ class DebugKnobs:
     poison_outputs: bool = False
     timeout_ms: int | None = None
     # Expert GEMM variant (EXPERT_VARIANTS); FLASHDMOE_EXPERT_VARIANT overrides the default.
-    expert_variant: str = os.environ.get("FLASHDMOE_EXPERT_VARIANT", "wgmma-128x128-3stage")
+    expert_variant: str = os.environ.get("FLASHDMOE_EXPERT_VARIANT", DEFAULT_EXPERT_VARIANT)
 
 
 debug = DebugKnobs()

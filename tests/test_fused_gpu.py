@@ -19,7 +19,6 @@ from flashdmoe import reference
 
 pytestmark = pytest.mark.gpu
 
-DEFAULT_VARIANT = "wgmma-128x128-3stage"
 TOL = {torch.bfloat16: 2e-2, torch.float16: 5e-3}
 ACTIVATIONS = ["relu", "gelu", "silu", "swiglu"]
 
@@ -123,14 +122,14 @@ def test_random_configurations(backend, T, H, I, E, k, activation, dtype, normal
 @pytest.mark.parametrize("T,H,I,E,k,activation,dtype,normalize,capacity_factor", random_configs(12, seed=99))
 def test_other_expert_variants(backend, T, H, I, E, k, activation, dtype, normalize, capacity_factor):
     """The other expert GEMM variants (the benchmarks compare them) stay correct too."""
-    variants = [v for v in backend.EXPERT_VARIANTS if v != DEFAULT_VARIANT]
+    variants = [v for v in backend.EXPERT_VARIANTS if v != backend.DEFAULT_EXPERT_VARIANT]
     backend.debug.expert_variant = variants[hash((T, H, I, E)) % len(variants)]
     try:
         x, router, w1, w2 = make_inputs(T, H, I, E, k, activation, dtype)
         check_against_reference(backend, x, router, w1, w2, top_k=k, activation=activation, normalize=normalize,
                                 capacity_factor=capacity_factor)
     finally:
-        backend.debug.expert_variant = DEFAULT_VARIANT
+        backend.debug.expert_variant = backend.DEFAULT_EXPERT_VARIANT
 
 
 @pytest.mark.parametrize("capacity_factor", [None, 1.0])

@@ -18,24 +18,39 @@ __device__ void combine_tokens(const MoEParams& p) {
     // loads are independent and in flight together.
     const int my_row = lane < k ? __ldcg(p.topk_row + first + lane) : -1;
     const float my_weight = lane < k ? __ldcg(p.topk_weight + first + lane) : 0.f;
-    for (int c0 = 0; c0 < H; c0 += 32 * 8) {  // warp-uniform trip count: the shuffles need every lane
-      const int c = c0 + lane * 8;
-      const bool in_row = c < H;
-      float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    // Two 256-column chunks per iteration: twice the independent loads in flight per lane.
+    for (int c0 = 0; c0 < H; c0 += 2 * 32 * 8) {  // warp-uniform trip count: the shuffles need every lane
+      const int c[2] = {c0 + lane * 8, c0 + 32 * 8 + lane * 8};
+      float acc[2][8];
+#pragma unroll
+      for (int u = 0; u < 2; ++u)
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[u][i] = 0.f;
       for (int j = 0; j < k; ++j) {
         const int row = __shfl_sync(0xffffffffu, my_row, j);
         const float w = __shfl_sync(0xffffffffu, my_weight, j);
-        if (row < 0 || !in_row) continue;
-        const int4 raw = __ldcg(reinterpret_cast<const int4*>(expert_out + static_cast<size_t>(row) * H + c));
-        const Element* v = reinterpret_cast<const Element*>(&raw);
+        if (row < 0) continue;
+        const Element* src = expert_out + static_cast<size_t>(row) * H;
+        int4 raw[2];
 #pragma unroll
-        for (int i = 0; i < 8; ++i) acc[i] = fmaf(w, static_cast<float>(v[i]), acc[i]);
+        for (int u = 0; u < 2; ++u)
+          if (c[u] < H) raw[u] = __ldcg(reinterpret_cast<const int4*>(src + c[u]));
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+          if (c[u] >= H) continue;
+          const Element* v = reinterpret_cast<const Element*>(&raw[u]);
+#pragma unroll
+          for (int i = 0; i < 8; ++i) acc[u][i] = fmaf(w, static_cast<float>(v[i]), acc[u][i]);
+        }
       }
-      if (!in_row) continue;
-      Pack8<Element> pack;
 #pragma unroll
-      for (int i = 0; i < 8; ++i) pack.v[i] = static_cast<Element>(acc[i]);
-      *reinterpret_cast<Pack8<Element>*>(y + static_cast<size_t>(token) * H + c) = pack;
+      for (int u = 0; u < 2; ++u) {
+        if (c[u] >= H) continue;
+        Pack8<Element> pack;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) pack.v[i] = static_cast<Element>(acc[u][i]);
+        *reinterpret_cast<Pack8<Element>*>(y + static_cast<size_t>(token) * H + c[u]) = pack;
+      }
     }
   }
 }

@@ -8,7 +8,7 @@ constexpr int kThreads = 256;  // 8 warps per block
 // Gate: 32 tokens x 128 experts per router-GEMM tile, K slabs of 64.
 constexpr int kGateTileM = 32;
 constexpr int kGateTileN = 128;
-constexpr int kGateStages = 3;
+constexpr int kGateStages = 4;
 constexpr int kGatePipelineBytes = kGateStages * (kGateTileM + kGateTileN) * 64 * 2;
 
 // Expert FFN GEMMs: 128-row tiles, 128 or 256 columns (per variant), K slabs of 64.
