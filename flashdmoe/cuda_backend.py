@@ -8,6 +8,7 @@ recomputes the layer with torch ops on the routing the forward saved
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from dataclasses import dataclass
 
@@ -86,6 +87,21 @@ def _extension():
     return _module
 
 
+@functools.lru_cache(maxsize=256)
+def _shape_facts(ext, T, H, I, E, k, dtype_code):
+    """(shape error or '', workspace layout) per shape: asked once, not on every forward."""
+    error = ext.check_shapes(T, H, I, E, k)
+    return error, (None if error else ext.workspace_layout(T, H, I, E, k, dtype_code))
+
+
+def _check_shapes(ext, T, H, I, E, k):
+    return _shape_facts(ext, T, H, I, E, k, 0)[0]
+
+
+def _workspace_layout(ext, T, H, I, E, k, dtype_code):
+    return _shape_facts(ext, T, H, I, E, k, dtype_code)[1]
+
+
 def timeout_ns() -> int:
     ms = debug.timeout_ms if debug.timeout_ms is not None else int(os.environ.get("FLASHDMOE_TIMEOUT_MS", DEFAULT_TIMEOUT_MS))
     return int(ms) * 1_000_000
@@ -146,7 +162,7 @@ def fused_forward(x, router_weight, w1, w2, *, top_k, activation, normalize_topk
     T, H = x.shape
     E = router_weight.shape[0]
     I = w2.shape[1]
-    shape_error = ext.check_shapes(T, H, I, E, top_k)
+    shape_error = _check_shapes(ext, T, H, I, E, top_k)
     if shape_error:
         raise ValueError(f"shapes unsupported by the fused kernel: {shape_error} (backend='reference' covers them)")
     cap = reference.expert_capacity(T, top_k, E, capacity_factor)
@@ -168,7 +184,7 @@ def fused_forward(x, router_weight, w1, w2, *, top_k, activation, normalize_topk
         counts.zero_()
         return y, FusedRouting(expert, weight, row, counts)
 
-    layout = ext.workspace_layout(T, H, I, E, top_k, dtype_code)
+    layout = _workspace_layout(ext, T, H, I, E, top_k, dtype_code)
     workspace = torch.empty((layout["total_bytes"],), dtype=torch.uint8, device=device)
     ext.forward(
         x=x.data_ptr(), router=router_weight.data_ptr(), w1=w1.data_ptr(), w2=w2.data_ptr(), y=y.data_ptr(),
