@@ -73,28 +73,33 @@ struct WgmmaTileGemm {
     wgmma::commit_group();
   }
 
-  // Slab kt's wgmma run while the copies for slab kt+STAGES-1 are issued: a stage is refilled only after
-  // every warpgroup's wgmma on it completed (wait_group<1> then a barrier).
+  // Slab kt's wgmma run while the copies of a later slab are issued. A stage is refilled only once every
+  // warpgroup's wgmma on it completed. With 4+ stages one barrier per slab suffices: at slab kt's barrier
+  // every warpgroup has passed wait_group<1> of slab kt-1, so slab kt-2's stage is free, and the refill
+  // targets it (prefetch distance STAGES-2). With fewer stages a second barrier frees slab kt-1's stage
+  // (prefetch distance STAGES-1).
   template <typename LoadStage>
   __device__ void run(char* smem, int k_tiles, LoadStage&& load_stage) {
+    constexpr bool kOneBarrier = STAGES >= 4;
+    constexpr int kAhead = kOneBarrier ? STAGES - 2 : STAGES - 1;  // slabs in flight before the first wgmma
     const uint32_t base = ptx::smem_addr(smem);  // caller guarantees 1024-byte alignment
     auto a_stage = [&](int s) { return base + s * kStageBytesA; };
     auto b_stage = [&](int s) { return base + STAGES * kStageBytesA + s * kStageBytesB; };
 #pragma unroll
     for (int i = 0; i < kAccumulators; ++i) acc[i] = 0.f;
 #pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
+    for (int s = 0; s < kAhead; ++s) {
       if (s < k_tiles) load_stage(a_stage(s), b_stage(s), s * kBlockK);
       ptx::cp_async_commit();
     }
     for (int kt = 0; kt < k_tiles; ++kt) {
-      ptx::cp_async_wait<STAGES - 2>();
-      wgmma::fence_proxy_async_shared();  // this thread's cp.async data -> visible to wgmma
+      ptx::cp_async_wait<kAhead - 1>();    // slab kt has landed (this thread's copies)
+      wgmma::fence_proxy_async_shared();  // ... and is visible to the async proxy (wgmma)
       __syncthreads();
       issue_stage(a_stage(kt % STAGES), b_stage(kt % STAGES));
       wgmma::wait_group<1>();  // slab kt-1 done in this warpgroup
-      __syncthreads();         // ... and in the other one: its stage may be refilled
-      const int next = kt + STAGES - 1;
+      if constexpr (!kOneBarrier) __syncthreads();  // ... and in the other one
+      const int next = kt + kAhead;
       if (next < k_tiles) load_stage(a_stage(next % STAGES), b_stage(next % STAGES), next * kBlockK);
       ptx::cp_async_commit();
     }
