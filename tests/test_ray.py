@@ -245,12 +245,17 @@ def test_ray_job_submit_end_to_end(ray_head, tmp_path):
     (working_dir / "configs").mkdir()
     shutil.copy(REPO / "configs" / "tiny.yaml", working_dir / "configs" / "tiny.yaml")
     output = tmp_path / "results"
-    submitted = subprocess.run(
-        ["ray", "job", "submit", "--address", address, "--working-dir", str(working_dir), "--",
-         sys.executable, "-m", "ray_actors.driver", "--config", "configs/tiny.yaml", "--verify",
-         "--no-progress", "--output", str(output)],
-        env=env, capture_output=True, text=True, timeout=300)
-    logs = submitted.stdout + submitted.stderr
+    command = ["ray", "job", "submit", "--address", address, "--working-dir", str(working_dir), "--",
+               sys.executable, "-m", "flashdmoe", "run", "--config", "configs/tiny.yaml", "--address", "auto",
+               "--verify", "--no-progress", "--output", str(output)]
+    deadline = time.monotonic() + 90
+    while True:
+        submitted = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+        logs = submitted.stdout + submitted.stderr
+        # The job server answers before the node's job agent is up; Ray asks to try again later.
+        if "No available agent to submit job" not in logs or time.monotonic() > deadline:
+            break
+        time.sleep(3)
     assert submitted.returncode == 0, logs[-4000:]
     assert "succeeded" in logs, logs[-4000:]
     assert "FlashDMoE Ray run: backend gloo, 2 workers" in logs and "verification PASSED" in logs, logs[-4000:]
