@@ -3,11 +3,12 @@
 // intermediate); B is either N-contiguous ([K, N] expert weights) or K-contiguous ([N, K] router).
 #pragma once
 #include "common/ptx.cuh"
+#include "moe/smem_tiles.cuh"
 
 namespace flashdmoe {
 
-// Shared-memory tiles are 64 elements (128 bytes) deep in K; 16-byte chunks are XOR-swizzled by the
-// row index so that ldmatrix reads of 8 rows hit 8 different bank groups.
+// Shared-memory tiles are 64 elements (128 bytes) deep in K (smem_tiles.cuh); an N-contiguous B tile is
+// swizzled the same way by its K row.
 template <typename Element, int BM, int BN, int WARPS_M, int WARPS_N, int STAGES, bool B_K_CONTIGUOUS>
 struct TileGemm {
   static constexpr int kBlockK = 64;
@@ -24,23 +25,14 @@ struct TileGemm {
 
   float acc[kMmaM][kMmaN][4];
 
-  __device__ static uint32_t k_major_offset(int row, int chunk) { return row * 128 + ((chunk ^ (row & 7)) << 4); }
   __device__ static uint32_t n_major_offset(int k, int chunk) {
     return k * (BN * 2) + ((chunk ^ (k & 7)) << 4);
   }
 
   // ---- loaders (all threads) ----
-  // Rows given by pointers; nullptr rows are zero-filled.
-  // `fallback` is any valid address: a zero-filling cp.async still needs one.
   template <int ROWS>
   __device__ static void load_rows(uint32_t dst, const Element* const* rows, int k0, const Element* fallback) {
-    constexpr int kChunks = ROWS * 8;
-    for (int i = threadIdx.x; i < kChunks; i += kThreads) {
-      const int row = i >> 3, chunk = i & 7;
-      const Element* src = rows[row];
-      const bool valid = src != nullptr;
-      ptx::cp_async_16(dst + k_major_offset(row, chunk), valid ? src + k0 + chunk * 8 : fallback, valid);
-    }
+    load_k_major_rows<ROWS, kThreads>(dst, rows, k0, fallback);
   }
   // N-contiguous B: the tile's first BN/2 columns start at col_lo, the second half at col_hi (the two
   // halves of a swiglu W1, or simply consecutive columns); columns at or past the limits are zero.

@@ -6,6 +6,7 @@
 #pragma once
 #include "common/ptx.cuh"
 #include "common/wgmma.cuh"
+#include "moe/smem_tiles.cuh"
 
 namespace flashdmoe {
 
@@ -23,8 +24,6 @@ struct WgmmaTileGemm {
 
   float acc[kAccumulators];
 
-  // A: row r, 16-byte chunk c of the 128-byte K slice (same pattern as wgmma's K-major SW128).
-  __device__ static uint32_t a_offset(int row, int chunk) { return row * 128 + ((chunk ^ (row & 7)) << 4); }
   // B: column panel (0/1), K row, chunk within the panel's 128-byte row (MN-major SW128).
   __device__ static uint32_t b_offset(int panel, int k, int chunk) {
     return panel * kPanelBytes + k * 128 + ((chunk ^ (k & 7)) << 4);
@@ -32,13 +31,7 @@ struct WgmmaTileGemm {
 
   template <int ROWS>
   __device__ static void load_rows(uint32_t dst, const Element* const* rows, int k0, const Element* fallback) {
-    constexpr int kChunks = ROWS * 8;
-    for (int i = threadIdx.x; i < kChunks; i += kThreads) {
-      const int row = i >> 3, chunk = i & 7;
-      const Element* src = rows[row];
-      const bool valid = src != nullptr;
-      ptx::cp_async_16(dst + a_offset(row, chunk), valid ? src + k0 + chunk * 8 : fallback, valid);
-    }
+    load_k_major_rows<ROWS, kThreads>(dst, rows, k0, fallback);
   }
   // The first BN/2 tile columns start at col_lo, the second BN/2 at col_hi (the two halves of a swiglu
   // W1, or simply consecutive columns); columns at or past the limits are zero.
