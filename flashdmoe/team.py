@@ -1,25 +1,366 @@
 """Teams: how the ranks of an expert-parallel MoE reach each other (DESIGN.md §4).
 
-Only ``Team.single()`` exists today: one rank whose dispatch and combine target itself. The emulated and
-NVSHMEM teams arrive with expert parallelism inside the kernel.
+A team of ``P`` ranks splits the ``E`` experts ``L = E / P`` per rank. Every rank owns three *symmetric*
+buffers (same size on every rank, so a peer can address them):
+
+* ``recv  [P, stream_rows, H]`` (input dtype): rows other ranks dispatch to this rank's experts, one
+  region per source rank;
+* ``comb  [P, stream_rows, H]`` (input dtype): expert results for this rank's tokens, one region per
+  rank that computed them;
+* ``signals [P * L + 3 * P]`` int32: per-source counts and the counts / rows-ready / results-done
+  flags, each holding the sequence number of the forward that wrote it (never cleared by the host).
+
+``stream_rows = max_tokens * min(top_k, L)``: the most rows one rank can send to one other rank, so a
+dropless batch never overflows. The sizes are fixed when the team is made (:class:`BufferPlan`) and a
+larger batch raises ``ValueError``.
+
+Transports:
+
+* :meth:`Team.single` -- one rank; the kernel's buffers come from a per-call workspace.
+* :meth:`Team.emulated` -- ``P`` virtual ranks on one GPU, in one process and one kernel launch; the
+  "peer pointers" are the other virtual ranks' buffers. Tests the whole device protocol on one GPU.
+* :meth:`Team.nvshmem` -- one process per rank; nvshmem4py unique-id init, buffers from
+  ``nvshmem.core.tensor``, peer pointers from ``nvshmem.core.get_peer_tensor`` (NVLink / same-GPU
+  load-store). Several processes may share one GPU under MPS (DESIGN.md §4).
+
+A team that saw a kernel failure (timeout) is *failed*: its signal words are in an unknown state, so
+every later use raises; tear it down and make a new one.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["BufferPlan", "RankBuffers", "Team", "TeamFailed", "MAX_RANKS"]
+
+#: Most ranks one team (or one emulated launch) holds: the kernel's peer table (csrc/moe/params.cuh).
+MAX_RANKS = 8
+#: Size of an NVSHMEM unique id in bytes.
+UNIQUE_ID_BYTES = 128
+
+
+class TeamFailed(RuntimeError):
+    """The team saw a kernel failure earlier (or was closed); it cannot be used again."""
+
+
+def _positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r}: expected an integer >= 1")
+    return value
 
 
 @dataclass(frozen=True)
-class Team:
-    """rank: this process's rank; world_size: number of ranks P (experts are split E / P per rank)."""
+class BufferPlan:
+    """What one rank's symmetric buffers are sized for.
 
-    rank: int
+    max_tokens: most tokens one rank may pass per forward; hidden: H; top_k: k; local_experts: L;
+    dtype: the token dtype (bf16 or fp16); world_size: P.
+    """
+
     world_size: int
-    transport: str
+    max_tokens: int
+    hidden: int
+    top_k: int
+    local_experts: int
+    dtype: torch.dtype
 
+    def __post_init__(self) -> None:
+        _positive_int("world_size", self.world_size)
+        if self.world_size > MAX_RANKS:
+            raise ValueError(f"world_size={self.world_size}: expected at most {MAX_RANKS} ranks per team")
+        _positive_int("max_tokens", self.max_tokens)
+        _positive_int("hidden", self.hidden)
+        _positive_int("top_k", self.top_k)
+        _positive_int("local_experts", self.local_experts)
+        if self.dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"dtype={self.dtype}: expected torch.bfloat16 or torch.float16")
+
+    @property
+    def stream_rows(self) -> int:
+        """Rows one source can send one destination: ``max_tokens * min(top_k, L)``."""
+        return self.max_tokens * min(self.top_k, self.local_experts)
+
+    @property
+    def element_bytes(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def data_bytes(self) -> int:
+        """Bytes of ``recv`` (and of ``comb``)."""
+        return self.world_size * self.stream_rows * self.hidden * self.element_bytes
+
+    @property
+    def signal_words(self) -> int:
+        return self.world_size * self.local_experts + 3 * self.world_size
+
+    @property
+    def bytes_per_rank(self) -> int:
+        """Symmetric memory one rank holds: recv + comb + signals."""
+        return 2 * self.data_bytes + 4 * self.signal_words
+
+    def check_batch(self, tokens: int, hidden: int, top_k: int, local_experts: int, dtype: torch.dtype,
+                    rank: int | None = None) -> None:
+        """Raise ``ValueError`` if a batch does not fit what the buffers were sized for."""
+        where = "" if rank is None else f" (rank {rank})"
+        if tokens > self.max_tokens:
+            raise ValueError(
+                f"x{where}: {tokens} tokens, but the team's buffers were sized for max_tokens={self.max_tokens} "
+                "per rank; make the team with a larger max_tokens"
+            )
+        for name, got, want in (("hidden", hidden, self.hidden), ("top_k", top_k, self.top_k),
+                                ("local experts", local_experts, self.local_experts)):
+            if got != want:
+                raise ValueError(f"{name}{where}: got {got}, but the team's buffers were sized for {want}")
+        if dtype != self.dtype:
+            raise ValueError(f"x{where}: dtype {dtype}, but the team's buffers were sized for {self.dtype}")
+
+
+@dataclass
+class RankBuffers:
+    """One rank's symmetric buffers (uint8 / int32 tensors on its GPU) and the addresses at which this
+    rank reaches every peer's buffers (``peer_recv[q]``, ``peer_comb[q]``, ``peer_signals[q]``)."""
+
+    recv: torch.Tensor
+    comb: torch.Tensor
+    signals: torch.Tensor
+    peer_recv: list[int] = field(default_factory=list)
+    peer_comb: list[int] = field(default_factory=list)
+    peer_signals: list[int] = field(default_factory=list)
+
+
+def _torch_device(device) -> torch.device:
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"device={device}: expected a CUDA device")
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+class Team:
+    """The ranks of one expert-parallel MoE and their symmetric buffers.
+
+    Attributes:
+        transport: ``"single"``, ``"emulated"`` or ``"nvshmem"``.
+        rank: this process's rank (``0`` for single and emulated teams, which hold every rank).
+        world_size: ``P``.
+        plan: the :class:`BufferPlan` (``None`` for a single team: its buffers are per call).
+    """
+
+    def __init__(self, transport: str, rank: int, world_size: int, plan: BufferPlan | None,
+                 buffers: list[RankBuffers], device: torch.device | None) -> None:
+        self.transport = transport
+        self.rank = rank
+        self.world_size = world_size
+        self.plan = plan
+        self.buffers = buffers  # one entry per rank this process drives (P for emulated, 1 otherwise)
+        self.device = device
+        self._sequence = 0
+        self._failure: str | None = None
+        self._closed = False
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else ("failed" if self._failure else "ok")
+        return f"Team(transport={self.transport!r}, rank={self.rank}, world_size={self.world_size}, {state})"
+
+    # ---- constructors ----
     @classmethod
     def single(cls) -> "Team":
-        return cls(rank=0, world_size=1, transport="single")
+        """One rank: dispatch and combine target itself."""
+        return cls("single", 0, 1, None, [], None)
+
+    @classmethod
+    def emulated(cls, world_size: int, *, max_tokens: int, hidden: int, top_k: int, local_experts: int,
+                 dtype: torch.dtype = torch.bfloat16, device=None) -> "Team":
+        """``world_size`` virtual ranks on one GPU, run by one kernel launch per forward.
+
+        Sized for batches of at most ``max_tokens`` tokens per rank of width ``hidden`` with ``top_k``
+        choices over ``world_size * local_experts`` experts, in ``dtype``.
+        """
+        plan = BufferPlan(world_size, max_tokens, hidden, top_k, local_experts, dtype)
+        device = _torch_device(device)
+        buffers = []
+        for _ in range(world_size):
+            buffers.append(RankBuffers(
+                recv=torch.empty(plan.data_bytes, dtype=torch.uint8, device=device),
+                comb=torch.empty(plan.data_bytes, dtype=torch.uint8, device=device),
+                signals=torch.zeros(plan.signal_words, dtype=torch.int32, device=device),
+            ))
+        for own in buffers:
+            own.peer_recv = [b.recv.data_ptr() for b in buffers]
+            own.peer_comb = [b.comb.data_ptr() for b in buffers]
+            own.peer_signals = [b.signals.data_ptr() for b in buffers]
+        return cls("emulated", 0, world_size, plan, buffers, device)
+
+    @staticmethod
+    def make_unique_id() -> bytes:
+        """A fresh 128-byte NVSHMEM unique id (rank 0 makes it; every rank passes it to :meth:`nvshmem`)."""
+        nvshmem = _nvshmem()
+        uid = nvshmem.get_unique_id()
+        data = bytes(uid._data.tobytes())
+        if len(data) != UNIQUE_ID_BYTES:
+            raise RuntimeError(f"nvshmem unique id has {len(data)} bytes; expected {UNIQUE_ID_BYTES}")
+        return data
+
+    @classmethod
+    def nvshmem(cls, uid_bytes: bytes, rank: int, world_size: int, *, max_tokens: int, hidden: int, top_k: int,
+                local_experts: int, dtype: torch.dtype = torch.bfloat16, device=None) -> "Team":
+        """Join an NVSHMEM team as ``rank`` of ``world_size`` (collective: every rank must call it).
+
+        ``uid_bytes``: the 128 bytes of :meth:`make_unique_id` from rank 0. Sizing arguments as in
+        :meth:`emulated`. The buffers are allocated on the symmetric heap (collective too).
+        """
+        if not isinstance(uid_bytes, (bytes, bytearray)) or len(uid_bytes) != UNIQUE_ID_BYTES:
+            raise ValueError(f"uid_bytes: expected {UNIQUE_ID_BYTES} bytes from Team.make_unique_id()")
+        _positive_int("world_size", world_size)
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+            raise ValueError(f"rank={rank!r}: expected an integer in [0, {world_size})")
+        plan = BufferPlan(world_size, max_tokens, hidden, top_k, local_experts, dtype)
+        device = _torch_device(device)
+        torch.cuda.set_device(device)
+        nvshmem = _nvshmem()
+        import numpy as np
+
+        cuda_device = _cuda_core_device(device.index)
+        cuda_device.set_current()
+        uid = nvshmem.get_unique_id(empty=True)
+        uid._data.view(np.int8)[:] = np.frombuffer(bytes(uid_bytes), dtype=np.int8)
+        nvshmem.init(device=cuda_device, uid=uid, rank=rank, nranks=world_size, initializer_method="uid")
+        try:
+            recv = nvshmem.tensor((plan.data_bytes,), dtype=torch.uint8)
+            comb = nvshmem.tensor((plan.data_bytes,), dtype=torch.uint8)
+            signals = nvshmem.tensor((plan.signal_words,), dtype=torch.int32)
+            signals.zero_()
+            own = RankBuffers(recv=recv, comb=comb, signals=signals)
+            for peer in range(world_size):
+                if peer == rank:
+                    own.peer_recv.append(recv.data_ptr())
+                    own.peer_comb.append(comb.data_ptr())
+                    own.peer_signals.append(signals.data_ptr())
+                    continue
+                views = [nvshmem.get_peer_tensor(t, peer) for t in (recv, comb, signals)]
+                if any(v is None for v in views):
+                    raise RuntimeError(
+                        f"rank {rank} has no load/store path to rank {peer} (no NVLink/same-GPU peer pointer); "
+                        "the inter-node transport is not built (docs/architecture.md)"
+                    )
+                own.peer_recv.append(views[0].data_ptr())
+                own.peer_comb.append(views[1].data_ptr())
+                own.peer_signals.append(views[2].data_ptr())
+            # Everyone's signal words are zero before anyone's first kernel can write into them.
+            torch.cuda.synchronize(device)
+            nvshmem.barrier_all(torch.cuda.current_stream(device))
+            torch.cuda.synchronize(device)
+        except BaseException:
+            nvshmem.finalize()
+            raise
+        return cls("nvshmem", rank, world_size, plan, [own], device)
+
+    # ---- state ----
+    @property
+    def failed(self) -> bool:
+        return self._failure is not None
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Symmetric bytes per rank (0 for a single team)."""
+        return 0 if self.plan is None else self.plan.bytes_per_rank
+
+    def require_usable(self) -> None:
+        if self._closed:
+            raise TeamFailed(f"{self!r} is closed")
+        if self._failure is not None:
+            raise TeamFailed(f"{self!r} failed earlier ({self._failure}); make a new team")
+
+    def mark_failed(self, reason: str) -> None:
+        if self._failure is None:
+            self._failure = reason
+
+    def next_sequence(self) -> int:
+        """Sequence number of the next forward: the value its signals carry (1, 2, ...)."""
+        self._sequence += 1
+        if self._sequence >= 2**31:
+            raise TeamFailed("sequence numbers exhausted (2^31 forwards); make a new team")
+        return self._sequence
+
+    def describe(self) -> dict:
+        plan = self.plan
+        return {
+            "transport": self.transport, "rank": self.rank, "world_size": self.world_size,
+            "buffer_bytes_per_rank": self.buffer_bytes,
+            "stream_rows": None if plan is None else plan.stream_rows,
+            "max_tokens": None if plan is None else plan.max_tokens,
+        }
+
+    def barrier(self) -> None:
+        """Host-side barrier of all ranks on the current stream (nvshmem teams; a no-op otherwise)."""
+        self.require_usable()
+        if self.transport == "nvshmem":
+            _nvshmem().barrier_all(torch.cuda.current_stream(self.device))
 
     def close(self) -> None:
-        """Nothing to free for a single-rank team."""
+        """Free the buffers (and leave NVSHMEM). Idempotent; the team cannot be used afterwards."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.transport == "nvshmem":
+            nvshmem = _nvshmem()
+            try:
+                torch.cuda.synchronize(self.device)
+                for own in self.buffers:
+                    for t in (own.recv, own.comb, own.signals):
+                        nvshmem.free_tensor(t)
+            finally:
+                self.buffers = []
+                nvshmem.finalize()
+        self.buffers = []
+
+    def __enter__(self) -> "Team":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def plan_for(world_size: int, max_tokens: int, hidden: int, top_k: int, experts: int, dtype) -> BufferPlan:
+    """The :class:`BufferPlan` of a team over ``experts`` global experts (``experts % world_size == 0``)."""
+    if experts % world_size:
+        raise ValueError(f"experts={experts} is not divisible by world_size={world_size}")
+    return BufferPlan(world_size, max_tokens, hidden, top_k, experts // world_size, dtype)
+
+
+def _nvshmem():
+    try:
+        import nvshmem.core as nvshmem_core
+    except ImportError as error:
+        raise ImportError(
+            "Team.nvshmem needs nvshmem4py (pip install 'flashdmoe[gpu]', i.e. nvshmem4py-cu13==0.4.1): "
+            f"{error}"
+        ) from error
+    return nvshmem_core
+
+
+def _cuda_core_device(index: int):
+    try:
+        from cuda.core import Device
+    except ImportError:
+        from cuda.core.experimental import Device
+    return Device(index)
+
+
+def mps_thread_percentage() -> int | None:
+    """``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` of this process, if set (several ranks share one GPU)."""
+    value = os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
+    if not value:
+        return None
+    try:
+        percent = float(value)
+    except ValueError:
+        return None
+    return max(1, min(100, math.floor(percent)))
