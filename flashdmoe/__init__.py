@@ -14,7 +14,7 @@ from __future__ import annotations
 import importlib
 from importlib import metadata
 
-from flashdmoe.api import moe
+from flashdmoe.api import moe, moe_expert_parallel
 from flashdmoe.config import MoEConfig, make_tokens, make_weights
 from flashdmoe.errors import BackendUnavailable, KernelTimeout
 from flashdmoe.layer import MoELayer
@@ -34,6 +34,7 @@ __all__ = [
     "make_tokens",
     "make_weights",
     "moe",
+    "moe_expert_parallel",
     "reference",
 ]
 

@@ -10,7 +10,7 @@ import torch
 from flashdmoe.errors import BackendUnavailable
 from flashdmoe.validation import validate_moe_inputs
 
-__all__ = ["BACKENDS", "CUDA_DTYPES", "cuda_unavailable_reason", "moe", "resolve_backend"]
+__all__ = ["BACKENDS", "CUDA_DTYPES", "cuda_unavailable_reason", "moe", "moe_expert_parallel", "resolve_backend"]
 
 #: Accepted values of ``backend``.
 BACKENDS: tuple[str, ...] = ("auto", "reference", "cuda")
@@ -109,7 +109,9 @@ def moe(
         normalize_topk: divide the top-k probabilities by their sum.
         capacity_factor: ``None`` (dropless) or ``c > 0``: each (source rank, expert) keeps
             ``ceil(c * T * k / E)`` rows in token order; dropped choices contribute zero.
-        team: ``None`` (one rank) or a :class:`flashdmoe.Team`; ``L * team.world_size == E``.
+        team: ``None`` (one rank), ``Team.single()``, or this process's rank of a ``Team.nvshmem``
+            team (``L * team.world_size == E``; collective: every rank calls ``moe`` -- and backward --
+            the same number of times). Emulated teams go through :func:`moe_expert_parallel`.
         backend: ``"auto"``, ``"reference"`` or ``"cuda"`` (see :func:`resolve_backend`).
         return_aux: also return :class:`flashdmoe.reference.MoEAux` (per-expert counts ``[E]``
             int64, dropped choices, Switch load-balancing loss).
@@ -142,3 +144,70 @@ def moe(
     return reference.moe(x, router_weight, w1, w2, top_k=top_k, activation=activation,
                          normalize_topk=normalize_topk, capacity_factor=capacity_factor,
                          return_aux=return_aux)
+
+
+def moe_expert_parallel(
+    xs,
+    router_weight: torch.Tensor,
+    w1s,
+    w2s,
+    *,
+    top_k: int,
+    activation: str = "gelu",
+    normalize_topk: bool = True,
+    capacity_factor: float | None = None,
+    team: Any = None,
+    backend: str = "auto",
+    return_aux: bool = False,
+):
+    """All ``P`` ranks of an expert-parallel MoE driven from one process (DESIGN.md §4).
+
+    Args:
+        xs: ``P`` tensors ``[T_r, H]`` (``T_r`` may differ between ranks, 0 included), one dtype.
+        router_weight: ``[E, H]``, replicated.
+        w1s: ``P`` shards ``[L, H, I]`` (``[L, H, 2I]`` for swiglu); rank ``r`` owns experts
+            ``[r * L, (r + 1) * L)``, ``E = P * L``.
+        w2s: ``P`` shards ``[L, I, H]``.
+        top_k, activation, normalize_topk, capacity_factor: as :func:`moe` (capacity per (source rank,
+            expert) pair).
+        team: a ``Team.emulated(P, ...)`` (every rank in one kernel launch on this GPU), or ``None`` for
+            the reference.
+        backend: ``"auto"`` (the kernel when ``team`` is given), ``"cuda"`` or ``"reference"``.
+        return_aux: also return the list of per-rank :class:`flashdmoe.reference.MoEAux`.
+
+    Returns:
+        The list of ``y_r [T_r, H]`` in the input dtype (plus the aux list). Differentiable with respect
+        to ``xs``, ``router_weight``, ``w1s`` and ``w2s``.
+    """
+    if not isinstance(xs, (list, tuple)) or not isinstance(w1s, (list, tuple)) or not isinstance(w2s, (list, tuple)):
+        raise ValueError("xs, w1s, w2s: expected lists of tensors, one per rank")
+    world_size = len(xs)
+    if world_size == 0 or len(w1s) != world_size or len(w2s) != world_size:
+        raise ValueError(f"xs, w1s, w2s: got {len(xs)}, {len(w1s)} and {len(w2s)} tensors; expected P >= 1 of each")
+    if team is not None and _team_world_size(team) != world_size:
+        raise ValueError(f"team: world_size {team.world_size} but {world_size} token batches were given")
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r}: expected one of {', '.join(BACKENDS)}")
+    for rank in range(world_size):
+        validate_moe_inputs(xs[rank], router_weight, w1s[rank], w2s[rank], top_k=top_k, activation=activation,
+                            capacity_factor=capacity_factor, world_size=world_size)
+        if xs[rank].dtype != xs[0].dtype or xs[rank].device != xs[0].device:
+            raise ValueError(f"xs[{rank}]: {xs[rank].dtype} on {xs[rank].device}; expected {xs[0].dtype} on "
+                             f"{xs[0].device} like xs[0]")
+    use_kernel = backend == "cuda" or (backend == "auto" and team is not None)
+    if use_kernel:
+        if team is None or getattr(team, "transport", None) != "emulated":
+            raise ValueError("team: the kernel path of moe_expert_parallel needs a flashdmoe.Team.emulated(P, ...)")
+        reason = cuda_unavailable_reason(xs[0])
+        if reason is not None:
+            raise BackendUnavailable(f"backend='cuda' is unavailable: {reason}")
+        from flashdmoe import cuda_backend
+
+        return cuda_backend.moe_emulated(list(xs), router_weight, list(w1s), list(w2s), top_k=top_k,
+                                         activation=activation, normalize_topk=normalize_topk,
+                                         capacity_factor=capacity_factor, return_aux=return_aux, team=team)
+    from flashdmoe import reference
+
+    return reference.moe_expert_parallel(xs, router_weight, w1s, w2s, top_k=top_k, activation=activation,
+                                         normalize_topk=normalize_topk, capacity_factor=capacity_factor,
+                                         return_aux=return_aux)

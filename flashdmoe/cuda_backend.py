@@ -1,8 +1,10 @@
 """The fused CUDA backend: one persistent kernel launch per forward (plus a memset of its sync words).
 
-Forward runs ``csrc/`` through the ``flashdmoe_cuda`` extension. Backward is unfused for now: it
-recomputes the layer with torch ops on the routing the forward saved
-(:func:`flashdmoe.reference.moe_fixed_routing`), so gradients match the reference semantics exactly.
+Forward runs ``csrc/`` through the ``flashdmoe_cuda`` extension, for one rank, for the ``P`` virtual
+ranks of an emulated team (one launch), or for this process's rank of an NVSHMEM team. Backward is
+unfused for now: it recomputes the layer with torch ops on the routing the forward saved
+(:func:`flashdmoe.reference.moe_fixed_routing`; across processes
+:func:`flashdmoe.ep_peer.expert_parallel_backward`), so gradients match the reference semantics.
 """
 
 from __future__ import annotations
@@ -12,10 +14,13 @@ import functools
 import os
 from dataclasses import dataclass
 
+from typing import Any
+
 import torch
 
 from flashdmoe import reference
 from flashdmoe.errors import KernelTimeout
+from flashdmoe.team import mps_thread_percentage
 
 ACTIVATION_CODES = {"relu": 0, "gelu": 1, "silu": 2, "swiglu": 3}
 DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1}
@@ -33,6 +38,9 @@ PHASE_NAMES = {
     3: "grid barrier after dispatch",
     4: "expert GEMM2 tile waiting for its GEMM1 row tile",
     5: "grid barrier before the combine",
+    6: "wait for a peer's per-expert row counts",
+    7: "expert GEMM1 tile waiting for a peer's dispatched rows",
+    8: "combine waiting for a peer's expert results",
 }
 
 DEFAULT_TIMEOUT_MS = 10_000
@@ -45,6 +53,10 @@ class DebugKnobs:
 
     withhold_phase: int = 0
     poison_outputs: bool = False
+    # This rank publishes none of its signals (counts, rows ready, results done): its peers must time out.
+    silent_rank: int = -1
+    # 0: the whole resident grid; else at most this many blocks (tests of small grids).
+    max_blocks: int = 0
     timeout_ms: int | None = None
     # Expert GEMM variant (EXPERT_VARIANTS); FLASHDMOE_EXPERT_VARIANT overrides the default.
     expert_variant: str = os.environ.get("FLASHDMOE_EXPERT_VARIANT", DEFAULT_EXPERT_VARIANT)
@@ -88,18 +100,20 @@ def _extension():
 
 
 @functools.lru_cache(maxsize=256)
-def _shape_facts(ext, T, H, I, E, k, dtype_code):
+def _shape_facts(ext, T, H, I, E, k, dtype_code, world_size=1, stream_rows=0):
     """(shape error or '', workspace layout) per shape: asked once, not on every forward."""
-    error = ext.check_shapes(T, H, I, E, k)
-    return error, (None if error else ext.workspace_layout(T, H, I, E, k, dtype_code))
+    error = ext.check_shapes(T, H, I, E, k, world_size)
+    if error:
+        return error, None
+    return error, ext.workspace_layout(T, H, I, E, k, dtype_code, world_size, stream_rows or T * k)
 
 
-def _check_shapes(ext, T, H, I, E, k):
-    return _shape_facts(ext, T, H, I, E, k, 0)[0]
+def _check_shapes(ext, T, H, I, E, k, world_size=1):
+    return _shape_facts(ext, T, H, I, E, k, 0, world_size, 0 if world_size == 1 else 1)[0]
 
 
-def _workspace_layout(ext, T, H, I, E, k, dtype_code):
-    return _shape_facts(ext, T, H, I, E, k, dtype_code)[1]
+def _workspace_layout(ext, T, H, I, E, k, dtype_code, world_size=1, stream_rows=0):
+    return _shape_facts(ext, T, H, I, E, k, dtype_code, world_size, stream_rows)[1]
 
 
 def timeout_ns() -> int:
@@ -108,30 +122,96 @@ def timeout_ns() -> int:
 
 
 PHASE_CLOCK_NAMES = ("gate", "offsets", "dispatch", "experts", "combine")
-last_phase_ms: dict[str, float] = {}  # per-phase breakdown of the most recently checked launch
+last_phase_ms: dict[str, float] = {}  # per-phase breakdown of the most recently checked launch (first rank)
 
 
-def _decode_status(status: torch.Tensor, offsets: tuple[int, int, int]) -> None:
-    """status: uint8 CPU bytes from the error word through the phase clock. Raises on failure."""
-    flags_offset, clock_offset, slots = offsets
-    raw = status.numpy().tobytes()
-    error = int.from_bytes(raw[0:8], "little")
-    flags = int.from_bytes(raw[flags_offset:flags_offset + 4], "little")
-    clock = [int.from_bytes(raw[clock_offset + 8 * i:clock_offset + 8 * i + 8], "little") for i in range(slots)]
-    if not error and all(clock):
-        last_phase_ms.clear()
-        last_phase_ms.update({name: (clock[i + 1] - clock[i]) / 1e6 for i, name in enumerate(PHASE_CLOCK_NAMES)})
-    if error:
-        kind, phase, peer, block = error & 0xFF, (error >> 8) & 0xFF, (error >> 16) & 0xFFFF, error >> 32
-        what = PHASE_NAMES.get(phase, f"phase {phase}")
-        if kind == 1:
-            raise KernelTimeout(
-                f"flashdmoe kernel timed out in the {what} (waiting on rank {peer}; first seen by block {block}); "
-                f"timeout {timeout_ns() // 1_000_000} ms (FLASHDMOE_TIMEOUT_MS)"
-            )
-        raise RuntimeError(f"flashdmoe kernel reported error word {error:#x}")
-    if flags & 1:
-        raise ValueError("x or router_weight: expected finite values, the router logits contain NaN or Inf")
+@dataclass
+class _RankStatus:
+    """One rank's status bytes (error word .. traffic counters), copied to the host after a launch."""
+
+    rank: int
+    status: torch.Tensor
+    offsets: tuple[int, int, int, int]  # status flags, phase clock, clock slots, traffic (from the error word)
+    routing: "FusedRouting"
+    local_experts: int
+    row_bytes: int
+
+
+@dataclass
+class _Launch:
+    ranks: list[_RankStatus]
+    team: Any = None
+
+
+_last_traffic_source: list[_RankStatus] = []
+
+
+def traffic_report() -> list[dict]:
+    """Bytes each rank of the last checked launch wrote into its peers, against what was routed remote.
+
+    One dict per rank this process drove: ``rank``, ``dispatch_bytes`` (token rows written into peers'
+    receive buffers), ``combine_bytes`` (result rows written into peers' combine buffers),
+    ``rows_routed_remote`` (kept choices whose expert lives on another rank) and ``payload_efficiency``
+    (``dispatch_bytes / (rows_routed_remote * H * element size)``; 1.0 means no byte beyond the routed
+    rows; ``None`` when nothing was routed remote). Computed on request (it reduces the routing on the GPU).
+    """
+    report = []
+    for entry in _last_traffic_source:
+        raw = entry.status.numpy().tobytes()
+        traffic_at = entry.offsets[3]
+        dispatch = int.from_bytes(raw[traffic_at:traffic_at + 8], "little")
+        combine = int.from_bytes(raw[traffic_at + 8:traffic_at + 16], "little")
+        routing = entry.routing
+        owner = routing.expert.long() // entry.local_experts
+        remote = int(((routing.row >= 0) & (owner != entry.rank)).sum().item())
+        payload = remote * entry.row_bytes
+        report.append({
+            "rank": entry.rank, "dispatch_bytes": dispatch, "combine_bytes": combine,
+            "rows_routed_remote": remote,
+            "payload_efficiency": (dispatch / payload) if payload else None,
+        })
+    return report
+
+
+def __getattr__(name: str):
+    if name == "last_traffic":
+        return traffic_report()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _check_launch(launch: _Launch) -> None:
+    """Decode every rank's status bytes (already on the host). Raises KernelTimeout / ValueError."""
+    global _last_traffic_source
+    failures, nonfinite = [], []
+    for index, entry in enumerate(launch.ranks):
+        flags_at, clock_at, slots, _ = entry.offsets
+        raw = entry.status.numpy().tobytes()
+        error = int.from_bytes(raw[0:8], "little")
+        flags = int.from_bytes(raw[flags_at:flags_at + 4], "little")
+        clock = [int.from_bytes(raw[clock_at + 8 * i:clock_at + 8 * i + 8], "little") for i in range(slots)]
+        if index == 0 and not error and all(clock):
+            last_phase_ms.clear()
+            last_phase_ms.update({n: (clock[i + 1] - clock[i]) / 1e6 for i, n in enumerate(PHASE_CLOCK_NAMES)})
+        if error:
+            kind, phase, peer, block = error & 0xFF, (error >> 8) & 0xFF, (error >> 16) & 0xFFFF, error >> 32
+            what = PHASE_NAMES.get(phase, f"phase {phase}")
+            if kind == 1:
+                failures.append(f"rank {entry.rank} timed out in the {what} (waiting on rank {peer}; first seen by "
+                                f"block {block})")
+            else:
+                failures.append(f"rank {entry.rank} reported error word {error:#x}")
+        if flags & 1:
+            nonfinite.append(entry.rank)
+    _last_traffic_source = list(launch.ranks)
+    if failures:
+        message = "flashdmoe kernel: " + "; ".join(failures) + (
+            f"; timeout {timeout_ns() // 1_000_000} ms (FLASHDMOE_TIMEOUT_MS)")
+        if launch.team is not None and getattr(launch.team, "transport", "single") != "single":
+            launch.team.mark_failed(message)
+        raise KernelTimeout(message) if any("timed out" in f for f in failures) else RuntimeError(message)
+    if nonfinite:
+        where = "" if len(launch.ranks) == 1 else f" (rank {', '.join(map(str, nonfinite))})"
+        raise ValueError(f"x or router_weight{where}: expected finite values, the router logits contain NaN or Inf")
 
 
 @contextlib.contextmanager
@@ -146,68 +226,161 @@ def deferred_status_checks():
         pending, _deferred = _deferred, outer
         if pending:
             torch.cuda.synchronize()
-            for status, offsets in pending:
-                _decode_status(status, offsets)
+            for launch in pending:
+                _check_launch(launch)
 
 
-def fused_forward(x, router_weight, w1, w2, *, top_k, activation, normalize_topk, capacity_factor):
-    """Run the fused kernel. x: [T, H]; router_weight: [E, H]; w1: [E, H, I or 2I]; w2: [E, I, H]; all
-    bf16 or fp16, contiguous, on one CUDA device. Returns (y [T, H] dtype of x, FusedRouting)."""
-    if x.dtype not in DTYPE_CODES:
-        raise ValueError(
-            f"x: the cuda backend takes bfloat16 or float16, got {x.dtype}; use backend='reference' for "
-            "float32/float64 (the TF32 kernel path is not implemented yet)"
-        )
-    ext = _extension()
-    T, H = x.shape
-    E = router_weight.shape[0]
-    I = w2.shape[1]
-    shape_error = _check_shapes(ext, T, H, I, E, top_k)
-    if shape_error:
-        raise ValueError(f"shapes unsupported by the fused kernel: {shape_error} (backend='reference' covers them)")
-    cap = reference.expert_capacity(T, top_k, E, capacity_factor)
-    capacity = T if cap is None else cap
-    dtype_code = DTYPE_CODES[x.dtype]
+def _empty_outputs(x: torch.Tensor, top_k: int, experts: int):
+    T = x.shape[0]
     device = x.device
-
     y = torch.empty_like(x)
     expert = torch.empty((T, top_k), dtype=torch.int32, device=device)
     weight = torch.empty((T, top_k), dtype=torch.float32, device=device)
     row = torch.empty((T, top_k), dtype=torch.int32, device=device)
-    counts = torch.empty((E,), dtype=torch.int32, device=device)
+    counts = torch.empty((experts,), dtype=torch.int32, device=device)
     if debug.poison_outputs:
         y.fill_(float("nan"))
         weight.fill_(float("nan"))
         for t in (expert, row, counts):
             t.fill_(-7)
-    if T == 0:
-        counts.zero_()
-        return y, FusedRouting(expert, weight, row, counts)
-
-    layout = _workspace_layout(ext, T, H, I, E, top_k, dtype_code)
-    workspace = torch.empty((layout["total_bytes"],), dtype=torch.uint8, device=device)
-    ext.forward(
-        x=x.data_ptr(), router=router_weight.data_ptr(), w1=w1.data_ptr(), w2=w2.data_ptr(), y=y.data_ptr(),
-        topk_expert=expert.data_ptr(), topk_weight=weight.data_ptr(), topk_row=row.data_ptr(),
-        expert_counts=counts.data_ptr(), workspace=workspace.data_ptr(), workspace_bytes=layout["total_bytes"],
-        tokens=T, hidden=H, ffn=I, experts=E, top_k=top_k, dtype=dtype_code,
-        activation=ACTIVATION_CODES[activation], normalize_topk=bool(normalize_topk), capacity=capacity,
-        timeout_ns=timeout_ns(), debug_withhold_phase=int(debug.withhold_phase), expert_variant=EXPERT_VARIANTS[debug.expert_variant],
-        stream=torch.cuda.current_stream(device).cuda_stream,
-    )
-    # One device-to-host copy of the status bytes (no extra kernels: a forward is one launch).
-    err_at, flags_at = layout["error_word"], layout["status_flags"]
-    clock_at = layout["phase_clock"]
-    status = workspace[err_at:clock_at + 8 * layout["phase_clock_slots"]]
-    offsets = (flags_at - err_at, clock_at - err_at, layout["phase_clock_slots"])
-    if _deferred is not None:
-        _deferred.append((status.to("cpu", non_blocking=True), offsets))
-    else:
-        _decode_status(status.cpu(), offsets)
     return y, FusedRouting(expert, weight, row, counts)
 
 
+def _team_kind(team) -> str:
+    return "single" if team is None else getattr(team, "transport", "single")
+
+
+def _check_dtype(x: torch.Tensor, name: str = "x") -> None:
+    if x.dtype not in DTYPE_CODES:
+        raise ValueError(
+            f"{name}: the cuda backend takes bfloat16 or float16, got {x.dtype}; use backend='reference' for "
+            "float32/float64 (the TF32 kernel path is not implemented yet)"
+        )
+
+
+def run_forward(xs, router_weight, w1s, w2s, *, top_k, activation, normalize_topk, capacity_factor, team=None):
+    """Launch the fused kernel for the ranks this process drives.
+
+    xs: list of ``[T_r, H]`` (one per rank driven here: ``P`` for an emulated team, else one); w1s / w2s:
+    each rank's experts ``[L, H, I or 2I]`` / ``[L, I, H]``; router_weight ``[E, H]``. All bf16 or fp16,
+    contiguous, on one CUDA device. Returns a list of ``(y [T_r, H], FusedRouting)``.
+    """
+    kind = _team_kind(team)
+    if kind != "single":
+        team.require_usable()
+    for i, x in enumerate(xs):
+        _check_dtype(x, "x" if len(xs) == 1 else f"xs[{i}]")
+    ext = _extension()
+    H = router_weight.shape[1]
+    E = router_weight.shape[0]
+    I = w2s[0].shape[1]
+    P = 1 if kind == "single" else team.world_size
+    L = E // P
+    dtype_code = DTYPE_CODES[xs[0].dtype]
+    for i, x in enumerate(xs):
+        shape_error = _check_shapes(ext, x.shape[0], H, I, E, top_k, P)
+        if shape_error:
+            raise ValueError(f"shapes unsupported by the fused kernel: {shape_error} (backend='reference' covers them)")
+    if kind == "single":
+        ranks = [0]
+        stream_rows = xs[0].shape[0] * top_k
+        buffers = [None]
+    elif kind == "emulated":
+        ranks = list(range(P))
+        stream_rows = team.plan.stream_rows
+        buffers = team.buffers
+    else:
+        ranks = [team.rank]
+        stream_rows = team.plan.stream_rows
+        buffers = team.buffers
+    if kind != "single":
+        for rank, x in zip(ranks, xs):
+            team.plan.check_batch(x.shape[0], H, top_k, L, x.dtype, rank=rank)
+
+    outputs = [_empty_outputs(x, top_k, E) for x in xs]
+    if kind == "single" and xs[0].shape[0] == 0:
+        outputs[0][1].counts.zero_()
+        return outputs
+
+    rank_args, workspaces = [], []
+    for rank, x, w1, w2, buf, (y, routing) in zip(ranks, xs, w1s, w2s, buffers, outputs):
+        T = x.shape[0]
+        layout = _workspace_layout(ext, T, H, I, E, top_k, dtype_code, P, stream_rows)
+        workspace = torch.empty((layout["total_bytes"],), dtype=torch.uint8, device=x.device)
+        workspaces.append((workspace, layout))
+        cap = reference.expert_capacity(T, top_k, E, capacity_factor)
+        rank_args.append({
+            "x": x.data_ptr(), "w1": w1.data_ptr(), "w2": w2.data_ptr(), "y": y.data_ptr(),
+            "topk_expert": routing.expert.data_ptr(), "topk_weight": routing.weight.data_ptr(),
+            "topk_row": routing.row.data_ptr(), "expert_counts": routing.counts.data_ptr(),
+            "workspace": workspace.data_ptr(), "workspace_bytes": layout["total_bytes"],
+            "tokens": T, "capacity": T if cap is None else cap, "rank": rank,
+            "silent": rank == debug.silent_rank,
+            "peer_recv": [] if buf is None else buf.peer_recv,
+            "peer_comb": [] if buf is None else buf.peer_comb,
+            "peer_signals": [] if buf is None else buf.peer_signals,
+        })
+    percent = mps_thread_percentage() if kind == "nvshmem" else None
+    shared = {
+        "router": router_weight.data_ptr(), "hidden": H, "ffn": I, "experts": E, "top_k": top_k,
+        "world_size": P, "stream_rows": stream_rows, "dtype": dtype_code,
+        "activation": ACTIVATION_CODES[activation], "normalize_topk": bool(normalize_topk),
+        "sequence": 1 if kind == "single" else team.next_sequence(),
+        "timeout_ns": timeout_ns(), "debug_withhold_phase": int(debug.withhold_phase),
+        "expert_variant": EXPERT_VARIANTS[debug.expert_variant], "max_blocks": int(debug.max_blocks),
+        "grid_percent": 100 if percent is None else percent,
+    }
+    try:
+        info = ext.forward(shared=shared, ranks=rank_args,
+                           stream=torch.cuda.current_stream(xs[0].device).cuda_stream)
+    except Exception as error:
+        if kind != "single":
+            team.mark_failed(f"launch failed: {error}")
+        raise
+    global last_launch
+    last_launch = dict(info)
+
+    # One device-to-host copy of each rank's status bytes (no extra kernels: a forward is one launch).
+    statuses = []
+    for rank, x, (workspace, layout), (y, routing) in zip(ranks, xs, workspaces, outputs):
+        err_at = layout["error_word"]
+        end = layout["traffic"] + 16
+        status = workspace[err_at:end]
+        offsets = (layout["status_flags"] - err_at, layout["phase_clock"] - err_at, layout["phase_clock_slots"],
+                   layout["traffic"] - err_at)
+        statuses.append((rank, status, offsets, routing, x.element_size() * H))
+    if _deferred is not None:
+        _deferred.append(_Launch([_RankStatus(r, st.to("cpu", non_blocking=True), off, rt, L, rb)
+                                  for r, st, off, rt, rb in statuses], team))
+    else:
+        _check_launch(_Launch([_RankStatus(r, st.cpu(), off, rt, L, rb) for r, st, off, rt, rb in statuses], team))
+    return outputs
+
+
+last_launch: dict = {}  # grid / blocks_per_sm / smem_bytes of the most recent launch
+
+
+def fused_forward(x, router_weight, w1, w2, *, top_k, activation, normalize_topk, capacity_factor):
+    """Run the fused kernel on one rank. x: [T, H]; router_weight: [E, H]; w1: [E, H, I or 2I]; w2: [E, I, H];
+    all bf16 or fp16, contiguous, on one CUDA device. Returns (y [T, H] dtype of x, FusedRouting)."""
+    _check_dtype(x)
+    return run_forward([x], router_weight, [w1], [w2], top_k=top_k, activation=activation,
+                       normalize_topk=normalize_topk, capacity_factor=capacity_factor)[0]
+
+
+def _fixed_routing_grads(inputs, expert, keep, dy, activation, normalize_topk):
+    """Gradients of <dy, moe_fixed_routing(*inputs, expert, keep)> for the inputs that require grad."""
+    with torch.enable_grad():
+        y = reference.moe_fixed_routing(*inputs, expert.long(), keep, activation=activation,
+                                        normalize_topk=normalize_topk)
+        wanted = [t for t in inputs if t.requires_grad]
+        grads = iter(torch.autograd.grad(y, wanted, dy)) if wanted else iter(())
+    return [next(grads) if t.requires_grad else None for t in inputs]
+
+
 class _FusedMoE(torch.autograd.Function):
+    """One rank (no team): forward on the kernel, backward unfused on the saved routing."""
+
     @staticmethod
     def forward(ctx, x, router_weight, w1, w2, top_k, activation, normalize_topk, capacity_factor, routing_out):
         y, routing = fused_forward(
@@ -224,13 +397,82 @@ class _FusedMoE(torch.autograd.Function):
         x, router_weight, w1, w2, expert, row = ctx.saved_tensors
         activation, normalize_topk = ctx.options
         inputs = [t.detach().requires_grad_(need) for t, need in zip((x, router_weight, w1, w2), ctx.needs_input_grad[:4])]
+        grads = _fixed_routing_grads(inputs, expert, row >= 0, dy, activation, normalize_topk)
+        return tuple(grads) + (None,) * 5
+
+
+class _FusedMoEEmulated(torch.autograd.Function):
+    """P virtual ranks in one launch. Inputs after the options: router_weight, xs (P), w1s (P), w2s (P);
+    outputs: ys (P). Backward recomputes each rank on its saved routing against the concatenated experts
+    (the emulated team holds every shard in this process)."""
+
+    @staticmethod
+    def forward(ctx, team, options, routing_out, router_weight, *tensors):
+        P = team.world_size
+        xs, w1s, w2s = tensors[:P], tensors[P:2 * P], tensors[2 * P:]
+        results = run_forward(list(xs), router_weight, list(w1s), list(w2s), team=team, **options)
+        routing_out.extend(routing for _, routing in results)
+        ctx.world_size = P
+        ctx.options = (options["activation"], options["normalize_topk"])
+        ctx.save_for_backward(router_weight, *tensors, *[r.expert for _, r in results], *[r.row for _, r in results])
+        return tuple(y for y, _ in results)
+
+    @staticmethod
+    def backward(ctx, *dys):
+        P = ctx.world_size
+        saved = ctx.saved_tensors
+        router_weight, tensors = saved[0], saved[1:1 + 3 * P]
+        experts, rows = saved[1 + 3 * P:1 + 4 * P], saved[1 + 4 * P:]
+        activation, normalize_topk = ctx.options
+        needs = ctx.needs_input_grad[3:]
+        router = router_weight.detach().requires_grad_(needs[0])
+        leaves = [t.detach().requires_grad_(need) for t, need in zip(tensors, needs[1:])]
+        xs, w1s, w2s = leaves[:P], leaves[P:2 * P], leaves[2 * P:]
         with torch.enable_grad():
-            y = reference.moe_fixed_routing(
-                *inputs, expert.long(), row >= 0, activation=activation, normalize_topk=normalize_topk
-            )
-            wanted = [t for t in inputs if t.requires_grad]
-            grads = iter(torch.autograd.grad(y, wanted, dy)) if wanted else iter(())
-        return tuple(next(grads) if t.requires_grad else None for t in inputs) + (None,) * 5
+            w1_all, w2_all = torch.cat(w1s), torch.cat(w2s)
+            total = None
+            for r in range(P):
+                if dys[r] is None:
+                    continue
+                y = reference.moe_fixed_routing(xs[r], router, w1_all, w2_all, experts[r].long(), rows[r] >= 0,
+                                                activation=activation, normalize_topk=normalize_topk)
+                term = (y.float() * dys[r].float()).sum()
+                total = term if total is None else total + term
+            wanted = [t for t in [router, *leaves] if t.requires_grad]
+            if total is None or not wanted:
+                grads = [None] * len(wanted)
+            else:
+                grads = list(torch.autograd.grad(total, wanted, allow_unused=True))
+        it = iter(grads)
+        out = [next(it) if t.requires_grad else None for t in [router, *leaves]]
+        out = [g if g is None else g.to(t.dtype) for g, t in zip(out, [router, *leaves])]
+        return (None, None, None, *out)
+
+
+class _FusedMoETeam(torch.autograd.Function):
+    """This process's rank of a multi-process team: forward on the kernel; backward unfused across ranks
+    (:func:`flashdmoe.ep_peer.expert_parallel_backward`, collective)."""
+
+    @staticmethod
+    def forward(ctx, team, options, routing_out, x, router_weight, w1, w2):
+        (y, routing), = run_forward([x], router_weight, [w1], [w2], team=team, **options)
+        routing_out.append(routing)
+        ctx.team = team
+        ctx.options = (options["activation"], options["normalize_topk"])
+        ctx.save_for_backward(x, router_weight, w1, w2, routing.expert, routing.row)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        from flashdmoe import ep_peer
+
+        x, router_weight, w1, w2, expert, row = ctx.saved_tensors
+        activation, normalize_topk = ctx.options
+        grads = ep_peer.expert_parallel_backward(
+            ctx.team, x, router_weight, w1, w2, expert.long(), row >= 0, dy.contiguous(), activation=activation,
+            normalize_topk=normalize_topk, needs_input_grad=tuple(ctx.needs_input_grad[3:7]),
+        )
+        return (None, None, None, *grads)
 
 
 def _aux(x, router_weight, top_k, counts, row) -> reference.MoEAux:
@@ -250,15 +492,36 @@ def _aux(x, router_weight, top_k, counts, row) -> reference.MoEAux:
 
 def moe_cuda(x, router_weight, w1, w2, *, top_k, activation="gelu", normalize_topk=True, capacity_factor=None,
              return_aux=False, team=None):
-    """flashdmoe.moe on the fused kernel (single rank). Shapes and semantics as flashdmoe.moe."""
-    if team is not None and getattr(team, "world_size", 1) != 1:
-        raise ValueError(
-            f"team: the fused kernel currently runs single-rank teams, got world_size={team.world_size}; "
-            "expert parallelism inside the kernel is not implemented yet"
-        )
+    """flashdmoe.moe on the fused kernel: one rank, or this process's rank of an NVSHMEM team.
+    Shapes and semantics as flashdmoe.moe."""
+    kind = _team_kind(team)
     routing_out: list[FusedRouting] = []
-    y = _FusedMoE.apply(x, router_weight, w1, w2, top_k, activation, normalize_topk, capacity_factor, routing_out)
+    if kind == "single":
+        y = _FusedMoE.apply(x, router_weight, w1, w2, top_k, activation, normalize_topk, capacity_factor,
+                            routing_out)
+    elif kind == "nvshmem":
+        options = dict(top_k=top_k, activation=activation, normalize_topk=normalize_topk,
+                       capacity_factor=capacity_factor)
+        y = _FusedMoETeam.apply(team, options, routing_out, x, router_weight, w1, w2)
+    else:
+        raise ValueError(
+            f"team: a {kind!r} team holds every rank in this process; call "
+            "flashdmoe.moe_expert_parallel(xs, router_weight, w1s, w2s, ..., team=team) instead"
+        )
     if not return_aux:
         return y
     routing = routing_out[0]
     return y, _aux(x, router_weight, top_k, routing.counts, routing.row)
+
+
+def moe_emulated(xs, router_weight, w1s, w2s, *, top_k, activation="gelu", normalize_topk=True,
+                 capacity_factor=None, return_aux=False, team):
+    """flashdmoe.moe_expert_parallel on an emulated team: every rank in one launch. Returns the list of
+    ``y_r`` (plus the list of per-rank MoEAux when ``return_aux``)."""
+    options = dict(top_k=top_k, activation=activation, normalize_topk=normalize_topk,
+                   capacity_factor=capacity_factor)
+    routing_out: list[FusedRouting] = []
+    ys = list(_FusedMoEEmulated.apply(team, options, routing_out, router_weight, *xs, *w1s, *w2s))
+    if not return_aux:
+        return ys
+    return ys, [_aux(x, router_weight, top_k, r.counts, r.row) for x, r in zip(xs, routing_out)]

@@ -29,8 +29,9 @@ echo "== gpu tests"
 python3 -m pytest -m gpu -q -rs --durations=8 -p no:cacheprovider ${1:+-k "$1"} ${GPU_TESTS:-tests/test_fused_gpu.py tests/test_reference.py tests/test_ray.py tests/test_bench.py} > "$OUT/pytest.log" 2>&1
 echo "pytest rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest.log" | head -30
 
+if [ -n "${EXTRA:-}" ]; then echo "== extra"; eval "$EXTRA" 2>&1 | tee "$OUT/extra.log"; fi
 echo "== quick timing"
-python3 scripts/quick_time.py 2>&1 | tee "$OUT/quick_time.log"
+[ "${SKIP_QUICK:-0}" = "1" ] || python3 scripts/quick_time.py 2>&1 | tee "$OUT/quick_time.log"
 
 if [ "${SKIP_BENCH:-0}" != "1" ]; then
   echo "== bench"

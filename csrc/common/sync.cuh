@@ -14,13 +14,23 @@ __device__ __forceinline__ void report_timeout(const MoEParams& p, uint32_t phas
   atomicCAS(p.error_word, 0ull, word);  // first failure wins; later ones are consequences
 }
 
+// This block's index among its rank's blocks (an emulated launch runs several ranks side by side).
+__device__ __forceinline__ int block_in_rank(const MoEParams& p) { return static_cast<int>(blockIdx.x) - p.first_block; }
+
+enum class Scope { Gpu, System };
+
 // Called by one thread. Returns false if the watchdog fired here or another block already failed.
+// Scope::System for flags that peers write (acquire at system scope).
+template <Scope kScope = Scope::Gpu>
 __device__ __forceinline__ bool wait_at_least(const uint32_t* counter, uint32_t target, const MoEParams& p,
                                               uint32_t phase, uint32_t peer) {
-  if (ptx::load_acquire_gpu(counter) >= target) return true;
+  auto load = [&]() {
+    return kScope == Scope::Gpu ? ptx::load_acquire_gpu(counter) : ptx::load_acquire_sys(counter);
+  };
+  if (load() >= target) return true;
   const uint64_t start = ptx::global_timer_ns();
   for (uint32_t spin = 1;; ++spin) {
-    if (ptx::load_acquire_gpu(counter) >= target) return true;
+    if (load() >= target) return true;
     if ((spin & 31) == 0) {
       if (ptx::load_relaxed_u64(p.error_word) != 0) return false;
       if (ptx::global_timer_ns() - start > p.timeout_ns) {
@@ -32,18 +42,18 @@ __device__ __forceinline__ bool wait_at_least(const uint32_t* counter, uint32_t 
   }
 }
 
-// Grid-wide barrier over a counter zeroed before the launch: the n-th barrier waits for n * gridDim.x
-// arrivals, so no reset is needed inside the launch. All threads of the block call it.
+// Barrier of one rank's blocks over a counter zeroed before the launch: the n-th barrier waits for
+// n * blocks arrivals, so no reset is needed inside the launch. All threads of the block call it.
 __device__ __forceinline__ bool grid_barrier(const MoEParams& p, uint32_t phase, uint32_t ordinal) {
   __shared__ int barrier_ok;
   __syncthreads();
   if (threadIdx.x == 0) {
-    const bool withheld = p.debug_withhold_phase == static_cast<int>(phase) && blockIdx.x == 0;
+    const bool withheld = p.debug_withhold_phase == static_cast<int>(phase) && block_in_rank(p) == 0;
     bool ok = !withheld;
     if (ok) {
       __threadfence();
       ptx::red_release_add_gpu(p.barrier_counter, 1);
-      ok = wait_at_least(p.barrier_counter, ordinal * gridDim.x, p, phase, 0);
+      ok = wait_at_least(p.barrier_counter, ordinal * p.blocks, p, phase, p.rank);
     }
     barrier_ok = ok;
   }

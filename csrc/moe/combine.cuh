@@ -1,22 +1,34 @@
-// Combine: y[t] = sum_j w[t,j] * expert_out[row(t,j)], summed in fp32 in choice order j = 0..k-1 (a
-// gather, never floating-point atomics: the output is bitwise reproducible). Dropped choices add zero.
+// Combine: y[t] = sum_j w[t,j] * result(t,j), summed in fp32 in choice order j = 0..k-1 (a gather,
+// never floating-point atomics: the output is bitwise reproducible). result(t,j) is row(t,j) of this
+// rank's comb buffer, region [owner of the chosen expert]. Dropped choices add zero.
 #pragma once
 #include "moe/expert_ffn.cuh"
 
 namespace flashdmoe {
 
+// Bounded wait for every peer's results-done flag. All threads call it.
+__device__ inline bool wait_for_results(const MoEParams& p) {
+  bool ok = true;
+  if (threadIdx.x < p.world_size && static_cast<int>(threadIdx.x) != p.rank) {
+    const uint32_t* flag = p.peers[p.rank].signals + signal_results_done(p.world_size, p.local_experts, threadIdx.x);
+    ok = wait_at_least<Scope::System>(flag, p.sequence, p, kPhasePeerResults, threadIdx.x);
+  }
+  return __syncthreads_and(ok);
+}
+
 template <typename Element>
 __device__ void combine_tokens(const MoEParams& p) {
   const int H = p.hidden, k = p.top_k;
   const int lane = threadIdx.x & 31;
-  const int warps_in_grid = gridDim.x * (kThreads / 32);
-  const Element* expert_out = static_cast<const Element*>(p.expert_out);
+  const int warps = p.blocks * (kThreads / 32);
+  const Element* comb = static_cast<const Element*>(p.peers[p.rank].comb);
   Element* y = static_cast<Element*>(p.y);
-  for (int token = blockIdx.x * (kThreads / 32) + (threadIdx.x >> 5); token < p.tokens; token += warps_in_grid) {
+  for (int token = block_in_rank(p) * (kThreads / 32) + (threadIdx.x >> 5); token < p.tokens; token += warps) {
     const size_t first = static_cast<size_t>(token) * k;
     // Lane j holds choice j's row and weight (k <= 32); the loop broadcasts them, so each chunk's k
     // loads are independent and in flight together.
-    const int my_row = lane < k ? __ldcg(p.topk_row + first + lane) : -1;
+    int my_row = lane < k ? __ldcg(p.topk_row + first + lane) : -1;
+    if (my_row >= 0) my_row += (__ldcg(p.topk_expert + first + lane) / p.local_experts) * p.stream_rows;
     const float my_weight = lane < k ? __ldcg(p.topk_weight + first + lane) : 0.f;
     // Two 256-column chunks per iteration: twice the independent loads in flight per lane.
     for (int c0 = 0; c0 < H; c0 += 2 * 32 * 8) {  // warp-uniform trip count: the shuffles need every lane
@@ -30,7 +42,7 @@ __device__ void combine_tokens(const MoEParams& p) {
         const int row = __shfl_sync(0xffffffffu, my_row, j);
         const float w = __shfl_sync(0xffffffffu, my_weight, j);
         if (row < 0) continue;
-        const Element* src = expert_out + static_cast<size_t>(row) * H;
+        const Element* src = comb + static_cast<size_t>(row) * H;
         int4 raw[2];
 #pragma unroll
         for (int u = 0; u < 2; ++u)

@@ -6,7 +6,11 @@
 
 namespace flashdmoe {
 
-std::string check_shapes(int tokens, int hidden, int ffn, int experts, int top_k) {
+std::string check_shapes(int tokens, int hidden, int ffn, int experts, int top_k, int world_size) {
+  if (world_size < 1 || world_size > kMaxRanks)
+    return "world_size P=" + std::to_string(world_size) + " must be in [1, " + std::to_string(kMaxRanks) + "]";
+  if (experts % world_size != 0)
+    return "experts E=" + std::to_string(experts) + " must be a multiple of world_size P=" + std::to_string(world_size);
   if (tokens < 0) return "tokens must be >= 0, got " + std::to_string(tokens);
   if (hidden <= 0 || hidden % kHiddenMultiple != 0)
     return "hidden size H=" + std::to_string(hidden) + " must be a positive multiple of " +
@@ -23,9 +27,11 @@ std::string check_shapes(int tokens, int hidden, int ffn, int experts, int top_k
   return "";
 }
 
-WorkspaceLayout workspace_layout(int tokens, int hidden, int ffn, int experts, int top_k, DType dtype) {
+WorkspaceLayout workspace_layout(int tokens, int hidden, int ffn, int experts, int top_k, DType dtype, int world_size,
+                                 int stream_rows) {
   (void)dtype;  // both supported dtypes are 2 bytes wide
-  return make_workspace_layout(tokens, hidden, ffn, experts, top_k, 2, kGateTileM, kExpertTileM);
+  return make_workspace_layout(tokens, hidden, ffn, experts, top_k, 2, kGateTileM, kExpertTileM, world_size,
+                               stream_rows);
 }
 
 LaunchInfo launch_forward(const ForwardArgs& args, cudaStream_t stream) {

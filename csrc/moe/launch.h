@@ -10,26 +10,45 @@ namespace flashdmoe {
 
 enum class DType : int { BFloat16 = 0, Float16 = 1 };
 
-struct ForwardArgs {
-  const void* x;
-  const void* router;
-  const void* w1;
-  const void* w2;
-  void* y;
+// One rank of the launch: its tokens, experts, outputs, local workspace and the peer table.
+struct RankArgs {
+  const void* x;   // [T, H]
+  const void* w1;  // [L, H, I or 2I]
+  const void* w2;  // [L, I, H]
+  void* y;         // [T, H]
   int* topk_expert;
   float* topk_weight;
   int* topk_row;
   int* expert_counts;
   void* workspace;
   size_t workspace_bytes;
-  int tokens, hidden, ffn, experts, top_k;
+  int tokens;
+  int capacity;  // rows kept per expert; >= tokens means dropless
+  int rank;
+  bool silent;   // debug: publish no signals
+  // Symmetric buffers of every rank as this rank addresses them (all null for a single-rank team:
+  // its comb region and signal words then come from its workspace).
+  void* peer_recv[kMaxRanks];
+  void* peer_comb[kMaxRanks];
+  uint32_t* peer_signals[kMaxRanks];
+};
+
+struct ForwardArgs {
+  const void* router;  // [E, H], replicated
+  int hidden, ffn, experts, top_k;
+  int world_size;   // P; experts / P per rank
+  int stream_rows;  // rows per region of recv / comb (max tokens per rank * min(k, L))
   DType dtype;
   Activation activation;
   bool normalize_topk;
-  int capacity;  // rows kept per expert; >= tokens means dropless
+  uint32_t sequence;
   uint64_t timeout_ns;
   int debug_withhold_phase;
   int expert_variant;  // tile_config.cuh: 0 wgmma 128x128/3 stages, 1 wgmma 128x128/4, 2 wgmma 128x256/4, 3 mma.sync 128x128/3
+  int max_blocks;      // 0: the whole resident grid; else at most this many blocks
+  int grid_percent;    // 1..100: this share of the resident grid (ranks sharing one GPU under MPS)
+  int num_ranks;       // ranks in this launch: P for an emulated team, else 1
+  RankArgs ranks[kMaxRanks];
 };
 
 struct LaunchInfo {
@@ -46,9 +65,10 @@ struct KernelAttributes {
 };
 
 // Empty when the shapes are supported, else a message naming the violated constraint.
-std::string check_shapes(int tokens, int hidden, int ffn, int experts, int top_k);
-WorkspaceLayout workspace_layout(int tokens, int hidden, int ffn, int experts, int top_k, DType dtype);
-// Zeroes the sync words and launches the persistent kernel on `stream` (throws std::runtime_error).
+std::string check_shapes(int tokens, int hidden, int ffn, int experts, int top_k, int world_size);
+WorkspaceLayout workspace_layout(int tokens, int hidden, int ffn, int experts, int top_k, DType dtype, int world_size,
+                                 int stream_rows);
+// Zeroes every rank's sync words and launches the persistent kernel on `stream` (throws std::runtime_error).
 LaunchInfo launch_forward(const ForwardArgs& args, cudaStream_t stream);
 KernelAttributes kernel_attributes(DType dtype, int expert_variant);
 

@@ -1,6 +1,7 @@
 // Launch template of the persistent kernel: grid from the occupancy API, cooperative launch so that a
 // grid that cannot be co-resident is refused instead of deadlocking.
 #pragma once
+#include <algorithm>
 #include <mutex>
 #include <stdexcept>
 #include <vector>
@@ -67,30 +68,51 @@ inline ResidentGrid resident_grid(const void* kernel, int device, int smem_bytes
   return known.back().grid;
 }
 
-template <typename Element, typename Variant>
-LaunchInfo launch_forward_variant(const ForwardArgs& a, cudaStream_t stream) {
-  const std::string shape_error = check_shapes(a.tokens, a.hidden, a.ffn, a.experts, a.top_k);
+// One rank's kernel parameters from its arguments and workspace.
+inline MoEParams rank_params(const ForwardArgs& a, const RankArgs& r) {
+  const std::string shape_error = check_shapes(r.tokens, a.hidden, a.ffn, a.experts, a.top_k, a.world_size);
   if (!shape_error.empty()) throw std::invalid_argument(shape_error);
-  const WorkspaceLayout ws = workspace_layout(a.tokens, a.hidden, a.ffn, a.experts, a.top_k, a.dtype);
-  if (a.workspace_bytes < ws.total_bytes)
-    throw std::invalid_argument("workspace holds " + std::to_string(a.workspace_bytes) + " bytes, needs " +
-                                std::to_string(ws.total_bytes));
+  const WorkspaceLayout ws =
+      workspace_layout(r.tokens, a.hidden, a.ffn, a.experts, a.top_k, a.dtype, a.world_size, a.stream_rows);
+  if (r.workspace_bytes < ws.total_bytes)
+    throw std::invalid_argument("rank " + std::to_string(r.rank) + ": workspace holds " +
+                                std::to_string(r.workspace_bytes) + " bytes, needs " + std::to_string(ws.total_bytes));
+  const int local_experts = a.experts / a.world_size;
+  if (static_cast<long long>(r.tokens) * std::min(a.top_k, local_experts) > a.stream_rows)
+    throw std::invalid_argument("rank " + std::to_string(r.rank) + ": " + std::to_string(r.tokens) +
+                                " tokens do not fit stream_rows=" + std::to_string(a.stream_rows));
+  if (r.rank < 0 || r.rank >= a.world_size) throw std::invalid_argument("rank out of range");
 
-  char* base = static_cast<char*>(a.workspace);
+  char* base = static_cast<char*>(r.workspace);
   MoEParams p{};
-  p.tokens = a.tokens; p.hidden = a.hidden; p.ffn = a.ffn; p.experts = a.experts; p.top_k = a.top_k;
+  p.tokens = r.tokens; p.hidden = a.hidden; p.ffn = a.ffn; p.experts = a.experts; p.top_k = a.top_k;
   p.w1_cols = a.activation == Activation::Swiglu ? 2 * a.ffn : a.ffn;
-  p.capacity = a.capacity < a.tokens ? a.capacity : a.tokens;
+  p.capacity = r.capacity < r.tokens ? r.capacity : r.tokens;
   p.activation = a.activation;
   p.normalize_topk = a.normalize_topk;
-  p.x = a.x; p.router = a.router; p.w1 = a.w1; p.w2 = a.w2; p.y = a.y;
-  p.topk_expert = a.topk_expert; p.topk_weight = a.topk_weight; p.topk_row = a.topk_row;
-  p.expert_counts = a.expert_counts;
+  p.rank = r.rank; p.world_size = a.world_size; p.local_experts = local_experts;
+  p.stream_rows = a.stream_rows;
+  p.sequence = a.sequence;
+  p.silent = r.silent;
+  for (int q = 0; q < a.world_size; ++q) {
+    if (a.world_size == 1) {
+      p.peers[q] = {nullptr, base + ws.own_comb, reinterpret_cast<uint32_t*>(base + ws.own_signals)};
+    } else {
+      if (!r.peer_recv[q] || !r.peer_comb[q] || !r.peer_signals[q])
+        throw std::invalid_argument("rank " + std::to_string(r.rank) + ": missing buffers of peer " + std::to_string(q));
+      p.peers[q] = {r.peer_recv[q], r.peer_comb[q], r.peer_signals[q]};
+    }
+  }
+  p.x = r.x; p.router = a.router; p.w1 = r.w1; p.w2 = r.w2; p.y = r.y;
+  p.topk_expert = r.topk_expert; p.topk_weight = r.topk_weight; p.topk_row = r.topk_row;
+  p.expert_counts = r.expert_counts;
   p.barrier_counter = reinterpret_cast<uint32_t*>(base + ws.barrier_counter);
   p.task_counter = reinterpret_cast<uint32_t*>(base + ws.task_counter);
   p.error_word = reinterpret_cast<unsigned long long*>(base + ws.error_word);
   p.status_flags = reinterpret_cast<uint32_t*>(base + ws.status_flags);
   p.phase_clock = reinterpret_cast<unsigned long long*>(base + ws.phase_clock);
+  p.traffic = reinterpret_cast<unsigned long long*>(base + ws.traffic);
+  p.result_rows_done = reinterpret_cast<uint32_t*>(base + ws.result_rows_done);
   p.row_tile_done = reinterpret_cast<uint32_t*>(base + ws.row_tile_done);
   p.slot_in_tile = reinterpret_cast<int*>(base + ws.slot_in_tile);
   p.tile_expert_count = reinterpret_cast<int*>(base + ws.tile_expert_count);
@@ -98,20 +120,46 @@ LaunchInfo launch_forward_variant(const ForwardArgs& a, cudaStream_t stream) {
   p.expert_kept = reinterpret_cast<int*>(base + ws.expert_kept);
   p.row_token = reinterpret_cast<int*>(base + ws.row_token);
   p.intermediate = base + ws.intermediate;
-  p.expert_out = base + ws.expert_out;
   p.gate_tiles = ws.gate_tiles;
   p.max_row_tiles = ws.max_row_tiles;
   p.timeout_ns = a.timeout_ns;
   p.debug_withhold_phase = a.debug_withhold_phase;
+  return p;
+}
 
-  const SmemLayout smem = make_smem_layout(a.experts, a.top_k, expert_scratch_bytes<Variant>());
+template <typename Element, typename Variant>
+LaunchInfo launch_forward_variant(const ForwardArgs& a, cudaStream_t stream) {
+  if (a.num_ranks < 1 || a.num_ranks > kMaxRanks || a.num_ranks > a.world_size)
+    throw std::invalid_argument("num_ranks=" + std::to_string(a.num_ranks) + " must be in [1, min(world_size, " +
+                                std::to_string(kMaxRanks) + ")]");
+  LaunchParams launch{};
+  launch.ranks = a.num_ranks;
+  for (int i = 0; i < a.num_ranks; ++i) launch.rank[i] = rank_params(a, a.ranks[i]);
+
+  const SmemLayout smem = make_smem_layout(a.experts, a.top_k, expert_scratch_bytes<Variant>(), a.world_size);
   auto kernel = moe_forward_kernel<Element, Variant>;
   int device = 0;
   throw_on_cuda_error(cudaGetDevice(&device), "cudaGetDevice");
   const ResidentGrid resident = resident_grid(reinterpret_cast<const void*>(kernel), device, smem.total_bytes);
-  const int grid = resident.blocks_per_sm * resident.sms;
+  int grid = resident.blocks_per_sm * resident.sms;
+  if (a.grid_percent > 0 && a.grid_percent < 100) grid = std::max(1, grid * a.grid_percent / 100);
+  if (a.max_blocks > 0 && a.max_blocks < grid) grid = a.max_blocks;
+  const int blocks_per_rank = grid / a.num_ranks;
+  if (blocks_per_rank < 1)
+    throw std::invalid_argument("a grid of " + std::to_string(grid) + " blocks cannot hold " +
+                                std::to_string(a.num_ranks) + " ranks");
+  grid = blocks_per_rank * a.num_ranks;
+  for (int i = 0; i < a.num_ranks; ++i) {
+    launch.rank[i].first_block = i * blocks_per_rank;
+    launch.rank[i].blocks = blocks_per_rank;
+  }
 
-  throw_on_cuda_error(cudaMemsetAsync(a.workspace, 0, ws.sync_bytes, stream), "zeroing sync words");
+  for (int i = 0; i < a.num_ranks; ++i) {
+    const RankArgs& r = a.ranks[i];
+    const WorkspaceLayout ws =
+        workspace_layout(r.tokens, a.hidden, a.ffn, a.experts, a.top_k, a.dtype, a.world_size, a.stream_rows);
+    throw_on_cuda_error(cudaMemsetAsync(r.workspace, 0, ws.sync_bytes, stream), "zeroing sync words");
+  }
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(grid);
   config.blockDim = dim3(kThreads);
@@ -122,7 +170,7 @@ LaunchInfo launch_forward_variant(const ForwardArgs& a, cudaStream_t stream) {
   attribute.val.cooperative = 1;
   config.attrs = &attribute;
   config.numAttrs = 1;
-  throw_on_cuda_error(cudaLaunchKernelEx(&config, kernel, p), "launching moe_forward_kernel");
+  throw_on_cuda_error(cudaLaunchKernelEx(&config, kernel, launch), "launching moe_forward_kernel");
   return {grid, resident.blocks_per_sm, smem.total_bytes};
 }
 

@@ -1,50 +1,58 @@
-// The persistent forward kernel: one launch runs gate -> routing -> dispatch -> expert FFN -> combine.
-// All blocks are co-resident (cooperative launch), phases meet at bounded grid barriers, and expert
-// GEMM2 tiles follow their GEMM1 row tiles through per-tile counters instead of a barrier.
+// The persistent forward kernel: one launch runs gate -> counts -> dispatch -> expert FFN -> combine
+// for every rank it holds (one, or P virtual ranks of an emulated team side by side). A rank's blocks
+// meet at bounded barriers; ranks meet only through signal words (counts, rows ready, results done)
+// that carry this forward's sequence number, so the same code runs across processes and GPUs.
 #pragma once
 #include "moe/combine.cuh"
 #include "moe/gate.cuh"
 
 namespace flashdmoe {
 
-// Block 0 stamps the phase boundaries (one store per phase) for the per-phase breakdown.
+// Rank-block 0 stamps the phase boundaries (one store per phase) for the per-phase breakdown.
 __device__ __forceinline__ void stamp_phase(const MoEParams& p, int slot) {
-  if (blockIdx.x == 0 && threadIdx.x == 0) p.phase_clock[slot] = ptx::global_timer_ns();
+  if (block_in_rank(p) == 0 && threadIdx.x == 0) p.phase_clock[slot] = ptx::global_timer_ns();
 }
 
 template <typename Element, typename Variant>
 __global__ void __launch_bounds__(kThreads, Variant::kMinBlocksPerSm)
-    moe_forward_kernel(const __grid_constant__ MoEParams p) {
+    moe_forward_kernel(const __grid_constant__ LaunchParams launch) {
   extern __shared__ __align__(16) char raw_smem[];
   // wgmma's 128-byte swizzle is computed from absolute shared addresses: align the base to its atom.
   char* smem = raw_smem + ((1024u - (ptx::smem_addr(raw_smem) & 1023u)) & 1023u);
-  const SmemLayout layout = make_smem_layout(p.experts, p.top_k, expert_scratch_bytes<Variant>());
+  const MoEParams& p = launch.rank[blockIdx.x / launch.rank[0].blocks];
+  const SmemLayout layout = make_smem_layout(p.experts, p.top_k, expert_scratch_bytes<Variant>(), p.world_size);
   stamp_phase(p, 0);
 
   // ---- 1. gate: logits, softmax, top-k, per-tile counts ----
-  for (int tile = blockIdx.x; tile < p.gate_tiles; tile += gridDim.x) gate_tile<Element>(p, tile, smem, layout);
+  for (int tile = block_in_rank(p); tile < p.gate_tiles; tile += p.blocks) gate_tile<Element>(p, tile, smem, layout);
   if (!grid_barrier(p, kPhaseGateDone, 1)) return;
   stamp_phase(p, 1);
 
-  // ---- 2. per-expert offsets over gate tiles (capacity in token order) ----
+  // ---- 2. per-expert offsets over gate tiles (capacity in token order); counts to the owners ----
   scan_tile_counts(p);
   if (!grid_barrier(p, kPhaseOffsetsDone, 2)) return;
+  publish_counts(p);
   stamp_phase(p, 2);
 
-  // ---- 3. dispatch: every kept choice gets its row in the expert's segment ----
-  const RoutingTables tables = routing_tables(smem, layout, p.experts);
-  build_routing_tables(p, tables);
-  assign_rows(p, tables);
+  // ---- 3. dispatch: rows into the owners' receive buffers ----
+  int* stream_offset = reinterpret_cast<int*>(smem);  // [E], in the scratch area (free until the experts)
+  build_stream_offsets(p, stream_offset);
+  dispatch_rows<Element>(p, stream_offset);
   if (!grid_barrier(p, kPhaseDispatchDone, 3)) return;
+  publish_rows_ready(p);
   stamp_phase(p, 3);
 
-  // ---- 4. expert FFN tiles from the task queue ----
+  // ---- 4. expert FFN tiles from the task queue, rows from every source ----
+  const DestTables tables = dest_tables(smem, layout, p);
+  if (!build_dest_tables(p, tables)) return;
+  publish_empty_results(p, tables);
   const Element** a_rows = reinterpret_cast<const Element**>(smem + layout.row_ptrs_offset);
   if (!run_expert_tasks<Element, Variant>(p, tables, smem, a_rows)) return;
   if (!grid_barrier(p, kPhaseExpertsDone, 4)) return;
   stamp_phase(p, 4);
 
-  // ---- 5. combine ----
+  // ---- 5. combine, once every peer returned its results ----
+  if (!wait_for_results(p)) return;
   combine_tokens<Element>(p);
   __syncthreads();
   if (threadIdx.x == 0) atomicMax(p.phase_clock + kPhaseClockSlots - 1, ptx::global_timer_ns());

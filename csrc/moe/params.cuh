@@ -1,5 +1,6 @@
 // Runtime shapes, pointers and the workspace layout shared by the host launcher and the kernel.
 #pragma once
+#include <cuda_runtime.h>
 #include <cstddef>
 #include <cstdint>
 
@@ -15,7 +16,42 @@ enum Phase : uint32_t {
   kPhaseDispatchDone = 3,  // grid barrier after rows were placed into expert segments
   kPhaseIntermediate = 4,  // an expert GEMM2 tile waiting for its GEMM1 row tile
   kPhaseExpertsDone = 5,   // grid barrier before the combine
+  kPhasePeerCounts = 6,    // waiting for a peer's per-expert row counts
+  kPhasePeerRows = 7,      // an expert GEMM1 tile waiting for a peer's dispatched rows
+  kPhasePeerResults = 8,   // the combine waiting for a peer's expert results
 };
+
+// Most ranks in one team (and virtual ranks in one emulated launch): the size of the peer table.
+constexpr int kMaxRanks = 8;
+
+// One peer's symmetric buffers, as this rank addresses them (NVLink / same-GPU pointers, or the other
+// virtual ranks' buffers in an emulated launch).
+//   recv    [P][stream_rows][H]  rows sources dispatched to the peer, one region per source
+//   comb    [P][stream_rows][H]  results for the peer's tokens, one region per rank that computed them
+//   signals [P*L + 3P] u32       counts from each source, then counts / rows-ready / results-done flags
+struct PeerBuffers {
+  void* recv;
+  void* comb;
+  uint32_t* signals;
+};
+
+// Signal word indices. Flags hold the sequence number of the forward that wrote them: they increase
+// by one per forward, so they never need clearing and a wait is `flag >= sequence`.
+__host__ __device__ __forceinline__ int signal_count(int local_experts, int src, int local) {
+  return src * local_experts + local;
+}
+__host__ __device__ __forceinline__ int signal_counts_flag(int world, int local_experts, int src) {
+  return world * local_experts + src;
+}
+__host__ __device__ __forceinline__ int signal_rows_ready(int world, int local_experts, int src) {
+  return world * local_experts + world + src;
+}
+__host__ __device__ __forceinline__ int signal_results_done(int world, int local_experts, int dst) {
+  return world * local_experts + 2 * world + dst;
+}
+__host__ __device__ __forceinline__ int signal_words(int world, int local_experts) {
+  return world * local_experts + 3 * world;
+}
 
 // Error word (uint64): bits 0-7 kind, 8-15 phase, 16-31 peer rank, 32-63 block id.
 enum ErrorKind : uint32_t { kErrorNone = 0, kErrorTimeout = 1 };
@@ -33,13 +69,23 @@ struct MoEParams {
   Activation activation;
   bool normalize_topk;
 
-  // Inputs (row-major, contiguous): x [T,H], router [E,H], w1 [E,H,w1_cols], w2 [E,I,H].
+  // Team: this rank, P ranks of L = E / P experts each; global expert e lives on rank e / L.
+  int rank, world_size, local_experts;
+  int first_block, blocks;  // this rank's blocks in the launch (P virtual ranks share an emulated one)
+  int stream_rows;          // rows of one region of recv / comb
+  uint32_t sequence;        // this forward's number: the value every flag it publishes carries
+  bool silent;              // debug: publish no signals (peers must time out, not hang)
+  PeerBuffers peers[kMaxRanks];
+
+  // Inputs (row-major, contiguous): x [T,H], router [E,H], w1 [L,H,w1_cols], w2 [L,I,H] (this rank's
+  // experts).
   const void* x;
   const void* router;
   const void* w1;
   const void* w2;
   // Outputs: y [T,H]; routing saved for backward: expert [T,k] i32, weight [T,k] f32,
-  // row [T,k] i32 (row in the packed expert buffers, -1 when dropped), counts [E] i32 (routed, pre-capacity).
+  // row [T,k] i32 (row in the stream to the expert's owner, -1 when dropped), counts [E] i32 (routed,
+  // pre-capacity).
   void* y;
   int* topk_expert;
   float* topk_weight;
@@ -52,14 +98,15 @@ struct MoEParams {
   unsigned long long* error_word;
   uint32_t* status_flags;
   unsigned long long* phase_clock;  // [kPhaseClockSlots] %globaltimer at kernel start, after each barrier, at the end
+  unsigned long long* traffic;      // [2] bytes written into peers: dispatched rows, returned results
+  uint32_t* result_rows_done;       // [kMaxRanks] result rows finished for each source (x column tiles)
   uint32_t* row_tile_done;  // [max_row_tiles] GEMM1 n-tiles finished per row tile
   int* slot_in_tile;        // [T,k] rank of the choice among its gate tile's choices of that expert
   int* tile_expert_count;   // [gate_tiles, E]
   int* tile_expert_offset;  // [gate_tiles, E] exclusive prefix over gate tiles
-  int* expert_kept;         // [E] rows kept after capacity
-  int* row_token;           // [T*k] packed row -> token
-  void* intermediate;       // [T*k, I] activation output, input dtype
-  void* expert_out;         // [T*k, H] expert FFN output per row, input dtype
+  int* expert_kept;         // [E] rows kept after capacity (this rank's tokens)
+  int* row_token;           // [T*k] row of the stream to this rank itself -> token (own rows are not copied)
+  void* intermediate;       // [rows_in, I] activation output of every row this rank's experts take, input dtype
 
   int gate_tiles;
   int max_row_tiles;
@@ -67,25 +114,38 @@ struct MoEParams {
   int debug_withhold_phase;  // > 0: block 0 never arrives at that barrier (tests the watchdog)
 };
 
-// One allocation holds all scratch; the first `sync_bytes` are zeroed before every launch.
+// The kernel's argument: every rank this launch runs (P virtual ranks for an emulated team, else one).
+// Rank i owns blocks [rank[i].first_block, + rank[i].blocks); all ranks get the same number of blocks.
+struct LaunchParams {
+  int ranks;
+  MoEParams rank[kMaxRanks];
+};
+
+// One allocation holds a rank's local scratch; the first `sync_bytes` are zeroed before every launch.
+// A single-rank team also keeps its comb region and (unused) signal words here (`own_*`, else 0 bytes).
 struct WorkspaceLayout {
-  size_t barrier_counter, task_counter, error_word, status_flags, phase_clock, row_tile_done;
+  size_t barrier_counter, task_counter, error_word, status_flags, phase_clock, traffic, result_rows_done,
+      row_tile_done;
   size_t sync_bytes;
   size_t slot_in_tile, tile_expert_count, tile_expert_offset, expert_kept, row_token;
-  size_t intermediate, expert_out;
+  size_t intermediate, own_comb, own_signals;
   size_t total_bytes;
   int gate_tiles, max_row_tiles;
 };
 
 inline size_t align_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
 
+// rows_in: the most rows this rank's experts can take (P * stream_rows; T * k for one rank).
 inline WorkspaceLayout make_workspace_layout(int tokens, int hidden, int ffn, int experts, int top_k,
-                                             int element_bytes, int gate_tile_rows, int row_tile_rows) {
+                                             int element_bytes, int gate_tile_rows, int row_tile_rows,
+                                             int world_size, int stream_rows) {
   WorkspaceLayout l{};
   const size_t rows = static_cast<size_t>(tokens) * top_k;
+  const int local_experts = experts / world_size;
+  const size_t rows_in = world_size == 1 ? rows : static_cast<size_t>(world_size) * stream_rows;
   l.gate_tiles = (tokens + gate_tile_rows - 1) / gate_tile_rows;
-  // Each expert's segment rounds up to whole row tiles: at most rows/tile + E tiles in all.
-  l.max_row_tiles = static_cast<int>((rows + row_tile_rows - 1) / row_tile_rows) + experts;
+  // Each local expert's segment rounds up to whole row tiles: at most rows_in/tile + L tiles in all.
+  l.max_row_tiles = static_cast<int>((rows_in + row_tile_rows - 1) / row_tile_rows) + local_experts;
   size_t at = 0;
   auto take = [&](size_t bytes) { size_t here = at; at = align_up(at + bytes, 128); return here; };
   l.barrier_counter = take(4);
@@ -93,6 +153,8 @@ inline WorkspaceLayout make_workspace_layout(int tokens, int hidden, int ffn, in
   l.error_word = take(8);
   l.status_flags = take(4);
   l.phase_clock = take(8 * kPhaseClockSlots);
+  l.traffic = take(8 * 2);
+  l.result_rows_done = take(4 * kMaxRanks);
   l.row_tile_done = take(4 * static_cast<size_t>(l.max_row_tiles));
   l.sync_bytes = at;
   l.slot_in_tile = take(4 * rows);
@@ -100,8 +162,10 @@ inline WorkspaceLayout make_workspace_layout(int tokens, int hidden, int ffn, in
   l.tile_expert_offset = take(4 * static_cast<size_t>(l.gate_tiles) * experts);
   l.expert_kept = take(4 * static_cast<size_t>(experts));
   l.row_token = take(4 * rows);
-  l.intermediate = take(static_cast<size_t>(element_bytes) * rows * ffn);
-  l.expert_out = take(static_cast<size_t>(element_bytes) * rows * hidden);
+  l.intermediate = take(static_cast<size_t>(element_bytes) * rows_in * ffn);
+  const bool own = world_size == 1;
+  l.own_comb = take(own ? static_cast<size_t>(element_bytes) * rows * hidden : 0);
+  l.own_signals = take(own ? 4 * static_cast<size_t>(signal_words(1, experts)) : 0);
   l.total_bytes = at;
   return l;
 }

@@ -1,5 +1,6 @@
-// From per-tile counts to rows: per-expert prefix sums over gate tiles (capacity applied in token
-// order), the packed segment of each expert, and each choice's row in it.
+// From per-tile counts to rows. Source side: per-expert prefix sums over gate tiles (capacity applied
+// in token order) and each expert's offset inside the row stream to its owner rank. Destination side:
+// the rows every source sends, packed per local expert (sources in rank order), and row -> source row.
 #pragma once
 #include "common/sync.cuh"
 #include "moe/smem_layout.cuh"
@@ -16,11 +17,11 @@ __device__ __forceinline__ int warp_inclusive_scan(int v) {
   return v;
 }
 
-// One warp per expert across the grid: exclusive prefix of the expert's count over gate tiles.
+// One warp per expert across the rank's blocks: exclusive prefix of the expert's count over gate tiles.
 __device__ inline void scan_tile_counts(const MoEParams& p) {
   const int lane = threadIdx.x & 31;
-  const int warps_in_grid = gridDim.x * (kThreads / 32);
-  for (int expert = blockIdx.x * (kThreads / 32) + (threadIdx.x >> 5); expert < p.experts; expert += warps_in_grid) {
+  const int warps = p.blocks * (kThreads / 32);
+  for (int expert = block_in_rank(p) * (kThreads / 32) + (threadIdx.x >> 5); expert < p.experts; expert += warps) {
     int carry = 0;
     for (int base = 0; base < p.gate_tiles; base += 32) {
       const int tile = base + lane;
@@ -37,73 +38,137 @@ __device__ inline void scan_tile_counts(const MoEParams& p) {
   }
 }
 
-// Every block builds the same tables in shared memory: segment start (rows) and first row tile of each
-// expert. Cheap (E <= 1024) and it saves a grid barrier.
-struct RoutingTables {
-  int* seg_start;   // [E+1]
-  int* tile_start;  // [E+1]
-  int* kept;        // [E]
-};
+// ---- source side ----
 
-__device__ inline RoutingTables routing_tables(char* smem, const SmemLayout& layout, int experts) {
-  int* base = reinterpret_cast<int*>(smem + layout.tables_offset);
-  return {base, base + experts + 1, base + 2 * (experts + 1)};
-}
-
-__device__ inline void build_routing_tables(const MoEParams& p, const RoutingTables& t) {
+// stream_offset[e] (shared, [E]): where expert e's rows start in the stream to its owner e / L, whose
+// rows are ordered by local expert then token. Warp 0 scans each owner's L experts.
+__device__ inline void build_stream_offsets(const MoEParams& p, int* stream_offset) {
   if (threadIdx.x < 32) {
-    const int lane = threadIdx.x;
-    int rows_before = 0, tiles_before = 0;
-    for (int base = 0; base < p.experts; base += 32) {
-      const int expert = base + lane;
-      const int kept = expert < p.experts ? __ldcg(p.expert_kept + expert) : 0;
-      const int tiles = (kept + kExpertTileM - 1) / kExpertTileM;
-      const int rows_incl = warp_inclusive_scan(kept);
-      const int tiles_incl = warp_inclusive_scan(tiles);
-      if (expert < p.experts) {
-        t.kept[expert] = kept;
-        t.seg_start[expert] = rows_before + rows_incl - kept;
-        t.tile_start[expert] = tiles_before + tiles_incl - tiles;
+    const int lane = threadIdx.x, L = p.local_experts;
+    for (int owner = 0; owner < p.world_size; ++owner) {
+      int before = 0;
+      for (int base = 0; base < L; base += 32) {
+        const int local = base + lane;
+        const int kept = local < L ? __ldcg(p.expert_kept + owner * L + local) : 0;
+        const int inclusive = warp_inclusive_scan(kept);
+        if (local < L) stream_offset[owner * L + local] = before + inclusive - kept;
+        before += __shfl_sync(0xffffffffu, inclusive, 31);
       }
-      rows_before += __shfl_sync(0xffffffffu, rows_incl, 31);
-      tiles_before += __shfl_sync(0xffffffffu, tiles_incl, 31);
-    }
-    if (lane == 0) {
-      t.seg_start[p.experts] = rows_before;
-      t.tile_start[p.experts] = tiles_before;
     }
   }
   __syncthreads();
 }
 
-// Place every kept choice: its row inside the expert's packed segment, and the row's source token.
-__device__ inline void assign_rows(const MoEParams& p, const RoutingTables& t) {
-  const size_t pairs = static_cast<size_t>(p.tokens) * p.top_k;
-  for (size_t pair = static_cast<size_t>(blockIdx.x) * kThreads + threadIdx.x; pair < pairs;
-       pair += static_cast<size_t>(gridDim.x) * kThreads) {
-    const int token = static_cast<int>(pair / p.top_k);
-    const int expert = __ldcg(p.topk_expert + pair);
-    const int tile = token / kGateTileM;
-    const int slot = __ldcg(p.tile_expert_offset + static_cast<size_t>(tile) * p.experts + expert) +
-                     __ldcg(p.slot_in_tile + pair);
-    if (slot < p.capacity) {
-      const int row = t.seg_start[expert] + slot;
-      p.topk_row[pair] = row;
-      p.row_token[row] = token;
-    } else {
-      p.topk_row[pair] = -1;  // dropped by capacity: counted on the host from expert_counts
-    }
-  }
+// The row of choice `pair` in the stream to its expert's owner, or -1 if capacity dropped it.
+__device__ __forceinline__ int stream_row_of(const MoEParams& p, const int* stream_offset, size_t pair, int expert) {
+  const int token = static_cast<int>(pair / p.top_k);
+  const int slot = __ldcg(p.tile_expert_offset + static_cast<size_t>(token / kGateTileM) * p.experts + expert) +
+                   __ldcg(p.slot_in_tile + pair);
+  return slot < p.capacity ? stream_offset[expert] + slot : -1;
 }
 
-// Row tile -> expert by binary search over tile_start.
-__device__ __forceinline__ int expert_of_row_tile(const RoutingTables& t, int experts, int row_tile) {
-  int lo = 0, hi = experts;  // invariant: tile_start[lo] <= row_tile < tile_start[hi]
+// ---- destination side ----
+
+// In shared memory, built by every block once all counts arrived:
+//   stream_start[s * (L+1) + l]: where local expert l's rows start in source s's stream (l = L: its length)
+//   seg_start[l], tile_start[l] (l <= L): local expert l's first packed row and first row tile
+// Packed rows of local expert l: source 0's rows, then source 1's, ... (each in its stream order).
+struct DestTables {
+  int* stream_start;
+  int* seg_start;
+  int* tile_start;
+};
+
+__device__ inline DestTables dest_tables(char* smem, const SmemLayout& layout, const MoEParams& p) {
+  int* base = reinterpret_cast<int*>(smem + layout.tables_offset);
+  const int stride = p.local_experts + 1;
+  return {base, base + p.world_size * stride, base + p.world_size * stride + stride};
+}
+
+__device__ __forceinline__ int rows_from(const MoEParams& p, const DestTables& t, int src, int local) {
+  const int* s = t.stream_start + src * (p.local_experts + 1);
+  return s[local + 1] - s[local];
+}
+
+// Rows source `src` sends this rank for local expert `local`: from this rank's own counts, or from
+// the counts the source published into this rank's signal words.
+__device__ __forceinline__ int incoming_count(const MoEParams& p, int src, int local) {
+  if (src == p.rank) return __ldcg(p.expert_kept + p.rank * p.local_experts + local);
+  return static_cast<int>(__ldcg(p.peers[p.rank].signals + signal_count(p.local_experts, src, local)));
+}
+
+// Waits (bounded) for every peer's counts, then builds the tables. All threads call it.
+__device__ inline bool build_dest_tables(const MoEParams& p, const DestTables& t) {
+  const int P = p.world_size, L = p.local_experts, stride = L + 1;
+  bool ok = true;
+  if (threadIdx.x < P && static_cast<int>(threadIdx.x) != p.rank) {
+    const uint32_t* flag = p.peers[p.rank].signals + signal_counts_flag(P, L, threadIdx.x);
+    ok = wait_at_least<Scope::System>(flag, p.sequence, p, kPhasePeerCounts, threadIdx.x);
+  }
+  if (!__syncthreads_and(ok)) return false;
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  for (int src = warp; src < P; src += kThreads / 32) {
+    int before = 0;
+    for (int base = 0; base < L; base += 32) {
+      const int local = base + lane;
+      const int count = local < L ? incoming_count(p, src, local) : 0;
+      const int inclusive = warp_inclusive_scan(count);
+      if (local < L) t.stream_start[src * stride + local] = before + inclusive - count;
+      before += __shfl_sync(0xffffffffu, inclusive, 31);
+    }
+    if (lane == 0) t.stream_start[src * stride + L] = before;
+  }
+  __syncthreads();
+  if (warp == 0) {
+    int rows_before = 0, tiles_before = 0;
+    for (int base = 0; base < L; base += 32) {
+      const int local = base + lane;
+      int rows = 0;
+      if (local < L)
+        for (int src = 0; src < P; ++src) rows += rows_from(p, t, src, local);
+      const int tiles = (rows + kExpertTileM - 1) / kExpertTileM;
+      const int rows_incl = warp_inclusive_scan(rows);
+      const int tiles_incl = warp_inclusive_scan(tiles);
+      if (local < L) {
+        t.seg_start[local] = rows_before + rows_incl - rows;
+        t.tile_start[local] = tiles_before + tiles_incl - tiles;
+      }
+      rows_before += __shfl_sync(0xffffffffu, rows_incl, 31);
+      tiles_before += __shfl_sync(0xffffffffu, tiles_incl, 31);
+    }
+    if (lane == 0) {
+      t.seg_start[L] = rows_before;
+      t.tile_start[L] = tiles_before;
+    }
+  }
+  __syncthreads();
+  return true;
+}
+
+// Row tile -> local expert by binary search over tile_start.
+__device__ __forceinline__ int local_expert_of_row_tile(const DestTables& t, int local_experts, int row_tile) {
+  int lo = 0, hi = local_experts;  // invariant: tile_start[lo] <= row_tile < tile_start[hi]
   while (hi - lo > 1) {
     const int mid = (lo + hi) >> 1;
     if (t.tile_start[mid] <= row_tile) lo = mid; else hi = mid;
   }
   return lo;
+}
+
+// Packed row `index` of local expert `local` -> (source rank, row in that source's stream).
+struct SourceRow {
+  int src;
+  int stream_row;
+};
+__device__ __forceinline__ SourceRow source_of_row(const MoEParams& p, const DestTables& t, int local, int index) {
+  int src = 0;
+  for (; src < p.world_size - 1; ++src) {
+    const int n = rows_from(p, t, src, local);
+    if (index < n) break;
+    index -= n;
+  }
+  return {src, t.stream_start[src * (p.local_experts + 1) + local] + index};
 }
 
 }  // namespace flashdmoe

@@ -1,0 +1,87 @@
+// Dispatch: every kept choice gets its row in the stream to its expert's owner. Rows for this rank's
+// own experts are not copied (the expert tiles read them from x through row_token); rows for a peer
+// are written straight into the peer's receive buffer, region [this rank]. Counts go out before the
+// rows (peers size their task lists from them), a rows-ready flag after.
+#pragma once
+#include "moe/routing.cuh"
+
+namespace flashdmoe {
+
+// Rank-block 0: this rank's kept counts for each peer's experts into the peer's signal words, then the
+// counts flag (release, system scope).
+__device__ inline void publish_counts(const MoEParams& p) {
+  if (block_in_rank(p) != 0 || p.silent || p.world_size == 1) return;
+  const int P = p.world_size, L = p.local_experts;
+  for (int i = threadIdx.x; i < P * L; i += kThreads) {
+    const int owner = i / L, local = i % L;
+    if (owner == p.rank) continue;
+    p.peers[owner].signals[signal_count(L, p.rank, local)] = static_cast<uint32_t>(__ldcg(p.expert_kept + i));
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence_system();
+    for (int owner = 0; owner < P; ++owner)
+      if (owner != p.rank) ptx::store_release_sys(p.peers[owner].signals + signal_counts_flag(P, L, p.rank), p.sequence);
+  }
+}
+
+// One warp per token: its k rows; 16 bytes per lane per step. Bytes written to peers are counted.
+template <typename Element>
+__device__ inline void dispatch_rows(const MoEParams& p, const int* stream_offset) {
+  const int lane = threadIdx.x & 31, H = p.hidden, k = p.top_k, L = p.local_experts;
+  const int warps = p.blocks * (kThreads / 32);
+  const Element* x = static_cast<const Element*>(p.x);
+  unsigned long long sent = 0;
+  for (int token = block_in_rank(p) * (kThreads / 32) + (threadIdx.x >> 5); token < p.tokens; token += warps) {
+    const size_t first = static_cast<size_t>(token) * k;
+    int my_expert = 0, my_row = -1;
+    if (lane < k) {
+      my_expert = __ldcg(p.topk_expert + first + lane);
+      my_row = stream_row_of(p, stream_offset, first + lane, my_expert);
+      p.topk_row[first + lane] = my_row;
+    }
+    for (int j = 0; j < k; ++j) {
+      const int row = __shfl_sync(0xffffffffu, my_row, j);
+      const int owner = __shfl_sync(0xffffffffu, my_expert, j) / L;
+      if (row < 0) continue;  // dropped by capacity: counted on the host from expert_counts
+      if (owner == p.rank) {
+        if (lane == 0) p.row_token[row] = token;
+        continue;
+      }
+      const int4* src = reinterpret_cast<const int4*>(x + static_cast<size_t>(token) * H);
+      int4* dst = reinterpret_cast<int4*>(static_cast<Element*>(p.peers[owner].recv) +
+                                          (static_cast<size_t>(p.rank) * p.stream_rows + row) * H);
+      for (int c = lane; c < H / 8; c += 32) dst[c] = __ldg(src + c);
+      sent += static_cast<unsigned long long>(H) * sizeof(Element);
+    }
+  }
+  if (lane == 0 && sent) atomicAdd(p.traffic, sent);
+  if (p.world_size > 1) __threadfence_system();  // rows reach peers before the rows-ready flag
+}
+
+// Rank-block 0, after the rank's dispatch barrier: tell every peer its rows from this rank are in place.
+__device__ inline void publish_rows_ready(const MoEParams& p) {
+  if (block_in_rank(p) != 0 || threadIdx.x != 0 || p.silent) return;
+  const int P = p.world_size, L = p.local_experts;
+  __threadfence_system();
+  for (int owner = 0; owner < P; ++owner)
+    if (owner != p.rank) ptx::store_release_sys(p.peers[owner].signals + signal_rows_ready(P, L, p.rank), p.sequence);
+}
+
+// Results-done flag into source `src`'s signal words (this rank finished every result row for it).
+__device__ __forceinline__ void publish_results_done(const MoEParams& p, int src) {
+  if (p.silent) return;
+  __threadfence_system();
+  ptx::store_release_sys(p.peers[src].signals + signal_results_done(p.world_size, p.local_experts, p.rank),
+                         p.sequence);
+}
+
+// Rank-block 0, once the tables exist: sources that sent this rank nothing are done already.
+__device__ inline void publish_empty_results(const MoEParams& p, const DestTables& t) {
+  if (block_in_rank(p) != 0 || threadIdx.x != 0) return;
+  for (int src = 0; src < p.world_size; ++src)
+    if (src != p.rank && t.stream_start[src * (p.local_experts + 1) + p.local_experts] == 0)
+      publish_results_done(p, src);
+}
+
+}  // namespace flashdmoe
