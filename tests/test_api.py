@@ -365,3 +365,45 @@ def test_readme_python_example_runs():
     exec(compile(example.group(1), "README.md", "exec"), namespace)  # noqa: S102 - our own README
     assert namespace["y"].shape == (namespace["T"], namespace["H"])
     assert namespace["layer"].router_weight.grad is not None
+
+
+# ---- moe_expert_parallel (all ranks from one process) ----
+
+def _ep_inputs(P=2, L=2, H=16, I=8, tokens=(5, 0), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(T, H, generator=g) for T in tokens]
+    router = torch.randn(P * L, H, generator=g)
+    w1s = [torch.randn(L, H, I, generator=g) for _ in range(P)]
+    w2s = [torch.randn(L, I, H, generator=g) for _ in range(P)]
+    return xs, router, w1s, w2s
+
+
+def test_moe_expert_parallel_without_team_is_the_reference():
+    xs, router, w1s, w2s = _ep_inputs(tokens=(7, 3))
+    got = flashdmoe.moe_expert_parallel(xs, router, w1s, w2s, top_k=2, capacity_factor=1.0)
+    want = reference.moe_expert_parallel(xs, router, w1s, w2s, top_k=2, capacity_factor=1.0)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+def test_moe_expert_parallel_rejects_mismatched_lists():
+    xs, router, w1s, w2s = _ep_inputs()
+    with pytest.raises(ValueError, match="xs, w1s, w2s"):
+        flashdmoe.moe_expert_parallel(xs, router, w1s[:1], w2s, top_k=2)
+    with pytest.raises(ValueError, match="expected lists"):
+        flashdmoe.moe_expert_parallel(xs[0], router, w1s, w2s, top_k=2)
+
+
+def test_moe_expert_parallel_checks_each_rank():
+    xs, router, w1s, w2s = _ep_inputs()
+    w2s[1] = w2s[1][:, :, :8]
+    with pytest.raises(ValueError, match="w2"):
+        flashdmoe.moe_expert_parallel(xs, router, w1s, w2s, top_k=2)
+
+
+def test_moe_expert_parallel_kernel_path_needs_an_emulated_team():
+    xs, router, w1s, w2s = _ep_inputs()
+    with pytest.raises(ValueError, match="Team.emulated"):
+        flashdmoe.moe_expert_parallel(xs, router, w1s, w2s, top_k=2, backend="cuda")
+    with pytest.raises(ValueError, match="world_size"):
+        flashdmoe.moe_expert_parallel(xs, router, w1s, w2s, top_k=2, team=flashdmoe.Team.single())
