@@ -27,7 +27,7 @@ DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1}
 # Expert GEMM variants compiled into the kernel (csrc/moe/tile_config.cuh): MMA family, cp.async
 # stages, blocks per SM.
 EXPERT_VARIANTS = {"wgmma-128x128-3stage": 0, "wgmma-128x128-4stage": 1, "wgmma-128x256-4stage": 2,
-                   "mma.sync-128x128-3stage": 3}
+                   "mma.sync-128x128-3stage": 3, "tma-wgmma-128x256-4stage": 4, "tma-wgmma-128x128-6stage": 5}
 # Fastest or tied on all five shapes of docs/benchmarks.md (H200, 2026-12-02 variant sweep).
 DEFAULT_EXPERT_VARIANT = "wgmma-128x256-4stage"
 
@@ -41,6 +41,7 @@ PHASE_NAMES = {
     6: "wait for a peer's per-expert row counts",
     7: "expert GEMM1 tile waiting for a peer's dispatched rows",
     8: "combine waiting for a peer's expert results",
+    9: "expert tile pipeline (a TMA stage that never filled or was never released)",
 }
 
 DEFAULT_TIMEOUT_MS = 10_000

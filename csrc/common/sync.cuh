@@ -3,6 +3,7 @@
 #pragma once
 #include "common/ptx.cuh"
 #include "moe/params.cuh"
+#include "moe/tile_config.cuh"
 
 namespace flashdmoe {
 
@@ -12,6 +13,18 @@ __device__ __forceinline__ void report_timeout(const MoEParams& p, uint32_t phas
                                   (static_cast<unsigned long long>(peer & 0xffff) << 16) |
                                   (static_cast<unsigned long long>(blockIdx.x) << 32);
   atomicCAS(p.error_word, 0ull, word);  // first failure wins; later ones are consequences
+}
+
+// The block's worker threads (the first kThreads) run every phase but the expert GEMMs; a variant with a
+// producer warp (TMA) adds threads that meet the workers only at block-wide barriers. Named barrier 1
+// synchronises the workers alone.
+__device__ __forceinline__ void sync_workers() { asm volatile("bar.sync 1, %0;\n" ::"n"(kThreads) : "memory"); }
+__device__ __forceinline__ bool sync_workers_and(bool value) {
+  int all;
+  asm volatile(
+      "{\n .reg .pred p, q;\n setp.ne.s32 q, %1, 0;\n bar.red.and.pred p, 1, %2, q;\n selp.s32 %0, 1, 0, p;\n}\n"
+      : "=r"(all) : "r"(static_cast<int>(value)), "n"(kThreads) : "memory");
+  return all != 0;
 }
 
 // This block's index among its rank's blocks (an emulated launch runs several ranks side by side).

@@ -6,14 +6,14 @@
 
 namespace flashdmoe {
 
-// Bounded wait for every peer's results-done flag. All threads call it.
+// Bounded wait for every peer's results-done flag. The worker threads call it.
 __device__ inline bool wait_for_results(const MoEParams& p) {
   bool ok = true;
   if (threadIdx.x < p.world_size && static_cast<int>(threadIdx.x) != p.rank) {
     const uint32_t* flag = p.peers[p.rank].signals + signal_results_done(p.world_size, p.local_experts, threadIdx.x);
     ok = wait_at_least<Scope::System>(flag, p.sequence, p, kPhasePeerResults, threadIdx.x);
   }
-  return __syncthreads_and(ok);
+  return sync_workers_and(ok);
 }
 
 template <typename Element>

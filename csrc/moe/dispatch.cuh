@@ -1,8 +1,9 @@
-// Dispatch: every kept choice gets its row in the stream to its expert's owner. Rows for this rank's
-// own experts are not copied (the expert tiles read them from x through row_token); rows for a peer
-// are written straight into the peer's receive buffer, region [this rank]. Counts go out before the
-// rows (peers size their task lists from them), a rows-ready flag after.
+// Dispatch: every kept choice gets its row in the stream to its expert's owner, and the token's row is
+// written there: straight into the owner's receive buffer, region [this rank] (its own buffer for its
+// own experts, so that every expert tile reads contiguous rows). Counts go out before the rows (peers
+// size their task lists from them), a rows-ready flag after.
 #pragma once
+#include "common/tma.cuh"
 #include "moe/routing.cuh"
 
 namespace flashdmoe {
@@ -17,7 +18,7 @@ __device__ inline void publish_counts(const MoEParams& p) {
     if (owner == p.rank) continue;
     p.peers[owner].signals[signal_count(L, p.rank, local)] = static_cast<uint32_t>(__ldcg(p.expert_kept + i));
   }
-  __syncthreads();
+  sync_workers();
   if (threadIdx.x == 0) {
     __threadfence_system();
     for (int owner = 0; owner < P; ++owner)
@@ -26,6 +27,7 @@ __device__ inline void publish_counts(const MoEParams& p) {
 }
 
 // One warp per token: its k rows; 16 bytes per lane per step. Bytes written to peers are counted.
+// Worker threads only.
 template <typename Element>
 __device__ inline void dispatch_rows(const MoEParams& p, const int* stream_offset) {
   const int lane = threadIdx.x & 31, H = p.hidden, k = p.top_k, L = p.local_experts;
@@ -44,18 +46,15 @@ __device__ inline void dispatch_rows(const MoEParams& p, const int* stream_offse
       const int row = __shfl_sync(0xffffffffu, my_row, j);
       const int owner = __shfl_sync(0xffffffffu, my_expert, j) / L;
       if (row < 0) continue;  // dropped by capacity: counted on the host from expert_counts
-      if (owner == p.rank) {
-        if (lane == 0) p.row_token[row] = token;
-        continue;
-      }
       const int4* src = reinterpret_cast<const int4*>(x + static_cast<size_t>(token) * H);
       int4* dst = reinterpret_cast<int4*>(static_cast<Element*>(p.peers[owner].recv) +
                                           (static_cast<size_t>(p.rank) * p.stream_rows + row) * H);
       for (int c = lane; c < H / 8; c += 32) dst[c] = __ldg(src + c);
-      sent += static_cast<unsigned long long>(H) * sizeof(Element);
+      if (owner != p.rank) sent += static_cast<unsigned long long>(H) * sizeof(Element);
     }
   }
   if (lane == 0 && sent) atomicAdd(p.traffic, sent);
+  tma::fence_proxy_async_global();                // the expert tiles may read these rows with TMA
   if (p.world_size > 1) __threadfence_system();  // rows reach peers before the rows-ready flag
 }
 

@@ -8,15 +8,19 @@
 #include "moe/activation.cuh"
 #include "moe/dispatch.cuh"
 #include "moe/tile_gemm.cuh"
+#include "moe/tile_gemm_tma.cuh"
 #include "moe/tile_gemm_wgmma.cuh"
 
 namespace flashdmoe {
 
-// Hopper wgmma tiles, or the mma.sync tiles (kept as the portable comparison point).
+// Hopper wgmma tiles fed by TMA (warp-specialised) or by cp.async, or the mma.sync tiles (kept as the
+// portable comparison point).
 template <typename Element, typename Variant>
 using ExpertGemm = std::conditional_t<
-    Variant::kUseWgmma, WgmmaTileGemm<Element, Variant::kTileN, Variant::kStages>,
-    TileGemm<Element, kExpertTileM, Variant::kTileN, 2, 4, Variant::kStages, /*B_K_CONTIGUOUS=*/false>>;
+    Variant::kUseTma, TmaTileGemm<Element, Variant::kTileN, Variant::kStages>,
+    std::conditional_t<
+        Variant::kUseWgmma, WgmmaTileGemm<Element, Variant::kTileN, Variant::kStages>,
+        TileGemm<Element, kExpertTileM, Variant::kTileN, 2, 4, Variant::kStages, /*B_K_CONTIGUOUS=*/false>>>;
 
 template <typename Variant>
 __host__ __device__ constexpr int expert_scratch_bytes() {
@@ -53,56 +57,46 @@ __device__ __forceinline__ float* stage_accumulators(const Gemm& gemm, char* sme
   return staged;
 }
 
-// Per-block state of the current expert tile (static shared memory).
-struct TileSources {
-  uint32_t remote_mask;             // peers whose rows this tile reads / whose results it writes
-  uint32_t ready_seen;              // peers whose rows-ready flag this block already saw
-  int rows_of[kMaxRanks];           // rows of the tile from each source
-};
-
-// Thread i < rows: source of packed row m0 + i of local expert `local`; tallies rows per source.
-__device__ __forceinline__ SourceRow tile_row_source(const MoEParams& p, const DestTables& t, TileSources& ts,
-                                                     int local, int m0, int i) {
-  const SourceRow sr = source_of_row(p, t, local, m0 + i);
-  atomicAdd(&ts.rows_of[sr.src], 1);
-  if (sr.src != p.rank) atomicOr(&ts.remote_mask, 1u << sr.src);
-  return sr;
+// Results-done accounting after a GEMM2 tile (one thread): the tile wrote `rows` result rows of
+// `cols` columns for source `src`; the tile that completes a source's rows over all column tiles
+// publishes its results-done flag. Rows for this rank itself need no flag (its own barrier orders them).
+template <typename Element, typename Variant>
+__device__ __forceinline__ void account_results(const MoEParams& p, const DestTables& t, int src, int rows, int cols) {
+  if (src == p.rank) return;
+  __threadfence_system();
+  atomicAdd(p.traffic + 1, static_cast<unsigned long long>(rows) * cols * sizeof(Element));
+  const uint32_t expected = static_cast<uint32_t>(t.stream_start[src * (p.local_experts + 1) + p.local_experts]) *
+                            static_cast<uint32_t>(gemm2_column_tiles<Variant>(p));
+  if (atomicAdd(p.result_rows_done + src, static_cast<uint32_t>(rows)) + rows == expected) publish_results_done(p, src);
 }
 
-__device__ __forceinline__ void reset_tile_sources(TileSources& ts) {
-  if (threadIdx.x < kMaxRanks) ts.rows_of[threadIdx.x] = 0;
-  if (threadIdx.x == 0) ts.remote_mask = 0;
+// Once per block and source: wait (bounded) until the source's rows for this rank are in place.
+__device__ __forceinline__ bool wait_rows_ready(const MoEParams& p, int src, uint32_t& ready_seen) {
+  if (src == p.rank || (ready_seen >> src) & 1u) return true;
+  const uint32_t* flag = p.peers[p.rank].signals + signal_rows_ready(p.world_size, p.local_experts, src);
+  if (!wait_at_least<Scope::System>(flag, p.sequence, p, kPhasePeerRows, src)) return false;
+  ready_seen |= 1u << src;
+  return true;
+}
+
+template <typename Element>
+__device__ __forceinline__ const Element* recv_row(const MoEParams& p, int src, int stream_row) {
+  return static_cast<const Element*>(p.peers[p.rank].recv) +
+         (static_cast<size_t>(src) * p.stream_rows + stream_row) * p.hidden;
+}
+template <typename Element>
+__device__ __forceinline__ Element* comb_row(const MoEParams& p, int src, int stream_row) {
+  return static_cast<Element*>(p.peers[src].comb) + (static_cast<size_t>(p.rank) * p.stream_rows + stream_row) * p.hidden;
 }
 
 template <typename Element, typename Variant>
-__device__ bool gemm1_tile(const MoEParams& p, const DestTables& t, TileSources& ts, int row_tile, int col_tile,
-                           int local, int m0, int seg_row0, int rows, char* smem, const Element** a_rows) {
+__device__ bool gemm1_tile(const MoEParams& p, const RowTile& tile, int row_tile, int col_tile, uint32_t& ready_seen,
+                           char* smem, const Element** a_rows) {
   __shared__ int inputs_ready;
-  const int H = p.hidden, I = p.ffn;
-  const Element* x = static_cast<const Element*>(p.x);
-  const Element* recv = static_cast<const Element*>(p.peers[p.rank].recv);
-  reset_tile_sources(ts);
-  __syncthreads();
-  if (threadIdx.x < kExpertTileM) {
-    const Element* row = nullptr;
-    if (threadIdx.x < rows) {
-      const SourceRow sr = tile_row_source(p, t, ts, local, m0, threadIdx.x);
-      row = sr.src == p.rank ? x + static_cast<size_t>(__ldcg(p.row_token + sr.stream_row)) * H
-                             : recv + (static_cast<size_t>(sr.src) * p.stream_rows + sr.stream_row) * H;
-    }
-    a_rows[threadIdx.x] = row;
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    bool ok = true;
-    for (uint32_t pending = ts.remote_mask & ~ts.ready_seen; ok && pending; pending &= pending - 1) {
-      const int src = __ffs(pending) - 1;
-      const uint32_t* flag = p.peers[p.rank].signals + signal_rows_ready(p.world_size, p.local_experts, src);
-      ok = wait_at_least<Scope::System>(flag, p.sequence, p, kPhasePeerRows, src);
-      if (ok) ts.ready_seen |= 1u << src;
-    }
-    inputs_ready = ok;
-  }
+  const int H = p.hidden, I = p.ffn, rows = tile.rows;
+  if (threadIdx.x == 0) inputs_ready = wait_rows_ready(p, tile.src, ready_seen);
+  if (threadIdx.x < kExpertTileM)
+    a_rows[threadIdx.x] = threadIdx.x < rows ? recv_row<Element>(p, tile.src, tile.stream_row0 + threadIdx.x) : nullptr;
   __syncthreads();
   if (!inputs_ready) return false;
   constexpr int kTileN = Variant::kTileN;
@@ -112,12 +106,13 @@ __device__ bool gemm1_tile(const MoEParams& p, const DestTables& t, TileSources&
   const int col_lo = out_col0;
   const int col_hi = swiglu ? I + out_col0 : out_col0 + kTileN / 2;
   const int lo_end = I, hi_end = swiglu ? 2 * I : I;
-  const Element* w1 = static_cast<const Element*>(p.w1) + static_cast<size_t>(local) * H * p.w1_cols;
+  const Element* w1 = static_cast<const Element*>(p.w1) + static_cast<size_t>(tile.local) * H * p.w1_cols;
+  const Element* fallback = static_cast<const Element*>(p.x);
 
   using Gemm = ExpertGemm<Element, Variant>;
   Gemm gemm;
   gemm.run(smem, H / 64, [&](uint32_t a_dst, uint32_t b_dst, int k0) {
-    Gemm::template load_rows<kExpertTileM>(a_dst, a_rows, k0, x);
+    Gemm::template load_rows<kExpertTileM>(a_dst, a_rows, k0, fallback);
     Gemm::load_b_n_major(b_dst, w1, p.w1_cols, k0, col_lo, lo_end, col_hi, hi_end);
   });
   const float* staged = stage_accumulators<Variant>(gemm, smem);
@@ -134,7 +129,7 @@ __device__ bool gemm1_tile(const MoEParams& p, const DestTables& t, TileSources&
       const float h = swiglu ? silu(src[v]) * src[v + kTileN / 2] : activate(p.activation, src[v]);
       pack.v[v] = static_cast<Element>(h);
     }
-    *reinterpret_cast<Pack8<Element>*>(out + static_cast<size_t>(seg_row0 + r) * I + out_col0 + c) = pack;
+    *reinterpret_cast<Pack8<Element>*>(out + static_cast<size_t>(tile.packed_row0 + r) * I + out_col0 + c) = pack;
   }
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -144,34 +139,23 @@ __device__ bool gemm1_tile(const MoEParams& p, const DestTables& t, TileSources&
   return true;
 }
 
-// Result rows go to their source's comb buffer, region [this rank]; when a source's last result row
-// (over all column tiles) is written, its results-done flag is published.
+// Result rows go straight to their source's comb buffer, region [this rank].
 template <typename Element, typename Variant>
-__device__ bool gemm2_tile(const MoEParams& p, const DestTables& t, TileSources& ts, int row_tile, int col_tile,
-                           int local, int m0, int seg_row0, int rows, char* smem, const Element** a_rows) {
+__device__ bool gemm2_tile(const MoEParams& p, const DestTables& t, const RowTile& tile, int row_tile, int col_tile,
+                           char* smem, const Element** a_rows) {
   __shared__ int inputs_ready;
-  const int H = p.hidden, I = p.ffn;
-  Element** out_rows = const_cast<Element**>(a_rows) + kExpertTileM;
-  reset_tile_sources(ts);
+  const int H = p.hidden, I = p.ffn, rows = tile.rows;
   if (threadIdx.x == 0)
     inputs_ready = wait_at_least(p.row_tile_done + row_tile, gemm1_column_tiles<Variant>(p), p, kPhaseIntermediate,
                                  p.rank);
-  __syncthreads();
   const Element* hidden = static_cast<const Element*>(p.intermediate);
-  if (threadIdx.x < kExpertTileM) {
-    Element* out = nullptr;
-    if (threadIdx.x < rows) {
-      const SourceRow sr = tile_row_source(p, t, ts, local, m0, threadIdx.x);
-      out = static_cast<Element*>(p.peers[sr.src].comb) + (static_cast<size_t>(p.rank) * p.stream_rows + sr.stream_row) * H;
-    }
-    a_rows[threadIdx.x] = threadIdx.x < rows ? hidden + static_cast<size_t>(seg_row0 + threadIdx.x) * I : nullptr;
-    out_rows[threadIdx.x] = out;
-  }
+  if (threadIdx.x < kExpertTileM)
+    a_rows[threadIdx.x] = threadIdx.x < rows ? hidden + static_cast<size_t>(tile.packed_row0 + threadIdx.x) * I : nullptr;
   __syncthreads();
   if (!inputs_ready) return false;
   constexpr int kTileN = Variant::kTileN;
   const int col0 = col_tile * kTileN;
-  const Element* w2 = static_cast<const Element*>(p.w2) + static_cast<size_t>(local) * I * H;
+  const Element* w2 = static_cast<const Element*>(p.w2) + static_cast<size_t>(tile.local) * I * H;
 
   using Gemm = ExpertGemm<Element, Variant>;
   Gemm gemm;
@@ -181,6 +165,7 @@ __device__ bool gemm2_tile(const MoEParams& p, const DestTables& t, TileSources&
   });
   const float* staged = stage_accumulators<Variant>(gemm, smem);
 
+  Element* out = comb_row<Element>(p, tile.src, tile.stream_row0);
   constexpr int kChunksPerRow = kTileN / 8;
   for (int i = threadIdx.x; i < rows * kChunksPerRow; i += kThreads) {
     const int r = i / kChunksPerRow, c = (i % kChunksPerRow) * 8;
@@ -189,22 +174,122 @@ __device__ bool gemm2_tile(const MoEParams& p, const DestTables& t, TileSources&
     Pack8<Element> pack;
 #pragma unroll
     for (int v = 0; v < 8; ++v) pack.v[v] = static_cast<Element>(src[v]);
-    *reinterpret_cast<Pack8<Element>*>(out_rows[r] + col0 + c) = pack;
+    *reinterpret_cast<Pack8<Element>*>(out + static_cast<size_t>(r) * H + col0 + c) = pack;
   }
   __syncthreads();
-  if (threadIdx.x == 0 && ts.remote_mask) {
-    __threadfence_system();
-    const int cols = min(kTileN, H - col0);
-    const uint32_t tiles2 = gemm2_column_tiles<Variant>(p);
-    for (uint32_t pending = ts.remote_mask; pending; pending &= pending - 1) {
-      const int src = __ffs(pending) - 1;
-      const uint32_t n = ts.rows_of[src];
-      atomicAdd(p.traffic + 1, static_cast<unsigned long long>(n) * cols * sizeof(Element));
-      const uint32_t expected = static_cast<uint32_t>(t.stream_start[src * (p.local_experts + 1) + p.local_experts]) * tiles2;
-      if (atomicAdd(p.result_rows_done + src, n) + n == expected) publish_results_done(p, src);
+  if (threadIdx.x == 0) account_results<Element, Variant>(p, t, tile.src, rows, min(kTileN, H - col0));
+  return true;
+}
+
+// ---- TMA variant: a producer warp loads, the workers compute; per-tile control flow is uniform ----
+
+// The TMA loads of one GEMM1 slab: 128 rows of the source's receive region, and the tile's W1 panels
+// (swiglu: gate panels from col_lo, up panels from col_hi; columns past the tensor are zero-filled,
+// columns past the tile's valid range are computed and dropped by the epilogue).
+template <typename Element, typename Variant>
+__device__ bool gemm1_tile_tma(const MoEParams& p, const RowTile& tile, int row_tile, int col_tile,
+                               uint32_t& ready_seen, char* smem, TmaPipelineBarriers<Variant::kStages>& bars,
+                               uint32_t& slab) {
+  using Gemm = TmaTileGemm<Element, Variant::kTileN, Variant::kStages>;
+  constexpr int kTileN = Variant::kTileN;
+  const int H = p.hidden, I = p.ffn, rows = tile.rows, k_tiles = H / 64;
+  const bool swiglu = p.activation == Activation::Swiglu;
+  const int out_cols = gemm1_output_columns<Variant>(p);
+  const int out_col0 = col_tile * out_cols;
+  const int col_lo = out_col0, col_hi = swiglu ? I + out_col0 : out_col0 + kTileN / 2;
+  bool ok = true;
+  if (threadIdx.x >= kThreads) {
+    if (threadIdx.x == kThreads) {
+      ok = wait_rows_ready(p, tile.src, ready_seen);
+      tma::fence_proxy_async_global();
+      const int a_row = tile.src * p.stream_rows + tile.stream_row0;
+      ok = ok && Gemm::produce(smem, bars, slab, k_tiles, p, [&](uint32_t a_dst, uint32_t b_dst, int k0, uint32_t bar) {
+        tma::load_2d(a_dst, &p.maps.recv, bar, k0, a_row);
+#pragma unroll
+        for (int panel = 0; panel < Gemm::kPanels; ++panel) {
+          const int col = panel < Gemm::kPanels / 2 ? col_lo + panel * 64 : col_hi + (panel - Gemm::kPanels / 2) * 64;
+          tma::load_3d(b_dst + panel * Gemm::kPanelBytes, &p.maps.w1, bar, col, k0, tile.local);
+        }
+      });
+    }
+  } else {
+    Gemm gemm;
+    ok = gemm.consume(smem, bars, slab, k_tiles, p);
+    sync_workers();  // both warpgroups' wgmma retired: the stages may hold the staged accumulators
+    if (ok) {
+      float* staged = reinterpret_cast<float*>(smem);
+      gemm.for_each_acc([&](int row, int col, float v) { staged[row * Variant::kEpilogueStride + col] = v; });
+      sync_workers();
+      Element* out = static_cast<Element*>(p.intermediate);
+      const int chunks_per_row = out_cols / 8;
+      for (int i = threadIdx.x; i < rows * chunks_per_row; i += kThreads) {
+        const int r = i / chunks_per_row, c = (i % chunks_per_row) * 8;
+        if (out_col0 + c >= I) continue;
+        const float* src = staged + r * Variant::kEpilogueStride + c;
+        Pack8<Element> pack;
+#pragma unroll
+        for (int v = 0; v < 8; ++v) {
+          const float h = swiglu ? silu(src[v]) * src[v + kTileN / 2] : activate(p.activation, src[v]);
+          pack.v[v] = static_cast<Element>(h);
+        }
+        *reinterpret_cast<Pack8<Element>*>(out + static_cast<size_t>(tile.packed_row0 + r) * I + out_col0 + c) = pack;
+      }
+      tma::fence_proxy_async_global();  // GEMM2's TMA loads (async proxy) read these rows
+      sync_workers();
+      if (threadIdx.x == 0) {
+        __threadfence();
+        ptx::red_release_add_gpu(p.row_tile_done + row_tile, 1);
+      }
     }
   }
-  return true;
+  slab += k_tiles;
+  return __syncthreads_and(ok);
+}
+
+template <typename Element, typename Variant>
+__device__ bool gemm2_tile_tma(const MoEParams& p, const DestTables& t, const RowTile& tile, int row_tile, int col_tile,
+                               char* smem, TmaPipelineBarriers<Variant::kStages>& bars, uint32_t& slab) {
+  using Gemm = TmaTileGemm<Element, Variant::kTileN, Variant::kStages>;
+  constexpr int kTileN = Variant::kTileN;
+  const int H = p.hidden, I = p.ffn, rows = tile.rows, k_tiles = I / 64;
+  const int col0 = col_tile * kTileN;
+  bool ok = true;
+  if (threadIdx.x >= kThreads) {
+    if (threadIdx.x == kThreads) {
+      ok = wait_at_least(p.row_tile_done + row_tile, gemm1_column_tiles<Variant>(p), p, kPhaseIntermediate, p.rank);
+      tma::fence_proxy_async_global();
+      ok = ok && Gemm::produce(smem, bars, slab, k_tiles, p, [&](uint32_t a_dst, uint32_t b_dst, int k0, uint32_t bar) {
+        tma::load_2d(a_dst, &p.maps.intermediate, bar, k0, tile.packed_row0);
+#pragma unroll
+        for (int panel = 0; panel < Gemm::kPanels; ++panel)
+          tma::load_3d(b_dst + panel * Gemm::kPanelBytes, &p.maps.w2, bar, col0 + panel * 64, k0, tile.local);
+      });
+    }
+  } else {
+    Gemm gemm;
+    ok = gemm.consume(smem, bars, slab, k_tiles, p);
+    sync_workers();
+    if (ok) {
+      float* staged = reinterpret_cast<float*>(smem);
+      gemm.for_each_acc([&](int row, int col, float v) { staged[row * Variant::kEpilogueStride + col] = v; });
+      sync_workers();
+      Element* out = comb_row<Element>(p, tile.src, tile.stream_row0);
+      constexpr int kChunksPerRow = kTileN / 8;
+      for (int i = threadIdx.x; i < rows * kChunksPerRow; i += kThreads) {
+        const int r = i / kChunksPerRow, c = (i % kChunksPerRow) * 8;
+        if (col0 + c >= H) continue;
+        const float* src = staged + r * Variant::kEpilogueStride + c;
+        Pack8<Element> pack;
+#pragma unroll
+        for (int v = 0; v < 8; ++v) pack.v[v] = static_cast<Element>(src[v]);
+        *reinterpret_cast<Pack8<Element>*>(out + static_cast<size_t>(r) * H + col0 + c) = pack;
+      }
+      sync_workers();
+      if (threadIdx.x == 0) account_results<Element, Variant>(p, t, tile.src, rows, min(kTileN, H - col0));
+    }
+  }
+  slab += k_tiles;
+  return __syncthreads_and(ok);
 }
 
 // Drain the task queue: every GEMM1 task precedes every GEMM2 task, so a GEMM2 wait never blocks a
@@ -212,10 +297,14 @@ __device__ bool gemm2_tile(const MoEParams& p, const DestTables& t, TileSources&
 template <typename Element, typename Variant>
 __device__ bool run_expert_tasks(const MoEParams& p, const DestTables& t, char* smem, const Element** a_rows) {
   __shared__ int next_task;
-  __shared__ TileSources sources;
-  if (threadIdx.x == 0) sources.ready_seen = 0;
-  const int L = p.local_experts;
-  const int row_tiles = t.tile_start[L];
+  __shared__ TmaPipelineBarriers<Variant::kStages> bars;
+  uint32_t ready_seen = 0;  // meaningful in the thread that does the waits
+  uint32_t slab = 0;        // TMA variant: K slabs this block has pipelined so far (same in every thread)
+  if constexpr (Variant::kUseTma) {
+    if (threadIdx.x == 0) TmaTileGemm<Element, Variant::kTileN, Variant::kStages>::init_barriers(bars);
+    __syncthreads();
+  }
+  const int row_tiles = t.tile_start[p.world_size * p.local_experts];
   const int tiles1 = gemm1_column_tiles<Variant>(p), tiles2 = gemm2_column_tiles<Variant>(p);
   const int tasks1 = row_tiles * tiles1;
   const int total = tasks1 + row_tiles * tiles2;
@@ -229,13 +318,15 @@ __device__ bool run_expert_tasks(const MoEParams& p, const DestTables& t, char* 
     const int index = second ? task - tasks1 : task;
     const int col_tiles = second ? tiles2 : tiles1;
     const int row_tile = index / col_tiles, col_tile = index % col_tiles;
-    const int local = local_expert_of_row_tile(t, L, row_tile);
-    const int m0 = (row_tile - t.tile_start[local]) * kExpertTileM;
-    const int rows = min(kExpertTileM, t.seg_start[local + 1] - t.seg_start[local] - m0);
-    const int seg_row0 = t.seg_start[local] + m0;
-    const bool ok = second
-        ? gemm2_tile<Element, Variant>(p, t, sources, row_tile, col_tile, local, m0, seg_row0, rows, smem, a_rows)
-        : gemm1_tile<Element, Variant>(p, t, sources, row_tile, col_tile, local, m0, seg_row0, rows, smem, a_rows);
+    const RowTile tile = row_tile_of(p, t, row_tile);
+    bool ok;
+    if constexpr (Variant::kUseTma) {
+      ok = second ? gemm2_tile_tma<Element, Variant>(p, t, tile, row_tile, col_tile, smem, bars, slab)
+                  : gemm1_tile_tma<Element, Variant>(p, tile, row_tile, col_tile, ready_seen, smem, bars, slab);
+    } else {
+      ok = second ? gemm2_tile<Element, Variant>(p, t, tile, row_tile, col_tile, smem, a_rows)
+                  : gemm1_tile<Element, Variant>(p, tile, row_tile, col_tile, ready_seen, smem, a_rows);
+    }
     if (!ok) return false;
   }
 }

@@ -45,7 +45,7 @@ __device__ void gate_tile(const MoEParams& p, int tile, char* smem, const SmemLa
   for (int e0 = 0; e0 < E; e0 += kGateTileN) {
     if (threadIdx.x < kGateTileN)
       b_rows[threadIdx.x] = e0 + threadIdx.x < E ? router + static_cast<size_t>(e0 + threadIdx.x) * H : nullptr;
-    __syncthreads();
+    sync_workers();
     GateGemm<Element> gemm;
     gemm.run(smem, H / 64, [&](uint32_t a_dst, uint32_t b_dst, int k0) {
       GateGemm<Element>::template load_rows<kGateTileM>(a_dst, a_rows, k0, x);
@@ -55,7 +55,7 @@ __device__ void gate_tile(const MoEParams& p, int tile, char* smem, const SmemLa
       if (e0 + col < E) logits[row * stride + e0 + col] = v;
     });
   }
-  __syncthreads();
+  sync_workers();
 
   // ---- softmax + top-k: one warp per token ----
   for (int row = warp; row < tile_tokens; row += kThreads / 32) {
@@ -108,7 +108,7 @@ __device__ void gate_tile(const MoEParams& p, int tile, char* smem, const SmemLa
       p.topk_weight[at] = p.topk_weight[at] / chosen_sum;
     }
   }
-  __syncthreads();
+  sync_workers();
 
   // ---- per-expert counts of this tile, and each choice's rank among them (token order) ----
   const int pairs = tile_tokens * k;
@@ -124,7 +124,7 @@ __device__ void gate_tile(const MoEParams& p, int tile, char* smem, const SmemLa
     for (int q = 0; q < pairs; ++q) count += choice[q] == expert;
     p.tile_expert_count[static_cast<size_t>(tile) * E + expert] = count;
   }
-  __syncthreads();  // smem is reused by the next tile
+  sync_workers();  // smem is reused by the next tile
 }
 
 }  // namespace flashdmoe

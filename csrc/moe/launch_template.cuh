@@ -6,6 +6,7 @@
 #include <stdexcept>
 #include <vector>
 #include <string>
+#include <cudaTypedefs.h>
 #include "moe/launch.h"
 #include "moe/moe_forward.cuh"
 
@@ -22,7 +23,7 @@ struct ResidentGrid {
 
 // Occupancy of (kernel, device, shared memory bytes), asked once and remembered: these driver queries
 // cost tens of microseconds, too much for every forward.
-inline ResidentGrid resident_grid(const void* kernel, int device, int smem_bytes) {
+inline ResidentGrid resident_grid(const void* kernel, int device, int smem_bytes, int block_threads) {
   struct Entry {
     const void* kernel;
     int device, smem_bytes;
@@ -59,7 +60,7 @@ inline ResidentGrid resident_grid(const void* kernel, int device, int smem_bytes
     limit->smem_bytes = smem_bytes;
   }
   int blocks_per_sm = 0;
-  throw_on_cuda_error(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, kernel, kThreads, smem_bytes),
+  throw_on_cuda_error(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, kernel, block_threads, smem_bytes),
                       "occupancy query");
   if (blocks_per_sm < 1)
     throw std::runtime_error("the fused kernel cannot be resident on this GPU (0 blocks per SM with " +
@@ -96,7 +97,7 @@ inline MoEParams rank_params(const ForwardArgs& a, const RankArgs& r) {
   p.silent = r.silent;
   for (int q = 0; q < a.world_size; ++q) {
     if (a.world_size == 1) {
-      p.peers[q] = {nullptr, base + ws.own_comb, reinterpret_cast<uint32_t*>(base + ws.own_signals)};
+      p.peers[q] = {base + ws.own_recv, base + ws.own_comb, reinterpret_cast<uint32_t*>(base + ws.own_signals)};
     } else {
       if (!r.peer_recv[q] || !r.peer_comb[q] || !r.peer_signals[q])
         throw std::invalid_argument("rank " + std::to_string(r.rank) + ": missing buffers of peer " + std::to_string(q));
@@ -118,13 +119,63 @@ inline MoEParams rank_params(const ForwardArgs& a, const RankArgs& r) {
   p.tile_expert_count = reinterpret_cast<int*>(base + ws.tile_expert_count);
   p.tile_expert_offset = reinterpret_cast<int*>(base + ws.tile_expert_offset);
   p.expert_kept = reinterpret_cast<int*>(base + ws.expert_kept);
-  p.row_token = reinterpret_cast<int*>(base + ws.row_token);
   p.intermediate = base + ws.intermediate;
   p.gate_tiles = ws.gate_tiles;
   p.max_row_tiles = ws.max_row_tiles;
   p.timeout_ns = a.timeout_ns;
   p.debug_withhold_phase = a.debug_withhold_phase;
   return p;
+}
+
+// cuTensorMapEncodeTiled through the runtime's driver entry point (the module does not link libcuda).
+inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    throw_on_cuda_error(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found),
+                        "cuTensorMapEncodeTiled lookup");
+    if (found != cudaDriverEntryPointSuccess || fn == nullptr)
+      throw std::runtime_error("the CUDA driver has no cuTensorMapEncodeTiled (TMA needs CUDA 12 and Hopper)");
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }();
+  return encode;
+}
+
+// A row-major tensor of `rank` dims (innermost first), 2-byte elements, read in 128-byte-swizzled boxes.
+inline CUtensorMap make_tensor_map(const void* base, int rank, const uint64_t* dims, const uint32_t* box,
+                                   DType dtype, const char* what) {
+  CUtensorMap map{};
+  uint64_t strides[4];
+  uint64_t stride = 2;
+  for (int d = 0; d + 1 < rank; ++d) {
+    stride *= dims[d];
+    strides[d] = stride;
+  }
+  const uint32_t element_strides[4] = {1, 1, 1, 1};
+  const CUresult status = tensor_map_encoder()(
+      &map, dtype == DType::BFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, rank,
+      const_cast<void*>(base), dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+      CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (status != CUDA_SUCCESS)
+    throw std::runtime_error(std::string("cuTensorMapEncodeTiled failed for ") + what + " (CUresult " +
+                             std::to_string(static_cast<int>(status)) + ")");
+  return map;
+}
+
+inline void make_expert_tensor_maps(const ForwardArgs& a, MoEParams& p) {
+  const uint64_t L = p.local_experts, H = p.hidden, I = p.ffn, cols = p.w1_cols;
+  const uint64_t rows_in = p.world_size == 1 ? static_cast<uint64_t>(p.tokens) * p.top_k
+                                             : static_cast<uint64_t>(p.world_size) * p.stream_rows;
+  const uint64_t recv_rows = p.world_size == 1 ? static_cast<uint64_t>(p.tokens) * p.top_k
+                                               : static_cast<uint64_t>(p.world_size) * p.stream_rows;
+  const uint32_t weight_box[3] = {64, 64, 1}, row_box[2] = {64, kExpertTileM};
+  const uint64_t w1_dims[3] = {cols, H, L}, w2_dims[3] = {H, I, L};
+  const uint64_t recv_dims[2] = {H, recv_rows > 0 ? recv_rows : 1};
+  const uint64_t mid_dims[2] = {I, rows_in > 0 ? rows_in : 1};
+  p.maps.w1 = make_tensor_map(p.w1, 3, w1_dims, weight_box, a.dtype, "w1");
+  p.maps.w2 = make_tensor_map(p.w2, 3, w2_dims, weight_box, a.dtype, "w2");
+  p.maps.recv = make_tensor_map(p.peers[p.rank].recv, 2, recv_dims, row_box, a.dtype, "the receive buffer");
+  p.maps.intermediate = make_tensor_map(p.intermediate, 2, mid_dims, row_box, a.dtype, "the intermediate buffer");
 }
 
 template <typename Element, typename Variant>
@@ -134,13 +185,16 @@ LaunchInfo launch_forward_variant(const ForwardArgs& a, cudaStream_t stream) {
                                 std::to_string(kMaxRanks) + ")]");
   LaunchParams launch{};
   launch.ranks = a.num_ranks;
-  for (int i = 0; i < a.num_ranks; ++i) launch.rank[i] = rank_params(a, a.ranks[i]);
+  for (int i = 0; i < a.num_ranks; ++i) {
+    launch.rank[i] = rank_params(a, a.ranks[i]);
+    if constexpr (Variant::kUseTma) make_expert_tensor_maps(a, launch.rank[i]);
+  }
 
   const SmemLayout smem = make_smem_layout(a.experts, a.top_k, expert_scratch_bytes<Variant>(), a.world_size);
   auto kernel = moe_forward_kernel<Element, Variant>;
   int device = 0;
   throw_on_cuda_error(cudaGetDevice(&device), "cudaGetDevice");
-  const ResidentGrid resident = resident_grid(reinterpret_cast<const void*>(kernel), device, smem.total_bytes);
+  const ResidentGrid resident = resident_grid(reinterpret_cast<const void*>(kernel), device, smem.total_bytes, Variant::kBlockThreads);
   int grid = resident.blocks_per_sm * resident.sms;
   if (a.grid_percent > 0 && a.grid_percent < 100) grid = std::max(1, grid * a.grid_percent / 100);
   if (a.max_blocks > 0 && a.max_blocks < grid) grid = a.max_blocks;
@@ -162,7 +216,7 @@ LaunchInfo launch_forward_variant(const ForwardArgs& a, cudaStream_t stream) {
   }
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(grid);
-  config.blockDim = dim3(kThreads);
+  config.blockDim = dim3(Variant::kBlockThreads);
   config.dynamicSmemBytes = smem.total_bytes;
   config.stream = stream;
   cudaLaunchAttribute attribute{};
@@ -189,7 +243,9 @@ LaunchInfo launch_forward_typed(const ForwardArgs& a, cudaStream_t stream) {
     case 1: return launch_forward_variant<Element, Wgmma128FourStages>(a, stream);
     case 2: return launch_forward_variant<Element, Wgmma256FourStages>(a, stream);
     case 3: return launch_forward_variant<Element, MmaSync128ThreeStages>(a, stream);
-    default: throw std::invalid_argument("expert_variant must be 0..3, got " + std::to_string(a.expert_variant));
+    case 4: return launch_forward_variant<Element, Tma256FourStages>(a, stream);
+    case 5: return launch_forward_variant<Element, Tma128SixStages>(a, stream);
+    default: throw std::invalid_argument("expert_variant must be 0..5, got " + std::to_string(a.expert_variant));
   }
 }
 
@@ -200,7 +256,9 @@ KernelAttributes kernel_attributes_typed(int variant) {
     case 1: return kernel_attributes_variant<Element, Wgmma128FourStages>();
     case 2: return kernel_attributes_variant<Element, Wgmma256FourStages>();
     case 3: return kernel_attributes_variant<Element, MmaSync128ThreeStages>();
-    default: throw std::invalid_argument("expert_variant must be 0..3, got " + std::to_string(variant));
+    case 4: return kernel_attributes_variant<Element, Tma256FourStages>();
+    case 5: return kernel_attributes_variant<Element, Tma128SixStages>();
+    default: throw std::invalid_argument("expert_variant must be 0..5, got " + std::to_string(variant));
   }
 }
 

@@ -14,30 +14,35 @@ __device__ __forceinline__ void stamp_phase(const MoEParams& p, int slot) {
 }
 
 template <typename Element, typename Variant>
-__global__ void __launch_bounds__(kThreads, Variant::kMinBlocksPerSm)
+__global__ void __launch_bounds__(Variant::kBlockThreads, Variant::kMinBlocksPerSm)
     moe_forward_kernel(const __grid_constant__ LaunchParams launch) {
   extern __shared__ __align__(16) char raw_smem[];
   // wgmma's 128-byte swizzle is computed from absolute shared addresses: align the base to its atom.
   char* smem = raw_smem + ((1024u - (ptx::smem_addr(raw_smem) & 1023u)) & 1023u);
   const MoEParams& p = launch.rank[blockIdx.x / launch.rank[0].blocks];
   const SmemLayout layout = make_smem_layout(p.experts, p.top_k, expert_scratch_bytes<Variant>(), p.world_size);
+  // Worker threads run every phase; a TMA variant's producer warp joins only the expert GEMMs.
+  const bool worker = threadIdx.x < kThreads;
   stamp_phase(p, 0);
 
   // ---- 1. gate: logits, softmax, top-k, per-tile counts ----
-  for (int tile = block_in_rank(p); tile < p.gate_tiles; tile += p.blocks) gate_tile<Element>(p, tile, smem, layout);
+  if (worker)
+    for (int tile = block_in_rank(p); tile < p.gate_tiles; tile += p.blocks) gate_tile<Element>(p, tile, smem, layout);
   if (!grid_barrier(p, kPhaseGateDone, 1)) return;
   stamp_phase(p, 1);
 
   // ---- 2. per-expert offsets over gate tiles (capacity in token order); counts to the owners ----
-  scan_tile_counts(p);
+  if (worker) scan_tile_counts(p);
   if (!grid_barrier(p, kPhaseOffsetsDone, 2)) return;
-  publish_counts(p);
+  if (worker) publish_counts(p);
   stamp_phase(p, 2);
 
   // ---- 3. dispatch: rows into the owners' receive buffers ----
-  int* stream_offset = reinterpret_cast<int*>(smem);  // [E], in the scratch area (free until the experts)
-  build_stream_offsets(p, stream_offset);
-  dispatch_rows<Element>(p, stream_offset);
+  if (worker) {
+    int* stream_offset = reinterpret_cast<int*>(smem);  // [E], in the scratch area (free until the experts)
+    build_stream_offsets(p, stream_offset);
+    dispatch_rows<Element>(p, stream_offset);
+  }
   if (!grid_barrier(p, kPhaseDispatchDone, 3)) return;
   publish_rows_ready(p);
   stamp_phase(p, 3);
@@ -52,9 +57,10 @@ __global__ void __launch_bounds__(kThreads, Variant::kMinBlocksPerSm)
   stamp_phase(p, 4);
 
   // ---- 5. combine, once every peer returned its results ----
+  if (!worker) return;
   if (!wait_for_results(p)) return;
   combine_tokens<Element>(p);
-  __syncthreads();
+  sync_workers();
   if (threadIdx.x == 0) atomicMax(p.phase_clock + kPhaseClockSlots - 1, ptx::global_timer_ns());
 }
 

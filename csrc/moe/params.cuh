@@ -1,5 +1,6 @@
 // Runtime shapes, pointers and the workspace layout shared by the host launcher and the kernel.
 #pragma once
+#include <cuda.h>
 #include <cuda_runtime.h>
 #include <cstddef>
 #include <cstdint>
@@ -19,6 +20,7 @@ enum Phase : uint32_t {
   kPhasePeerCounts = 6,    // waiting for a peer's per-expert row counts
   kPhasePeerRows = 7,      // an expert GEMM1 tile waiting for a peer's dispatched rows
   kPhasePeerResults = 8,   // the combine waiting for a peer's expert results
+  kPhaseTilePipeline = 9,  // an expert tile's TMA pipeline (a stage that never filled or drained)
 };
 
 // Most ranks in one team (and virtual ranks in one emulated launch): the size of the peer table.
@@ -60,8 +62,16 @@ enum StatusFlag : uint32_t { kStatusNonFiniteLogits = 1u };
 // Phase clock slots: 0 start, 1..4 after grid barriers 1..4 (block 0's view), 5 last block's exit.
 constexpr int kPhaseClockSlots = 6;
 
+// TMA descriptors of the expert GEMM operands (TMA variants only; 128-byte swizzled boxes):
+// w1 [L][H][w1_cols] and w2 [L][I][H] as 64x64 boxes, recv [P*stream_rows][H] and intermediate
+// [rows_in][I] as 128-row x 64-column boxes.
+struct ExpertTensorMaps {
+  CUtensorMap w1, w2, recv, intermediate;
+};
+
 // Everything the kernel reads is a runtime value; templates choose only dtype and tile shape.
 struct MoEParams {
+  ExpertTensorMaps maps;
   // Shapes: T tokens, H hidden, I intermediate, E experts, k choices per token.
   int tokens, hidden, ffn, experts, top_k;
   int w1_cols;           // I, or 2I for swiglu
@@ -105,7 +115,6 @@ struct MoEParams {
   int* tile_expert_count;   // [gate_tiles, E]
   int* tile_expert_offset;  // [gate_tiles, E] exclusive prefix over gate tiles
   int* expert_kept;         // [E] rows kept after capacity (this rank's tokens)
-  int* row_token;           // [T*k] row of the stream to this rank itself -> token (own rows are not copied)
   void* intermediate;       // [rows_in, I] activation output of every row this rank's experts take, input dtype
 
   int gate_tiles;
@@ -122,13 +131,14 @@ struct LaunchParams {
 };
 
 // One allocation holds a rank's local scratch; the first `sync_bytes` are zeroed before every launch.
-// A single-rank team also keeps its comb region and (unused) signal words here (`own_*`, else 0 bytes).
+// A single-rank team also keeps its recv / comb regions and (unused) signal words here (`own_*`, else
+// 0 bytes).
 struct WorkspaceLayout {
   size_t barrier_counter, task_counter, error_word, status_flags, phase_clock, traffic, result_rows_done,
       row_tile_done;
   size_t sync_bytes;
-  size_t slot_in_tile, tile_expert_count, tile_expert_offset, expert_kept, row_token;
-  size_t intermediate, own_comb, own_signals;
+  size_t slot_in_tile, tile_expert_count, tile_expert_offset, expert_kept;
+  size_t intermediate, own_recv, own_comb, own_signals;
   size_t total_bytes;
   int gate_tiles, max_row_tiles;
 };
@@ -161,9 +171,9 @@ inline WorkspaceLayout make_workspace_layout(int tokens, int hidden, int ffn, in
   l.tile_expert_count = take(4 * static_cast<size_t>(l.gate_tiles) * experts);
   l.tile_expert_offset = take(4 * static_cast<size_t>(l.gate_tiles) * experts);
   l.expert_kept = take(4 * static_cast<size_t>(experts));
-  l.row_token = take(4 * rows);
   l.intermediate = take(static_cast<size_t>(element_bytes) * rows_in * ffn);
   const bool own = world_size == 1;
+  l.own_recv = take(own ? static_cast<size_t>(element_bytes) * rows * hidden : 0);
   l.own_comb = take(own ? static_cast<size_t>(element_bytes) * rows * hidden : 0);
   l.own_signals = take(own ? 4 * static_cast<size_t>(signal_words(1, experts)) : 0);
   l.total_bytes = at;

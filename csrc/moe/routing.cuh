@@ -1,6 +1,6 @@
 // From per-tile counts to rows. Source side: per-expert prefix sums over gate tiles (capacity applied
 // in token order) and each expert's offset inside the row stream to its owner rank. Destination side:
-// the rows every source sends, packed per local expert (sources in rank order), and row -> source row.
+// the rows every source sends each local expert, as (local expert, source) segments cut into row tiles.
 #pragma once
 #include "common/sync.cuh"
 #include "moe/smem_layout.cuh"
@@ -56,7 +56,7 @@ __device__ inline void build_stream_offsets(const MoEParams& p, int* stream_offs
       }
     }
   }
-  __syncthreads();
+  sync_workers();
 }
 
 // The row of choice `pair` in the stream to its expert's owner, or -1 if capacity dropped it.
@@ -71,18 +71,24 @@ __device__ __forceinline__ int stream_row_of(const MoEParams& p, const int* stre
 
 // In shared memory, built by every block once all counts arrived:
 //   stream_start[s * (L+1) + l]: where local expert l's rows start in source s's stream (l = L: its length)
-//   seg_start[l], tile_start[l] (l <= L): local expert l's first packed row and first row tile
-// Packed rows of local expert l: source 0's rows, then source 1's, ... (each in its stream order).
+//   seg_start[q], tile_start[q] for segment q = l * P + s (q = L * P: the totals): the segment's first
+//   packed row (its rows in the intermediate buffer) and first row tile. A row tile never spans two
+//   segments, so its A rows are contiguous in the receive buffer region of one source.
 struct DestTables {
   int* stream_start;
   int* seg_start;
   int* tile_start;
 };
 
+__host__ __device__ inline int dest_table_ints(int world_size, int local_experts) {
+  return world_size * (local_experts + 1) + 2 * (world_size * local_experts + 1);
+}
+
 __device__ inline DestTables dest_tables(char* smem, const SmemLayout& layout, const MoEParams& p) {
   int* base = reinterpret_cast<int*>(smem + layout.tables_offset);
-  const int stride = p.local_experts + 1;
-  return {base, base + p.world_size * stride, base + p.world_size * stride + stride};
+  const int streams = p.world_size * (p.local_experts + 1);
+  const int segments = p.world_size * p.local_experts + 1;
+  return {base, base + streams, base + streams + segments};
 }
 
 __device__ __forceinline__ int rows_from(const MoEParams& p, const DestTables& t, int src, int local) {
@@ -97,7 +103,7 @@ __device__ __forceinline__ int incoming_count(const MoEParams& p, int src, int l
   return static_cast<int>(__ldcg(p.peers[p.rank].signals + signal_count(p.local_experts, src, local)));
 }
 
-// Waits (bounded) for every peer's counts, then builds the tables. All threads call it.
+// Waits (bounded) for every peer's counts, then builds the tables. Every thread of the block calls it.
 __device__ inline bool build_dest_tables(const MoEParams& p, const DestTables& t) {
   const int P = p.world_size, L = p.local_experts, stride = L + 1;
   bool ok = true;
@@ -121,54 +127,52 @@ __device__ inline bool build_dest_tables(const MoEParams& p, const DestTables& t
   }
   __syncthreads();
   if (warp == 0) {
+    const int segments = P * L;
     int rows_before = 0, tiles_before = 0;
-    for (int base = 0; base < L; base += 32) {
-      const int local = base + lane;
-      int rows = 0;
-      if (local < L)
-        for (int src = 0; src < P; ++src) rows += rows_from(p, t, src, local);
+    for (int base = 0; base < segments; base += 32) {
+      const int q = base + lane;
+      const int rows = q < segments ? rows_from(p, t, q % P, q / P) : 0;
       const int tiles = (rows + kExpertTileM - 1) / kExpertTileM;
       const int rows_incl = warp_inclusive_scan(rows);
       const int tiles_incl = warp_inclusive_scan(tiles);
-      if (local < L) {
-        t.seg_start[local] = rows_before + rows_incl - rows;
-        t.tile_start[local] = tiles_before + tiles_incl - tiles;
+      if (q < segments) {
+        t.seg_start[q] = rows_before + rows_incl - rows;
+        t.tile_start[q] = tiles_before + tiles_incl - tiles;
       }
       rows_before += __shfl_sync(0xffffffffu, rows_incl, 31);
       tiles_before += __shfl_sync(0xffffffffu, tiles_incl, 31);
     }
     if (lane == 0) {
-      t.seg_start[L] = rows_before;
-      t.tile_start[L] = tiles_before;
+      t.seg_start[segments] = rows_before;
+      t.tile_start[segments] = tiles_before;
     }
   }
   __syncthreads();
   return true;
 }
 
-// Row tile -> local expert by binary search over tile_start.
-__device__ __forceinline__ int local_expert_of_row_tile(const DestTables& t, int local_experts, int row_tile) {
-  int lo = 0, hi = local_experts;  // invariant: tile_start[lo] <= row_tile < tile_start[hi]
+// One expert row tile: which segment, where its rows are, how many.
+struct RowTile {
+  int local, src;
+  int rows;         // valid rows (<= kExpertTileM)
+  int packed_row0;  // first row in the intermediate buffer
+  int stream_row0;  // first row in source src's stream (its region of recv / comb)
+};
+
+__device__ __forceinline__ RowTile row_tile_of(const MoEParams& p, const DestTables& t, int row_tile) {
+  int lo = 0, hi = p.world_size * p.local_experts;  // invariant: tile_start[lo] <= row_tile < tile_start[hi]
   while (hi - lo > 1) {
     const int mid = (lo + hi) >> 1;
     if (t.tile_start[mid] <= row_tile) lo = mid; else hi = mid;
   }
-  return lo;
-}
-
-// Packed row `index` of local expert `local` -> (source rank, row in that source's stream).
-struct SourceRow {
-  int src;
-  int stream_row;
-};
-__device__ __forceinline__ SourceRow source_of_row(const MoEParams& p, const DestTables& t, int local, int index) {
-  int src = 0;
-  for (; src < p.world_size - 1; ++src) {
-    const int n = rows_from(p, t, src, local);
-    if (index < n) break;
-    index -= n;
-  }
-  return {src, t.stream_start[src * (p.local_experts + 1) + local] + index};
+  RowTile tile;
+  tile.local = lo / p.world_size;
+  tile.src = lo % p.world_size;
+  const int m0 = (row_tile - t.tile_start[lo]) * kExpertTileM;
+  tile.rows = min(kExpertTileM, t.seg_start[lo + 1] - t.seg_start[lo] - m0);
+  tile.packed_row0 = t.seg_start[lo] + m0;
+  tile.stream_row0 = t.stream_start[tile.src * (p.local_experts + 1) + tile.local] + m0;
+  return tile;
 }
 
 }  // namespace flashdmoe

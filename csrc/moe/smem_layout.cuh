@@ -7,7 +7,7 @@ namespace flashdmoe {
 
 struct SmemLayout {
   int scratch_bytes;
-  int tables_offset;    // destination tables (routing.cuh DestTables): P*(L+1) + 2*(L+1) int32
+  int tables_offset;    // destination tables (routing.cuh DestTables): P*(L+1) + 2*(E+1) int32
   int row_ptrs_offset;  // A-row pointers [kExpertTileM], then gate B-row / expert output-row pointers [128]
   int total_bytes;
 };
@@ -28,7 +28,8 @@ __host__ __device__ inline SmemLayout make_smem_layout(int experts, int top_k, i
   SmemLayout l{};
   l.scratch_bytes = round_up16(scratch);
   l.tables_offset = l.scratch_bytes;
-  l.row_ptrs_offset = l.tables_offset + round_up16((world_size + 2) * (local_experts + 1) * 4);
+  // DestTables (routing.cuh): stream_start [P][L+1], seg_start and tile_start [P*L+1] each.
+  l.row_ptrs_offset = l.tables_offset + round_up16((world_size * (local_experts + 1) + 2 * (experts + 1)) * 4);
   l.total_bytes = l.row_ptrs_offset + (kExpertTileM + kGateTileN) * 8 + 1024;  // + alignment slack
   return l;
 }

@@ -3,6 +3,7 @@
 // intermediate); B is either N-contiguous ([K, N] expert weights) or K-contiguous ([N, K] router).
 #pragma once
 #include "common/ptx.cuh"
+#include "common/sync.cuh"
 #include "moe/smem_tiles.cuh"
 
 namespace flashdmoe {
@@ -109,14 +110,14 @@ struct TileGemm {
     }
     for (int kt = 0; kt < k_tiles; ++kt) {
       ptx::cp_async_wait<STAGES - 2>();
-      __syncthreads();  // slab kt visible to all; slab kt-1's buffer is free to overwrite
+      sync_workers();  // slab kt visible to all; slab kt-1's buffer is free to overwrite
       const int next = kt + STAGES - 1;
       if (next < k_tiles) load_stage(a_stage(next % STAGES), b_stage(next % STAGES), next * kBlockK);
       ptx::cp_async_commit();
       mma_stage(a_stage(kt % STAGES), b_stage(kt % STAGES));
     }
     ptx::cp_async_wait<0>();
-    __syncthreads();  // pipeline buffers may now be reused by the epilogue
+    sync_workers();  // pipeline buffers may now be reused by the epilogue
   }
 
   // Visit every accumulator element with its (row, col) inside the block tile.

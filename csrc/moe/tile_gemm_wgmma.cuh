@@ -5,6 +5,7 @@
 // use either.
 #pragma once
 #include "common/ptx.cuh"
+#include "common/sync.cuh"
 #include "common/wgmma.cuh"
 #include "moe/smem_tiles.cuh"
 
@@ -88,10 +89,10 @@ struct WgmmaTileGemm {
     for (int kt = 0; kt < k_tiles; ++kt) {
       ptx::cp_async_wait<kAhead - 1>();    // slab kt has landed (this thread's copies)
       wgmma::fence_proxy_async_shared();  // ... and is visible to the async proxy (wgmma)
-      __syncthreads();
+      sync_workers();
       issue_stage(a_stage(kt % STAGES), b_stage(kt % STAGES));
       wgmma::wait_group<1>();  // slab kt-1 done in this warpgroup
-      if constexpr (!kOneBarrier) __syncthreads();  // ... and in the other one
+      if constexpr (!kOneBarrier) sync_workers();  // ... and in the other one
       const int next = kt + kAhead;
       if (next < k_tiles) load_stage(a_stage(next % STAGES), b_stage(next % STAGES), next * kBlockK);
       ptx::cp_async_commit();
@@ -99,7 +100,7 @@ struct WgmmaTileGemm {
     wgmma::wait_group<0>();
     wgmma::fence_operands(acc);
     ptx::cp_async_wait<0>();
-    __syncthreads();
+    sync_workers();
   }
 
   // Accumulator j*4+v of a thread: warpgroup rows 64*wg + 16*(warp%4) + lane/4 (+8 for v >= 2),
