@@ -5,6 +5,9 @@ compare their own output and gradients with ``reference.moe_expert_parallel`` (c
 all ranks, from the same seeded inputs). Spawning costs a few seconds per process, so one spawn covers
 many cases.
 
+Fixed-routing cases pass ``experts``/``keep`` (random distinct experts with random drops, or the router's
+own choice) and are checked against ``reference.moe_fixed_routing`` with all experts on one rank.
+
 Tolerances (max |got - want| <= atol + rtol * |want|): float64 1e-10 / 1e-10 (only summation order
 differs: the router gradient is all-reduced across ranks); float32 2e-5 / 2e-5; bfloat16 (outputs and
 gradients rounded to bfloat16 once, like the reference) 2e-2 / 2e-2.
@@ -115,6 +118,88 @@ def _run_case(case: dict, rank: int, world_size: int) -> None:
     assert traffic.rows_sent_remote == remote_rows, label
 
 
+def _fixed_routing(case: dict, xs, router, world_size: int):
+    """Every rank's fixed routing ``(experts [T, k], keep [T, k])``, seeded and the same on every rank."""
+    generator = torch.Generator().manual_seed(case["seed"] + 500)
+    num_experts, top_k = case["local_experts"] * world_size, case["top_k"]
+    routing = []
+    for x in xs:
+        if case["fixed"] == "router":
+            chosen = reference.route(x, router, top_k, case["normalize_topk"]).experts
+            keep = reference.keep_mask(chosen, num_experts, reference.expert_capacity(
+                x.shape[0], top_k, num_experts, 0.75))
+        else:
+            chosen = torch.rand(x.shape[0], num_experts, generator=generator).argsort(dim=1)[:, :top_k]
+            keep = torch.rand(x.shape[0], top_k, generator=generator) < 0.7
+        routing.append((chosen.to(case.get("expert_dtype", torch.int64)), keep))
+    return routing
+
+
+def _run_fixed_case(case: dict, rank: int, world_size: int) -> None:
+    """``experts``/``keep`` given: y and every gradient vs ``reference.moe_fixed_routing`` (all experts on
+    one rank, loss summed over ranks)."""
+    xs, dys, router, w1s, w2s = _case_inputs(case, world_size)
+    routing = _fixed_routing(case, xs, router, world_size)
+    dtype, local = case["dtype"], case["local_experts"]
+    options = dict(activation=case["activation"], normalize_topk=case["normalize_topk"])
+
+    ref_xs = [x.clone().requires_grad_() for x in xs]
+    ref_router = router.clone().requires_grad_()
+    ref_w1, ref_w2 = torch.cat(w1s).requires_grad_(), torch.cat(w2s).requires_grad_()
+    ref_ys = [reference.moe_fixed_routing(x, ref_router, ref_w1, ref_w2, chosen.long(), keep, **options)
+              for x, (chosen, keep) in zip(ref_xs, routing)]
+    sum((y.double() * dy.double()).sum() for y, dy in zip(ref_ys, dys)).backward()
+
+    x = xs[rank].clone().requires_grad_(case.get("x_requires_grad", [True] * world_size)[rank])
+    my_router = router.clone().requires_grad_()
+    w1, w2 = w1s[rank].clone().requires_grad_(), w2s[rank].clone().requires_grad_()
+    chosen, keep = routing[rank]
+    traffic = TrafficCounter()
+    y, aux = expert_parallel_moe(x, my_router, w1, w2, top_k=case["top_k"], experts=chosen, keep=keep,
+                                 return_aux=True, traffic=traffic, **options)
+    (y.double() * dys[rank].double()).sum().backward()
+
+    label = f"case {case['name']} rank {rank}"
+    _assert_close(f"{label} y", y, ref_ys[rank].detach(), dtype)
+    if x.requires_grad:
+        _assert_close(f"{label} dx", x.grad, ref_xs[rank].grad, dtype)
+    _assert_close(f"{label} d router_weight", my_router.grad, ref_router.grad, dtype)
+    _assert_close(f"{label} dw1", w1.grad, ref_w1.grad[rank * local:(rank + 1) * local], dtype)
+    _assert_close(f"{label} dw2", w2.grad, ref_w2.grad[rank * local:(rank + 1) * local], dtype)
+    num_experts = local * world_size
+    assert torch.equal(aux.counts, torch.bincount(chosen.long().reshape(-1), minlength=num_experts)), label
+    assert int(aux.dropped) == int((~keep).sum()), label
+    assert traffic.rows_sent_remote == int((keep & (chosen.long() // local != rank)).sum()), label
+
+
+def _run_bad_rank(case: dict, rank: int, world_size: int) -> None:
+    """One rank's own input check fails: every rank raises ValueError (none waits in a collective), and the
+    group is still in step afterwards."""
+    xs, _, router, w1s, w2s = _case_inputs(case, world_size)
+    options = dict(top_k=case["top_k"], activation=case["activation"])
+    w1 = w1s[rank]
+    bad = rank == case["bad_rank"]
+    if bad and case["fault"] == "w1":
+        w1 = w1[:, :, :-1].contiguous()
+    call = dict(options)
+    if case["fault"] == "capacity-with-fixed-routing":  # every rank makes this mistake
+        chosen, keep = _fixed_routing(dict(case, fixed="random"), xs, router, world_size)[rank]
+        call.update(experts=chosen, keep=keep, capacity_factor=1.0)
+    elif bad and case["fault"] == "experts":
+        chosen, keep = _fixed_routing(dict(case, fixed="random"), xs, router, world_size)[rank]
+        call.update(experts=chosen[:, :1].contiguous(), keep=keep)  # k = 1 but top_k = 2
+    expected = {"w1": "w1", "experts": "experts", "capacity-with-fixed-routing": "capacity_factor"}[case["fault"]]
+    with pytest.raises(ValueError) as raised:
+        expert_parallel_moe(xs[rank], router, w1, w2s[rank], **call)
+    message = str(raised.value)
+    if bad or case["fault"] == "capacity-with-fixed-routing":
+        assert expected in message, message
+    else:
+        assert f"rank(s) [{case['bad_rank']}]" in message, message
+    # still in step: a good call on every rank goes through
+    expert_parallel_moe(xs[rank], router, w1s[rank], w2s[rank], **options)
+
+
 def _worker(rank: int, world_size: int, port: int, cases: list[dict], error_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
@@ -123,6 +208,10 @@ def _worker(rank: int, world_size: int, port: int, cases: list[dict], error_dir:
         for case in cases:
             if case.get("mismatch_rank") is not None:
                 _run_mismatch(case, rank, world_size)
+            elif case.get("fault") is not None:
+                _run_bad_rank(case, rank, world_size)
+            elif case.get("fixed") is not None:
+                _run_fixed_case(case, rank, world_size)
             else:
                 _run_case(case, rank, world_size)
             dist.barrier()
@@ -176,6 +265,20 @@ def _cases(world_size: int) -> list[dict]:
     cases.append(dict(cases[1], name=f"p{world_size}-mixed-requires-grad",
                       x_requires_grad=[False] + [True] * (world_size - 1)))
     cases.append(dict(cases[2], name=f"p{world_size}-layer-mismatch", mismatch_rank=world_size - 1))
+    # fixed routing (experts/keep given): random distinct experts with drops, float64 and bfloat16, a rank
+    # with T = 0, int32 experts, the router's own choice, a rank whose x needs no grad
+    cases.append(dict(cases[0], name=f"p{world_size}-fixed-random-f64", fixed="random", top_k=2,
+                      local_experts=2, normalize_topk=False))
+    cases.append(dict(cases[3], name=f"p{world_size}-fixed-random-bf16", fixed="random", top_k=2,
+                      expert_dtype=torch.int32))
+    cases.append(dict(cases[5], name=f"p{world_size}-fixed-router-f64", fixed="router", dtype=torch.float64,
+                      x_requires_grad=[True] * (world_size - 1) + [False]))
+    # bad input on one rank / the same mistake on every rank: ValueError everywhere, no hang
+    cases.append(dict(cases[2], name=f"p{world_size}-bad-w1", fault="w1", bad_rank=world_size - 1))
+    cases.append(dict(cases[1], name=f"p{world_size}-bad-experts", fault="experts", bad_rank=0, top_k=2,
+                      local_experts=2))
+    cases.append(dict(cases[1], name=f"p{world_size}-capacity-with-fixed-routing",
+                      fault="capacity-with-fixed-routing", bad_rank=0, top_k=2, local_experts=2))
     return cases
 
 
