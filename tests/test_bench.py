@@ -3,17 +3,20 @@ metrics and timing statistics. Fast: tiny shapes, few repeats."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 
 import numpy as np
 import pytest
 import torch
+from rich.console import Console
 
 from flashdmoe import reference
-from flashdmoe.bench import baselines, main, metrics, suites, timing
+from flashdmoe.bench import baselines, expert_parallel, main, metrics, report, suites, timing
+from flashdmoe.bench import cli as bench_cli
 from flashdmoe.bench.entries import ENTRY_TYPES, BenchEntry, MoEInputs, MoEProblem, PreparedRun
-from flashdmoe.bench.results import BenchShape, parse_shapes
+from flashdmoe.bench.results import BenchShape, ConfigResult, EntryResult, SuiteResult, parse_shapes
 from flashdmoe.bench.workload import make_inputs
 
 QUICK_ARGS = ["--device", "cpu", "--quick", "--repeats", "3", "--warmup", "1"]
@@ -344,3 +347,237 @@ def test_quick_run_on_gpu(tmp_path):
             assert entry["status"] in ("ok", "unavailable"), entry
             assert entry["status"] == "ok" or entry["reason"]
         assert config["entries"][1]["status"] == "ok", config["entries"][1]["reason"]  # grouped_mm
+
+
+# ------------------------------------------------------------------------------------------------------------
+# expert-parallel suite (CPU: registration, options, aggregation and tables; the GPU run is below)
+
+EP_ARGS = ["--suite", "expert-parallel", "--device", "cpu", "--quick", "--repeats", "2", "--warmup", "0"]
+EP_ENTRIES = ["single", "emulated-1", "emulated-2", "emulated-4", "emulated-8", "mps-2", "mps-4", "reference"]
+
+
+def test_expert_parallel_suite_is_registered():
+    suite = suites.get_suite("expert-parallel")
+    assert list(suite.entry_names) == EP_ENTRIES
+    assert suite.validate is expert_parallel.validate_options
+    assert BenchShape(8192, 2048, 2048, 32, 2) in suite.default_shapes  # the paper's problem, as the total
+    assert all(shape.experts % 8 == 0 for shape in suite.default_shapes + suite.quick_shapes)
+    assert report.layout_for(SuiteResult("expert-parallel", {}, {}, [])) is expert_parallel.EP_LAYOUT
+    assert report.layout_for(SuiteResult("single-gpu", {}, {}, [])) is report.DEFAULT_LAYOUT
+    help_text = bench_cli.configure_parser(argparse.ArgumentParser()).format_help()
+    assert "expert-parallel" in help_text and "single-gpu" in help_text
+
+
+@pytest.fixture(scope="module")
+def ep_quick_run(tmp_path_factory):
+    output = tmp_path_factory.mktemp("bench-ep")
+    code = main([*EP_ARGS, "--output", str(output)])
+    return code, output, json.loads((output / "expert-parallel.json").read_text())
+
+
+def test_expert_parallel_quick_run_on_cpu(ep_quick_run):
+    code, output, results = ep_quick_run
+    assert code == 0
+    assert results["suite"] == "expert-parallel" and results["ceiling_tflops"] is None
+    assert (output / "expert-parallel.png").read_bytes()[:8] == PNG_MAGIC
+    assert [c["shape"] for c in results["configs"]] == [s.to_dict() for s in expert_parallel.EP_QUICK_SHAPES]
+    for config in results["configs"]:
+        entries = {entry["name"]: entry for entry in config["entries"]}
+        assert list(entries) == EP_ENTRIES
+        for name in EP_ENTRIES[:-1]:  # everything but the reference needs the GPU
+            assert entries[name]["status"] == "unavailable" and "CUDA" in entries[name]["reason"], entries[name]
+        assert [entries[n]["details"]["world_size"] for n in EP_ENTRIES] == [1, 1, 2, 4, 8, 2, 4, 1]
+        ref = entries["reference"]
+        assert ref["status"] == "ok" and ref["max_relative_error"] == 0.0 and ref["correct"] is True
+        assert len(ref["samples_ms"]) == 2 and ref["tflops"] > 0
+        T = config["shape"]["T"]
+        assert config["details"]["tokens_per_rank"]["emulated-8"] == [T // 8] * 8
+    markdown = (output / "expert-parallel.md").read_text()
+    assert ("| T | H | I | E | k | P | entry | ms (median) | p10–p90 ms | TFLOP/s | % of ceiling | vs P=1 | "
+            "sent MB / rank (max) | payload eff. | max rel. error | status |") in markdown
+    rows = [line for line in markdown.splitlines() if line.startswith("| ") and "---" not in line]
+    assert len(rows) == 1 + len(results["configs"]) * len(EP_ENTRIES)
+    assert "- T is the total over the ranks" in markdown and "floor =" not in markdown
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["--entries", "emulated-3"], "--entries 'emulated-3'"),
+    (["--entries", "mps-8"], "--entries 'mps-8'"),
+    (["--configs", "64,64,128,6,2"], "E=6 is not divisible by P=4 (entry emulated-4)"),
+    (["--configs", "64,64,128,12,2", "--entries", "emulated-8"], "E=12 is not divisible by P=8"),
+])
+def test_expert_parallel_bad_options_exit_with_code_2(tmp_path, capsys, arguments, message):
+    assert main([*EP_ARGS, "--output", str(tmp_path), *arguments]) == 2
+    assert message in " ".join(capsys.readouterr().err.split())  # rich wraps long lines
+    assert not (tmp_path / "expert-parallel.json").exists()
+
+
+def test_expert_parallel_accepts_experts_divisible_by_the_chosen_ranks():
+    parser = bench_cli.configure_parser(argparse.ArgumentParser())
+    args = parser.parse_args([*EP_ARGS, "--configs", "64,64,128,6,2", "--entries", "emulated-2,mps-2,reference"])
+    options = bench_cli.options_from_args(args, None)
+    assert options.entries == ["emulated-2", "mps-2", "reference"] and options.shapes[0].experts == 6
+
+
+def test_expert_parallel_problems_are_the_same_total_for_every_p():
+    options = suites.SuiteOptions(suite="expert-parallel", device="cpu", dtype="bfloat16", activation="swiglu",
+                                  shapes=[], entries=[], seed=4)
+    shape = BenchShape(10, 64, 64, 8, 2)
+    one = expert_parallel.problem_for(shape, 1, options, 2, 1)
+    four = expert_parallel.problem_for(shape, 4, options, 2, 1)
+    assert four.tokens == (3, 3, 2, 2) and one.seed == four.seed == 4 + 2000 + 1
+    assert four.activation == "swiglu" and four.capacity_factor is None
+    inputs = four.all_inputs()
+    assert torch.equal(torch.cat([i.x for i in inputs]), one.all_tokens())
+    assert torch.equal(torch.cat([i.w1 for i in inputs]), one.shard(0)[0])
+    assert torch.equal(torch.cat([i.w2 for i in inputs]), one.shard(0)[1])
+
+
+def test_traffic_summary():
+    traffic = [
+        {"rank": 0, "dispatch_bytes": 4 * 64 * 2, "combine_bytes": 6 * 64 * 2, "rows_routed_remote": 4},
+        {"rank": 1, "dispatch_bytes": 6 * 64 * 2, "combine_bytes": 4 * 64 * 2, "rows_routed_remote": 5},
+    ]
+    summary = expert_parallel.traffic_summary(traffic, 64, 2)
+    assert summary["bytes_sent_per_rank"] == [1280, 1280] and summary["max_bytes_sent_per_rank"] == 1280
+    assert summary["payload_efficiency"] == pytest.approx(10 / 9)  # rank 1 sent one row more than it routed
+    alone = expert_parallel.traffic_summary([{"rank": 0, "dispatch_bytes": 0, "combine_bytes": 0,
+                                               "rows_routed_remote": 0}], 64, 2)
+    assert alone["max_bytes_sent_per_rank"] == 0 and alone["payload_efficiency"] is None
+    assert expert_parallel.traffic_summary([], 64, 2)["max_bytes_sent_per_rank"] is None
+
+
+def _rank(rank, samples, y, traffic):
+    from flashdmoe.multiprocess import RankOutcome
+
+    return RankOutcome(rank, "ok", 0, info={"samples_ms": samples, "median_ms": float(np.median(samples)),
+                                            "traffic": [traffic], "input_sets": 1}, tensors={"y": y})
+
+
+def test_mps_rows_take_the_slowest_rank_per_forward_and_check_all_outputs():
+    from flashdmoe.multiprocess import RankOutcome, RunResult
+
+    spec = expert_parallel.entry_spec("mps-2")
+    y = torch.randn(10, 64)
+    compare = torch.ones(10, dtype=torch.bool)
+    traffic = {"dispatch_bytes": 128, "combine_bytes": 256, "rows_routed_remote": 1}
+    run = RunResult("bench", 2, [_rank(0, [1.0, 5.0, 2.0], y[:6], traffic | {"rank": 0}),
+                                 _rank(1, [3.0, 1.0, 4.0], y[6:], traffic | {"rank": 1})], 9.0, True)
+    entry = expert_parallel._mps_entry(spec, run, BenchShape(10, 64, 64, 8, 2), y, compare, "cpu", 2)
+    assert entry.status == "ok" and entry.samples_ms == [3.0, 5.0, 4.0] and entry.median_ms == 4.0
+    assert entry.max_relative_error == 0.0
+    assert entry.details["rank_medians_ms"] == [2.0, 3.0] and entry.details["payload_efficiency"] == 1.0
+    assert entry.details["max_bytes_sent_per_rank"] == 384
+    wrong = RunResult("bench", 2, [run.ranks[0], _rank(1, [3.0, 1.0, 4.0], y[6:] + 1, traffic)], 9.0, True)
+    assert expert_parallel._mps_entry(spec, wrong, BenchShape(10, 64, 64, 8, 2), y, compare, "cpu",
+                                      2).max_relative_error > 0.1
+    hung = RunResult("bench", 2, [run.ranks[0], RankOutcome(1, "hung", -9, phase="timed forwards",
+                                                            kill_reason="still running")], 600.0, True)
+    failed = expert_parallel._mps_entry(spec, hung, BenchShape(10, 64, 64, 8, 2), y, compare, "cpu", 2)
+    assert failed.status == "error" and "rank 1: hung in phase 'timed forwards'" in failed.reason
+
+
+def test_expert_parallel_table_cells():
+    details = expert_parallel.traffic_summary(
+        [{"rank": r, "dispatch_bytes": 1_000_000, "combine_bytes": 2_150_000 + r, "rows_routed_remote": 1_000_000 // 128}
+         for r in range(2)], 64, 2)
+    entries = [
+        EntryResult("emulated-1", "emulated P=1", "ok", median_ms=1.2, p10_ms=1.1, p90_ms=1.3, tflops=100.0,
+                    max_relative_error=5e-3, correct=True, details={"world_size": 1, "vs_p1": 1.0}),
+        EntryResult("emulated-2", "emulated P=2", "ok", median_ms=1.5, p10_ms=1.4, p90_ms=1.6, tflops=80.0,
+                    percent_of_ceiling=10.0, max_relative_error=6e-3, correct=True,
+                    details={"world_size": 2, "vs_p1": 1.25} | details),
+        EntryResult("mps-2", "2 processes (MPS)", "error", reason="rank 1: hung in phase 'x'",
+                    details={"world_size": 2}),
+    ]
+    config = ConfigResult("T=8 H=64 I=64 E=8 k=2", {"T": 8, "H": 64, "I": 64, "E": 8, "k": 2}, "gelu",
+                          "bfloat16", 1, 1, entries)
+    result = SuiteResult("expert-parallel", {"device": "cuda"}, {"notes": ["a note"]}, [config])
+    markdown = report.markdown_report(result)
+    assert "| 8 | 64 | 64 | 8 | 2 | 2 | emulated P=2 | 1.500 | 1.400–1.600 | 80.0 | 10.0 | 1.25x | 3.15 | 100.0% | " \
+           "6.0e-03 | ok |" in markdown
+    assert "| 8 | 64 | 64 | 8 | 2 | 1 | emulated P=1 | 1.200 | 1.100–1.300 | 100.0 | – | 1.00x | – | – |" in markdown
+    assert "| 2 | 2 processes (MPS) | – | – | – | – | – | – | – | – | error: rank 1: hung in phase 'x' |" in markdown
+    assert "- a note" in markdown
+    console = Console(record=True, width=200)
+    console.print(report.rich_table(result))
+    text = console.export_text()
+    assert "MB/rank" in text and "1.25x" in text and "100.0%" in text and "3.15" in text
+
+
+def test_expert_parallel_in_process_entries_with_stand_ins(monkeypatch):
+    """The suite's own code for the single / emulated / reference rows, with the kernel replaced by the
+    reference and Team.emulated by a stand-in (the GPU test below runs the real ones)."""
+    import flashdmoe
+    from flashdmoe.team import Team
+
+    monkeypatch.setattr(expert_parallel, "_kernel_unavailable_reason", lambda options: None)
+    made, closed, traffic = [], [], []
+    # (cuda_backend.last_traffic is computed by a module __getattr__: patch the reader, not the module)
+    monkeypatch.setattr(expert_parallel, "_last_traffic", lambda: [dict(t) for t in traffic])
+
+    class StandInTeam:
+        buffer_bytes = 4096
+
+        def __init__(self, world_size, **sizes):
+            self.world_size, self.sizes = world_size, sizes
+            made.append(self)
+
+        def close(self):
+            closed.append(self.world_size)
+
+    def moe_expert_parallel(xs, router_weight, w1s, w2s, *, team, **kwargs):
+        assert len(xs) == len(w1s) == len(w2s) == team.world_size
+        traffic[:] = [  # every rank routes 3 rows elsewhere and sends exactly those
+            {"rank": r, "dispatch_bytes": 3 * 64 * 4, "combine_bytes": 2 * 64 * 4, "rows_routed_remote": 3}
+            for r in range(team.world_size)]
+        return reference.moe_expert_parallel(xs, router_weight, w1s, w2s, **kwargs)
+
+    monkeypatch.setattr(Team, "emulated", classmethod(lambda cls, world_size, **sizes: StandInTeam(world_size, **sizes)))
+    monkeypatch.setattr(flashdmoe, "moe_expert_parallel", moe_expert_parallel, raising=False)
+    monkeypatch.setattr(flashdmoe, "moe", lambda x, r, w1, w2, backend, **kw: reference.moe(x, r, w1, w2, **kw))
+    options = suites.SuiteOptions(
+        suite="expert-parallel", device="cpu", dtype="float32", activation="silu",
+        shapes=[BenchShape(30, 64, 64, 8, 2)], entries=["single", "emulated-1", "emulated-2", "emulated-8", "reference"],
+        repeats=2, warmup=1, input_sets=2,
+    )
+    result = expert_parallel.run_expert_parallel(options)
+    config = result.configs[0]
+    entries = {entry.name: entry for entry in config.entries}
+    assert config.input_sets == 2 and config.details["tokens_per_rank"]["emulated-8"] == (4, 4, 4, 4, 4, 4, 3, 3)
+    for entry in entries.values():
+        assert entry.status == "ok", entry.reason
+        assert entry.correct is True and entry.max_relative_error < 1e-5 and len(entry.samples_ms) == 2
+        assert entry.details["vs_p1_baseline"] == "emulated-1"
+        assert entry.details["vs_p1"] == pytest.approx(entry.median_ms / entries["emulated-1"].median_ms)
+    assert [team.world_size for team in made] == closed == [1, 2, 8]  # one team per entry, closed afterwards
+    assert made[2].sizes == {"max_tokens": 4, "hidden": 64, "top_k": 2, "local_experts": 1,
+                             "dtype": torch.float32, "device": torch.device("cpu")}
+    for name, ranks in (("emulated-2", 2), ("emulated-8", 8)):
+        details = entries[name].details
+        assert details["payload_efficiency"] == 1.0 and details["bytes_sent_per_rank"] == [5 * 64 * 4] * ranks
+        assert details["buffer_bytes_per_rank"] == 4096
+    assert entries["single"].details["max_bytes_sent_per_rank"] is None  # no team, no traffic
+    assert "vs_p1" in entries["reference"].details and result.settings["entries"] == options.entries
+
+
+@pytest.mark.gpu
+def test_expert_parallel_quick_run_on_gpu(tmp_path):
+    """Every in-process entry runs and matches the reference; the MPS rows run or say why they cannot."""
+    code = main(["--suite", "expert-parallel", "--device", "cuda", "--configs", "64,64,128,8,2", "--repeats", "5",
+                 "--warmup", "2", "--output", str(tmp_path)])
+    results = json.loads((tmp_path / "expert-parallel.json").read_text())
+    for config in results["configs"]:
+        entries = {entry["name"]: entry for entry in config["entries"]}
+        for name in ("single", "emulated-1", "emulated-2", "emulated-4", "emulated-8", "reference"):
+            assert entries[name]["status"] == "ok", entries[name]
+            assert entries[name]["correct"] is True, entries[name]
+        for name in ("emulated-2", "emulated-4", "emulated-8"):
+            assert entries[name]["details"]["payload_efficiency"] == pytest.approx(1.0), entries[name]
+            assert entries[name]["details"]["vs_p1"] > 0
+        assert entries["emulated-1"]["details"]["max_bytes_sent_per_rank"] == 0  # one rank sends nothing
+        for name in ("mps-2", "mps-4"):
+            assert entries[name]["status"] in ("ok", "unavailable"), entries[name]
+            if entries[name]["status"] == "ok":
+                assert entries[name]["correct"] is True and len(entries[name]["details"]["traffic"]) == int(name[-1])
+    assert code == 0

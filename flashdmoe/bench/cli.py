@@ -52,11 +52,13 @@ def configure_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     )
     parser.add_argument(
         "--configs", default=None, metavar="'T,H,I,E,k;...'",
-        help="shapes to run instead of the suite's (e.g. '8192,2048,2048,32,2;128,4096,1408,64,6')",
+        help="shapes to run instead of the suite's (e.g. '8192,2048,2048,32,2;128,4096,1408,64,6'; "
+             "expert-parallel: T is the total over all ranks)",
     )
     parser.add_argument(
         "--entries", default=None, metavar="NAME,...",
-        help="comma-separated entries to run (single-gpu: fused,grouped_mm,per_expert_loop,reference)",
+        help="comma-separated entries to run (single-gpu: fused,grouped_mm,per_expert_loop,reference; "
+             "expert-parallel: single,emulated-1,emulated-2,emulated-4,emulated-8,mps-2,mps-4,reference)",
     )
     parser.add_argument(
         "--dtype", choices=tuple(DTYPES), default=None, help="input dtype (default: the suite's, bfloat16)"
@@ -105,7 +107,7 @@ def options_from_args(args: argparse.Namespace, console: Console) -> SuiteOption
             )
     else:
         entries = list(suite.entry_names)
-    return SuiteOptions(
+    options = SuiteOptions(
         suite=suite.name,
         device=device,
         dtype=args.dtype or suite.dtype,
@@ -121,6 +123,9 @@ def options_from_args(args: argparse.Namespace, console: Console) -> SuiteOption
         seed=args.seed,
         console=console,
     )
+    if suite.validate is not None:
+        suite.validate(options)
+    return options
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,12 +1,16 @@
 """Results out: JSON file, a Markdown table for docs/benchmarks.md, a PNG bar plot, a rich table.
 
-Works on any ``SuiteResult``: shape columns come from each configuration's ``shape`` dict.
+Works on any ``SuiteResult``: shape columns come from each configuration's ``shape`` dict; the columns
+after them come from the suite's :class:`Layout` (``register_layout``), else the single-gpu columns.
+``settings["notes"]`` (a list of strings) adds bullet lines to the Markdown header.
 """
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from rich.console import Console
@@ -100,10 +104,69 @@ ROW_HEADERS = [
 ]
 
 
+@dataclass(frozen=True)
+class Column:
+    """One table column: its header and the cell text of an entry on a configuration."""
+
+    header: str
+    cell: Callable[[ConfigResult, EntryResult], str]
+    justify: str = "right"  # terminal alignment
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The columns after the shape: ``markdown`` for the .md table, ``terminal`` for the rich table."""
+
+    markdown: tuple[Column, ...]
+    terminal: tuple[Column, ...]
+
+
+def _row_cell(index: int) -> Callable[[ConfigResult, EntryResult], str]:
+    return lambda config, entry: _row_cells(entry)[index]
+
+
+def _speedup_cell(entry: EntryResult) -> str:
+    return "–" if entry.speedup_over_grouped_mm is None else f"{entry.speedup_over_grouped_mm:.2f}x"
+
+
+DEFAULT_LAYOUT = Layout(
+    markdown=(
+        Column("floor ms", lambda config, entry: _number(config.floor_ms, 3)),
+        *(Column(header, _row_cell(index)) for index, header in enumerate(ROW_HEADERS)),
+        Column("status", lambda config, entry: _status_cell(entry), "left"),
+    ),
+    terminal=(
+        Column("entry", lambda config, entry: entry.name, "left"),
+        Column("ms", lambda config, entry: _number(entry.median_ms, 3)),
+        Column("TFLOP/s", lambda config, entry: _tflops_cell(entry.tflops)),
+        Column("% ceil", lambda config, entry: _number(entry.percent_of_ceiling, 1)),
+        Column("% floor", lambda config, entry: _number(entry.percent_of_floor, 1)),
+        Column("vs gmm", lambda config, entry: _speedup_cell(entry)),
+        Column("rel err", lambda config, entry: _error_cell(entry)),
+        Column("status", lambda config, entry: _status_cell(entry, REASON_WIDTH_IN_TERMINAL), "left"),
+    ),
+)
+LAYOUTS: dict[str, Layout] = {}
+
+
+def register_layout(suite: str, layout: Layout) -> Layout:
+    """Use ``layout`` for the tables of suite ``suite`` (re-registering replaces it)."""
+    LAYOUTS[suite] = layout
+    return layout
+
+
+def layout_for(result: SuiteResult) -> Layout:
+    return LAYOUTS.get(result.suite, DEFAULT_LAYOUT)
+
+
 def markdown_report(result: SuiteResult, plot_name: str | None = None) -> str:
     """Header (command, date, machine, peaks) and one table row per (configuration, entry)."""
     machine = result.machine
     settings = result.settings
+    peaks = [f"bf16 matmul ceiling {result.ceiling_tflops:.0f} TFLOP/s"] if result.ceiling_tflops else []
+    if result.copy_bandwidth_gbps:
+        peaks.append(f"copy bandwidth {result.copy_bandwidth_gbps:.0f} GB/s (read + write)")
+    floor = f"floor = {settings['bytes_floor_formula']}; " if "bytes_floor_formula" in settings else ""
     lines = [
         f"### `{result.suite}` — {result.date or ''}",
         "",
@@ -112,25 +175,23 @@ def markdown_report(result: SuiteResult, plot_name: str | None = None) -> str:
         f"torch {machine.get('torch')}, CUDA {machine.get('cuda_runtime')}",
         f"- dtype {settings.get('dtype')}, activation {settings.get('activation')}, "
         f"{settings.get('repeats')} timed runs after {settings.get('warmup')} warm-up, medians",
-        "- Measured in this run: "
-        + (f"bf16 matmul ceiling {result.ceiling_tflops:.0f} TFLOP/s, " if result.ceiling_tflops else "")
-        + (f"copy bandwidth {result.copy_bandwidth_gbps:.0f} GB/s (read + write)"
-           if result.copy_bandwidth_gbps else ""),
-        f"- FLOPs = {settings.get('flops_formula', '')}; floor = {settings.get('bytes_floor_formula', '')}; "
+        *(["- Measured in this run: " + ", ".join(peaks)] if peaks else []),
+        f"- FLOPs = {settings.get('flops_formula', '')}; {floor}"
         f"max rel. error = max|y − y_ref| / max|y_ref| against `flashdmoe.reference` "
         f"(tolerance {settings.get('error_tolerance')}; tokens whose k-th and (k+1)-th router "
         f"log-probabilities are within {settings.get('near_tie_log_gap')} are left out)",
-        "",
     ]
+    lines += [f"- {note}" for note in settings.get("notes", [])]
+    lines.append("")
+    columns = layout_for(result).markdown
     shape_keys = list(result.configs[0].shape) if result.configs else []
-    headers = shape_keys + ["floor ms"] + ROW_HEADERS + ["status"]
+    headers = shape_keys + [column.header for column in columns]
     lines.append("| " + " | ".join(headers) + " |")
     lines.append("|" + "|".join("---" for _ in headers) + "|")
     for config in result.configs:
         shape_cells = [str(config.shape[key]) for key in shape_keys]
         for entry in config.entries:
-            cells = shape_cells + [_number(config.floor_ms, 3)] + _row_cells(entry)
-            cells.append(_status_cell(entry))
+            cells = shape_cells + [column.cell(config, entry) for column in columns]
             lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
     if plot_name:
         lines += ["", f"![{result.suite} median ms per entry]({plot_name})"]
@@ -144,25 +205,16 @@ def _compact_label(config: ConfigResult) -> str:
 def rich_table(result: SuiteResult) -> Table:
     """Short terminal summary: one row per (configuration, entry); full reasons are in the files."""
     shape_keys = "/".join(result.configs[0].shape) if result.configs else "config"
+    columns = layout_for(result).terminal
     table = Table(title=f"flashdmoe bench --suite {result.suite}", show_lines=False)
-    for header, justify in (
-        (shape_keys, "left"), ("entry", "left"), ("ms", "right"), ("TFLOP/s", "right"),
-        ("% ceil", "right"), ("% floor", "right"), ("vs gmm", "right"), ("rel err", "right"),
-        ("status", "left"),
-    ):
-        table.add_column(header, justify=justify, no_wrap=True, overflow="ellipsis")
+    table.add_column(shape_keys, justify="left", no_wrap=True, overflow="ellipsis")
+    for column in columns:
+        table.add_column(column.header, justify=column.justify, no_wrap=True, overflow="ellipsis")
     for config in result.configs:
         for index, entry in enumerate(config.entries):
             table.add_row(
                 _compact_label(config) if index == 0 else "",
-                entry.name,
-                _number(entry.median_ms, 3),
-                _tflops_cell(entry.tflops),
-                _number(entry.percent_of_ceiling, 1),
-                _number(entry.percent_of_floor, 1),
-                "–" if entry.speedup_over_grouped_mm is None else f"{entry.speedup_over_grouped_mm:.2f}x",
-                _error_cell(entry),
-                _status_cell(entry, REASON_WIDTH_IN_TERMINAL),
+                *(column.cell(config, entry) for column in columns),
                 end_section=index == len(config.entries) - 1,
             )
     return table

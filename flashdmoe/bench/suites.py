@@ -1,7 +1,8 @@
 """Registry of named benchmark suites, and the ``single-gpu`` suite.
 
-A suite is a ``Suite`` record with a ``runner(options) -> SuiteResult``; ``register_suite`` adds more
-(the expert-parallel and multi-GPU suites register themselves the same way).
+A suite is a ``Suite`` record with a ``runner(options) -> SuiteResult`` (and optionally a ``validate(options)``
+that raises ``ValueError`` for option combinations it cannot run); ``register_suite`` adds more. The
+``expert-parallel`` suite (``flashdmoe.bench.expert_parallel``) registers itself when this module is imported.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ class Suite:
     entry_names: tuple[str, ...]
     activation: str = "gelu"
     dtype: str = "bfloat16"
+    validate: Callable[[SuiteOptions], None] | None = None
 
 
 SUITES: dict[str, Suite] = {}
@@ -296,3 +298,6 @@ register_suite(
         entry_names=("fused", "grouped_mm", "per_expert_loop", "reference"),
     )
 )
+
+# Registers "expert-parallel" (imported last: that module uses the names above).
+from flashdmoe.bench import expert_parallel as _expert_parallel  # noqa: E402,F401

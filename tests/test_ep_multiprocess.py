@@ -1,0 +1,462 @@
+"""Expert parallelism across processes: P rank processes share the one GPU under MPS, each joins a
+``Team.nvshmem`` team and calls ``flashdmoe.moe(..., team=team, backend="cuda")`` (flashdmoe.multiprocess).
+
+CPU part (always runs): the harness itself (unique-id hand-over, per-rank errors, hung and crashed ranks,
+argument checks) and the seeded problems the GPU part is built on.
+
+GPU part (``gpu``): forward and backward of every rank against ``reference.moe_expert_parallel``, computed
+here on the CPU in float32 from the same seeded inputs; the traffic counters against the reference routing;
+a silent rank makes every rank raise ``KernelTimeout`` naming it, and a new team works afterwards.
+Tolerances (norm-relative, as tests/test_fused_gpu.py): outputs bf16 2e-2 / fp16 5e-3 (the kernel rounds the
+activation and per-expert outputs to the input dtype), gradients 3e-2. Near-ties of the router are redrawn
+by ``Problem`` (gap 1e-3 in log-probability), so the kernel must route exactly like the reference.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from flashdmoe import multiprocess as mp
+from flashdmoe import reference
+from flashdmoe.multiprocess import Problem
+
+# ------------------------------------------------------------------------------------------------------------
+# CPU: the harness
+
+
+def test_ranks_receive_rank0_id_and_return_results():
+    result = mp.run_ranks("selftest", 2, nvshmem=False, mps=False, timeout_s=120)
+    assert result.ok, result.summary()
+    assert result.check() is result
+    uids = {outcome.info["uid"] for outcome in result.ranks}
+    assert len(uids) == 1 and len(bytes.fromhex(uids.pop())) == 128  # one id, published by rank 0
+    assert len({outcome.info["pid"] for outcome in result.ranks}) == 2  # two processes
+    for rank, outcome in enumerate(result.ranks):
+        assert outcome.rank == rank and outcome.returncode == 0 and outcome.phase == "exiting"
+        assert torch.equal(outcome.tensors["rank"], torch.tensor([rank]))
+    assert result.hung_ranks == [] and result.failed_ranks == []
+
+
+def test_failing_crashing_and_hung_ranks_are_reported():
+    started = time.monotonic()
+    result = mp.run_ranks("selftest", 3, nvshmem=False, mps=False, timeout_s=120, failure_grace_s=3,
+                          params={"actions": {"0": "raise", "1": "hang", "2": "exit"}})
+    assert time.monotonic() - started < 60  # the hung rank is killed soon after the failure, not at the timeout
+    raised, hung, crashed = result.ranks
+    assert raised.status == "error" and raised.error_type == "ValueError" and raised.returncode == 1
+    assert "rank 0 raises as asked" in raised.error_message and "scenario_selftest" in raised.traceback
+    assert raised.phase == "scenario selftest"
+    assert hung.status == "hung" and hung.phase == "selftest: hanging as asked"
+    assert "after rank" in hung.kill_reason and "failed" in hung.kill_reason
+    assert crashed.status == "crashed" and crashed.returncode == 7 and crashed.phase == "scenario selftest"
+    assert result.hung_ranks == [1] and result.failed_ranks == [0, 1, 2] and not result.ok
+    with pytest.raises(mp.RanksFailed, match=r"rank 1: hung in phase 'selftest: hanging as asked'") as info:
+        result.check()
+    assert info.value.result is result
+    assert "rank 0: ValueError: selftest: rank 0 raises as asked" in str(info.value)
+    assert "rank 2: crashed with exit code 7" in str(info.value)
+
+
+def test_uid_wait_returns_published_id(tmp_path):
+    uid = bytes(range(128))
+    threading.Timer(0.3, mp._publish_uid, args=(tmp_path, uid)).start()
+    assert mp._wait_for_uid(tmp_path, timeout_s=20, poll_s=0.01) == uid
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["uid.bin"]  # the temporary file was renamed
+
+
+def test_uid_wait_is_bounded_and_names_rank0_phase(tmp_path):
+    (tmp_path / "rank0.phase.json").write_text(json.dumps({"phase": "joining the NVSHMEM team (collective)"}))
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"no unique id from rank 0 .* after 0.3 s .*joining the NVSHMEM team"):
+        mp._wait_for_uid(tmp_path, timeout_s=0.3, poll_s=0.01)
+    assert time.monotonic() - started < 5
+
+
+def test_uid_wait_stops_when_rank0_failed(tmp_path):
+    (tmp_path / "rank0.status.json").write_text(json.dumps(
+        {"status": "error", "error_type": "ImportError", "error_message": "no nvshmem"}))
+    with pytest.raises(RuntimeError, match="rank 0 finished without publishing the unique id .*ImportError: no nvshmem"):
+        mp._wait_for_uid(tmp_path, timeout_s=60)
+    (tmp_path / "uid.bin").write_bytes(b"short")
+    with pytest.raises(RuntimeError, match="5 bytes; expected a 128-byte unique id"):
+        mp._wait_for_uid(tmp_path, timeout_s=1)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(scenario="nope", world_size=2), "scenario='nope'"),
+    (dict(scenario="selftest", world_size=0), "world_size=0"),
+    (dict(scenario="selftest", world_size=9), "world_size=9: expected at most 8"),
+    (dict(scenario="selftest", world_size=2, timeout_s=0), "timeout_s=0"),
+    (dict(scenario="selftest", world_size=2, uid_timeout_s=-1), "uid_timeout_s=-1"),
+    (dict(scenario="selftest", world_size=2, params={"x": object()}), "params: expected JSON-able"),
+    (dict(scenario="selftest", world_size=2, nvshmem=False, mps="yes"), "mps='yes'"),
+    (dict(scenario="forward_backward", world_size=2, nvshmem=True), "team: required"),
+    (dict(scenario="forward_backward", world_size=3, nvshmem=True,
+          params={"problem": Problem((4, 4), 64, 64, 4, 2).to_dict()}), "tokens for 2 ranks, but world_size=3"),
+    (dict(scenario="bench", world_size=2, team={"hidden": 64}), "team: missing"),
+])
+def test_run_ranks_rejects_bad_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        mp.run_ranks(**({"mps": False} | kwargs))
+
+
+def test_child_rejects_a_bad_spec(tmp_path, capsys):
+    assert mp.main([]) == 2
+    bad = tmp_path / "spec.json"
+    bad.write_text(json.dumps({"version": 99}))
+    assert mp.main([str(bad)]) == 2
+    assert "spec version 99" in capsys.readouterr().err
+    done = subprocess.run([sys.executable, "-m", "flashdmoe.multiprocess", str(bad)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "bad spec" in done.stderr
+
+
+# ------------------------------------------------------------------------------------------------------------
+# CPU: the scenarios' own code, with a one-rank stand-in for the team and the reference as the layer
+# (the GPU part below runs them for real)
+
+
+class _StandInTeam:
+    def __init__(self):
+        self.failed = False
+        self.barriers = 0
+
+    def barrier(self):
+        self.barriers += 1
+
+
+def _cpu_context(tmp_path, params, team=None) -> mp.RankContext:
+    return mp.RankContext(0, 1, params, team or _StandInTeam(), torch.device("cpu"), tmp_path, {})
+
+
+def _reference_layer(calls):
+    def forward(problem, context, x, router, w1, w2):
+        calls.append(x)
+        return reference.moe(x, router, w1, w2, **problem.moe_kwargs())
+    return forward
+
+
+def test_forward_backward_scenario_returns_every_gradient(monkeypatch, tmp_path):
+    problem = Problem((40,), 64, 48, 4, 2, "swiglu", True, 1.0, dtype="float32", seed=7)
+    calls = []
+    monkeypatch.setattr(mp, "_moe_call", _reference_layer(calls))
+    traffic = [{"rank": 0, "dispatch_bytes": 0, "combine_bytes": 0, "rows_routed_remote": 0}]
+    # (cuda_backend.last_traffic is computed by a module __getattr__: patch the reader, not the module)
+    monkeypatch.setattr(mp, "_traffic_now", lambda: [dict(t) for t in traffic])
+    out = mp.scenario_forward_backward(_cpu_context(tmp_path, {"problem": problem.to_dict(), "iterations": 3}))
+    assert len(calls) == 3 and all(x.requires_grad for x in calls)
+    want = mp.reference_results(problem)[0]
+    for name in ("y", "dx", "d_router", "dw1", "dw2"):
+        torch.testing.assert_close(out.tensors[name], want[name], rtol=1e-5, atol=1e-5, msg=name)
+    assert out.info == {"traffic": traffic, "iterations": 3, "repeat_identical": True,
+                        "grads_repeat_identical": True, "missing_grads": []}
+
+
+def test_timeout_scenario_reports_both_errors_and_restores_the_knobs(monkeypatch, tmp_path):
+    from flashdmoe import cuda_backend
+    from flashdmoe.errors import KernelTimeout
+    from flashdmoe.team import TeamFailed
+
+    team = _StandInTeam()
+    seen = []
+
+    def forward(problem, context, *args):
+        seen.append((cuda_backend.debug.silent_rank, cuda_backend.debug.timeout_ms))
+        if not team.failed:
+            team.failed = True
+            raise KernelTimeout("flashdmoe kernel timed out in the dispatch (waiting on rank 1)")
+        raise TeamFailed("Team(...) failed earlier; make a new team")
+
+    monkeypatch.setattr(mp, "_moe_call", forward)
+    problem = Problem((8,), 64, 64, 4, 2, dtype="float32")
+    out = mp.scenario_timeout(_cpu_context(tmp_path, {"problem": problem.to_dict(), "silent_rank": 1,
+                                                      "timeout_ms": 500}, team))
+    assert out.info["error"] == {"type": "KernelTimeout", "module": "flashdmoe.errors",
+                                 "message": "flashdmoe kernel timed out in the dispatch (waiting on rank 1)"}
+    assert out.info["team_failed"] is True and out.info["second_call_error"]["type"] == "TeamFailed"
+    assert out.info["silent_rank"] == 1 and out.info["timeout_ms"] == 500 and out.info["elapsed_s"] < 60
+    assert seen == [(1, 500), (-1, 500)]  # the second call has no silent rank
+    assert getattr(cuda_backend.debug, "silent_rank", -1) == -1 and cuda_backend.debug.timeout_ms is None
+
+
+def test_bench_scenario_times_rotated_sets_after_a_checked_forward(monkeypatch, tmp_path):
+    problem = Problem((20,), 64, 64, 4, 2, dtype="float32", near_tie_gap=0.0, seed=9)
+    calls = []
+    monkeypatch.setattr(mp, "_moe_call", _reference_layer(calls))
+    team = _StandInTeam()
+    out = mp.scenario_bench(_cpu_context(tmp_path, {"problem": problem.to_dict(), "warmup": 1, "repeats": 4,
+                                                    "input_sets": 2}, team))
+    assert team.barriers == 1 and out.info["input_sets"] == 2
+    assert len(out.info["samples_ms"]) == 4 and out.info["p10_ms"] <= out.info["median_ms"] <= out.info["p90_ms"]
+    sets = [problem.replace(seed=9 + s).rank_inputs(0).x for s in range(2)]
+    # checked forward on set 0, one warm-up (set 0), then four timed runs rotating from set 1
+    assert [next(i for i, x in enumerate(sets) if torch.equal(x, c)) for c in calls] == [0, 0, 1, 0, 1, 0]
+    torch.testing.assert_close(out.tensors["y"], mp.reference_results(problem)[0]["y"], rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# CPU: seeded problems
+
+
+def test_problem_is_deterministic_and_independent_of_the_split():
+    problem = Problem(tokens=(96, 0, 160, 33), hidden=64, ffn=64, experts=8, top_k=2, capacity_factor=1.0,
+                      router_skew=((3, 4.0),), seed=5)
+    together = problem.all_inputs()
+    for rank, inputs in enumerate(together):
+        alone = problem.rank_inputs(rank)
+        for name in ("x", "router_weight", "w1", "w2", "dy"):
+            assert torch.equal(getattr(inputs, name), getattr(alone, name)), name
+        assert inputs.x.shape == (problem.tokens[rank], 64) and inputs.x.dtype == torch.bfloat16
+        assert inputs.w1.shape == (2, 64, 64) and inputs.w2.shape == (2, 64, 64)
+    # The same total problem on one rank holds the same tokens and experts (the bench compares P).
+    single = problem.replace(tokens=(289,))
+    assert torch.equal(single.all_tokens(), torch.cat([i.x for i in together]))
+    assert torch.equal(single.shard(0)[0], torch.cat([i.w1 for i in together]))
+    assert not torch.equal(problem.replace(seed=6).all_tokens(), single.all_tokens())
+    router = problem.router_weight().float()
+    unskewed = problem.replace(router_skew=()).router_weight().float()
+    torch.testing.assert_close(router[3], 4.0 * unskewed[3], rtol=1e-2, atol=0)
+    assert torch.equal(router[:3], unskewed[:3])
+    assert Problem.from_dict(json.loads(json.dumps(problem.to_dict()))) == problem
+
+
+def test_problem_redraws_near_ties():
+    problem = Problem(tokens=(3000,), hidden=64, ffn=64, experts=16, top_k=3, seed=1, near_tie_gap=1e-2)
+    kept = problem.replace(near_tie_gap=0.0).all_tokens()
+    fixed = problem.all_tokens()
+    router = problem.router_weight()
+    assert mp.near_tie_rows(kept, router, 3, 1e-2).sum() > 0  # there were some
+    assert mp.near_tie_rows(fixed, router, 3, 1e-2).sum() == 0  # and none are left
+    redrawn = (kept != fixed).any(dim=1)
+    assert torch.equal(redrawn, mp.near_tie_rows(kept, router, 3, 1e-2))  # exactly the near-ties were redrawn
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(tokens=()), "tokens=()"),
+    (dict(tokens=(1,) * 9), "tokens="),
+    (dict(tokens=(4, -1)), r"tokens\[1\]=-1"),
+    (dict(experts=6, tokens=(4, 4, 4, 4)), "experts=6: expected a multiple of the number of ranks P=4"),
+    (dict(top_k=9), "top_k=9"),
+    (dict(hidden=0), "hidden=0"),
+    (dict(activation="tanh"), "activation='tanh'"),
+    (dict(capacity_factor=0.0), "capacity_factor=0.0"),
+    (dict(dtype="float64"), "dtype='float64'"),
+    (dict(router_skew=((8, 2.0),)), "router_skew expert 8"),
+    (dict(router_skew=((1, -2.0),)), "router_skew scale -2.0"),
+    (dict(near_tie_gap=-1.0), "near_tie_gap=-1.0"),
+    (dict(normalize_topk=1), "normalize_topk=1"),
+])
+def test_problem_rejects_bad_fields(changes, message):
+    fields = dict(tokens=(4, 4), hidden=64, ffn=64, experts=8, top_k=2) | changes
+    with pytest.raises(ValueError, match=message):
+        Problem(**fields)
+    with pytest.raises(ValueError, match="unknown fields"):
+        Problem.from_dict({"tokens": [1], "hidden": 64, "ffn": 64, "experts": 2, "top_k": 1, "colour": 1})
+
+
+def test_split_tokens():
+    assert mp.split_tokens(10, 4) == [3, 3, 2, 2]
+    assert mp.split_tokens(8192, 8) == [1024] * 8
+    assert mp.split_tokens(1, 3) == [1, 0, 0]
+    with pytest.raises(ValueError, match="world_size=0"):
+        mp.split_tokens(4, 0)
+
+
+def test_reference_results_are_the_single_rank_layer_on_all_tokens():
+    problem = Problem(tokens=(37, 0, 51), hidden=64, ffn=32, experts=6, top_k=2, activation="swiglu",
+                      dtype="float32", seed=3)
+    per_rank = mp.reference_results(problem)
+    inputs = problem.all_inputs()
+    x = torch.cat([i.x for i in inputs]).requires_grad_()
+    router = inputs[0].router_weight.clone().requires_grad_()
+    w1 = torch.cat([i.w1 for i in inputs]).requires_grad_()
+    w2 = torch.cat([i.w2 for i in inputs]).requires_grad_()
+    y = reference.moe(x, router, w1, w2, top_k=2, activation="swiglu")  # dropless: the split does not matter
+    (y * torch.cat([i.dy for i in inputs])).sum().backward()
+    torch.testing.assert_close(torch.cat([r["y"] for r in per_rank]), y.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.cat([r["dx"] for r in per_rank]), x.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.cat([r["dw1"] for r in per_rank]), w1.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.cat([r["dw2"] for r in per_rank]), w2.grad, rtol=1e-5, atol=1e-5)
+    for r in per_rank:
+        torch.testing.assert_close(r["d_router"], router.grad, rtol=1e-5, atol=1e-6)
+    assert per_rank[1]["y"].shape == (0, 64) and per_rank[1]["experts"].shape == (0, 2)
+
+
+def test_expected_traffic_counts_remote_kept_choices():
+    problem = Problem(tokens=(50, 70), hidden=64, ffn=64, experts=4, top_k=2, capacity_factor=0.5, seed=2)
+    traffic = mp.expected_traffic(problem)
+    per_rank = mp.reference_results(problem)
+    owners = [r["experts"] // 2 for r in per_rank]
+    sent = [int(((owners[r] != r) & per_rank[r]["keep"]).sum()) for r in range(2)]
+    assert [t["rows_routed_remote"] for t in traffic] == sent
+    assert [t["rows_computed_remote"] for t in traffic] == sent[::-1]  # two ranks: one's sends, the other's work
+    assert [t["dispatch_bytes"] for t in traffic] == [n * 64 * 2 for n in sent]
+    assert [t["combine_bytes"] for t in traffic] == [n * 64 * 2 for n in sent[::-1]]
+    assert all(r["keep"].sum() < r["keep"].numel() for r in per_rank)  # capacity 0.5 dropped some
+
+
+# ------------------------------------------------------------------------------------------------------------
+# GPU: P processes on the one GPU under MPS
+
+TOLERANCE_Y = {"bfloat16": 2e-2, "float16": 5e-3}
+TOLERANCE_GRAD = 3e-2
+RUN_TIMEOUT_S = 240  # per run of P processes (start-up, team init, the scenario, teardown)
+
+# (id, Problem): P = len(tokens). Ranks with T_r = 0, uneven T_r, skewed routing (router rows scaled so a
+# few experts win most tokens), capacity on and off, bf16 and fp16, one expert per rank.
+CONFIGS = [
+    ("p2-even-gelu", Problem((128, 128), 128, 128, 8, 2, "gelu", True, None, seed=11)),
+    ("p2-zero-rank-swiglu-capacity", Problem((0, 200), 256, 128, 4, 2, "swiglu", True, 1.0, seed=12)),
+    ("p2-skewed-silu-capacity-k4", Problem((257, 129), 128, 192, 16, 4, "silu", False, 1.25, seed=13,
+                                           router_skew=((3, 4.0), (12, 3.0)))),
+    ("p4-uneven-zero-rank-skewed-relu", Problem((64, 0, 300, 129), 128, 128, 8, 2, "relu", True, None, seed=15,
+                                                router_skew=((5, 4.0),))),
+    ("p4-skewed-capacity-gelu-fp16", Problem((190, 256, 1, 77), 192, 256, 16, 3, "gelu", True, 1.0,
+                                             dtype="float16", seed=16, router_skew=((0, 3.0), (1, 3.0)))),
+    ("p4-one-expert-per-rank-swiglu", Problem((33, 65, 97, 129), 64, 64, 4, 1, "swiglu", False, None, seed=17)),
+]
+CONFIG_IDS = [name for name, _ in CONFIGS]
+
+
+@pytest.fixture(scope="module")
+def mps_daemon():
+    """One MPS daemon for the module's runs (DESIGN.md §4); skips where the multi-process path cannot run."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the fused kernel targets Hopper (sm_90a)")
+    from flashdmoe import extension
+
+    extension.load()  # built here once (a failure on Hopper is an error, not a skip), not inside a rank's run
+    reason = mp.nvshmem_unavailable_reason()
+    if reason:
+        pytest.skip(f"rank processes need nvshmem4py: {reason}")
+    from flashdmoe.mps import MpsDaemon, mps_available
+
+    reason = mps_available()
+    if reason:
+        pytest.skip(f"several processes on one GPU need MPS: {reason}")
+    daemon = MpsDaemon()
+    try:
+        daemon.start()
+    except (OSError, subprocess.SubprocessError, RuntimeError) as error:
+        log = daemon.log_tail()
+        daemon.stop()
+        pytest.skip(f"the MPS daemon did not start: {error}\n{log}")
+    yield daemon
+    daemon.stop()
+
+
+_RUNS: dict[str, mp.RunResult] = {}
+_HUNG: list[str] = []
+
+
+def _run(mps_daemon, scenario: str, world_size: int, params: dict, what: str) -> mp.RunResult:
+    """run_ranks, except after a run that hung: then fail at once instead of spending the timeout again."""
+    if _HUNG:
+        pytest.fail(f"not started: an earlier multi-process run hung ({_HUNG[0]})")
+    result = mp.run_ranks(scenario, world_size, mps=mps_daemon, params=params, timeout_s=RUN_TIMEOUT_S)
+    if result.hung_ranks:
+        _HUNG.append(f"{what}: ranks {result.hung_ranks}")
+    return result
+
+
+def _forward_backward(mps_daemon, name: str, problem: Problem) -> mp.RunResult:
+    """One multi-process run per config, shared by the tests that read it."""
+    if name not in _RUNS:
+        _RUNS[name] = _run(mps_daemon, "forward_backward", problem.world_size,
+                           {"problem": problem.to_dict(), "iterations": 2}, name)
+    return _RUNS[name]
+
+
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.double(), want.double()
+    return float((got - want).norm() / want.norm())
+
+
+def _check_close(got: torch.Tensor, want: torch.Tensor, tolerance: float, what: str) -> None:
+    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)}, expected {tuple(want.shape)}"
+    assert torch.isfinite(got).all(), f"{what}: non-finite values"
+    if want.numel() == 0:
+        return
+    if float(want.norm()) == 0.0:
+        assert float(got.abs().max()) == 0.0, f"{what}: expected exactly zero"
+        return
+    error = _relative_error(got, want)
+    assert error < tolerance, f"{what}: relative error {error:.2e} >= {tolerance:.0e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name, problem", CONFIGS, ids=CONFIG_IDS)
+def test_forward_backward_matches_reference(mps_daemon, name, problem):
+    result = _forward_backward(mps_daemon, name, problem)
+    result.check()
+    expected = mp.reference_results(problem)
+    dtype = problem.torch_dtype
+    for rank, (outcome, want) in enumerate(zip(result.ranks, expected)):
+        got = outcome.tensors
+        where = f"{name} rank {rank}"
+        assert got["y"].dtype == dtype and got["dw1"].dtype == dtype, where
+        allowed_missing = ["dx"] if problem.tokens[rank] == 0 else []
+        assert [g for g in outcome.info["missing_grads"] if g not in allowed_missing] == [], where
+        _check_close(got["y"], want["y"], TOLERANCE_Y[problem.dtype], f"{where}: y")
+        assert outcome.info["repeat_identical"], f"{where}: y differs between back-to-back forwards"
+        _check_close(got["dx"], want["dx"], TOLERANCE_GRAD, f"{where}: dx")
+        _check_close(got["d_router"], want["d_router"], TOLERANCE_GRAD, f"{where}: d_router")
+        for expert in range(problem.local_experts):  # per expert: a busy expert must not hide an idle one
+            _check_close(got["dw1"][expert], want["dw1"][expert], TOLERANCE_GRAD, f"{where}: dw1[{expert}]")
+            _check_close(got["dw2"][expert], want["dw2"][expert], TOLERANCE_GRAD, f"{where}: dw2[{expert}]")
+    # The router is replicated: every rank holds the same summed gradient, bit for bit.
+    routers = [outcome.tensors["d_router"] for outcome in result.ranks]
+    assert all(torch.equal(routers[0], other) for other in routers[1:])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name, problem", CONFIGS, ids=CONFIG_IDS)
+def test_only_routed_rows_travel(mps_daemon, name, problem):
+    """cuda_backend.last_traffic of each rank's forward against the reference routing (payload efficiency 1)."""
+    result = _forward_backward(mps_daemon, name, problem)
+    result.check()
+    for outcome, want in zip(result.ranks, mp.expected_traffic(problem)):
+        traffic = outcome.info["traffic"]
+        assert isinstance(traffic, list) and len(traffic) == 1, traffic  # one rank per process
+        got = traffic[0]
+        assert got["rank"] == outcome.rank
+        assert got["rows_routed_remote"] == want["rows_routed_remote"], (name, got, want)
+        assert got["dispatch_bytes"] == want["dispatch_bytes"], (name, got, want)
+        assert got["combine_bytes"] == want["combine_bytes"], (name, got, want)
+        if want["rows_routed_remote"]:
+            assert got["payload_efficiency"] == pytest.approx(1.0), (name, got)
+
+
+@pytest.mark.gpu
+def test_silent_rank_makes_every_rank_time_out_then_a_new_team_works(mps_daemon):
+    problem = Problem((128, 128), 128, 128, 8, 2, "gelu", seed=21)
+    timeout_ms = 2000
+    result = _run(mps_daemon, "timeout", 2,
+                  {"problem": problem.to_dict(), "silent_rank": 1, "timeout_ms": timeout_ms}, "timeout")
+    result.check()  # no rank hung: the watchdog ended every kernel
+    for outcome in result.ranks:
+        info = outcome.info
+        where = f"rank {outcome.rank}: {info}"
+        assert info["error"]["type"] == "KernelTimeout", where
+        assert info["error"]["module"].startswith("flashdmoe"), where
+        peer = r"waiting on rank 1\b" if outcome.rank == 0 else r"waiting on rank [01]\b"  # 1 is silent
+        assert re.search(peer, info["error"]["message"]), where
+        assert info["elapsed_s"] < timeout_ms / 1000 + 60, where  # bounded by the watchdog, not a hang
+        assert info["team_failed"] is True, where
+        assert info["second_call_error"]["type"] == "TeamFailed", where
+    # The GPU and MPS recovered: a new team (new processes, new unique id) computes correctly.
+    name, fresh = CONFIGS[0]
+    again = _run(mps_daemon, "forward_backward", 2, {"problem": fresh.to_dict(), "iterations": 1},
+                 "after the timeout").check()
+    for outcome, want in zip(again.ranks, mp.reference_results(fresh)):
+        _check_close(outcome.tensors["y"], want["y"], TOLERANCE_Y[fresh.dtype], f"after the timeout: rank {outcome.rank} y")
