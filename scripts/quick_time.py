@@ -2,6 +2,7 @@
 after warm-up, 3 rotated input sets). A development probe; the benchmark of record is `flashdmoe bench`."""
 
 import math
+import os
 import statistics
 
 import torch
@@ -17,7 +18,8 @@ def main():
     for name, code in cuda_backend.EXPERT_VARIANTS.items():
         print(f"kernel attributes bf16 {name}:", ext.kernel_attributes(0, code))
     print(f"{'variant':>16} {'T':>6} {'H':>5} {'I':>5} {'E':>4} {'k':>2} {'ms':>8} {'TF/s':>7}")
-    for (T, H, I, E, k), variant in [(s, v) for s in SHAPES for v in cuda_backend.EXPERT_VARIANTS]:
+    wanted = [v for v in os.environ.get("QUICK_VARIANTS", "").split(",") if v] or list(cuda_backend.EXPERT_VARIANTS)
+    for (T, H, I, E, k), variant in [(s, v) for s in SHAPES for v in wanted]:
         cuda_backend.debug.expert_variant = variant
         sets = []
         for _ in range(3):

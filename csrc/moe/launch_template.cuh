@@ -245,7 +245,8 @@ LaunchInfo launch_forward_typed(const ForwardArgs& a, cudaStream_t stream) {
     case 3: return launch_forward_variant<Element, MmaSync128ThreeStages>(a, stream);
     case 4: return launch_forward_variant<Element, Tma256FourStages>(a, stream);
     case 5: return launch_forward_variant<Element, Tma128SixStages>(a, stream);
-    default: throw std::invalid_argument("expert_variant must be 0..5, got " + std::to_string(a.expert_variant));
+    case 6: return launch_forward_variant<Element, TmaPrefetch256FourStages>(a, stream);
+    default: throw std::invalid_argument("expert_variant must be 0..6, got " + std::to_string(a.expert_variant));
   }
 }
 
@@ -258,7 +259,8 @@ KernelAttributes kernel_attributes_typed(int variant) {
     case 3: return kernel_attributes_variant<Element, MmaSync128ThreeStages>();
     case 4: return kernel_attributes_variant<Element, Tma256FourStages>();
     case 5: return kernel_attributes_variant<Element, Tma128SixStages>();
-    default: throw std::invalid_argument("expert_variant must be 0..5, got " + std::to_string(variant));
+    case 6: return kernel_attributes_variant<Element, TmaPrefetch256FourStages>();
+    default: throw std::invalid_argument("expert_variant must be 0..6, got " + std::to_string(variant));
   }
 }
 

@@ -4,6 +4,7 @@
 // that carry this forward's sequence number, so the same code runs across processes and GPUs.
 #pragma once
 #include "moe/combine.cuh"
+#include "moe/expert_pipeline.cuh"
 #include "moe/gate.cuh"
 
 namespace flashdmoe {
@@ -52,7 +53,11 @@ __global__ void __launch_bounds__(Variant::kBlockThreads, Variant::kMinBlocksPer
   if (!build_dest_tables(p, tables)) return;
   publish_empty_results(p, tables);
   const Element** a_rows = reinterpret_cast<const Element**>(smem + layout.row_ptrs_offset);
-  if (!run_expert_tasks<Element, Variant>(p, tables, smem, a_rows)) return;
+  if constexpr (Variant::kUseTmaPrefetch) {
+    if (!run_expert_tasks_prefetch<Element, Variant>(p, tables, smem)) return;
+  } else {
+    if (!run_expert_tasks<Element, Variant>(p, tables, smem, a_rows)) return;
+  }
   if (!grid_barrier(p, kPhaseExpertsDone, 4)) return;
   stamp_phase(p, 4);
 

@@ -18,14 +18,16 @@ constexpr int kExpertTileM = 128;
 // cp.async pipeline depth, and the blocks per SM the register budget is cut for.
 // WgmmaTma: operands loaded by TMA from a producer warp (warp-specialised, mbarrier pipeline);
 // Wgmma / MmaSync: all threads load with cp.async.
-enum class ExpertMma : int { Wgmma = 0, MmaSync = 1, WgmmaTma = 2 };
+// WgmmaTmaPrefetch: the same, and the producer streams across tile boundaries (registers epilogue).
+enum class ExpertMma : int { Wgmma = 0, MmaSync = 1, WgmmaTma = 2, WgmmaTmaPrefetch = 3 };
 template <ExpertMma kMma, int kTileNArg, int kStagesArg, int kBlocksPerSm>
 struct ExpertVariant {
-  static constexpr bool kUseWgmma = kMma == ExpertMma::Wgmma || kMma == ExpertMma::WgmmaTma;
+  static constexpr bool kUseTmaPrefetch = kMma == ExpertMma::WgmmaTmaPrefetch;
+  static constexpr bool kUseWgmma = kMma != ExpertMma::MmaSync;
   static constexpr int kTileN = kTileNArg;
   static constexpr int kStages = kStagesArg;
   static constexpr int kMinBlocksPerSm = kBlocksPerSm;
-  static constexpr bool kUseTma = kMma == ExpertMma::WgmmaTma;
+  static constexpr bool kUseTma = kMma == ExpertMma::WgmmaTma || kMma == ExpertMma::WgmmaTmaPrefetch;
   static constexpr int kBlockThreads = kUseTma ? kThreads + 32 : kThreads;  // + the producer warp
   static constexpr int kPipelineBytes = kStages * (kExpertTileM + kTileN) * 64 * 2;
   static constexpr int kEpilogueStride = kTileN + 4;  // fp32 staging row, padded against bank conflicts
@@ -38,6 +40,7 @@ using Wgmma256FourStages = ExpertVariant<ExpertMma::Wgmma, 256, 4, 1>;     // 2
 using MmaSync128ThreeStages = ExpertVariant<ExpertMma::MmaSync, 128, 3, 2>;  // 3
 using Tma256FourStages = ExpertVariant<ExpertMma::WgmmaTma, 256, 4, 1>;       // 4
 using Tma128SixStages = ExpertVariant<ExpertMma::WgmmaTma, 128, 6, 1>;        // 5
+using TmaPrefetch256FourStages = ExpertVariant<ExpertMma::WgmmaTmaPrefetch, 256, 4, 1>;  // 6
 
 // Shape constraints checked on the host (and named in the error message).
 constexpr int kHiddenMultiple = 64;

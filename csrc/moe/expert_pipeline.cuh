@@ -1,0 +1,223 @@
+// Expert tasks for the TMA variants with cross-tile prefetch: the producer warp takes tasks from the
+// queue itself, waits for their inputs (a peer's rows, a GEMM1 row tile), and streams their K slabs
+// through the stage ring without stopping at tile boundaries; it hands each task to the consumer
+// warpgroups through a small ring of task slots (one mbarrier each). The consumers run wgmma and write
+// results straight from registers (no shared-memory staging), so the stages are never needed for the
+// epilogue and the next tile's loads overlap this tile's epilogue.
+#pragma once
+#include "moe/expert_ffn.cuh"
+
+namespace flashdmoe {
+
+// One task as the producer decoded it.
+struct ExpertTask {
+  int task;  // >= 0: index in the queue; kTaskEnd: queue drained; kTaskAbort: a wait timed out
+  bool second;
+  int row_tile, col_tile;
+};
+constexpr int kTaskEnd = -1, kTaskAbort = -2;
+
+template <int STAGES>
+struct TaskRing {
+  static constexpr int kSlots = STAGES + 2;  // the producer runs at most STAGES slabs (>= 1 per tile) ahead
+  int task[kSlots];
+  uint64_t full[kSlots];
+};
+
+__device__ __forceinline__ ExpertTask decode_task(int task, int tasks1, int tiles1, int tiles2) {
+  ExpertTask t;
+  t.task = task;
+  t.second = task >= tasks1;
+  const int index = t.second ? task - tasks1 : task;
+  const int col_tiles = t.second ? tiles2 : tiles1;
+  t.row_tile = index / col_tiles;
+  t.col_tile = index % col_tiles;
+  return t;
+}
+
+// GEMM1 epilogue from registers: activation (swiglu pairs gate column c with up column c + BN/2, both
+// held by the same thread), two columns per 4-byte store into the intermediate buffer.
+template <typename Element, typename Variant, typename Gemm>
+__device__ __forceinline__ void gemm1_epilogue_registers(const MoEParams& p, const Gemm& gemm, const RowTile& tile,
+                                                          int out_col0) {
+  constexpr int kTileN = Variant::kTileN;
+  const int I = p.ffn;
+  const bool swiglu = p.activation == Activation::Swiglu;
+  const int out_cols = swiglu ? kTileN / 2 : kTileN;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int row0 = (warp >> 2) * 64 + (warp & 3) * 16 + (lane >> 2);
+  Element* out = static_cast<Element*>(p.intermediate);
+#pragma unroll
+  for (int j = 0; j < kTileN / 8; ++j) {
+    const int col = j * 8 + ((lane & 3) << 1);
+    if (col >= out_cols) continue;  // swiglu: the up half is read together with its gate column
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = row0 + half * 8;
+      if (row >= tile.rows || out_col0 + col >= I) continue;
+      float h[2];
+#pragma unroll
+      for (int v = 0; v < 2; ++v) {
+        const float a = gemm.acc[j * 4 + half * 2 + v];
+        h[v] = swiglu ? silu(a) * gemm.acc[(j + kTileN / 16) * 4 + half * 2 + v] : activate(p.activation, a);
+      }
+      Element pair[2] = {static_cast<Element>(h[0]), static_cast<Element>(h[1])};
+      *reinterpret_cast<uint32_t*>(out + static_cast<size_t>(tile.packed_row0 + row) * I + out_col0 + col) =
+          *reinterpret_cast<const uint32_t*>(pair);
+    }
+  }
+}
+
+// GEMM2 epilogue from registers into the source's comb rows.
+template <typename Element, typename Variant, typename Gemm>
+__device__ __forceinline__ void gemm2_epilogue_registers(const MoEParams& p, const Gemm& gemm, const RowTile& tile,
+                                                          int col0) {
+  constexpr int kTileN = Variant::kTileN;
+  const int H = p.hidden;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int row0 = (warp >> 2) * 64 + (warp & 3) * 16 + (lane >> 2);
+  Element* out = comb_row<Element>(p, tile.src, tile.stream_row0);
+#pragma unroll
+  for (int j = 0; j < kTileN / 8; ++j) {
+    const int col = j * 8 + ((lane & 3) << 1);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = row0 + half * 8;
+      if (row >= tile.rows || col0 + col >= H) continue;
+      Element pair[2] = {static_cast<Element>(gemm.acc[j * 4 + half * 2]),
+                         static_cast<Element>(gemm.acc[j * 4 + half * 2 + 1])};
+      *reinterpret_cast<uint32_t*>(out + static_cast<size_t>(row) * H + col0 + col) =
+          *reinterpret_cast<const uint32_t*>(pair);
+    }
+  }
+}
+
+// Counts shared by producer and consumers.
+struct TaskCounts {
+  int tasks1, tiles1, tiles2, total;
+};
+
+// Producer lane: take tasks, wait for their inputs, stream their slabs, hand them over in order.
+template <typename Element, typename Variant>
+__device__ bool produce_tasks(const MoEParams& p, const DestTables& t, char* smem,
+                              TmaPipelineBarriers<Variant::kStages>& bars, TaskRing<Variant::kStages>& ring,
+                              const TaskCounts& c) {
+  using Gemm = TmaTileGemm<Element, Variant::kTileN, Variant::kStages>;
+  using Ring = TaskRing<Variant::kStages>;
+  constexpr int kTileN = Variant::kTileN;
+  const bool swiglu = p.activation == Activation::Swiglu;
+  const int out_cols1 = swiglu ? kTileN / 2 : kTileN;
+  uint32_t slab = 0, ready_seen = 0;
+  for (int n = 0;; ++n) {
+    const int slot = n % Ring::kSlots;
+    const int task = static_cast<int>(atomicAdd(p.task_counter, 1u));
+    int handed = task < c.total ? task : kTaskEnd;
+    ExpertTask job{};
+    RowTile tile{};
+    if (handed >= 0) {
+      job = decode_task(task, c.tasks1, c.tiles1, c.tiles2);
+      tile = row_tile_of(p, t, job.row_tile);
+      const bool ready = job.second
+          ? wait_at_least(p.row_tile_done + job.row_tile, c.tiles1, p, kPhaseIntermediate, p.rank)
+          : wait_rows_ready(p, tile.src, ready_seen);
+      tma::fence_proxy_async_global();
+      if (!ready) handed = kTaskAbort;
+    }
+    ring.task[slot] = handed;
+    tma::arrive(ptx::smem_addr(&ring.full[slot]));  // release: the slot's task id is visible to waiters
+    if (handed < 0) return handed == kTaskEnd;
+    const int k_tiles = job.second ? p.ffn / 64 : p.hidden / 64;
+    bool produced;
+    if (job.second) {
+      const int col0 = job.col_tile * kTileN;
+      produced = Gemm::produce(smem, bars, slab, k_tiles, p, [&](uint32_t a_dst, uint32_t b_dst, int k0, uint32_t bar) {
+        tma::load_2d(a_dst, &p.maps.intermediate, bar, k0, tile.packed_row0);
+#pragma unroll
+        for (int panel = 0; panel < Gemm::kPanels; ++panel)
+          tma::load_3d(b_dst + panel * Gemm::kPanelBytes, &p.maps.w2, bar, col0 + panel * 64, k0, tile.local);
+      });
+    } else {
+      const int out_col0 = job.col_tile * out_cols1;
+      const int col_lo = out_col0, col_hi = swiglu ? p.ffn + out_col0 : out_col0 + kTileN / 2;
+      const int a_row = tile.src * p.stream_rows + tile.stream_row0;
+      produced = Gemm::produce(smem, bars, slab, k_tiles, p, [&](uint32_t a_dst, uint32_t b_dst, int k0, uint32_t bar) {
+        tma::load_2d(a_dst, &p.maps.recv, bar, k0, a_row);
+#pragma unroll
+        for (int panel = 0; panel < Gemm::kPanels; ++panel) {
+          const int col = panel < Gemm::kPanels / 2 ? col_lo + panel * 64 : col_hi + (panel - Gemm::kPanels / 2) * 64;
+          tma::load_3d(b_dst + panel * Gemm::kPanelBytes, &p.maps.w1, bar, col, k0, tile.local);
+        }
+      });
+    }
+    if (!produced) return false;  // the consumers see the error word in their bounded waits
+    slab += k_tiles;
+  }
+}
+
+// Consumer warpgroups (the workers): take the handed tasks in order, compute, write from registers.
+template <typename Element, typename Variant>
+__device__ bool consume_tasks(const MoEParams& p, const DestTables& t, char* smem,
+                              TmaPipelineBarriers<Variant::kStages>& bars, TaskRing<Variant::kStages>& ring,
+                              const TaskCounts& c) {
+  using Gemm = TmaTileGemm<Element, Variant::kTileN, Variant::kStages>;
+  using Ring = TaskRing<Variant::kStages>;
+  constexpr int kTileN = Variant::kTileN;
+  const int out_cols1 = p.activation == Activation::Swiglu ? kTileN / 2 : kTileN;
+  uint32_t slab = 0;
+  for (int n = 0;; ++n) {
+    const int slot = n % Ring::kSlots;
+    const bool handed = wait_pipeline(ptx::smem_addr(&ring.full[slot]), (n / Ring::kSlots) & 1, p);
+    const int task = handed ? ring.task[slot] : kTaskAbort;
+    if (task < 0) return task == kTaskEnd;
+    const ExpertTask job = decode_task(task, c.tasks1, c.tiles1, c.tiles2);
+    const RowTile tile = row_tile_of(p, t, job.row_tile);
+    const int k_tiles = job.second ? p.ffn / 64 : p.hidden / 64;
+    Gemm gemm;
+    const bool ok = gemm.consume(smem, bars, slab, k_tiles, p);
+    slab += k_tiles;
+    if (!sync_workers_and(ok)) return false;
+    if (!job.second) {
+      gemm1_epilogue_registers<Element, Variant>(p, gemm, tile, job.col_tile * out_cols1);
+      tma::fence_proxy_async_global();  // GEMM2's TMA loads (async proxy) read these rows
+      sync_workers();
+      if (threadIdx.x == 0) {
+        __threadfence();
+        ptx::red_release_add_gpu(p.row_tile_done + job.row_tile, 1);
+      }
+    } else {
+      const int col0 = job.col_tile * kTileN;
+      gemm2_epilogue_registers<Element, Variant>(p, gemm, tile, col0);
+      sync_workers();
+      if (threadIdx.x == 0) account_results<Element, Variant>(p, t, tile.src, tile.rows, min(kTileN, p.hidden - col0));
+    }
+  }
+}
+
+template <typename Element, typename Variant>
+__device__ bool run_expert_tasks_prefetch(const MoEParams& p, const DestTables& t, char* smem) {
+  using Gemm = TmaTileGemm<Element, Variant::kTileN, Variant::kStages>;
+  using Ring = TaskRing<Variant::kStages>;
+  __shared__ TmaPipelineBarriers<Variant::kStages> bars;
+  __shared__ Ring ring;
+  TaskCounts c;
+  const int row_tiles = t.tile_start[p.world_size * p.local_experts];
+  c.tiles1 = gemm1_column_tiles<Variant>(p);
+  c.tiles2 = gemm2_column_tiles<Variant>(p);
+  c.tasks1 = row_tiles * c.tiles1;
+  c.total = c.tasks1 + row_tiles * c.tiles2;
+  if (threadIdx.x == 0) {
+    Gemm::init_barriers(bars);
+    for (int s = 0; s < Ring::kSlots; ++s) tma::mbarrier_init(ptx::smem_addr(&ring.full[s]), 1);
+    tma::fence_barrier_init();
+  }
+  __syncthreads();
+  bool ok = true;
+  if (threadIdx.x == kThreads) {
+    ok = produce_tasks<Element, Variant>(p, t, smem, bars, ring, c);
+  } else if (threadIdx.x < kThreads) {
+    ok = consume_tasks<Element, Variant>(p, t, smem, bars, ring, c);
+  }
+  return __syncthreads_and(ok);  // a uniform answer: the whole block leaves together
+}
+
+}  // namespace flashdmoe

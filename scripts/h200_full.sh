@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The full device check of record: build, the multi-process (MPS) tests in their own pytest process
+# first, every other GPU test, the test suite again on a second expert variant, a variant sweep, and
+# both benchmarks. Logs in $OUT. Usage: bash scripts/h200_full.sh
+set -uo pipefail
+OUT=${OUT:-$PWD/h200-out}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled
+export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+export FLASHDMOE_CACHE_DIR=${FLASHDMOE_CACHE_DIR:-/tmp/flashdmoe-cache}
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+{ date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; python3 -c "import torch; print('torch', torch.__version__)"; } | tee "$OUT/gpu.txt"
+step() { echo "== $1 ($(date -u +%T))"; }
+step build
+python3 -m flashdmoe build --verbose > "$OUT/build.log" 2>&1; echo "build rc=$?"
+grep -E "registers|spill" "$OUT/build.log" | sort | uniq -c | tee -a "$OUT/gpu.txt"
+PYTEST="python3 -m pytest -m gpu -q -rs --tb=short -p no:cacheprovider --durations=5"
+step "multi-process tests (MPS)"
+timeout ${MP_TIMEOUT:-300} $PYTEST tests/test_ep_multiprocess.py > "$OUT/pytest_mp.log" 2>&1; echo "rc=$?"; tail -4 "$OUT/pytest_mp.log"
+step "gpu tests"
+timeout 300 $PYTEST ${GPU_TESTS:-tests/test_fused_gpu.py tests/test_ep_emulated_gpu.py tests/test_ep_exchange.py tests/test_team.py tests/test_reference.py tests/test_bench.py} > "$OUT/pytest.log" 2>&1; echo "rc=$?"; tail -4 "$OUT/pytest.log"
+if [ -n "${SECOND_VARIANT:-}" ]; then
+  step "gpu tests on $SECOND_VARIANT"
+  FLASHDMOE_EXPERT_VARIANT=$SECOND_VARIANT timeout 200 $PYTEST -x tests/test_fused_gpu.py tests/test_ep_emulated_gpu.py > "$OUT/pytest_variant.log" 2>&1; echo "rc=$?"; tail -4 "$OUT/pytest_variant.log"
+fi
+if [ "${RAY_TESTS:-1}" = "1" ]; then
+  step "ray gpu tests"
+  timeout 300 $PYTEST tests/test_ray.py > "$OUT/pytest_ray.log" 2>&1; echo "rc=$?"; tail -4 "$OUT/pytest_ray.log"
+fi
+if [ -n "${EXTRA:-}" ]; then step extra; eval "$EXTRA" 2>&1 | tee "$OUT/extra.log"; fi
+if [ "${SKIP_QUICK:-0}" != "1" ]; then step "variant sweep"; timeout 200 python3 scripts/quick_time.py > "$OUT/quick_time.log" 2>&1; grep -v Warn "$OUT/quick_time.log" | grep -E "^ *(tma|wgmma|mma)" | cut -c1-150; fi
+if [ "${SKIP_BENCH:-0}" != "1" ]; then
+  step "bench single-gpu"; timeout 300 python3 -m flashdmoe bench --suite single-gpu --output "$OUT/bench" > "$OUT/bench.log" 2>&1; echo "rc=$?"; tail -12 "$OUT/bench.log"
+  step "bench expert-parallel"; timeout 300 python3 -m flashdmoe bench --suite expert-parallel --output "$OUT/bench_ep" > "$OUT/bench_ep.log" 2>&1; echo "rc=$?"; tail -16 "$OUT/bench_ep.log"
+fi
+step done
