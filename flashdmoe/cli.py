@@ -240,7 +240,8 @@ def _run_in_process(args: argparse.Namespace, config) -> int:
     from flashdmoe.runner import run_in_process
 
     ray_only = {"--address": args.address, "--gpus-per-worker": args.gpus_per_worker,
-                "--max-retries": args.max_retries}
+                "--max-retries": args.max_retries, "--mps-pipe-dir": args.mps_pipe_dir,
+                "--mps-log-dir": args.mps_log_dir}
     for option, value in ray_only.items():
         if value is not None:
             raise ValueError(f"{option}={value!r}: applies to runs on Ray; --in-process runs every rank in this "
@@ -267,6 +268,10 @@ def _run_on_ray(args: argparse.Namespace, config) -> int:
         options["gpus_per_worker"] = args.gpus_per_worker
     if args.max_retries is not None:
         options["max_retries"] = args.max_retries
+    if args.mps_pipe_dir is not None:
+        options["mps_pipe_dir"] = args.mps_pipe_dir
+    if args.mps_log_dir is not None:
+        options["mps_log_dir"] = args.mps_log_dir
     try:
         results = run_job(config, address=args.address, workers=args.workers, verify=args.verify,
                           output_dir=args.output, progress=not args.no_progress,
@@ -371,10 +376,18 @@ def build_parser() -> argparse.ArgumentParser:
                           "CPU expert parallelism over gloo (on Ray) or the reference layer (--in-process); "
                           "cuda: the fused kernel (default: auto)")
     run.add_argument("--gpus-per-worker", type=float, default=None,
-                     help="GPU share per worker on the cuda backend, in (0, 1]; below 1 ranks share a GPU "
-                          "under MPS (default: 1)")
+                     help="GPU share per worker on the cuda backend, in (0, 1] (the actors' num_gpus); below 1 "
+                          "ranks share a GPU under MPS, each with CUDA_MPS_ACTIVE_THREAD_PERCENTAGE="
+                          "floor(100*share); start the MPS daemon first (docs/deploy.md) (default: 1)")
+    run.add_argument("--mps-pipe-dir", default=None,
+                     help="the MPS daemon's pipe directory, given to every GPU worker as CUDA_MPS_PIPE_DIRECTORY "
+                          "(default with --gpus-per-worker below 1: $CUDA_MPS_PIPE_DIRECTORY, if set)")
+    run.add_argument("--mps-log-dir", default=None,
+                     help="the MPS daemon's log directory, given to every GPU worker as CUDA_MPS_LOG_DIRECTORY "
+                          "(default with --gpus-per-worker below 1: $CUDA_MPS_LOG_DIRECTORY, if set)")
     run.add_argument("--max-retries", type=int, default=None,
-                     help="recoveries from a dead worker or a hung team allowed per call (default: 2)")
+                     help="recoveries from a dead worker, a kernel watchdog (KernelTimeout) or a hung team "
+                          "allowed per call (default: 2)")
     run.add_argument("--in-process", action="store_true",
                      help="run every rank inside this process (no Ray): the expert-parallel reference, or "
                           "flashdmoe.moe for one rank")

@@ -2,15 +2,25 @@
 
 ``MoECluster(config)`` starts an embedded Ray on 127.0.0.1 (or connects to ``address``), checks the
 config and the cluster's resources before any actor starts, reserves a STRICT_PACK placement group with
-one bundle per rank (``{"GPU": 1}`` or ``{"CPU": 1}``), starts one :class:`ray_actors.worker.MoEWorker`
+one bundle per rank (``{"GPU": g}`` or ``{"CPU": 1}``), starts one :class:`ray_actors.worker.MoEWorker`
 per bundle and bootstraps the team: on CPUs a gloo group whose TCP store rank 0 hosts on a fresh port,
-on GPUs an NVSHMEM team from a fresh unique id made by rank 0. All ``setup`` calls are submitted before
-any is awaited, because team initialisation is collective.
+on GPUs an NVSHMEM team (``flashdmoe.team.Team.nvshmem``) from a fresh unique id made by rank 0's actor
+(``Team.make_unique_id``) and handed by the driver to every rank, sized for ``max_tokens`` tokens per
+rank. All ``setup`` calls are submitted before any is awaited, because team initialisation is collective.
 
-Faults: when a worker dies during a call (``ray.exceptions.RayActorError``), a kernel watchdog fires
-(``flashdmoe.KernelTimeout``) or a call exceeds ``call_timeout_s``, every worker is killed, the group is
-bootstrapped again (new port or new unique id) and the call is retried, at most ``max_retries`` times;
-each recovery is recorded in :attr:`MoECluster.faults` and reported by :func:`run_job`.
+Several ranks on one GPU: ``gpus_per_worker=g < 1`` schedules each actor with ``num_gpus=g`` and gives it
+``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=floor(100 g)`` and the MPS daemon's pipe/log directories
+(``CUDA_MPS_PIPE_DIRECTORY`` / ``CUDA_MPS_LOG_DIRECTORY``; by default those of the driver's environment)
+through the actor's ``runtime_env``. The MPS daemon is started by whoever starts the cluster
+(docs/deploy.md, "Several ranks on one GPU").
+
+Faults: when a worker dies during a call (``ray.exceptions.RayActorError``), a kernel watchdog fires on
+any rank (``flashdmoe.KernelTimeout``, caught and reported by each worker) or a call exceeds
+``call_timeout_s``, the team is torn down and bootstrapped again (new port or new unique id, new actors)
+and the call is retried, at most ``max_retries`` times. After a watchdog every rank is alive, so every
+worker first closes its team (collective; bounded by ``teardown_timeout_s``) before the actors are
+replaced; after a death or a hang the workers are killed directly. Each recovery is recorded in
+:attr:`MoECluster.faults` (with every rank's report) and reported by :func:`run_job`.
 
 Run as a module for ``ray job submit``::
 
@@ -22,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import json
 import logging
 import os
@@ -42,7 +53,8 @@ from flashdmoe import reference
 from flashdmoe.config import MoEConfig, make_tokens, make_weights
 from flashdmoe.errors import BackendUnavailable, KernelTimeout
 from flashdmoe.runner import RESULTS_FILENAME, forward_flops, tolerance_for
-from ray_actors.worker import CRASH_POINTS, GPU_ENVIRONMENT, RemoteMoEWorker, upstream_gradient
+from flashdmoe.team import TeamFailed
+from ray_actors.worker import CRASH_POINTS, RemoteMoEWorker, gpu_env_vars, upstream_gradient
 
 __all__ = ["BACKENDS", "PLOT_FILENAME", "MoECluster", "WorkerFault", "load_config", "main", "plot_latency", "run_job",
            "summarize", "verify_against_reference"]
@@ -55,21 +67,29 @@ PLOT_FILENAME = "latency.png"
 #: After one rank fails, how long the others get to finish or fail before they count as stuck.
 _FAULT_GRACE_S = 30.0
 
+#: Token dtypes a multi-rank (NVSHMEM) team carries (flashdmoe.team.BufferPlan).
+_TEAM_DTYPES = ("bfloat16", "float16")
+
 _log = logging.getLogger(__name__)
 
 
 class WorkerFault(RuntimeError):
-    """The team broke during a call: a worker died, a kernel watchdog fired, or a call timed out.
+    """The team broke during a call: a worker died, a kernel watchdog fired, a rank's team had failed
+    earlier, or a call timed out.
 
     Attributes:
-        kind: ``"worker_died"``, ``"kernel_timeout"`` or ``"timeout"``.
+        kind: ``"worker_died"``, ``"kernel_timeout"``, ``"team_failed"`` or ``"timeout"``.
         ranks: the ranks concerned.
+        reports: one entry per rank that did not return: ``{"rank", "error" (exception class name, or
+            "stuck"), "message"}`` (a ``KernelTimeout``'s own text names the phase and the peer waited on).
     """
 
-    def __init__(self, kind: str, ranks: Sequence[int], message: str) -> None:
+    def __init__(self, kind: str, ranks: Sequence[int], message: str,
+                 reports: Sequence[dict[str, Any]] | None = None) -> None:
         super().__init__(message)
         self.kind = kind
         self.ranks = list(ranks)
+        self.reports = list(reports or [])
 
 
 def load_config(config: MoEConfig | dict[str, Any] | str | Path) -> MoEConfig:
@@ -81,6 +101,20 @@ def load_config(config: MoEConfig | dict[str, Any] | str | Path) -> MoEConfig:
     if isinstance(config, (str, Path)):
         return MoEConfig.from_yaml(config)
     raise ValueError(f"config: got {type(config).__name__}; expected a MoEConfig, a dict of its fields or a YAML path")
+
+
+def _cuda_dtypes(world_size: int) -> tuple[str, ...]:
+    """Config dtypes the CUDA backend runs for ``world_size`` ranks: the fused kernel's
+    (``flashdmoe.cuda_backend.DTYPE_CODES``), and for several ranks only what a team's buffers carry."""
+    from flashdmoe.config import CONFIG_DTYPES
+
+    try:
+        from flashdmoe.cuda_backend import DTYPE_CODES
+        kernel = {dtype for dtype in DTYPE_CODES}
+    except ImportError:
+        kernel = {torch.bfloat16, torch.float16}
+    names = tuple(name for name, dtype in CONFIG_DTYPES.items() if dtype in kernel)
+    return names if world_size == 1 else tuple(name for name in names if name in _TEAM_DTYPES)
 
 
 def _nvshmem_team_available() -> bool:
@@ -110,12 +144,21 @@ class MoECluster:
             cluster of the Ray job this driver runs in, from ``RAY_ADDRESS``).
         workers: number of ranks ``P``; default ``config.world_size`` (the config is re-validated with it).
         backend: one of :data:`BACKENDS`.
-        gpus_per_worker: GPU share per rank on the CUDA backend, ``0 < g <= 1``; below 1 several ranks share
-            a GPU (run the MPS daemon, DESIGN.md §4) and each gets ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=100*g``.
+        gpus_per_worker: GPU share per rank on the CUDA backend, ``0 < g <= 1`` (the actors' ``num_gpus``);
+            below 1 several ranks share a GPU under MPS (DESIGN.md §4) and each gets
+            ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=floor(100*g)``.
         max_retries: recoveries allowed per call before the fault is raised.
         collective_timeout_s: gloo's timeout for one collective (a dead peer is usually noticed sooner).
         call_timeout_s: longest a call may take on any rank before the team counts as hung.
         num_cpus: CPUs of the embedded Ray (default ``max(os.cpu_count(), P)``).
+        max_tokens: most tokens any rank passes to one forward on the CUDA backend with several ranks (it
+            sizes the NVSHMEM team's symmetric buffers); default ``config.tokens_per_rank`` (at least 1).
+            :meth:`forward` refuses larger batches.
+        mps_pipe_dir, mps_log_dir: the MPS daemon's directories, passed to every GPU actor as
+            ``CUDA_MPS_PIPE_DIRECTORY`` / ``CUDA_MPS_LOG_DIRECTORY``; default (when ``gpus_per_worker < 1``)
+            those of this process's environment, if set (else the MPS default ``/tmp/nvidia-mps``).
+        teardown_timeout_s: how long the workers get to close their teams after a kernel watchdog fired,
+            before they are killed anyway.
 
     Raises:
         ValueError: bad config or arguments, or a cluster too small, before any actor starts.
@@ -125,7 +168,9 @@ class MoECluster:
     def __init__(self, config: MoEConfig | dict[str, Any] | str | Path, address: str | None = None,
                  workers: int | None = None, *, backend: str = "auto", gpus_per_worker: float = 1.0,
                  max_retries: int = 2, collective_timeout_s: float = 120.0, call_timeout_s: float = 600.0,
-                 num_cpus: int | None = None) -> None:
+                 num_cpus: int | None = None, max_tokens: int | None = None,
+                 mps_pipe_dir: str | os.PathLike | None = None, mps_log_dir: str | os.PathLike | None = None,
+                 teardown_timeout_s: float = 60.0) -> None:
         config = load_config(config)
         if workers is not None:
             if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
@@ -141,11 +186,22 @@ class MoECluster:
             raise ValueError(f"gpus_per_worker={gpus_per_worker!r}: expected a number in (0, 1]")
         if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
             raise ValueError(f"max_retries={max_retries!r}: expected an integer >= 0")
-        for name, value in (("collective_timeout_s", collective_timeout_s), ("call_timeout_s", call_timeout_s)):
+        for name, value in (("collective_timeout_s", collective_timeout_s), ("call_timeout_s", call_timeout_s),
+                            ("teardown_timeout_s", teardown_timeout_s)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(f"{name}={value!r}: expected a number of seconds > 0")
         if num_cpus is not None and (isinstance(num_cpus, bool) or not isinstance(num_cpus, int) or num_cpus < 1):
             raise ValueError(f"num_cpus={num_cpus!r}: expected None or an integer >= 1")
+        if max_tokens is None:
+            max_tokens = max(1, config.tokens_per_rank)
+        elif isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < config.tokens_per_rank \
+                or max_tokens < 1:
+            raise ValueError(f"max_tokens={max_tokens!r}: expected an integer >= max(1, tokens_per_rank="
+                             f"{config.tokens_per_rank})")
+        if gpus_per_worker < 1:
+            mps_pipe_dir = os.environ.get("CUDA_MPS_PIPE_DIRECTORY") if mps_pipe_dir is None else mps_pipe_dir
+            mps_log_dir = os.environ.get("CUDA_MPS_LOG_DIRECTORY") if mps_log_dir is None else mps_log_dir
+        self._gpu_env = gpu_env_vars(gpus_per_worker, mps_pipe_dir=mps_pipe_dir, mps_log_dir=mps_log_dir)
 
         self.config = config
         self.world_size = config.world_size
@@ -153,6 +209,9 @@ class MoECluster:
         self.max_retries = max_retries
         self.collective_timeout_s = float(collective_timeout_s)
         self.call_timeout_s = float(call_timeout_s)
+        self.teardown_timeout_s = float(teardown_timeout_s)
+        self.max_tokens = max_tokens
+        self.generation = 0  # teams bootstrapped so far (1 after the first; +1 per recovery)
         self.faults: list[dict[str, Any]] = []
         self.step_records: list[dict[str, Any]] = []
         self.workers: list[Any] = []
@@ -192,7 +251,11 @@ class MoECluster:
         resources = ray.cluster_resources()
         gpus, cpus = resources.get("GPU", 0.0), resources.get("CPU", 0.0)
         gpus_needed = self.world_size * self.gpus_per_worker
+        dtypes = _cuda_dtypes(self.world_size)
         if requested == "cuda":
+            if self.config.dtype not in dtypes:
+                raise ValueError(f"dtype={self.config.dtype!r}: the cuda backend with {self.world_size} worker(s) "
+                                 f"runs {', '.join(dtypes)}; use backend='gloo' (reference) for {self.config.dtype}")
             if gpus < gpus_needed:
                 raise BackendUnavailable(f"backend='cuda': the Ray cluster has {gpus:g} GPUs; {self.world_size} "
                                          f"workers x {self.gpus_per_worker:g} GPU need {gpus_needed:g}")
@@ -200,7 +263,8 @@ class MoECluster:
                 raise BackendUnavailable("backend='cuda': flashdmoe.team.Team has no nvshmem()/make_unique_id() in "
                                          "this build, so several ranks cannot form an NVSHMEM team (one worker can)")
             return "cuda"
-        if requested == "auto" and gpus >= gpus_needed and (self.world_size == 1 or _nvshmem_team_available()):
+        if requested == "auto" and gpus >= gpus_needed and self.config.dtype in dtypes \
+                and (self.world_size == 1 or _nvshmem_team_available()):
             return "cuda"
         if cpus < self.world_size:
             raise ValueError(f"workers={self.world_size}: the Ray cluster has {cpus:g} CPUs; the gloo backend needs "
@@ -219,10 +283,8 @@ class MoECluster:
                                f"{self.call_timeout_s:g}s (STRICT_PACK); cluster resources: "
                                f"{ray.cluster_resources()}") from None
         if self.backend == "cuda":
-            environment = dict(GPU_ENVIRONMENT)
-            if self.gpus_per_worker < 1:  # ranks share a GPU: under MPS each gets its share of the SMs
-                environment["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(max(1, int(100 * self.gpus_per_worker)))
-            options = dict(num_cpus=0, num_gpus=self.gpus_per_worker, runtime_env={"env_vars": environment})
+            # multicast off; when ranks share a GPU, their MPS share and the daemon's directories
+            options = dict(num_cpus=0, num_gpus=self.gpus_per_worker, runtime_env={"env_vars": dict(self._gpu_env)})
         else:
             options = dict(num_cpus=1)
         self.workers = [
@@ -232,20 +294,30 @@ class MoECluster:
                 max_restarts=0, **options).remote()
             for rank in range(self.world_size)
         ]
+        self.generation += 1
+        # every actor process up before any rendezvous starts its clock (gloo's store timeout, NVSHMEM's init)
+        self._gather([worker.ping.remote() for worker in self.workers], "start")
         if self.backend == "cuda" and self.world_size == 1:
-            rendezvous = {"backend": "cuda", "unique_id": None}  # a single-rank team needs no bootstrap
+            # a single-rank team needs no bootstrap
+            rendezvous = {"backend": "cuda", "unique_id": None, "max_tokens": self.max_tokens}
+            team_id = "single"
         elif self.backend == "cuda":
-            rendezvous = {"backend": "cuda", "unique_id": self._gather([self.workers[0].make_unique_id.remote()],
-                                                                        "make_unique_id", ranks=[0])[0]}
+            # a fresh unique id per team: a failed team's id is never reused
+            unique_id = self._gather([self.workers[0].make_unique_id.remote(self.config.dtype)], "make_unique_id",
+                                     ranks=[0])[0]
+            rendezvous = {"backend": "cuda", "unique_id": unique_id, "max_tokens": self.max_tokens}
+            team_id = "nvshmem-" + hashlib.sha256(bytes(unique_id)).hexdigest()[:16]
         else:
             port = self._gather([self.workers[0].free_port.remote()], "free_port", ranks=[0])[0]
             rendezvous = {"backend": "gloo", "address": "127.0.0.1", "port": port,
                           "timeout_s": self.collective_timeout_s}
+            team_id = f"gloo-127.0.0.1:{port}"
         config_dict = self.config.to_dict()
         # all submitted before any is awaited: team initialisation blocks until every rank has joined
         refs = [worker.setup.remote(rank, self.world_size, config_dict, rendezvous)
                 for rank, worker in enumerate(self.workers)]
-        self.node_infos = self._gather(refs, "setup")
+        self.node_infos = [dict(info, generation=self.generation, team_id=team_id)
+                           for info in self._gather(refs, "setup")]
         self._last_xs = None
 
     def _stop_workers(self) -> None:
@@ -263,9 +335,29 @@ class MoECluster:
                 _log.debug("remove_placement_group: %s", error)
             self._placement_group = None
 
-    def _restart(self) -> None:
+    def _close_teams(self) -> bool:
+        """Every worker closes its team (collective on NVSHMEM), bounded by ``teardown_timeout_s``; True if
+        all of them did."""
+        if not self.workers:
+            return False
+        refs = [worker.teardown.remote() for worker in self.workers]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.teardown_timeout_s)
+        closed = len(ready) == len(refs)
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except Exception as error:
+                closed = False
+                _log.warning("closing a team after a fault: %s", _first_line(error))
+        return closed
+
+    def _restart(self, close_teams: bool = False) -> bool | None:
+        """Replace the team: optionally let every worker close its team first (returns whether all did;
+        ``None`` when not asked), then kill the workers and bootstrap a new team on new ones."""
+        closed = self._close_teams() if close_teams else None
         self._stop_workers()
         self._start()
+        return closed
 
     def close(self) -> None:
         """Tear the team down (each worker leaves its group), stop the workers, and stop Ray if this
@@ -317,17 +409,22 @@ class MoECluster:
         stuck = sorted(pending.values())
         if not errors and not stuck:
             return [results[rank] for rank in ranks]
+        reports = sorted([{"rank": rank, "error": _error_name(error), "message": _error_message(error)}
+                          for rank, error in errors.items()]
+                         + [{"rank": rank, "error": "stuck", "message": f"did not finish {what}"} for rank in stuck],
+                         key=lambda report: report["rank"])
         died = sorted(rank for rank, error in errors.items() if isinstance(error, RayActorError))
         if died:
             raise WorkerFault("worker_died", died, f"rank(s) {died} died during {what}: "
-                              f"{_first_line(errors[died[0]])}")
-        watchdog = sorted(rank for rank, error in errors.items() if isinstance(error, KernelTimeout))
-        if watchdog:
-            raise WorkerFault("kernel_timeout", watchdog, f"KernelTimeout on rank(s) {watchdog} during {what}: "
-                              f"{_first_line(errors[watchdog[0]])}")
+                              f"{_first_line(errors[died[0]])}", reports)
+        for kind, error_type in (("kernel_timeout", KernelTimeout), ("team_failed", TeamFailed)):
+            hit = sorted(rank for rank, error in errors.items() if _is_error(error, error_type))
+            if hit:
+                raise WorkerFault(kind, hit, f"{error_type.__name__} on rank(s) {hit} during {what}: "
+                                  f"{_error_message(errors[hit[0]])}", reports)
         if not errors:
             raise WorkerFault("timeout", stuck, f"rank(s) {stuck} did not finish {what} within "
-                              f"{self.call_timeout_s:g}s")
+                              f"{self.call_timeout_s:g}s", reports)
         # an ordinary error (not retried); if it left other ranks inside a collective the team is unusable
         self._team_broken = bool(stuck)
         raise errors[min(errors)]
@@ -347,8 +444,12 @@ class MoECluster:
             try:
                 if fault_event is not None:
                     started = time.perf_counter()
-                    self._restart()  # kill every worker, bootstrap a new team (new port / unique id)
-                    fault_event.update(recovered=True, recovery_s=time.perf_counter() - started)
+                    # after a watchdog every rank is alive: each closes its team before the actors are
+                    # replaced; then a new team with a new port / unique id on new workers
+                    fault_event["teams_closed"] = self._restart(
+                        close_teams=fault_event["kind"] in ("kernel_timeout", "team_failed"))
+                    fault_event.update(recovered=True, recovery_s=time.perf_counter() - started,
+                                       generation=self.generation)
                     self.faults.append(fault_event)
                     fault_event = None
                 return attempt_fn(attempt)
@@ -357,7 +458,7 @@ class MoECluster:
                     fault_event["recovered"] = False
                     self.faults.append(fault_event)
                 fault_event = {"call": what, "step": step, "attempt": attempt, "kind": fault.kind,
-                               "ranks": fault.ranks, "error": str(fault)}
+                               "ranks": fault.ranks, "error": str(fault), "reports": fault.reports}
                 if attempt >= self.max_retries:
                     fault_event["recovered"] = False
                     self.faults.append(fault_event)
@@ -388,12 +489,18 @@ class MoECluster:
         """Every rank's output.
 
         Args:
-            xs: ``P`` tensors ``[T_r, H]``, one per rank (``T_r`` may differ, 0 allowed); cast to the config dtype.
+            xs: ``P`` tensors ``[T_r, H]``, one per rank (``T_r`` may differ, 0 allowed; on the CUDA backend
+                with several ranks at most :attr:`max_tokens`); cast to the config dtype.
 
         Returns:
             ``P`` tensors ``y_r [T_r, H]`` (config dtype, CPU).
         """
         self._check_batches("xs", xs)
+        if self.backend == "cuda" and self.world_size > 1:
+            for rank, x in enumerate(xs):  # one rank refusing inside a collective would leave the others waiting
+                if x.shape[0] > self.max_tokens:
+                    raise ValueError(f"xs[{rank}]: {x.shape[0]} rows, but the team's buffers were sized for "
+                                     f"max_tokens={self.max_tokens} per rank (MoECluster(max_tokens=...))")
         xs = [x.detach().cpu() for x in xs]
         self._last_xs = None
 
@@ -434,17 +541,26 @@ class MoECluster:
                  "w2": [output["w2"] for output in outputs]}
         return [output["dx"] for output in outputs], grads
 
-    def step(self, step: int | None = None, *, crash: dict[str, Any] | None = None) -> dict[str, Any]:
+    def step(self, step: int | None = None, *, crash: dict[str, Any] | None = None,
+             silence: dict[str, Any] | None = None) -> dict[str, Any]:
         """One timed forward + backward on every rank's seeded batch (tokens and output gradients of ``step``).
 
         Args:
             step: data index (default: one past the previous step).
-            crash: fault injection for tests, ``{"rank": r, "at": "after_forward"}`` (see
-                :data:`ray_actors.worker.CRASH_POINTS`): that worker's process exits on the first attempt.
+            crash: fault injection for tests, ``{"rank": r, "at": point}`` (see
+                :data:`ray_actors.worker.CRASH_POINTS`), on the first attempt only: at ``before_forward`` /
+                ``after_forward`` that worker's process exits; at ``kernel_timeout`` it raises
+                ``KernelTimeout`` before its forward.
+            silence: test knob for "a peer stops answering", ``{"rank": r, "timeout_ms": t}`` (CUDA backend,
+                several ranks), on the first attempt only: every worker sets
+                ``flashdmoe.cuda_backend.debug.silent_rank = r`` and a ``t`` ms watchdog for this step, so
+                every rank raises ``KernelTimeout``; the team is then closed, bootstrapped again and the step
+                retried (needs ``max_retries >= 1`` to succeed).
 
         Returns:
             The step record ``{"step", "attempts", "latency_ms": [P], "forward_ms": [P], "backward_ms": [P],
-            "bytes_sent": [P], "dropped": [P]}`` (also appended to :attr:`step_records`).
+            "bytes_sent": [P], "payload_efficiency": [P], "dropped": [P]}`` (also appended to
+            :attr:`step_records`; see :meth:`ray_actors.worker.MoEWorker.step` for the traffic fields).
         """
         step = self._next_step if step is None else step
         if crash is not None:
@@ -452,18 +568,28 @@ class MoECluster:
                     crash.get("rank") not in range(self.world_size):
                 raise ValueError(f"crash={crash!r}: expected {{'rank': 0..{self.world_size - 1}, "
                                  f"'at': one of {CRASH_POINTS}}}")
+        if silence is not None:
+            if self.backend != "cuda" or self.world_size < 2:
+                raise ValueError(f"silence={silence!r}: needs the cuda backend with at least 2 workers (this "
+                                 f"cluster: backend {self.backend!r}, {self.world_size} worker(s))")
+            if not isinstance(silence, dict) or set(silence) != {"rank", "timeout_ms"} \
+                    or silence["rank"] not in range(self.world_size) or isinstance(silence["timeout_ms"], bool) \
+                    or not isinstance(silence["timeout_ms"], int) or silence["timeout_ms"] < 1:
+                raise ValueError(f"silence={silence!r}: expected {{'rank': 0..{self.world_size - 1}, "
+                                 "'timeout_ms': an integer >= 1}")
         attempts = []
 
         def attempt(number: int) -> list[dict[str, Any]]:
             attempts.append(number)
-            args = [(step, crash["at"] if crash and number == 0 and rank == crash["rank"] else None)
+            args = [(step, crash["at"] if crash and number == 0 and rank == crash["rank"] else None,
+                     silence if number == 0 else None)
                     for rank in range(self.world_size)]
             return self._call("step", args)
 
         per_rank = self._with_recovery("step", attempt, step=step)
         record = {"step": step, "attempts": len(attempts)}
-        for key in ("latency_ms", "forward_ms", "backward_ms", "bytes_sent", "dropped"):
-            record[key] = [rank_record[key] for rank_record in per_rank]
+        for key in ("latency_ms", "forward_ms", "backward_ms", "bytes_sent", "payload_efficiency", "dropped"):
+            record[key] = [rank_record.get(key) for rank_record in per_rank]
         self.step_records.append(record)
         self._next_step = step + 1
         return record
@@ -487,10 +613,16 @@ class MoECluster:
 # -- results ----------------------------------------------------------------------------------------------
 
 
+def _median_or_none(values) -> float | None:
+    present = [value for value in values if value is not None]
+    return statistics.median(present) if present else None
+
+
 def summarize(config: MoEConfig, records: Sequence[dict[str, Any]],
               worker_metrics: Sequence[dict[str, Any]] | None = None) -> dict[str, Any]:
     """Medians over step records (the first step, which pays one-time costs, is left out when there are
-    more). A step's latency is its slowest rank's. TFLOP/s counts backward as twice the forward FLOPs."""
+    more). A step's latency is its slowest rank's. TFLOP/s counts backward as twice the forward FLOPs.
+    Per rank also ``bytes_sent_per_step`` and ``payload_efficiency`` (``None`` where not reported)."""
     timed = list(records[1:] if len(records) > 1 else records)
     world = config.world_size
     tokens = config.tokens_per_rank * world
@@ -516,6 +648,8 @@ def summarize(config: MoEConfig, records: Sequence[dict[str, Any]],
             "tflops": 3 * forward_flops(config, config.tokens_per_rank) / (rank_latency / 1e3) / 1e12
             if rank_latency > 0 else None,
             "bytes_sent_per_step": statistics.median(record["bytes_sent"][rank] for record in timed),
+            "payload_efficiency": _median_or_none(record.get("payload_efficiency", [None] * world)[rank]
+                                                  for record in timed),
             "peak_memory_bytes": peaks.get(rank),
         })
     metrics["per_rank"] = per_rank
@@ -525,6 +659,32 @@ def summarize(config: MoEConfig, records: Sequence[dict[str, Any]],
 def _first_line(error: BaseException) -> str:
     text = str(error).strip()
     return text.splitlines()[-1] if text else type(error).__name__
+
+
+def _cause(error: BaseException) -> BaseException:
+    """The exception a Ray task raised (``RayTaskError.cause``), else ``error`` itself."""
+    cause = getattr(error, "cause", None)
+    return cause if isinstance(cause, BaseException) else error
+
+
+def _is_error(error: BaseException, error_type: type) -> bool:
+    return isinstance(error, error_type) or isinstance(_cause(error), error_type)
+
+
+def _error_name(error: BaseException) -> str:
+    return type(_cause(error)).__name__ if not isinstance(error, RayActorError) else "ActorDiedError"
+
+
+def _error_message(error: BaseException, limit: int = 1000) -> str:
+    """The raised exception's own text (a ``KernelTimeout``'s names the phase and peer) on one line, at most
+    ``limit`` characters; for a dead actor the first line of Ray's explanation."""
+    if isinstance(error, RayActorError):
+        text = str(error).strip().splitlines()[0] if str(error).strip() else "the actor died"
+    else:
+        cause = _cause(error)
+        text = " ".join(str(cause).split()) if cause is not error else ""
+        text = text or _first_line(error)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def _errors(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
@@ -589,7 +749,8 @@ def _print_results(results: dict[str, Any], console) -> None:
     table = Table(title=f"FlashDMoE Ray run: backend {results['backend']}, {results['world_size']} workers, "
                         f"T={config['tokens_per_rank']}/rank H={config['hidden']} I={config['ffn']} "
                         f"E={config['experts']} k={config['top_k']} {config['dtype']} {config['activation']}")
-    for column in ("rank", "forward ms", "backward ms", "step ms", "tokens/s", "TFLOP/s", "KiB sent/step", "peak MiB"):
+    for column in ("rank", "forward ms", "backward ms", "step ms", "tokens/s", "TFLOP/s", "KiB sent/step",
+                   "payload eff.", "peak MiB"):
         table.add_column(column, justify="right")
 
     def shown(value, spec):
@@ -601,17 +762,19 @@ def _print_results(results: dict[str, Any], console) -> None:
         table.add_row(str(entry["rank"]), shown(entry["forward_ms_median"], ".3f"),
                       shown(entry["backward_ms_median"], ".3f"), shown(entry["latency_ms_median"], ".3f"),
                       shown(entry["tokens_per_s"], ",.0f"), shown(entry["tflops"], ".4f"),
-                      shown(entry["bytes_sent_per_step"] / 1024, ",.1f"),
+                      shown(entry["bytes_sent_per_step"] / 1024, ",.1f"), shown(entry.get("payload_efficiency"), ".1%"),
                       shown(None if peak is None else peak / 2**20, ",.0f"))
     console.print(table)
     console.print(f"{len(results['steps'])} steps; median over {metrics['steps_in_median']}: step "
                   f"{shown(metrics.get('latency_ms_median'), '.3f')} ms (slowest rank), "
                   f"{shown(metrics.get('tokens_per_s'), ',.0f')} tokens/s, "
                   f"{shown(metrics.get('tflops'), '.4f')} TFLOP/s")
-    console.print(f"retries: {results['retries']}" + "".join(
+    console.print(f"retries: {results['retries']}" + "".join(  # plain text: messages may hold [brackets]
         f"\n  step {fault['step']} ({fault['call']}): {fault['kind']} on rank(s) {fault['ranks']}"
         + (f", recovered in {fault['recovery_s']:.1f}s" if fault.get("recovered") else ", NOT recovered")
-        for fault in results["faults"]))
+        + "".join(f"\n    rank {report['rank']}: {report['error']}: {report['message']}"
+                  for report in fault.get("reports", []))
+        for fault in results["faults"]), markup=False, highlight=False)
     verification = results["verification"]
     if verification is None:
         console.print("verification: not requested (--verify)")
@@ -650,25 +813,31 @@ def plot_latency(results: dict[str, Any], path: str | Path) -> Path:
 def run_job(config: MoEConfig | dict[str, Any] | str | Path, *, address: str | None = None, workers: int | None = None,
             verify: bool = False, output_dir: str | Path | None = None, progress: bool = True,
             backend: str = "auto", gpus_per_worker: float = 1.0, max_retries: int = 2,
+            mps_pipe_dir: str | os.PathLike | None = None, mps_log_dir: str | os.PathLike | None = None,
             inject_crash: dict[str, Any] | None = None, console=None) -> dict[str, Any]:
     """The main job on Ray: ``config.steps`` forward + backward steps on every rank, optional verification,
     a results table, and (with ``output_dir``) ``results.json`` and ``latency.png``.
 
     Args:
         config: a :class:`MoEConfig`, a dict of its fields or a YAML path.
-        address, workers, backend, gpus_per_worker, max_retries: as :class:`MoECluster`.
+        address, workers, backend, gpus_per_worker, max_retries, mps_pipe_dir, mps_log_dir: as
+            :class:`MoECluster`.
         verify: check step 0's outputs and gradients on every rank against
             :func:`flashdmoe.reference.moe_expert_parallel` (see :func:`verify_against_reference`).
         output_dir: directory for ``results.json`` and ``latency.png`` (created); ``None`` writes nothing.
         progress: show a progress bar.
-        inject_crash: fault injection for tests, ``{"step": s, "rank": r, "at": "after_forward"}``.
+        inject_crash: fault injection for tests, ``{"step": s, "rank": r, "at": point}`` (see
+            :meth:`MoECluster.step`'s ``crash``).
         console: a ``rich.console.Console`` for the table (default: stdout).
 
     Returns:
         ``{"config", "world_size", "backend", "workers" (node info per rank), "steps" (per step: "step",
-        "attempts", per-rank lists "latency_ms", "forward_ms", "backward_ms", "bytes_sent", "dropped"),
+        "attempts", per-rank lists "latency_ms", "forward_ms", "backward_ms", "bytes_sent",
+        "payload_efficiency", "dropped"),
         "metrics" (see :func:`summarize`), "verification" (None, or "max_abs_err", "max_rel_err",
-        "passed", "tolerance", ...), "retries" (recoveries performed), "faults" (each recovery), "wall_s",
+        "passed", "tolerance", ...), "retries" (recoveries performed), "faults" (each fault: "call", "step",
+        "attempt", "kind", "ranks", "error", "reports" (per rank), "recovered", "recovery_s", "teams_closed",
+        "generation"), "wall_s",
         "created"}``, plus "output" and "plot" (paths) when written.
     """
     from rich.console import Console
@@ -680,7 +849,7 @@ def run_job(config: MoEConfig | dict[str, Any] | str | Path, *, address: str | N
     console = console or Console(width=None if sys.stdout.isatty() else 132)
     started = time.perf_counter()
     with MoECluster(config, address, workers, backend=backend, gpus_per_worker=gpus_per_worker,
-                    max_retries=max_retries) as cluster:
+                    max_retries=max_retries, mps_pipe_dir=mps_pipe_dir, mps_log_dir=mps_log_dir) as cluster:
         config = cluster.config
         with Progress(console=Console(stderr=True), disable=not progress, transient=False) as bar:
             task = bar.add_task(f"flashdmoe ray run ({cluster.backend}, {cluster.world_size} workers)",
@@ -727,7 +896,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS, else embedded Ray)")
     parser.add_argument("--workers", type=int, default=None, help="ranks (default: the config's world_size)")
     parser.add_argument("--backend", choices=BACKENDS, default="auto", help="default: auto")
-    parser.add_argument("--gpus-per-worker", type=float, default=1.0, help="GPU share per rank (CUDA backend)")
+    parser.add_argument("--gpus-per-worker", type=float, default=1.0,
+                        help="GPU share per rank (CUDA backend); below 1 ranks share a GPU under MPS")
+    parser.add_argument("--mps-pipe-dir", default=None,
+                        help="MPS daemon pipe directory for the workers (default: $CUDA_MPS_PIPE_DIRECTORY)")
+    parser.add_argument("--mps-log-dir", default=None,
+                        help="MPS daemon log directory for the workers (default: $CUDA_MPS_LOG_DIRECTORY)")
     parser.add_argument("--max-retries", type=int, default=2, help="recoveries allowed per call (default 2)")
     parser.add_argument("--verify", action=argparse.BooleanOptionalAction, default=False,
                         help="check outputs and gradients against the reference (default: off)")
@@ -743,10 +917,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         results = run_job(args.config, address=args.address, workers=args.workers, verify=args.verify,
                           output_dir=args.output, progress=not args.no_progress, backend=args.backend,
-                          gpus_per_worker=args.gpus_per_worker, max_retries=args.max_retries)
+                          gpus_per_worker=args.gpus_per_worker, max_retries=args.max_retries,
+                          mps_pipe_dir=args.mps_pipe_dir, mps_log_dir=args.mps_log_dir)
     except (ValueError, FileNotFoundError, BackendUnavailable) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    except WorkerFault as fault:  # the team broke and the bounded retries did not bring it back
+        print(f"error: the run failed ({fault.kind} on rank(s) {fault.ranks}): {fault}", file=sys.stderr)
+        return 1
     verification = results["verification"]
     return 1 if verification is not None and not verification["passed"] else 0
 

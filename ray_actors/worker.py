@@ -6,9 +6,12 @@ One actor per GPU (``num_gpus=1``) or, on a cluster without GPUs, per CPU (``num
 1. joins the team (:meth:`MoEWorker.setup`):
    - CPU: ``torch.distributed`` gloo over a TCP store on ``127.0.0.1:<port>`` (rank 0's node; STRICT_PACK
      keeps every rank on that node), and runs :func:`flashdmoe.ep_gloo.expert_parallel_moe`;
-   - GPU: ``flashdmoe.team.Team.nvshmem(unique_id, rank, world_size)`` with the 128-byte NVSHMEM unique id
-     that rank 0 made (:meth:`MoEWorker.make_unique_id`), and runs
-     ``flashdmoe.api.moe(..., backend="cuda", team=team)``;
+   - GPU, one rank: ``flashdmoe.team.Team.single()``; several ranks:
+     ``Team.nvshmem(unique_id, rank, world_size, max_tokens=..., hidden=H, top_k=k, local_experts=E // P,
+     dtype=...)`` with the 128-byte NVSHMEM unique id that rank 0 made (:meth:`MoEWorker.make_unique_id`);
+     it runs ``flashdmoe.api.moe(..., team=team, backend="cuda")`` (collective; backward through autograd,
+     collective too). Several ranks may share one GPU under MPS (fractional ``num_gpus``; the driver puts
+     ``CUDA_MPS_*`` in the actor's environment, :func:`gpu_env_vars`);
 2. builds its expert shard from the config's seed (:func:`flashdmoe.config.make_weights`);
 3. runs :meth:`forward` / :meth:`backward` on batches the driver sends, or :meth:`step` on seeded
    batches (:func:`flashdmoe.config.make_tokens`, :func:`upstream_gradient`), timing each;
@@ -16,12 +19,21 @@ One actor per GPU (``num_gpus=1``) or, on a cluster without GPUs, per CPU (``num
 
 Every collective call must be issued by all ranks of the team; the driver guarantees that by sending
 each call to every worker.
+
+Faults: a ``flashdmoe.KernelTimeout`` (the fused kernel's watchdog: a peer stopped answering) is caught
+by the worker, which records it (:meth:`MoEWorker.fault_reports`), marks its team failed and re-raises
+it to the driver, which closes every rank's team and bootstraps a new one. For tests, :meth:`step` takes
+``silence={"rank": r, "timeout_ms": t}``: for that one step every rank sets
+``flashdmoe.cuda_backend.debug.silent_rank = r`` (rank ``r`` publishes none of its signals) and a short
+watchdog, so every rank must raise ``KernelTimeout`` instead of hanging.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import importlib
+import math
 import os
 import resource
 import socket
@@ -34,17 +46,56 @@ import ray
 import torch
 
 from flashdmoe import reference
-from flashdmoe.config import MoEConfig, derive_seed, make_tokens, make_weights, seeded_randn
-from flashdmoe.errors import BackendUnavailable
+from flashdmoe.config import CONFIG_DTYPES, MoEConfig, derive_seed, make_tokens, make_weights, seeded_randn
+from flashdmoe.errors import BackendUnavailable, KernelTimeout
 from flashdmoe.runner import forward_flops
+from flashdmoe.team import TeamFailed
 
-__all__ = ["CRASH_POINTS", "GPU_ENVIRONMENT", "MoEWorker", "RemoteMoEWorker", "upstream_gradient"]
+__all__ = ["CRASH_POINTS", "GPU_ENVIRONMENT", "MoEWorker", "RemoteMoEWorker", "gpu_env_vars", "mps_share_percentage",
+           "upstream_gradient"]
 
 #: Environment for GPU processes: no NVLink SHARP / multicast objects (DESIGN.md §4).
 GPU_ENVIRONMENT = {"NVSHMEM_DISABLE_NVLS": "1", "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 
-#: Crash points for fault-injection tests (:meth:`MoEWorker.step`): the process exits there.
-CRASH_POINTS = ("before_forward", "after_forward")
+#: Fault-injection points for tests (:meth:`MoEWorker.step`): at ``before_forward`` / ``after_forward``
+#: the process exits; at ``kernel_timeout`` the rank raises ``flashdmoe.KernelTimeout`` before its forward,
+#: as the fused kernel's watchdog would (lets CPU tests exercise the driver's recovery from a timeout; the
+#: real watchdog is exercised on the GPU with ``silence``).
+CRASH_POINTS = ("before_forward", "after_forward", "kernel_timeout")
+
+
+def mps_share_percentage(gpus_per_worker: float) -> int:
+    """``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` for a rank holding ``gpus_per_worker`` (in (0, 1]) of a GPU:
+    ``floor(100 * gpus_per_worker)``, at least 1, so the ranks sharing a GPU ask for at most 100% together."""
+    if isinstance(gpus_per_worker, bool) or not isinstance(gpus_per_worker, (int, float)) \
+            or not 0 < gpus_per_worker <= 1:
+        raise ValueError(f"gpus_per_worker={gpus_per_worker!r}: expected a number in (0, 1]")
+    # the epsilon keeps e.g. 0.29 at 29 (100 * 0.29 is 28.999999999999996 in binary floating point)
+    return max(1, math.floor(100 * gpus_per_worker + 1e-9))
+
+
+def gpu_env_vars(gpus_per_worker: float = 1.0, *, mps_pipe_dir: str | os.PathLike | None = None,
+                 mps_log_dir: str | os.PathLike | None = None) -> dict[str, str]:
+    """``runtime_env["env_vars"]`` of a GPU worker actor.
+
+    Always the three multicast-off variables (:data:`GPU_ENVIRONMENT`). With ``gpus_per_worker < 1``
+    (several ranks share a GPU under MPS) also ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` =
+    :func:`mps_share_percentage`. ``mps_pipe_dir`` / ``mps_log_dir``, when given, become
+    ``CUDA_MPS_PIPE_DIRECTORY`` / ``CUDA_MPS_LOG_DIRECTORY`` (the MPS daemon's directories; the daemon is
+    started by whoever starts the cluster, e.g. :class:`flashdmoe.mps.MpsDaemon`).
+    """
+    percentage = mps_share_percentage(gpus_per_worker)
+    environment = dict(GPU_ENVIRONMENT)
+    if gpus_per_worker < 1:
+        environment["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(percentage)
+    for argument, variable, value in (("mps_pipe_dir", "CUDA_MPS_PIPE_DIRECTORY", mps_pipe_dir),
+                                      ("mps_log_dir", "CUDA_MPS_LOG_DIRECTORY", mps_log_dir)):
+        if value is None:
+            continue
+        if not isinstance(value, (str, os.PathLike)) or not os.fspath(value):
+            raise ValueError(f"{argument}={value!r}: expected a directory path")
+        environment[variable] = os.fspath(value)
+    return environment
 
 
 def upstream_gradient(config: MoEConfig, rank: int, step: int) -> torch.Tensor:
@@ -68,6 +119,21 @@ def _gpu_team_class():
     return Team
 
 
+def _load_cuda_backend(dtype: torch.dtype, device: torch.device, rank: int | None) -> None:
+    """Build (first use) or load the fused kernel's extension now, before this rank joins a team: a rank
+    still compiling when its peers launch their first kernel would leave them spinning into the watchdog
+    (and a peer stuck inside the collective team init). Raises ``BackendUnavailable`` with the reason."""
+    from flashdmoe import api, cuda_backend
+
+    torch.cuda.set_device(device)
+    reason = api.cuda_unavailable_reason(torch.empty((0, 1), dtype=dtype, device=device))
+    if reason is not None:
+        raise BackendUnavailable(f"rank {rank}: backend 'cuda' cannot run here: {reason}")
+    resolve = getattr(cuda_backend, "_extension", None)  # resolved once per process, then reused by forward
+    if callable(resolve):
+        resolve()
+
+
 class MoEWorker:
     """One rank. The driver creates it as a Ray actor (:data:`RemoteMoEWorker`); all methods run in the
     actor process."""
@@ -81,15 +147,21 @@ class MoEWorker:
         self.traffic = None
         self.device = torch.device("cpu")
         self.records: list[dict[str, Any]] = []
+        self.faults: list[dict[str, Any]] = []  # KernelTimeout / TeamFailed seen by this actor (fault_reports)
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None  # (x leaf, y) awaiting backward
 
     # -- rendezvous ------------------------------------------------------------------------------
 
     def node_info(self) -> dict[str, Any]:
-        """Where this actor runs: ``pid``, ``hostname``, Ray ``node_id``, assigned ``gpu_ids``, ``cuda``."""
+        """Where this actor runs: ``pid``, ``hostname``, Ray ``node_id``, assigned ``gpu_ids``, ``cuda``, and
+        ``mps``: the MPS variables this process sees (``pipe_dir``, ``log_dir``, ``thread_percentage``;
+        ``None`` where unset)."""
         return {"pid": os.getpid(), "hostname": socket.gethostname(),
                 "node_id": ray.get_runtime_context().get_node_id(),
-                "gpu_ids": [str(gpu) for gpu in ray.get_gpu_ids()], "cuda": torch.cuda.is_available()}
+                "gpu_ids": [str(gpu) for gpu in ray.get_gpu_ids()], "cuda": torch.cuda.is_available(),
+                "mps": {"pipe_dir": os.environ.get("CUDA_MPS_PIPE_DIRECTORY"),
+                        "log_dir": os.environ.get("CUDA_MPS_LOG_DIRECTORY"),
+                        "thread_percentage": os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")}}
 
     def free_port(self) -> int:
         """A TCP port free on 127.0.0.1 of this node, for the gloo store rank 0 will host."""
@@ -97,10 +169,19 @@ class MoEWorker:
             sock.bind(("127.0.0.1", 0))
             return sock.getsockname()[1]
 
-    def make_unique_id(self) -> bytes:
-        """Rank 0 only: a fresh 128-byte NVSHMEM unique id for :meth:`setup` on every rank."""
+    def make_unique_id(self, dtype: str = "bfloat16") -> bytes:
+        """Rank 0 only: a fresh 128-byte NVSHMEM unique id for :meth:`setup` on every rank. Loads (or, on
+        first use, builds) the CUDA extension first, while no peer waits yet, so the other ranks find it
+        cached. ``dtype``: the config's dtype name (checked against the kernel's)."""
         os.environ.update(GPU_ENVIRONMENT)
-        return bytes(_gpu_team_class().make_unique_id())
+        team_class = _gpu_team_class()
+        if dtype not in CONFIG_DTYPES:
+            raise ValueError(f"dtype={dtype!r}: expected one of {', '.join(CONFIG_DTYPES)}")
+        if not torch.cuda.is_available():
+            raise BackendUnavailable("rank 0: backend 'cuda' but this actor sees no CUDA device "
+                                     f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
+        _load_cuda_backend(CONFIG_DTYPES[dtype], torch.device("cuda", 0), 0)
+        return bytes(team_class.make_unique_id())
 
     def setup(self, rank: int, world_size: int, config_dict: dict[str, Any],
               rendezvous: dict[str, Any]) -> dict[str, Any]:
@@ -111,10 +192,13 @@ class MoEWorker:
             rank, world_size: this rank and ``P``.
             config_dict: :meth:`MoEConfig.to_dict` of the layer (``world_size`` equal to ``P``).
             rendezvous: ``{"backend": "gloo", "address": "127.0.0.1", "port": int, "timeout_s": float}`` or
-                ``{"backend": "cuda", "unique_id": bytes}``.
+                ``{"backend": "cuda", "unique_id": bytes | None, "max_tokens": int}``: the unique id from
+                rank 0's :meth:`make_unique_id` (``None`` for one rank) and the most tokens any rank will
+                pass per forward, which sizes the team's symmetric buffers.
 
         Returns:
-            :meth:`node_info` plus ``rank``, ``backend`` and ``device``.
+            :meth:`node_info` plus ``rank``, ``backend``, ``device`` and ``team`` (``Team.describe()``, or
+            ``None`` on gloo).
         """
         config = MoEConfig.from_dict(config_dict)
         if config.world_size != world_size or not 0 <= rank < world_size:
@@ -138,14 +222,21 @@ class MoEWorker:
             if not torch.cuda.is_available():
                 raise BackendUnavailable(f"rank {rank}: backend 'cuda' but this actor sees no CUDA device "
                                          f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
-            torch.cuda.set_device(0)  # Ray narrows CUDA_VISIBLE_DEVICES to this actor's GPU
+            torch.cuda.set_device(0)  # Ray narrows CUDA_VISIBLE_DEVICES to this actor's GPU(s)
             self.device = torch.device("cuda", 0)
+            _load_cuda_backend(config.torch_dtype, self.device, rank)  # before the team: see there
             if world_size == 1:
                 from flashdmoe.team import Team
 
                 self.team = Team.single()
             else:
-                self.team = _gpu_team_class().nvshmem(rendezvous["unique_id"], rank, world_size)
+                max_tokens = rendezvous.get("max_tokens", max(1, config.tokens_per_rank))
+                if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+                    raise ValueError(f"rendezvous['max_tokens']={max_tokens!r}: expected an integer >= 1")
+                self.team = _gpu_team_class().nvshmem(
+                    rendezvous["unique_id"], rank, world_size, max_tokens=max_tokens, hidden=config.hidden,
+                    top_k=config.top_k, local_experts=config.local_experts, dtype=config.torch_dtype,
+                    device=self.device)
         else:
             raise ValueError(f"rendezvous['backend']={backend!r}: expected 'gloo' or 'cuda'")
         self.rank, self.world_size, self.config, self.backend = rank, world_size, config, backend
@@ -157,7 +248,10 @@ class MoEWorker:
         self.w1 = w1.requires_grad_()
         self.w2 = w2.requires_grad_()
         self.records = []
-        return {**self.node_info(), "rank": rank, "backend": backend, "device": str(self.device)}
+        self.faults = []
+        describe = getattr(self.team, "describe", None)
+        return {**self.node_info(), "rank": rank, "backend": backend, "device": str(self.device),
+                "team": describe() if callable(describe) else None}
 
     # -- compute ---------------------------------------------------------------------------------
 
@@ -192,12 +286,35 @@ class MoEWorker:
             raise ValueError(f"{name} (rank {self.rank}): got {tensor.shape[0]} rows; expected {rows} like y")
         return tensor.to(device=self.device, dtype=config.torch_dtype).contiguous()
 
+    @contextlib.contextmanager
+    def _fault_guard(self, call: str, step: int | None = None):
+        """Catch a ``KernelTimeout`` (or ``TeamFailed``) raised inside a collective call: record it in
+        :attr:`faults`, mark the team failed (it cannot be used again) and re-raise it for the driver."""
+        try:
+            yield
+        except (KernelTimeout, TeamFailed) as error:
+            self._pending = None
+            report = {"rank": self.rank, "call": call, "step": step, "error": type(error).__name__,
+                      "message": str(error)}
+            self.faults.append(report)
+            mark_failed = getattr(self.team, "mark_failed", None)
+            if callable(mark_failed):
+                mark_failed(f"{type(error).__name__} during {call}: {error}")
+            raise
+
+    def fault_reports(self) -> list[dict[str, Any]]:
+        """The ``KernelTimeout`` / ``TeamFailed`` errors this actor caught since its last :meth:`setup`:
+        ``[{"rank", "call", "step", "error" (class name), "message"}]``."""
+        return list(self.faults)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``y [T, H]`` (config dtype, on CPU) of this rank's tokens ``x [T, H]``; keeps the graph for
         :meth:`backward`. Collective."""
         self._require_setup()
         x = self._check_batch("x", x).requires_grad_()
-        y, _ = self._layer(x)
+        with self._fault_guard("forward"):
+            y, _ = self._layer(x)
+            self._synchronize()
         self._pending = (x, y)
         return y.detach().cpu()
 
@@ -217,7 +334,9 @@ class MoEWorker:
         self._pending = None
         dy = self._check_batch("dy", dy, rows=y.shape[0])
         self._zero_grads()
-        y.backward(dy)
+        with self._fault_guard("backward"):
+            y.backward(dy)
+            self._synchronize()
         return {"dx": x.grad.detach().cpu(), "router_weight": self.router_weight.grad.detach().cpu(),
                 "w1": self.w1.grad.detach().cpu(), "w2": self.w2.grad.detach().cpu(),
                 "router_grad_summed": self.backend == "gloo"}
@@ -229,17 +348,70 @@ class MoEWorker:
     def _bytes_sent(self) -> int:
         return self.traffic.bytes_sent if self.traffic is not None else 0
 
-    def step(self, step: int, crash_at: str | None = None) -> dict[str, Any]:
+    @contextlib.contextmanager
+    def _silenced(self, silence: dict[str, Any] | None):
+        """For one call, make rank ``silence["rank"]`` publish none of its signals
+        (``flashdmoe.cuda_backend.debug.silent_rank``) with a ``silence["timeout_ms"]`` watchdog; the
+        previous knob values are restored afterwards."""
+        if silence is None:
+            yield
+            return
+        if self.backend != "cuda" or (self.world_size or 1) < 2:
+            raise ValueError(f"silence={silence!r}: needs the cuda backend with world_size >= 2 (got backend "
+                             f"{self.backend!r}, world_size {self.world_size})")
+        if not isinstance(silence, dict) or set(silence) != {"rank", "timeout_ms"}:
+            raise ValueError(f"silence={silence!r}: expected {{'rank': r, 'timeout_ms': t}}")
+        rank, timeout_ms = silence["rank"], silence["timeout_ms"]
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.world_size:
+            raise ValueError(f"silence['rank']={rank!r}: expected an integer in [0, {self.world_size})")
+        if isinstance(timeout_ms, bool) or not isinstance(timeout_ms, int) or timeout_ms < 1:
+            raise ValueError(f"silence['timeout_ms']={timeout_ms!r}: expected an integer >= 1")
+        from flashdmoe import cuda_backend
+
+        knobs = cuda_backend.debug
+        if not hasattr(knobs, "silent_rank"):
+            raise BackendUnavailable("flashdmoe.cuda_backend.debug has no silent_rank knob in this build")
+        saved = (knobs.silent_rank, knobs.timeout_ms)
+        knobs.silent_rank, knobs.timeout_ms = rank, timeout_ms
+        try:
+            yield
+        finally:
+            knobs.silent_rank, knobs.timeout_ms = saved
+
+    def _kernel_traffic(self) -> dict[str, Any] | None:
+        """This rank's entry of ``flashdmoe.cuda_backend.last_traffic`` (the last checked launch of this
+        process), or ``None`` where the kernel does not report it."""
+        from flashdmoe import cuda_backend
+
+        entries = getattr(cuda_backend, "last_traffic", None)
+        if not entries:
+            return None
+        for entry in entries:
+            if isinstance(entry, dict) and entry.get("rank") == self.rank:
+                return dict(entry)
+        return None
+
+    def step(self, step: int, crash_at: str | None = None, silence: dict[str, Any] | None = None) -> dict[str, Any]:
         """One timed forward + backward on seeded data (:func:`flashdmoe.config.make_tokens` and
         :func:`upstream_gradient` of ``(rank, step)``). Collective.
 
         Args:
             step: step index (selects the data).
-            crash_at: fault injection for tests: one of :data:`CRASH_POINTS`, where the process exits.
+            crash_at: fault injection for tests: one of :data:`CRASH_POINTS`.
+            silence: test knob, ``{"rank": r, "timeout_ms": t}`` (cuda backend, several ranks): for this
+                step rank ``r`` publishes none of its signals and the watchdog waits ``t`` ms, so every rank
+                raises ``KernelTimeout`` (caught, recorded in :meth:`fault_reports`, re-raised).
 
         Returns:
             ``{"rank", "step", "tokens", "forward_ms", "backward_ms", "latency_ms", "bytes_sent",
-            "rows_sent_remote", "dropped"}``; also kept for :meth:`metrics`.
+            "rows_sent_remote", "dispatch_bytes", "combine_bytes", "payload_efficiency", "traffic_source",
+            "dropped"}``; also kept for :meth:`metrics`. ``bytes_sent``: gloo: every byte this rank handed
+            to other ranks (forward and backward); cuda: the forward kernel's ``dispatch_bytes +
+            combine_bytes`` (``flashdmoe.cuda_backend.last_traffic``; ``traffic_source`` "kernel"), or, where
+            the kernel does not report traffic, the dispatch payload estimated from the routing
+            (``traffic_source`` "estimate"). ``payload_efficiency`` = ``dispatch_bytes / (rows routed to
+            other ranks * H * itemsize)`` as the kernel reports it; ``None`` on gloo, on estimates, and when no
+            row left the rank. ``dispatch_bytes`` / ``combine_bytes`` are ``None`` where not reported.
         """
         config = self._require_setup()
         if crash_at is not None and crash_at not in CRASH_POINTS:
@@ -251,25 +423,46 @@ class MoEWorker:
         self._zero_grads()
         if crash_at == "before_forward":
             os._exit(17)
-        self._synchronize()
-        started = time.perf_counter()
-        y, aux = self._layer(x)
-        self._synchronize()
-        forward_s = time.perf_counter() - started
-        if crash_at == "after_forward":
-            os._exit(17)  # peers are now blocked in the backward exchange with this rank
-        started = time.perf_counter()
-        y.backward(dy)
-        self._synchronize()
-        backward_s = time.perf_counter() - started
+        with self._silenced(silence), self._fault_guard("step", step):
+            if crash_at == "kernel_timeout":
+                raise KernelTimeout(f"injected by the test (crash_at='kernel_timeout') on rank {self.rank}, "
+                                    "before the forward")
+            self._synchronize()
+            started = time.perf_counter()
+            y, aux = self._layer(x)
+            self._synchronize()
+            forward_s = time.perf_counter() - started
+            kernel_traffic = self._kernel_traffic() if self.backend == "cuda" else None
+            if crash_at == "after_forward":
+                os._exit(17)  # peers are now blocked in the backward exchange with this rank
+            started = time.perf_counter()
+            y.backward(dy)
+            self._synchronize()
+            backward_s = time.perf_counter() - started
+        dispatch_bytes = combine_bytes = efficiency = None
         if self.traffic is not None:
             bytes_sent = self._bytes_sent() - bytes_before
             rows_remote = self.traffic.rows_sent_remote - rows_before
+            source = "gloo"
+        elif kernel_traffic is not None:
+            dispatch_bytes = int(kernel_traffic.get("dispatch_bytes", 0))
+            combine_bytes = int(kernel_traffic.get("combine_bytes", 0))
+            bytes_sent = dispatch_bytes + combine_bytes
+            rows_remote = int(kernel_traffic.get("rows_routed_remote", 0))
+            efficiency = kernel_traffic.get("payload_efficiency")
+            if isinstance(efficiency, (int, float)) and math.isfinite(efficiency) and rows_remote > 0:
+                efficiency = float(efficiency)
+            else:
+                efficiency = None
+            source = "kernel"
         else:
             bytes_sent, rows_remote = self._estimated_gpu_payload(x.detach(), aux)
+            source = "estimate"
         record = {"rank": self.rank, "step": step, "tokens": int(x.shape[0]), "forward_ms": forward_s * 1e3,
                   "backward_ms": backward_s * 1e3, "latency_ms": (forward_s + backward_s) * 1e3,
-                  "bytes_sent": int(bytes_sent), "rows_sent_remote": int(rows_remote), "dropped": int(aux.dropped)}
+                  "bytes_sent": int(bytes_sent), "rows_sent_remote": int(rows_remote),
+                  "dispatch_bytes": dispatch_bytes, "combine_bytes": combine_bytes,
+                  "payload_efficiency": efficiency, "traffic_source": source, "dropped": int(aux.dropped)}
         self.records.append(record)
         return record
 
@@ -290,7 +483,8 @@ class MoEWorker:
     def metrics(self) -> dict[str, Any]:
         """Summary of this actor's :meth:`step` records: medians of ``forward_ms``, ``backward_ms``,
         ``latency_ms``; ``tokens_per_s``; ``tflops`` (backward counted as twice the forward FLOPs);
-        ``bytes_sent`` in total; ``peak_memory_bytes`` (CUDA max allocated, or the process's max RSS)."""
+        ``bytes_sent`` in total; ``payload_efficiency`` (median over steps that report it, else ``None``);
+        ``peak_memory_bytes`` (CUDA max allocated, or the process's max RSS)."""
         config = self._require_setup()
         if self.device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(self.device)
@@ -299,6 +493,9 @@ class MoEWorker:
         summary: dict[str, Any] = {"rank": self.rank, "backend": self.backend, "device": str(self.device),
                                    "steps": len(self.records), "peak_memory_bytes": int(peak),
                                    "bytes_sent": sum(record["bytes_sent"] for record in self.records)}
+        efficiencies = [record["payload_efficiency"] for record in self.records
+                        if record.get("payload_efficiency") is not None]
+        summary["payload_efficiency"] = statistics.median(efficiencies) if efficiencies else None
         if self.records:
             latency = statistics.median(record["latency_ms"] for record in self.records)
             summary.update(
@@ -314,8 +511,15 @@ class MoEWorker:
         """Liveness probe: this actor's pid."""
         return os.getpid()
 
-    def teardown(self) -> None:
-        """Leave the team and free it (the actor can be set up again afterwards)."""
+    def teardown(self) -> bool:
+        """Leave the team and free it (the actor can be set up again afterwards). On an NVSHMEM team this
+        is collective (freeing symmetric memory and finalising NVSHMEM synchronise all ranks): the driver
+        sends it to every rank, also after a ``KernelTimeout`` (the kernel has exited on every rank then).
+
+        Returns:
+            ``True`` if a team was left (``False`` if there was none).
+        """
+        had_team = self.backend is not None
         self._pending = None
         if self.backend == "gloo":
             import torch.distributed as dist
@@ -327,6 +531,7 @@ class MoEWorker:
         self.team = None
         self.config = None
         self.backend = None
+        return had_team
 
 
 #: The actor class. ``MoEWorker`` itself stays a plain module-level class so that Ray pickles it by

@@ -157,6 +157,8 @@ def test_run_refuses_options_of_the_other_mode(tmp_path, capsys, no_ray_start):
     base = ["run", "--config", str(TINY), "--output", str(tmp_path / "out")]
     for extra, message in ((["--in-process", "--address", "auto"], "--address='auto': applies to runs on Ray"),
                            (["--in-process", "--max-retries", "1"], "--max-retries=1: applies to runs on Ray"),
+                           (["--in-process", "--mps-pipe-dir", "/tmp/p"],
+                            "--mps-pipe-dir='/tmp/p': applies to runs on Ray"),
                            (["--device", "cpu"], "--device='cpu': applies to --in-process runs only")):
         assert cli.main(base + extra) == 2, extra
         assert message in capsys.readouterr().err
@@ -188,6 +190,20 @@ def test_run_hands_its_arguments_to_the_ray_driver(backend, ray_backend, monkeyp
     assert config == MoEConfig.from_yaml(TINY)
     assert options == dict(address=None, workers=None, verify=False, output_dir=Path("results"), progress=True,
                            backend="auto")
+
+
+def test_run_hands_the_mps_options_to_the_ray_driver(monkeypatch, tmp_path):
+    from ray_actors import driver
+
+    calls = []
+    monkeypatch.setattr(driver, "run_job", _fake_run_job(calls, passed=True))
+    assert cli.main(["run", "--config", str(TINY), "--backend", "cuda", "--gpus-per-worker", "0.25",
+                     "--mps-pipe-dir", "/tmp/mps/pipe", "--mps-log-dir", "/tmp/mps/log", "--output", str(tmp_path),
+                     "--no-progress"]) == 0
+    _, options = calls[0]
+    assert options == dict(address=None, workers=None, verify=True, output_dir=tmp_path, progress=False,
+                           backend="cuda", gpus_per_worker=0.25, mps_pipe_dir="/tmp/mps/pipe",
+                           mps_log_dir="/tmp/mps/log")
 
 
 def test_run_on_ray_exit_status(monkeypatch, capsys):

@@ -2,17 +2,26 @@
 
 Covers: distributed forward + backward through :class:`MoECluster` equal to
 ``reference.moe_expert_parallel``; a worker killed between steps and one crashing inside a step, both
-recovered and reported; configs refused before any actor starts; ``run_job``'s results JSON and plot;
-``ray job submit`` of ``python -m ray_actors.driver`` end to end against a ``ray start`` cluster.
+recovered and reported; a ``KernelTimeout`` on one rank: every team closed, a new one bootstrapped, the
+step retried; configs refused before any actor starts; ``run_job``'s results JSON and plot; ``ray job
+submit`` of ``python -m ray_actors.driver`` end to end against a ``ray start`` cluster; the GPU actors'
+scheduling options (fractional ``num_gpus``, MPS environment) on a Ray with a declared GPU.
 
 Tolerance for float32 on gloo: max |got - want| <= 1e-5 + 1e-5 * |want| elementwise (only summation order
 differs from the reference, e.g. the router gradient is all-reduced across ranks).
+
+GPU tests (``gpu`` marker, run on the H200): one worker on the fused kernel; two workers sharing the GPU
+under MPS (an NVSHMEM team of two) against the reference, through :class:`MoECluster` and ``run_job``;
+a rank made silent inside the kernel: every rank raises ``KernelTimeout`` naming a peer, and the cluster
+recovers with a new team. bf16 tolerance: ``flashdmoe.runner.tolerance_for("bfloat16", "cuda")`` on
+``max |got - want| / max |want|`` per tensor, against float64.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -28,7 +37,8 @@ import torch
 
 from flashdmoe import reference
 from flashdmoe.config import MoEConfig, make_weights
-from ray_actors import driver
+from flashdmoe.runner import tolerance_for
+from ray_actors import driver, worker
 from ray_actors.driver import MoECluster, run_job
 
 REPO = Path(__file__).resolve().parents[1]
@@ -129,6 +139,30 @@ class TestEmbeddedRay:
         _check_results_schema(json.loads((tmp_path / "results.json").read_text()), steps=3, world_size=2)
         assert (tmp_path / "latency.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
+    def test_kernel_timeout_on_one_rank_closes_every_team_and_recovers(self):
+        """Rank 0 raises KernelTimeout (as the watchdog would); rank 1, inside the exchange with it, fails on
+        the collective's timeout. Every worker closes its team, a new team starts on new actors, the step is
+        retried, and the new team computes correctly."""
+        with MoECluster(_config(), max_retries=1, collective_timeout_s=10) as cluster:
+            assert cluster.generation == 1
+            old_pids = {info["pid"] for info in cluster.node_infos}
+            old_team = cluster.node_infos[0]["team_id"]
+            record = cluster.step(0, crash={"rank": 0, "at": "kernel_timeout"})
+            assert record["attempts"] == 2 and len(record["latency_ms"]) == 2
+            assert len(cluster.faults) == 1
+            fault = cluster.faults[0]
+            assert fault["kind"] == "kernel_timeout" and fault["ranks"] == [0] and fault["recovered"] is True
+            assert fault["teams_closed"] is True and fault["generation"] == 2 and cluster.generation == 2
+            reports = {report["rank"]: report for report in fault["reports"]}
+            assert set(reports) == {0, 1}
+            assert reports[0]["error"] == "KernelTimeout" and "injected by the test" in reports[0]["message"]
+            assert reports[1]["error"] != "KernelTimeout"  # its collective gave up on rank 0
+            assert not old_pids & {info["pid"] for info in cluster.node_infos}
+            assert all(info["generation"] == 2 for info in cluster.node_infos)
+            assert cluster.node_infos[0]["team_id"] != old_team  # a new rendezvous (port)
+            assert ray.get([w.fault_reports.remote() for w in cluster.workers]) == [[], []]
+            _check_against_reference(cluster, tokens=[6, 13], seed=8)
+
     def test_retries_are_bounded(self):
         with MoECluster(_config(), max_retries=0) as cluster:
             with pytest.raises(driver.WorkerFault, match="died"):
@@ -149,6 +183,14 @@ class TestEmbeddedRay:
             MoECluster(_config(experts=12), workers=6)  # this Ray has 4 CPUs
         with pytest.raises(ValueError, match="backend"):
             MoECluster(_config(), backend="tpu")
+        with pytest.raises(ValueError, match="max_tokens"):
+            MoECluster(_config(), max_tokens=5)  # fewer than tokens_per_rank=12
+        with pytest.raises(ValueError, match="gpus_per_worker"):
+            MoECluster(_config(), gpus_per_worker=1.5)
+        with pytest.raises(ValueError, match="mps_pipe_dir"):
+            MoECluster(_config(), gpus_per_worker=0.5, mps_pipe_dir="")
+        with pytest.raises(ValueError, match="dtype='float32'"):  # the fused kernel runs bf16 / fp16
+            MoECluster(_config(), backend="cuda")
 
     def test_bad_batches_raise_value_error(self):
         with MoECluster(_config()) as cluster:
@@ -158,6 +200,11 @@ class TestEmbeddedRay:
                 cluster.forward([torch.randn(3, 16)])
             with pytest.raises(RuntimeError, match="preceding"):
                 cluster.backward([torch.randn(3, 16), torch.randn(3, 16)])
+            with pytest.raises(ValueError, match="silence.*cuda backend"):
+                cluster.step(0, silence={"rank": 1, "timeout_ms": 100})
+            with pytest.raises(ValueError, match="crash"):
+                cluster.step(0, crash={"rank": 2, "at": "kernel_timeout"})
+            assert cluster.faults == [] and cluster.generation == 1
 
 
 def _check_results_schema(results: dict, *, steps: int, world_size: int) -> None:
@@ -169,7 +216,7 @@ def _check_results_schema(results: dict, *, steps: int, world_size: int) -> None
     assert len(results["steps"]) == steps
     for index, record in enumerate(results["steps"]):
         assert record["step"] == index and record["attempts"] >= 1
-        for key in ("latency_ms", "forward_ms", "backward_ms", "bytes_sent", "dropped"):
+        for key in ("latency_ms", "forward_ms", "backward_ms", "bytes_sent", "payload_efficiency", "dropped"):
             assert len(record[key]) == world_size, key
         assert all(isinstance(value, float) and value > 0 for value in record["latency_ms"])
     metrics = results["metrics"]
@@ -177,6 +224,7 @@ def _check_results_schema(results: dict, *, steps: int, world_size: int) -> None
     assert [entry["rank"] for entry in metrics["per_rank"]] == list(range(world_size))
     for entry in metrics["per_rank"]:
         assert entry["peak_memory_bytes"] > 0 and entry["bytes_sent_per_step"] >= 0
+        assert "payload_efficiency" in entry
     verification = results["verification"]
     assert set(verification) >= {"max_abs_err", "max_rel_err", "passed", "tolerance"}
     assert 0 <= verification["max_rel_err"] <= verification["tolerance"]
@@ -189,6 +237,85 @@ def test_cli_refuses_a_bad_config_without_starting_ray(tmp_path, capsys):
     assert driver.main(["--config", str(path), "--output", str(tmp_path / "out")]) == 2
     assert "experts=3" in capsys.readouterr().err
     assert not ray.is_initialized()
+
+
+def test_gpu_worker_environment():
+    trio = {"NVSHMEM_DISABLE_NVLS": "1", "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+    assert worker.gpu_env_vars(1.0) == trio
+    assert worker.gpu_env_vars(0.5, mps_pipe_dir="/tmp/pipe", mps_log_dir=Path("/tmp/log")) == {
+        **trio, "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "50", "CUDA_MPS_PIPE_DIRECTORY": "/tmp/pipe",
+        "CUDA_MPS_LOG_DIRECTORY": "/tmp/log"}
+    assert worker.gpu_env_vars(1.0, mps_pipe_dir="/tmp/pipe") == {**trio, "CUDA_MPS_PIPE_DIRECTORY": "/tmp/pipe"}
+    shares = (1.0, 0.5, 1 / 3, 0.29, 0.25, 0.125, 0.001)
+    assert [worker.mps_share_percentage(share) for share in shares] == [100, 50, 33, 29, 25, 12, 1]
+    for share in (0, -0.5, 1.01, True, "0.5"):
+        with pytest.raises(ValueError, match="gpus_per_worker"):
+            worker.gpu_env_vars(share)
+    with pytest.raises(ValueError, match="mps_log_dir"):
+        worker.gpu_env_vars(0.5, mps_log_dir="")
+
+
+class _StopBootstrap(Exception):
+    """Raised by the fake actor below once the driver starts bootstrapping the team."""
+
+
+class _FakeActor:
+    """Stands in for a GPU MoEWorker actor: records its options; the bootstrap call stops the test there."""
+
+    def __init__(self, options: dict) -> None:
+        self.options = options
+
+    def __getattr__(self, method: str):
+        class Method:
+            @staticmethod
+            def remote(*_):
+                if method in ("ping", "teardown"):
+                    return ray.put(None)
+                raise _StopBootstrap(method)
+
+        return Method
+
+
+def test_fractional_gpu_workers_are_scheduled_with_their_mps_share(monkeypatch):
+    """``gpus_per_worker=0.5`` on a Ray that declares one GPU (no GPU is needed to schedule): two bundles
+    of 0.5 GPU in one STRICT_PACK group, actors with ``num_gpus=0.5`` whose runtime_env carries
+    ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50``, the MPS directories (the pipe one from this process's
+    environment, the log one given) and the multicast-off variables; rank 0 is asked for the unique id."""
+    calls = []
+
+    class Recorder:
+        def options(self, **options):
+            calls.append(options)
+
+            class Handle:
+                @staticmethod
+                def remote():
+                    return _FakeActor(options)
+
+            return Handle
+
+    monkeypatch.setattr(driver, "RemoteMoEWorker", Recorder())
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", "/tmp/flashdmoe-test-mps/pipe")
+    config = _config(dtype="bfloat16", world_size=2)
+    ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=2, num_gpus=1)
+    try:
+        with pytest.raises(_StopBootstrap, match="make_unique_id"):
+            MoECluster(config, backend="cuda", gpus_per_worker=0.5, mps_log_dir="/tmp/flashdmoe-test-mps/log")
+        assert len(calls) == 2
+        for rank, options in enumerate(calls):
+            assert options["num_gpus"] == 0.5 and options["num_cpus"] == 0 and options["max_restarts"] == 0
+            assert options["scheduling_strategy"].placement_group_bundle_index == rank
+            assert options["runtime_env"] == {"env_vars": {
+                "NVSHMEM_DISABLE_NVLS": "1", "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "50", "CUDA_MPS_PIPE_DIRECTORY": "/tmp/flashdmoe-test-mps/pipe",
+                "CUDA_MPS_LOG_DIRECTORY": "/tmp/flashdmoe-test-mps/log"}}
+        bundles = {tuple(sorted(bundle.items())) for group in ray.util.placement_group_table().values()
+                   for bundle in group["bundles"].values()}
+        assert bundles == {(("GPU", 0.5),)}
+        with pytest.raises(ValueError, match="max_tokens"):  # below tokens_per_rank
+            MoECluster(config, backend="cuda", max_tokens=3)
+    finally:
+        ray.shutdown()
 
 
 def _free_port() -> int:
@@ -274,35 +401,170 @@ def test_cuda_backend_one_worker_matches_reference(tmp_path):
     _check_results_schema(results, steps=3, world_size=1)
 
 
-@pytest.fixture
-def mps_daemon(monkeypatch):
-    """The CUDA MPS control daemon (DESIGN.md §4), so several ranks share one GPU as full NVSHMEM PEs.
-    Ray's workers inherit the pipe/log directories from this process's environment."""
-    control = shutil.which("nvidia-cuda-mps-control")
-    if control is None:
-        pytest.skip("nvidia-cuda-mps-control is not installed")
-    pipe_dir = tempfile.mkdtemp(prefix="mps-pipe", dir="/tmp")
-    log_dir = tempfile.mkdtemp(prefix="mps-log", dir="/tmp")
-    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", pipe_dir)
-    monkeypatch.setenv("CUDA_MPS_LOG_DIRECTORY", log_dir)
-    subprocess.run([control, "-d"], env=os.environ.copy(), check=True, timeout=60)
+@pytest.fixture(scope="module")
+def mps_daemon():
+    """The CUDA MPS control daemon (DESIGN.md §4), module-scoped, so several ranks share one GPU as full
+    NVSHMEM PEs. Its pipe/log directories go into this process's environment before any test here starts
+    Ray (the embedded Ray's workers inherit them) and are also handed to the actors explicitly."""
+    from flashdmoe.mps import MpsDaemon, mps_available
+
+    reason = mps_available()
+    if reason:
+        pytest.skip(f"CUDA MPS is unavailable: {reason}")
+    daemon = MpsDaemon()
     try:
-        yield
-    finally:
-        subprocess.run([control], input="quit\n", text=True, env=os.environ.copy(), timeout=60)
-        shutil.rmtree(pipe_dir, ignore_errors=True)
-        shutil.rmtree(log_dir, ignore_errors=True)
+        daemon.start()
+    except Exception as error:
+        daemon.stop()
+        pytest.fail(f"the MPS daemon did not start: {error}\n{daemon.log_tail()}")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(daemon.pipe_dir))
+        patch.setenv("CUDA_MPS_LOG_DIRECTORY", str(daemon.log_dir))
+        try:
+            yield daemon
+        finally:
+            daemon.stop()
+
+
+def _bf16_config(**changes) -> MoEConfig:
+    return _config(**{**dict(hidden=256, ffn=512, experts=8, top_k=2, tokens_per_rank=300, dtype="bfloat16",
+                             world_size=2), **changes})
+
+
+def _mps_cluster(daemon, config: MoEConfig, **options) -> MoECluster:
+    """Two ranks with num_gpus=0.5 on the one GPU under ``daemon``; a hang surfaces within 240 s."""
+    return MoECluster(config, workers=2, backend="cuda", gpus_per_worker=0.5, mps_pipe_dir=daemon.pipe_dir,
+                      mps_log_dir=daemon.log_dir, call_timeout_s=240, **options)
+
+
+def _check_relative(cluster: MoECluster, tokens: list[int], seed: int) -> dict[str, float]:
+    """Random batches (``tokens[r]`` rows on rank r) and output gradients through the cluster against
+    ``reference.moe_expert_parallel`` in float64 on the cluster's weights; per tensor and rank,
+    ``max |got - want| / max |want|`` must be within the dtype's cuda tolerance. Returns the errors."""
+    config = cluster.config
+    generator = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(count, config.hidden, generator=generator).to(config.torch_dtype) for count in tokens]
+    dys = [torch.randn(count, config.hidden, generator=generator).to(config.torch_dtype) for count in tokens]
+    ys = cluster.forward(xs)
+    dxs, grads = cluster.backward(dys)
+
+    router, w1, w2 = (tensor.double() for tensor in make_weights(config))
+    local, world = config.local_experts, config.world_size
+    ref_xs = [x.double().requires_grad_() for x in xs]
+    ref_router = router.requires_grad_()
+    ref_w1s = [w1[r * local:(r + 1) * local].clone().requires_grad_() for r in range(world)]
+    ref_w2s = [w2[r * local:(r + 1) * local].clone().requires_grad_() for r in range(world)]
+    want = reference.moe_expert_parallel(ref_xs, ref_router, ref_w1s, ref_w2s, top_k=config.top_k,
+                                         activation=config.activation, normalize_topk=config.normalize_topk,
+                                         capacity_factor=config.capacity_factor)
+    torch.autograd.backward(want, [dy.double() for dy in dys])
+    tolerance = tolerance_for(config.dtype, "cuda")
+    pairs = [(f"y[{r}]", ys[r], want[r].detach()) for r in range(world)]
+    pairs += [(f"dx[{r}]", dxs[r], ref_xs[r].grad) for r in range(world)]
+    pairs += [(f"dw1[{r}]", grads["w1"][r], ref_w1s[r].grad) for r in range(world)]
+    pairs += [(f"dw2[{r}]", grads["w2"][r], ref_w2s[r].grad) for r in range(world)]
+    pairs.append(("d router_weight", grads["router_weight"], ref_router.grad))
+    errors = {}
+    for name, got, want_tensor in pairs:
+        assert got.shape == want_tensor.shape, f"{name}: shape {tuple(got.shape)} vs {tuple(want_tensor.shape)}"
+        assert bool(torch.isfinite(got).all()), f"{name}: non-finite values"
+        if want_tensor.numel() == 0:
+            continue
+        scale = float(want_tensor.abs().max())
+        errors[name] = float((got.double() - want_tensor).abs().max()) / (scale if scale > 0 else 1.0)
+        assert errors[name] <= tolerance, f"{name}: relative error {errors[name]:.3e} > {tolerance:.0e}"
+    return errors
 
 
 @pytest.mark.gpu
-def test_cuda_backend_two_workers_share_one_gpu_under_mps(mps_daemon, tmp_path):
-    """Two ranks with num_gpus=0.5 on one GPU (MPS), an NVSHMEM team of two, against the reference."""
+def test_cuda_two_workers_share_one_gpu_under_mps(mps_daemon):
+    """Two ranks with num_gpus=0.5 on the one GPU (MPS, 50% of the SMs each), an NVSHMEM team of two:
+    forward and backward of every rank against the reference (uneven batches, an empty rank, the seeded
+    step that --verify checks); the kernel's traffic counters."""
     if not driver._nvshmem_team_available():
         pytest.skip("flashdmoe.team.Team has no nvshmem()/make_unique_id() in this build")
-    config = _config(hidden=256, ffn=512, experts=8, top_k=2, tokens_per_rank=300, dtype="bfloat16", world_size=2)
-    results = run_job(config, workers=2, backend="cuda", gpus_per_worker=0.5, verify=True, output_dir=tmp_path,
-                      progress=False)
-    assert results["backend"] == "cuda"
+    config = _bf16_config()
+    with _mps_cluster(mps_daemon, config) as cluster:
+        assert cluster.backend == "cuda" and cluster.generation == 1
+        infos = cluster.node_infos
+        assert len({info["node_id"] for info in infos}) == 1 and len({info["pid"] for info in infos}) == 2
+        assert infos[0]["gpu_ids"] == infos[1]["gpu_ids"] and len(infos[0]["gpu_ids"]) == 1  # one GPU, shared
+        for rank, info in enumerate(infos):
+            assert info["mps"] == {"pipe_dir": str(mps_daemon.pipe_dir), "log_dir": str(mps_daemon.log_dir),
+                                   "thread_percentage": "50"}, info["mps"]
+            assert info["team"]["transport"] == "nvshmem" and info["team"]["rank"] == rank
+            assert info["team"]["world_size"] == 2 and info["team"]["max_tokens"] == config.tokens_per_rank
+        _check_relative(cluster, tokens=[300, 300], seed=11)
+        _check_relative(cluster, tokens=[173, 0], seed=12)  # uneven, one rank without tokens
+        _check_relative(cluster, tokens=[1, 299], seed=13)
+        verification = driver.verify_against_reference(cluster, step=0)  # what --verify runs
+        assert verification["passed"], verification
+        assert verification["tolerance"] == tolerance_for("bfloat16", "cuda")
+        with pytest.raises(ValueError, match=r"xs\[1\].*max_tokens=300"):
+            cluster.forward([torch.randn(3, 256), torch.randn(301, 256)])
+        for step in range(3):
+            record = cluster.step(step)
+            assert record["attempts"] == 1
+            for rank in range(2):
+                assert record["bytes_sent"][rank] > 0, record
+                efficiency = record["payload_efficiency"][rank]
+                assert efficiency == pytest.approx(1.0, abs=1e-9), record  # only routed rows travel
+        assert cluster.faults == []
+
+
+@pytest.mark.gpu
+def test_cuda_two_workers_under_mps_run_job(mps_daemon, tmp_path):
+    """The main job (`flashdmoe run --gpus-per-worker 0.5 --verify`) on two ranks sharing the GPU."""
+    if not driver._nvshmem_team_available():
+        pytest.skip("flashdmoe.team.Team has no nvshmem()/make_unique_id() in this build")
+    results = run_job(_bf16_config(), workers=2, backend="cuda", gpus_per_worker=0.5, verify=True,
+                      output_dir=tmp_path, progress=False)
+    assert results["backend"] == "cuda" and results["retries"] == 0
     assert len({info["node_id"] for info in results["workers"]}) == 1
+    assert all(info["mps"]["thread_percentage"] == "50" for info in results["workers"])
     assert results["verification"]["passed"], results["verification"]
-    _check_results_schema(results, steps=3, world_size=2)
+    _check_results_schema(json.loads((tmp_path / "results.json").read_text()), steps=3, world_size=2)
+    for entry in results["metrics"]["per_rank"]:
+        assert entry["bytes_sent_per_step"] > 0 and entry["payload_efficiency"] == pytest.approx(1.0)
+
+
+#: How a KernelTimeout names the peer a rank waited on (flashdmoe.cuda_backend: "... (waiting on rank 1; ...").
+_WAITED_ON = re.compile(r"waiting on (?:rank|peer)\s*(\d+)", re.IGNORECASE)
+
+
+@pytest.mark.gpu
+def test_silent_rank_times_out_on_every_rank_then_recovers(mps_daemon):
+    """Rank 1 publishes none of its signals for one step: every rank raises KernelTimeout (no hang)
+    naming a peer it waited on; every worker closes its team, a new team with a new unique id is
+    bootstrapped on new actors, and the retried step and a verification pass."""
+    if not driver._nvshmem_team_available():
+        pytest.skip("flashdmoe.team.Team has no nvshmem()/make_unique_id() in this build")
+    config = _bf16_config()
+    silent = 1
+    with _mps_cluster(mps_daemon, config, max_retries=1) as cluster:
+        old_pids = {info["pid"] for info in cluster.node_infos}
+        old_team = cluster.node_infos[0]["team_id"]
+        assert old_team.startswith("nvshmem-")
+        started = time.monotonic()
+        record = cluster.step(0, silence={"rank": silent, "timeout_ms": 2000})
+        assert time.monotonic() - started < 200
+        assert record["attempts"] == 2, record
+        assert len(cluster.faults) == 1, cluster.faults
+        fault = cluster.faults[0]
+        assert fault["kind"] == "kernel_timeout" and fault["ranks"] == [0, 1], fault
+        assert fault["recovered"] is True and fault["teams_closed"] is True, fault
+        assert fault["generation"] == 2 == cluster.generation
+        reports = {report["rank"]: report for report in fault["reports"]}
+        assert set(reports) == {0, 1}, fault["reports"]
+        for rank, report in reports.items():
+            assert report["error"] == "KernelTimeout", report
+            waited_on = {int(number) for number in _WAITED_ON.findall(report["message"])}
+            # two ranks: each waits on the other (signals to oneself are not published through the team)
+            assert waited_on == {1 - rank}, f"rank {rank}'s KernelTimeout should name peer {1 - rank}: {report!r}"
+        assert not old_pids & {info["pid"] for info in cluster.node_infos}  # new actors
+        assert {info["team_id"] for info in cluster.node_infos} == {cluster.node_infos[0]["team_id"]} != {old_team}
+        assert all(info["team"]["transport"] == "nvshmem" for info in cluster.node_infos)
+        verification = driver.verify_against_reference(cluster, step=1)
+        assert verification["passed"], verification
+        record = cluster.step(2)
+        assert record["attempts"] == 1 and len(cluster.faults) == 1
