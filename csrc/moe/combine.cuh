@@ -23,15 +23,21 @@ __device__ void combine_tokens(const MoEParams& p) {
   const int warps = p.blocks * (kThreads / 32);
   const Element* comb = static_cast<const Element*>(p.peers[p.rank].comb);
   Element* y = static_cast<Element*>(p.y);
-  for (int token = block_in_rank(p) * (kThreads / 32) + (threadIdx.x >> 5); token < p.tokens; token += warps) {
+  // One warp per (token, 512-column chunk): small batches still spread over every warp of the rank.
+  constexpr int kChunkColumns = 2 * 32 * 8;
+  const int chunks = (H + kChunkColumns - 1) / kChunkColumns;
+  const long long items = static_cast<long long>(p.tokens) * chunks;
+  for (long long item = block_in_rank(p) * (kThreads / 32) + (threadIdx.x >> 5); item < items; item += warps) {
+    const int token = static_cast<int>(item / chunks);
+    const int c0 = static_cast<int>(item % chunks) * kChunkColumns;
     const size_t first = static_cast<size_t>(token) * k;
     // Lane j holds choice j's row and weight (k <= 32); the loop broadcasts them, so each chunk's k
     // loads are independent and in flight together.
     int my_row = lane < k ? __ldcg(p.topk_row + first + lane) : -1;
     if (my_row >= 0) my_row += (__ldcg(p.topk_expert + first + lane) / p.local_experts) * p.stream_rows;
     const float my_weight = lane < k ? __ldcg(p.topk_weight + first + lane) : 0.f;
-    // Two 256-column chunks per iteration: twice the independent loads in flight per lane.
-    for (int c0 = 0; c0 < H; c0 += 2 * 32 * 8) {  // warp-uniform trip count: the shuffles need every lane
+    // Two 256-column halves: twice the independent loads in flight per lane.
+    {
       const int c[2] = {c0 + lane * 8, c0 + 32 * 8 + lane * 8};
       float acc[2][8];
 #pragma unroll
