@@ -28,7 +28,7 @@ DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1}
 # stages, blocks per SM.
 EXPERT_VARIANTS = {"wgmma-128x128-3stage": 0, "wgmma-128x128-4stage": 1, "wgmma-128x256-4stage": 2,
                    "mma.sync-128x128-3stage": 3, "tma-wgmma-128x256-4stage": 4, "tma-wgmma-128x128-6stage": 5,
-                   "tma-wgmma-128x256-4stage-prefetch": 6}
+                   "tma-wgmma-128x256-4stage-prefetch": 6, "tma-wgmma-128x256-4stage-gather": 7}
 # Fastest on all five shapes of docs/benchmarks.md (H200, 2026-12-02 session-2 variant sweep).
 DEFAULT_EXPERT_VARIANT = "tma-wgmma-128x256-4stage"
 

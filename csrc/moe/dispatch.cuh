@@ -28,7 +28,8 @@ __device__ inline void publish_counts(const MoEParams& p) {
 
 // One warp per token: its k rows; 16 bytes per lane per step. Bytes written to peers are counted.
 // Worker threads only.
-template <typename Element>
+// kGatherOwn: rows for this rank's own experts are not copied, only their tokens noted (row_token).
+template <typename Element, bool kGatherOwn>
 __device__ inline void dispatch_rows(const MoEParams& p, const int* stream_offset) {
   const int lane = threadIdx.x & 31, H = p.hidden, k = p.top_k, L = p.local_experts;
   const int warps = p.blocks * (kThreads / 32);
@@ -46,6 +47,10 @@ __device__ inline void dispatch_rows(const MoEParams& p, const int* stream_offse
       const int row = __shfl_sync(0xffffffffu, my_row, j);
       const int owner = __shfl_sync(0xffffffffu, my_expert, j) / L;
       if (row < 0) continue;  // dropped by capacity: counted on the host from expert_counts
+      if (kGatherOwn && owner == p.rank) {
+        if (lane == 0) p.row_token[row] = token;
+        continue;
+      }
       const int4* src = reinterpret_cast<const int4*>(x + static_cast<size_t>(token) * H);
       int4* dst = reinterpret_cast<int4*>(static_cast<Element*>(p.peers[owner].recv) +
                                           (static_cast<size_t>(p.rank) * p.stream_rows + row) * H);

@@ -97,7 +97,9 @@ struct TaskCounts {
   int tasks1, tiles1, tiles2, total;
 };
 
-// Producer lane: take tasks, wait for their inputs, stream their slabs, hand them over in order.
+// Producer warp: lane 0 takes tasks, waits for their inputs and hands them over in order; the slabs
+// are streamed by lane 0 (box loads), or by the whole warp when a GEMM1 tile gathers this rank's own
+// rows from x (gather variant).
 template <typename Element, typename Variant>
 __device__ bool produce_tasks(const MoEParams& p, const DestTables& t, char* smem,
                               TmaPipelineBarriers<Variant::kStages>& bars, TaskRing<Variant::kStages>& ring,
@@ -107,49 +109,68 @@ __device__ bool produce_tasks(const MoEParams& p, const DestTables& t, char* sme
   constexpr int kTileN = Variant::kTileN;
   const bool swiglu = p.activation == Activation::Swiglu;
   const int out_cols1 = swiglu ? kTileN / 2 : kTileN;
+  const int lane = threadIdx.x & 31;
   uint32_t slab = 0, ready_seen = 0;
   for (int n = 0;; ++n) {
-    const int slot = n % Ring::kSlots;
-    const int task = static_cast<int>(atomicAdd(p.task_counter, 1u));
-    int handed = task < c.total ? task : kTaskEnd;
-    ExpertTask job{};
-    RowTile tile{};
-    if (handed >= 0) {
-      job = decode_task(task, c.tasks1, c.tiles1, c.tiles2);
-      tile = row_tile_of(p, t, job.row_tile);
-      const bool ready = job.second
-          ? wait_at_least(p.row_tile_done + job.row_tile, c.tiles1, p, kPhaseIntermediate, p.rank)
-          : wait_rows_ready(p, tile.src, ready_seen);
-      tma::fence_proxy_async_global();
-      if (!ready) handed = kTaskAbort;
+    int handed = kTaskAbort;
+    if (lane == 0) {
+      const int slot = n % Ring::kSlots;
+      const int task = static_cast<int>(atomicAdd(p.task_counter, 1u));
+      handed = task < c.total ? task : kTaskEnd;
+      if (handed >= 0) {
+        const ExpertTask job = decode_task(task, c.tasks1, c.tiles1, c.tiles2);
+        const RowTile tile = row_tile_of(p, t, job.row_tile);
+        const bool ready = job.second
+            ? wait_at_least(p.row_tile_done + job.row_tile, c.tiles1, p, kPhaseIntermediate, p.rank)
+            : wait_rows_ready(p, tile.src, ready_seen);
+        tma::fence_proxy_async_global();
+        if (!ready) handed = kTaskAbort;
+      }
+      ring.task[slot] = handed;
+      tma::arrive(ptx::smem_addr(&ring.full[slot]));  // release: the slot's task id is visible to waiters
     }
-    ring.task[slot] = handed;
-    tma::arrive(ptx::smem_addr(&ring.full[slot]));  // release: the slot's task id is visible to waiters
+    handed = __shfl_sync(0xffffffffu, handed, 0);
     if (handed < 0) return handed == kTaskEnd;
+    const ExpertTask job = decode_task(handed, c.tasks1, c.tiles1, c.tiles2);
+    const RowTile tile = row_tile_of(p, t, job.row_tile);
     const int k_tiles = job.second ? p.ffn / 64 : p.hidden / 64;
-    bool produced;
+    bool produced = true;
     if (job.second) {
       const int col0 = job.col_tile * kTileN;
-      produced = Gemm::produce(smem, bars, slab, k_tiles, p, [&](uint32_t a_dst, uint32_t b_dst, int k0, uint32_t bar) {
-        tma::load_2d(a_dst, &p.maps.intermediate, bar, k0, tile.packed_row0);
+      if (lane == 0)
+        produced = Gemm::produce(smem, bars, slab, k_tiles, p, [&](uint32_t a_dst, uint32_t b_dst, int k0, uint32_t bar) {
+          tma::load_2d(a_dst, &p.maps.intermediate, bar, k0, tile.packed_row0);
 #pragma unroll
-        for (int panel = 0; panel < Gemm::kPanels; ++panel)
-          tma::load_3d(b_dst + panel * Gemm::kPanelBytes, &p.maps.w2, bar, col0 + panel * 64, k0, tile.local);
-      });
+          for (int panel = 0; panel < Gemm::kPanels; ++panel)
+            tma::load_3d(b_dst + panel * Gemm::kPanelBytes, &p.maps.w2, bar, col0 + panel * 64, k0, tile.local);
+        });
     } else {
       const int out_col0 = job.col_tile * out_cols1;
       const int col_lo = out_col0, col_hi = swiglu ? p.ffn + out_col0 : out_col0 + kTileN / 2;
-      const int a_row = tile.src * p.stream_rows + tile.stream_row0;
-      produced = Gemm::produce(smem, bars, slab, k_tiles, p, [&](uint32_t a_dst, uint32_t b_dst, int k0, uint32_t bar) {
-        tma::load_2d(a_dst, &p.maps.recv, bar, k0, a_row);
+      auto load_b = [&](uint32_t b_dst, int k0, uint32_t bar) {
 #pragma unroll
         for (int panel = 0; panel < Gemm::kPanels; ++panel) {
           const int col = panel < Gemm::kPanels / 2 ? col_lo + panel * 64 : col_hi + (panel - Gemm::kPanels / 2) * 64;
           tma::load_3d(b_dst + panel * Gemm::kPanelBytes, &p.maps.w1, bar, col, k0, tile.local);
         }
-      });
+      };
+      if (Variant::kGatherOwnRows && tile.src == p.rank) {
+        int token_of[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int r = lane + 32 * i;
+          token_of[i] = r < tile.rows ? __ldcg(p.row_token + tile.stream_row0 + r) : 0;
+        }
+        produced = Gemm::produce_gathered(smem, bars, slab, k_tiles, p, &p.maps.x, token_of, tile.rows, load_b);
+      } else if (lane == 0) {
+        const int a_row = tile.src * p.stream_rows + tile.stream_row0;
+        produced = Gemm::produce(smem, bars, slab, k_tiles, p, [&](uint32_t a_dst, uint32_t b_dst, int k0, uint32_t bar) {
+          tma::load_2d(a_dst, &p.maps.recv, bar, k0, a_row);
+          load_b(b_dst, k0, bar);
+        });
+      }
     }
-    if (!produced) return false;  // the consumers see the error word in their bounded waits
+    if (!__shfl_sync(0xffffffffu, produced, 0)) return false;  // consumers see the error word in their waits
     slab += k_tiles;
   }
 }
@@ -212,7 +233,7 @@ __device__ bool run_expert_tasks_prefetch(const MoEParams& p, const DestTables& 
   }
   __syncthreads();
   bool ok = true;
-  if (threadIdx.x == kThreads) {
+  if (threadIdx.x >= kThreads) {
     ok = produce_tasks<Element, Variant>(p, t, smem, bars, ring, c);
   } else if (threadIdx.x < kThreads) {
     ok = consume_tasks<Element, Variant>(p, t, smem, bars, ring, c);

@@ -119,6 +119,7 @@ inline MoEParams rank_params(const ForwardArgs& a, const RankArgs& r) {
   p.tile_expert_count = reinterpret_cast<int*>(base + ws.tile_expert_count);
   p.tile_expert_offset = reinterpret_cast<int*>(base + ws.tile_expert_offset);
   p.expert_kept = reinterpret_cast<int*>(base + ws.expert_kept);
+  p.row_token = reinterpret_cast<int*>(base + ws.row_token);
   p.intermediate = base + ws.intermediate;
   p.gate_tiles = ws.gate_tiles;
   p.max_row_tiles = ws.max_row_tiles;
@@ -176,6 +177,10 @@ inline void make_expert_tensor_maps(const ForwardArgs& a, MoEParams& p) {
   p.maps.w2 = make_tensor_map(p.w2, 3, w2_dims, weight_box, a.dtype, "w2");
   p.maps.recv = make_tensor_map(p.peers[p.rank].recv, 2, recv_dims, row_box, a.dtype, "the receive buffer");
   p.maps.intermediate = make_tensor_map(p.intermediate, 2, mid_dims, row_box, a.dtype, "the intermediate buffer");
+  // With no tokens the map is never read; it still needs a valid base.
+  const uint64_t x_dims[2] = {H, p.tokens > 0 ? static_cast<uint64_t>(p.tokens) : 1};
+  const uint32_t one_row_box[2] = {64, 1};
+  p.maps.x = make_tensor_map(p.tokens > 0 ? p.x : p.intermediate, 2, x_dims, one_row_box, a.dtype, "x");
 }
 
 template <typename Element, typename Variant>
@@ -246,7 +251,8 @@ LaunchInfo launch_forward_typed(const ForwardArgs& a, cudaStream_t stream) {
     case 4: return launch_forward_variant<Element, Tma256FourStages>(a, stream);
     case 5: return launch_forward_variant<Element, Tma128SixStages>(a, stream);
     case 6: return launch_forward_variant<Element, TmaPrefetch256FourStages>(a, stream);
-    default: throw std::invalid_argument("expert_variant must be 0..6, got " + std::to_string(a.expert_variant));
+    case 7: return launch_forward_variant<Element, TmaGather256FourStages>(a, stream);
+    default: throw std::invalid_argument("expert_variant must be 0..7, got " + std::to_string(a.expert_variant));
   }
 }
 
@@ -260,7 +266,8 @@ KernelAttributes kernel_attributes_typed(int variant) {
     case 4: return kernel_attributes_variant<Element, Tma256FourStages>();
     case 5: return kernel_attributes_variant<Element, Tma128SixStages>();
     case 6: return kernel_attributes_variant<Element, TmaPrefetch256FourStages>();
-    default: throw std::invalid_argument("expert_variant must be 0..6, got " + std::to_string(variant));
+    case 7: return kernel_attributes_variant<Element, TmaGather256FourStages>();
+    default: throw std::invalid_argument("expert_variant must be 0..7, got " + std::to_string(variant));
   }
 }
 

@@ -41,7 +41,7 @@ __global__ void __launch_bounds__(Variant::kBlockThreads, Variant::kMinBlocksPer
   if (worker) {
     int* stream_offset = reinterpret_cast<int*>(smem);  // [E], in the scratch area (free until the experts)
     build_stream_offsets(p, stream_offset);
-    dispatch_rows<Element>(p, stream_offset);
+    dispatch_rows<Element, Variant::kGatherOwnRows>(p, stream_offset);
   }
   if (!grid_barrier(p, kPhaseDispatchDone, 3)) return;
   publish_rows_ready(p);

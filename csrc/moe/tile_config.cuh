@@ -25,15 +25,18 @@ constexpr int kExpertTileM = 128;
 // WgmmaTma: operands loaded by TMA from a producer warp (warp-specialised, mbarrier pipeline);
 // Wgmma / MmaSync: all threads load with cp.async.
 // WgmmaTmaPrefetch: the same, and the producer streams across tile boundaries (registers epilogue).
-enum class ExpertMma : int { Wgmma = 0, MmaSync = 1, WgmmaTma = 2, WgmmaTmaPrefetch = 3 };
+// WgmmaTmaGather: the same, and a rank's rows for its own experts are not copied: the producer warp loads
+// them straight from x with one-row TMA boxes (32 lanes, up to 4 rows each).
+enum class ExpertMma : int { Wgmma = 0, MmaSync = 1, WgmmaTma = 2, WgmmaTmaPrefetch = 3, WgmmaTmaGather = 4 };
 template <ExpertMma kMma, int kTileNArg, int kStagesArg, int kBlocksPerSm>
 struct ExpertVariant {
-  static constexpr bool kUseTmaPrefetch = kMma == ExpertMma::WgmmaTmaPrefetch;
+  static constexpr bool kGatherOwnRows = kMma == ExpertMma::WgmmaTmaGather;
+  static constexpr bool kUseTmaPrefetch = kMma == ExpertMma::WgmmaTmaPrefetch || kGatherOwnRows;
   static constexpr bool kUseWgmma = kMma != ExpertMma::MmaSync;
   static constexpr int kTileN = kTileNArg;
   static constexpr int kStages = kStagesArg;
   static constexpr int kMinBlocksPerSm = kBlocksPerSm;
-  static constexpr bool kUseTma = kMma == ExpertMma::WgmmaTma || kMma == ExpertMma::WgmmaTmaPrefetch;
+  static constexpr bool kUseTma = kMma == ExpertMma::WgmmaTma || kUseTmaPrefetch;
   static constexpr int kBlockThreads = kUseTma ? kThreads + 32 : kThreads;  // + the producer warp
   static constexpr int kPipelineBytes = kStages * (kExpertTileM + kTileN) * 64 * 2;
   static constexpr int kEpilogueStride = kTileN + 4;  // fp32 staging row, padded against bank conflicts
@@ -47,6 +50,7 @@ using MmaSync128ThreeStages = ExpertVariant<ExpertMma::MmaSync, 128, 3, 2>;  // 
 using Tma256FourStages = ExpertVariant<ExpertMma::WgmmaTma, 256, 4, 1>;       // 4
 using Tma128SixStages = ExpertVariant<ExpertMma::WgmmaTma, 128, 6, 1>;        // 5
 using TmaPrefetch256FourStages = ExpertVariant<ExpertMma::WgmmaTmaPrefetch, 256, 4, 1>;  // 6
+using TmaGather256FourStages = ExpertVariant<ExpertMma::WgmmaTmaGather, 256, 4, 1>;      // 7
 
 // Shape constraints checked on the host (and named in the error message).
 constexpr int kHiddenMultiple = 64;

@@ -71,6 +71,38 @@ struct TmaTileGemm : WgmmaTileGemm<Element, BN, STAGES> {
     return true;
   }
 
+  // The whole producer warp: like produce(), but A is `rows` single rows of `rows_map` (row_of[i] is the
+  // tensor row of tile row lane + 32 i), each a one-row TMA box into its 128-byte row of the stage (the
+  // 128-byte swizzle follows the shared-memory address). Tile rows past `rows` keep stale data; their
+  // results are never stored.
+  template <typename LoadB>
+  __device__ static bool produce_gathered(char* smem, Barriers& bars, uint32_t slab, int k_tiles, const MoEParams& p,
+                                          const CUtensorMap* rows_map, const int (&row_of)[4], int rows,
+                                          LoadB&& load_b) {
+    const uint32_t base = ptx::smem_addr(smem);
+    const int lane = threadIdx.x & 31;
+    const uint32_t bytes = static_cast<uint32_t>(rows) * 128 + kStageBytesB;
+    for (int kt = 0; kt < k_tiles; ++kt) {
+      const uint32_t it = slab + kt, s = it % STAGES, use = it / STAGES;
+      bool ok = true;
+      if (lane == 0 && use > 0) ok = wait_pipeline(ptx::smem_addr(&bars.empty[s]), (use - 1) & 1, p);
+      if (!__shfl_sync(0xffffffffu, ok, 0)) return false;
+      const uint32_t full = ptx::smem_addr(&bars.full[s]);
+      const int k0 = kt * Base::kBlockK;
+      if (lane == 0) {
+        tma::arrive_expect_tx(full, bytes);
+        load_b(b_stage(base, s), k0, full);
+      }
+      __syncwarp();
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int r = lane + 32 * i;
+        if (r < rows) tma::load_2d(a_stage(base, s) + r * 128, rows_map, full, k0, row_of[i]);
+      }
+    }
+    return true;
+  }
+
   // Consumer warpgroups: wgmma on each stage as it fills; a stage is released once the next slab's
   // wgmma were issued and the previous ones retired (wait_group 1). After a failed wait (watchdog) the
   // loop still runs to the end on whatever the stages hold, without waiting: no early exit between
