@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The full device check of record: build, the multi-process (MPS) tests in their own pytest process
-# first, every other GPU test, the test suite again on a second expert variant, a variant sweep, and
-# both benchmarks. Logs in $OUT. Usage: bash scripts/h200_full.sh
+# first, every other GPU test, the fused/emulated tests again on $OTHER_VARIANTS, the Ray GPU tests, a
+# variant sweep ($QUICK_VARIANTS), and both benchmarks (SKIP_TESTS=1 / SKIP_BENCH=1 leave parts out). Logs in $OUT. Usage: bash scripts/h200_full.sh
 set -uo pipefail
 OUT=${OUT:-$PWD/h200-out}
 mkdir -p "$OUT"
@@ -18,7 +18,12 @@ step build
 python3 -m flashdmoe build --verbose > "$OUT/build.log" 2>&1; echo "build rc=$?"
 grep -E "registers|spill" "$OUT/build.log" | sort | uniq -c | tee -a "$OUT/gpu.txt"
 PYTEST="python3 -m pytest -m gpu -q -rs --tb=short -p no:cacheprovider --durations=5"
-XX
+if [ "${SKIP_TESTS:-0}" != "1" ]; then
+  step "multi-process tests (MPS)"
+  timeout ${MP_TIMEOUT:-300} $PYTEST tests/test_ep_multiprocess.py > "$OUT/pytest_mp.log" 2>&1; echo "rc=$?"; tail -4 "$OUT/pytest_mp.log"
+  step "gpu tests"
+  timeout 300 $PYTEST ${GPU_TESTS:-tests/test_fused_gpu.py tests/test_ep_emulated_gpu.py tests/test_ep_exchange.py tests/test_team.py tests/test_reference.py tests/test_bench.py} > "$OUT/pytest.log" 2>&1; echo "rc=$?"; tail -4 "$OUT/pytest.log"
+fi
 for variant in ${OTHER_VARIANTS:-}; do
   step "gpu tests on $variant"
   FLASHDMOE_EXPERT_VARIANT=$variant timeout 200 $PYTEST -x tests/test_fused_gpu.py tests/test_ep_emulated_gpu.py > "$OUT/pytest_$variant.log" 2>&1; echo "rc=$?"; tail -3 "$OUT/pytest_$variant.log"
