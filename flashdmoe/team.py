@@ -227,6 +227,9 @@ class Team:
         nvshmem = _nvshmem()
         import numpy as np
 
+        # The symmetric heap must hold this team's buffers (NVSHMEM's default is 1 GiB); an explicit
+        # NVSHMEM_SYMMETRIC_SIZE in the environment wins.
+        os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(max(1 << 30, plan.bytes_per_rank * 5 // 4 + (64 << 20))))
         cuda_device = _cuda_core_device(device.index)
         cuda_device.set_current()
         uid = nvshmem.get_unique_id(empty=True)
