@@ -339,7 +339,7 @@ class MoEWorker:
             self._synchronize()
         return {"dx": x.grad.detach().cpu(), "router_weight": self.router_weight.grad.detach().cpu(),
                 "w1": self.w1.grad.detach().cpu(), "w2": self.w2.grad.detach().cpu(),
-                "router_grad_summed": self.backend == "gloo"}
+                "router_grad_summed": self.backend == "gloo" or (self.team is not None and self.team.world_size > 1)}
 
     def _zero_grads(self) -> None:
         for tensor in (self.router_weight, self.w1, self.w2):
