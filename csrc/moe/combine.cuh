@@ -23,26 +23,21 @@ __device__ void combine_tokens(const MoEParams& p) {
   const int warps = p.blocks * (kThreads / 32);
   const Element* comb = static_cast<const Element*>(p.peers[p.rank].comb);
   Element* y = static_cast<Element*>(p.y);
-  // A warp takes a token (all its columns) when there are tokens for every warp; a small batch is cut
-  // into (token, 512-column chunk) items instead so that it still spreads over every warp (per token
-  // measured faster for large batches, per chunk for 128 tokens: H200, 2026-12-02).
+  // One warp per (token, 512-column chunk): small batches still spread over every warp of the rank.
   constexpr int kChunkColumns = 2 * 32 * 8;
   const int chunks = (H + kChunkColumns - 1) / kChunkColumns;
-  const bool per_token = p.tokens >= warps;
-  const int chunks_per_item = per_token ? chunks : 1;
-  const long long items = per_token ? p.tokens : static_cast<long long>(p.tokens) * chunks;
+  const long long items = static_cast<long long>(p.tokens) * chunks;
   for (long long item = block_in_rank(p) * (kThreads / 32) + (threadIdx.x >> 5); item < items; item += warps) {
-    const int token = static_cast<int>(per_token ? item : item / chunks);
-    const int first_chunk = per_token ? 0 : static_cast<int>(item % chunks);
+    const int token = static_cast<int>(item / chunks);
+    const int c0 = static_cast<int>(item % chunks) * kChunkColumns;
     const size_t first = static_cast<size_t>(token) * k;
     // Lane j holds choice j's row and weight (k <= 32); the loop broadcasts them, so each chunk's k
     // loads are independent and in flight together.
     int my_row = lane < k ? __ldcg(p.topk_row + first + lane) : -1;
     if (my_row >= 0) my_row += (__ldcg(p.topk_expert + first + lane) / p.local_experts) * p.stream_rows;
     const float my_weight = lane < k ? __ldcg(p.topk_weight + first + lane) : 0.f;
-    // Two 256-column halves per chunk: twice the independent loads in flight per lane.
-    for (int chunk = first_chunk; chunk < first_chunk + chunks_per_item; ++chunk) {
-      const int c0 = chunk * kChunkColumns;
+    // Two 256-column halves: twice the independent loads in flight per lane.
+    {
       const int c[2] = {c0 + lane * 8, c0 + 32 * 8 + lane * 8};
       float acc[2][8];
 #pragma unroll

@@ -9,8 +9,8 @@
 
 namespace flashdmoe {
 
-template <typename Element>
-using GateGemm = TileGemm<Element, kGateTileM, kGateTileN, 1, 8, kGateStages, /*B_K_CONTIGUOUS=*/true>;
+template <typename Element, int STAGES>
+using GateGemm = TileGemm<Element, kGateTileM, kGateTileN, 1, 8, STAGES, /*B_K_CONTIGUOUS=*/true>;
 
 __device__ __forceinline__ void warp_argmax(float& value, int& index) {
 #pragma unroll
@@ -24,8 +24,9 @@ __device__ __forceinline__ void warp_argmax(float& value, int& index) {
   }
 }
 
-template <typename Element>
+template <typename Element, int STAGES>
 __device__ void gate_tile(const MoEParams& p, int tile, char* smem, const SmemLayout& layout) {
+  constexpr int kGatePipelineBytes = gate_pipeline_bytes(STAGES);
   const int E = p.experts, k = p.top_k, H = p.hidden;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int first_token = tile * kGateTileM;
@@ -46,10 +47,10 @@ __device__ void gate_tile(const MoEParams& p, int tile, char* smem, const SmemLa
     if (threadIdx.x < kGateTileN)
       b_rows[threadIdx.x] = e0 + threadIdx.x < E ? router + static_cast<size_t>(e0 + threadIdx.x) * H : nullptr;
     sync_workers();
-    GateGemm<Element> gemm;
+    GateGemm<Element, STAGES> gemm;
     gemm.run(smem, H / 64, [&](uint32_t a_dst, uint32_t b_dst, int k0) {
-      GateGemm<Element>::template load_rows<kGateTileM>(a_dst, a_rows, k0, x);
-      GateGemm<Element>::template load_rows<kGateTileN>(b_dst, b_rows, k0, router);
+      GateGemm<Element, STAGES>::template load_rows<kGateTileM>(a_dst, a_rows, k0, x);
+      GateGemm<Element, STAGES>::template load_rows<kGateTileN>(b_dst, b_rows, k0, router);
     });
     gemm.for_each_acc([&](int row, int col, float v) {
       if (e0 + col < E) logits[row * stride + e0 + col] = v;
@@ -131,10 +132,16 @@ __device__ void gate_tile(const MoEParams& p, int tile, char* smem, const SmemLa
 
 namespace flashdmoe {
 
-// The rank's gate tiles, on the worker threads.
+// The rank's gate tiles, on the worker threads, with the pipeline depth that fits the experts' logits.
 template <typename Element>
 __device__ void gate_tiles(const MoEParams& p, char* smem, const SmemLayout& layout) {
-  for (int tile = block_in_rank(p); tile < p.gate_tiles; tile += p.blocks) gate_tile<Element>(p, tile, smem, layout);
+  if (gate_stages(p.experts) == kGateStagesDeep) {
+    for (int tile = block_in_rank(p); tile < p.gate_tiles; tile += p.blocks)
+      gate_tile<Element, kGateStagesDeep>(p, tile, smem, layout);
+  } else {
+    for (int tile = block_in_rank(p); tile < p.gate_tiles; tile += p.blocks)
+      gate_tile<Element, kGateStagesShallow>(p, tile, smem, layout);
+  }
 }
 
 }  // namespace flashdmoe

@@ -19,7 +19,7 @@ __host__ __device__ inline int gate_logits_stride(int experts) { return experts 
 // expert_scratch_bytes: the variant's pipeline or epilogue staging, whichever is larger.
 __host__ __device__ inline SmemLayout make_smem_layout(int experts, int top_k, int expert_scratch_bytes,
                                                        int world_size) {
-  const int gate = kGatePipelineBytes + round_up16(kGateTileM * gate_logits_stride(experts) * 4) +
+  const int gate = gate_pipeline_bytes(gate_stages(experts)) + round_up16(kGateTileM * gate_logits_stride(experts) * 4) +
                    round_up16(kGateTileM * top_k * 4) * 2;
   int scratch = expert_scratch_bytes;
   if (gate > scratch) scratch = gate;

@@ -8,10 +8,14 @@ constexpr int kThreads = 256;  // 8 warps per block
 // Gate: 32 tokens x 128 experts per router-GEMM tile, K slabs of 64.
 constexpr int kGateTileM = 32;
 constexpr int kGateTileN = 128;
-// 4 stages: an 8-deep pipeline measured slower on the H200 (2026-12-02), and it would not leave room for
-// the logits of 1024 experts.
-constexpr int kGateStages = 4;
-constexpr int kGatePipelineBytes = kGateStages * (kGateTileM + kGateTileN) * 64 * 2;
+// A gate tile is latency-bound (little math per K slab), so it keeps many slabs in flight; with many
+// experts the fp32 logits need the shared memory and the pipeline is shallower.
+constexpr int kGateStagesDeep = 8, kGateStagesShallow = 4;
+constexpr int kDeepGateMaxExperts = 256;
+__host__ __device__ constexpr int gate_stages(int experts) {
+  return experts <= kDeepGateMaxExperts ? kGateStagesDeep : kGateStagesShallow;
+}
+__host__ __device__ constexpr int gate_pipeline_bytes(int stages) { return stages * (kGateTileM + kGateTileN) * 64 * 2; }
 
 // Expert FFN GEMMs: 128-row tiles, 128 or 256 columns (per variant), K slabs of 64.
 constexpr int kExpertTileM = 128;
