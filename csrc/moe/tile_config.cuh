@@ -8,8 +8,10 @@ constexpr int kThreads = 256;  // 8 warps per block
 // Gate: 32 tokens x 128 experts per router-GEMM tile, K slabs of 64.
 constexpr int kGateTileM = 32;
 constexpr int kGateTileN = 128;
-// A gate tile is latency-bound (little math per K slab), so it keeps many slabs in flight; with many
-// experts the fp32 logits need the shared memory and the pipeline is shallower.
+// A gate tile is latency-bound (little math per K slab), so it keeps more slabs in flight when the
+// experts' fp32 logits leave room (E <= 256). Measured on the H200 the deeper pipeline did not help
+// (gate phase 0.063 ms vs 0.057 ms with 4 stages for 8192 tokens, H = 2048, E = 32, in an earlier build;
+// docs/benchmarks.md): a candidate to revert once it can be re-measured.
 constexpr int kGateStagesDeep = 8, kGateStagesShallow = 4;
 constexpr int kDeepGateMaxExperts = 256;
 __host__ __device__ constexpr int gate_stages(int experts) {
