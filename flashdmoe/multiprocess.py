@@ -29,6 +29,8 @@ Scenarios (``SCENARIOS``, or ``"package.module:function"`` for one defined elsew
   whether the team is marked failed, and what a further call raised.
 * ``bench``: timed forwards (CUDA events, :func:`flashdmoe.bench.timing.measure`) inside
   ``cuda_backend.deferred_status_checks()``; returns the per-run samples and the traffic of one checked run.
+* ``nccl_bench``: no NVSHMEM; the unfused baseline of the ``multi-gpu`` benchmark over ``torch.distributed``
+  (NCCL on ``cuda:<device>``, or gloo on the CPU), timed like ``bench`` and checked against the reference.
 * ``selftest``: no NVSHMEM and no GPU; exercises the harness itself (unique-id exchange, errors, hangs,
   crashes) so it can be tested on a CPU machine.
 
@@ -785,6 +787,84 @@ def scenario_bench(context: RankContext) -> ScenarioOutput:
     })
 
 
+def scenario_nccl_bench(context: RankContext) -> ScenarioOutput:
+    """The unfused expert-parallel baseline (:func:`flashdmoe.bench.multi_gpu.all_to_all_moe`: counts, rows
+    and results through ``torch.distributed.all_to_all_single``, experts by ``torch._grouped_mm``), timed
+    like ``bench``. Runs with ``nvshmem=False`` (no team).
+
+    params: ``problem``; ``backend`` (``"nccl"``, default, on ``cuda:<spec device>``; ``"gloo"`` on the CPU);
+    ``experts`` (``"grouped_mm"``, default, or ``"reference"``); ``warmup`` (5), ``repeats`` (20),
+    ``input_sets``/``max_input_sets`` as ``bench``; ``check`` (default True: this rank's output against
+    :func:`flashdmoe.reference.moe`, info ``check``); ``return_output`` (default False: tensor ``y`` of set 0);
+    ``pg_timeout_s`` (the process group's timeout, default 300). The process group meets through a
+    ``file://`` store in the run's directory.
+
+    Returns info ``samples_ms``, ``median_ms``/``p10_ms``/``p90_ms``, ``input_sets``, ``traffic`` (one dict:
+    rows_routed_remote, dispatch_bytes, combine_bytes, count_bytes of the checked forward), ``check``,
+    ``backend``, ``device``.
+    """
+    import datetime
+
+    import torch.distributed as dist
+
+    from flashdmoe.bench.multi_gpu import all_to_all_moe, rank_reference_check
+    from flashdmoe.bench.timing import cache_bytes, input_sets_for_cache, measure
+
+    params = context.params
+    problem = Problem.from_dict(params["problem"])
+    backend = params.get("backend", "nccl")
+    if backend not in ("nccl", "gloo"):
+        raise ValueError(f"backend={backend!r}: expected 'nccl' or 'gloo'")
+    experts = params.get("experts", "grouped_mm")
+    if backend == "nccl":
+        device = context.device or torch.device("cuda", int(context.spec.get("device", 0)))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    warmup = int(params.get("warmup", 5))
+    repeats = int(params.get("repeats", 20))
+    context.phase(f"joining the {backend} process group (collective)")
+    store = context.workdir / f"{backend}_rendezvous"
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=context.rank,
+                            world_size=context.world_size,
+                            timeout=datetime.timedelta(seconds=float(params.get("pg_timeout_s", 300))))
+    try:
+        sets = params.get("input_sets")
+        if sets is None:
+            element = torch.empty((), dtype=problem.torch_dtype).element_size()
+            set_bytes = element * (2 * problem.total_tokens * problem.hidden + problem.experts * problem.hidden
+                                   + problem.experts * (problem.hidden * problem.w1_columns
+                                                        + problem.ffn * problem.hidden))
+            sets = input_sets_for_cache(set_bytes, cache_bytes(device), limit=int(params.get("max_input_sets", 16)))
+        prepared = []
+        for index in range(int(sets)):
+            inputs = problem.replace(seed=problem.seed + index).rank_inputs(context.rank).to(device)
+            prepared.append((inputs.x, inputs.router_weight, inputs.w1, inputs.w2))
+        kwargs = {"top_k": problem.top_k, "activation": problem.activation,
+                  "normalize_topk": problem.normalize_topk, "experts": experts}
+        barrier = (lambda: dist.barrier(device_ids=[device.index])) if backend == "nccl" else dist.barrier
+        with torch.no_grad():
+            context.phase("checked forward on set 0")
+            traffic: dict[str, Any] = {}
+            y = all_to_all_moe(*prepared[0], traffic=traffic, **kwargs)
+            _synchronize(device)
+            runs = [lambda args=args: all_to_all_moe(*args, **kwargs) for args in prepared]
+            barrier()
+            _synchronize(device)
+            context.phase("timed forwards")
+            stats = measure(runs, device=device, warmup=warmup, repeats=repeats)
+            barrier()
+        info = {"samples_ms": list(stats.samples_ms), "median_ms": stats.median_ms, "p10_ms": stats.p10_ms,
+                "p90_ms": stats.p90_ms, "input_sets": int(sets), "traffic": [traffic], "backend": backend,
+                "device": str(device)}
+        if params.get("check", True):
+            context.phase("checking against the reference")
+            info["check"] = rank_reference_check(problem, context.rank, y, device)
+    finally:
+        dist.destroy_process_group()
+    return ScenarioOutput({"y": y} if params.get("return_output", False) else {}, info)
+
+
 def scenario_selftest(context: RankContext) -> ScenarioOutput:
     """The harness itself, without NVSHMEM or a GPU. params: ``actions`` {rank: "ok" | "raise" | "hang" |
     "exit"} (default "ok"); "hang" sleeps ``hang_s`` (default 3600). Returns tensor ``rank`` and info
@@ -806,6 +886,7 @@ SCENARIOS: dict[str, Callable[[RankContext], Any]] = {
     "forward_backward": scenario_forward_backward,
     "timeout": scenario_timeout,
     "bench": scenario_bench,
+    "nccl_bench": scenario_nccl_bench,
     "selftest": scenario_selftest,
 }
 
@@ -969,6 +1050,7 @@ def run_ranks(
     python: str | None = None,
     workdir: str | os.PathLike | None = None,
     keep_workdir: bool = False,
+    one_gpu_per_rank: bool = False,
 ) -> RunResult:
     """Run ``scenario`` on ``world_size`` rank processes and collect their results (see the module doc).
 
@@ -991,6 +1073,8 @@ def run_ranks(
         python: interpreter for the children (default: this one).
         workdir: where the specs and results go (default: a fresh temporary directory, removed afterwards
             unless ``keep_workdir``).
+        one_gpu_per_rank: rank ``r`` uses CUDA device ``device + r`` (one process per GPU, all GPUs stay
+            visible so peers can map each other's memory); needs ``mps=False``.
 
     Returns: :class:`RunResult` (call ``.check()`` to raise :class:`RanksFailed` on any failure).
     """
@@ -1004,6 +1088,10 @@ def run_ranks(
     failure_grace_s = _positive_seconds("failure_grace_s", failure_grace_s)
     teardown_grace_s = _positive_seconds("teardown_grace_s", teardown_grace_s)
     _int_field("device", device, 0)
+    if not isinstance(one_gpu_per_rank, bool):
+        raise ValueError(f"one_gpu_per_rank={one_gpu_per_rank!r}: expected True or False")
+    if one_gpu_per_rank and not (mps is False or mps is None):
+        raise ValueError("mps: one_gpu_per_rank=True runs one process per GPU without MPS; pass mps=False")
     if not (mps is True or mps is False or mps is None or hasattr(mps, "client_env")):
         raise ValueError(f"mps={mps!r}: expected True, False/None or a started flashdmoe.mps.MpsDaemon")
     params = dict(params or {})
@@ -1042,6 +1130,7 @@ def run_ranks(
             result = _launch_and_join(
                 scenario, world_size, params, team if nvshmem else None, bool(nvshmem), daemon, root,
                 timeout_s, uid_timeout_s, failure_grace_s, teardown_grace_s, device, env, python,
+                one_gpu_per_rank=one_gpu_per_rank,
             )
             if not result.ok and daemon is not None and hasattr(daemon, "log_tail"):
                 result.mps_log = daemon.log_tail()
@@ -1052,7 +1141,8 @@ def run_ranks(
 
 
 def _launch_and_join(scenario, world_size, params, team, nvshmem, daemon, root: Path, timeout_s, uid_timeout_s,
-                     failure_grace_s, teardown_grace_s, device, extra_env, python) -> RunResult:
+                     failure_grace_s, teardown_grace_s, device, extra_env, python, *,
+                     one_gpu_per_rank: bool = False) -> RunResult:
     child_env = _child_env(daemon, world_size, extra_env)
     python = python or sys.executable
     processes: list[subprocess.Popen] = []
@@ -1063,7 +1153,8 @@ def _launch_and_join(scenario, world_size, params, team, nvshmem, daemon, root: 
         for rank in range(world_size):
             spec = {
                 "version": SPEC_VERSION, "scenario": scenario, "rank": rank, "world_size": world_size,
-                "workdir": str(root), "nvshmem": nvshmem, "team": team, "params": params, "device": device,
+                "workdir": str(root), "nvshmem": nvshmem, "team": team, "params": params,
+                "device": device + rank if one_gpu_per_rank else device,
                 "uid_timeout_s": uid_timeout_s,
             }
             spec_path = root / f"rank{rank}.spec.json"

@@ -581,3 +581,193 @@ def test_expert_parallel_quick_run_on_gpu(tmp_path):
             if entries[name]["status"] == "ok":
                 assert entries[name]["correct"] is True and len(entries[name]["details"]["traffic"]) == int(name[-1])
     assert code == 0
+
+
+# ------------------------------------------------------------------------------------------------------------
+# multi-gpu suite (CPU: registration, plan, derived metrics, refusal, and the NCCL baseline's exchange over
+# gloo through the same harness; the real NCCL/NVSHMEM run needs >= 2 GPUs: see the gpu test below)
+
+from flashdmoe.bench import multi_gpu
+
+MG_ARGS = ["--suite", "multi-gpu", "--quick", "--repeats", "2", "--warmup", "0"]
+
+
+def test_multi_gpu_suite_is_registered():
+    suite = suites.get_suite("multi-gpu")
+    assert list(suite.entry_names) == ["fused", "nccl"] and suite.validate is multi_gpu.validate_options
+    assert suite.default_shapes == (BenchShape(8192, 2048, 2048, 32, 2),)
+    assert report.layout_for(SuiteResult("multi-gpu", {}, {}, [])) is multi_gpu.MULTI_GPU_LAYOUT
+    assert "multi-gpu" in bench_cli.configure_parser(argparse.ArgumentParser()).format_help()
+    assert "not yet run on multi-GPU hardware" in multi_gpu.__doc__
+
+
+def _plan(gpus, shapes=None):
+    return [(p.world_size, p.shape.tokens, p.shape.experts, p.studies) for p in multi_gpu.plan_configs(gpus, shapes)]
+
+
+def test_multi_gpu_plan_for_8_4_3_and_2_gpus():
+    weak = [(2, 8192, 32, ("weak",)), (4, 8192, 32, ("weak",))]
+    assert _plan(8) == weak + [
+        (8, 8192, 32, ("weak", "tokens", "experts")), (8, 4096, 32, ("tokens",)), (8, 16384, 32, ("tokens",)),
+        (8, 8192, 8, ("experts",)), (8, 8192, 16, ("experts",)), (8, 8192, 64, ("experts",)),
+        (8, 8192, 128, ("experts",))]
+    assert _plan(16) == _plan(8)  # counts above 8 are not planned
+    assert _plan(4)[:2] == [(2, 8192, 32, ("weak",)), (4, 8192, 32, ("weak", "tokens", "experts"))]
+    assert [p[0] for p in _plan(4)] == [2] + [4] * 7
+    assert _plan(3) == _plan(2) and [p[0] for p in _plan(2)] == [2] * 7
+    for planned in multi_gpu.plan_configs(8):
+        assert planned.shape.hidden == planned.shape.ffn == 2048 and planned.shape.top_k == 2
+        assert planned.shape.experts % planned.world_size == 0
+    custom = BenchShape(64, 64, 128, 8, 2)
+    assert _plan(8, [custom]) == [(2, 64, 8, ("weak",)), (4, 64, 8, ("weak",)), (8, 64, 8, ("weak",))]
+    with pytest.raises(ValueError, match="at least 2 GPUs"):
+        multi_gpu.plan_configs(1)
+    planned = multi_gpu.plan_configs(8)[2]
+    assert planned.shape_dict() == {"P": 8, "T/GPU": 8192, "H": 2048, "I": 2048, "E": 32, "k": 2}
+
+
+def _mg_options(**changes):
+    base = {"suite": "multi-gpu", "device": "cuda", "dtype": "bfloat16", "activation": "gelu",
+            "shapes": list(multi_gpu.MULTI_GPU_SHAPES), "entries": ["fused", "nccl"]}
+    return suites.SuiteOptions(**(base | changes))
+
+
+def test_multi_gpu_refuses_without_two_gpus(tmp_path, capsys):
+    for found in (0, 1):
+        with pytest.raises(ValueError, match=f"at least 2 CUDA GPUs .*found {found} visible GPU"):
+            multi_gpu.validate_options(_mg_options(), gpu_count=found)
+    with pytest.raises(ValueError, match="--device cpu: .* found 0 visible CUDA GPU"):
+        multi_gpu.validate_options(_mg_options(device="cpu"), gpu_count=0)
+    multi_gpu.validate_options(_mg_options(), gpu_count=8)  # accepted
+    with pytest.raises(ValueError, match="E=12 is not divisible by P=8"):
+        multi_gpu.validate_options(_mg_options(shapes=[BenchShape(64, 64, 64, 12, 2)]), gpu_count=8)
+    with pytest.raises(ValueError, match="--dtype float32"):
+        multi_gpu.validate_options(_mg_options(dtype="float32"), gpu_count=2)
+    if torch.cuda.device_count() < 2:  # through the CLI: exit code 2, the count named, nothing written
+        assert main([*MG_ARGS, "--device", "cpu", "--output", str(tmp_path)]) == 2
+        err = " ".join(capsys.readouterr().err.split())
+        assert "needs at least 2" in err and f"found {torch.cuda.device_count()} visible" in err
+        assert not (tmp_path / "multi-gpu.json").exists()
+
+
+def _mg_entry(name, p, median, err=1e-3, payload=None):
+    details = {"world_size": p}
+    if payload is not None:
+        details["payload_efficiency"] = payload
+    return EntryResult(name, multi_gpu.ENTRY_LABELS[name], "ok", median_ms=median, p10_ms=median, p90_ms=median,
+                       max_relative_error=err, correct=True, details=details)
+
+
+def _mg_config(p, tokens, experts, studies, fused_ms, nccl_ms):
+    planned = multi_gpu.PlannedConfig(p, BenchShape(tokens, 2048, 2048, experts, 2), tuple(studies))
+    entries = [_mg_entry("fused", p, fused_ms, payload=1.0),
+               _mg_entry("nccl", p, nccl_ms) if nccl_ms else EntryResult("nccl", "x", "error", reason="boom")]
+    return ConfigResult(planned.label, planned.shape_dict(), "gelu", "bfloat16", 1, 1, entries,
+                        details={"studies": list(studies)})
+
+
+def test_multi_gpu_derived_metrics():
+    configs = [_mg_config(2, 8192, 32, ["weak"], 0.50, 2.0), _mg_config(4, 8192, 32, ["weak"], 0.52, 2.6),
+               _mg_config(8, 8192, 32, ["weak", "tokens"], 0.55, 3.3), _mg_config(8, 4096, 32, ["tokens"], 0.3, None)]
+    multi_gpu.add_derived(configs)
+    fused = [c.entry("fused").details for c in configs]
+    nccl = [c.entry("nccl").details for c in configs]
+    assert fused[0]["overlap_efficiency"] == pytest.approx(1.0)
+    assert fused[1]["overlap_efficiency"] == pytest.approx(0.50 / 0.52)
+    assert fused[2]["overlap_efficiency"] == pytest.approx(0.50 / 0.55)
+    assert nccl[2]["overlap_efficiency"] == pytest.approx(2.0 / 3.3)
+    assert "overlap_efficiency" not in fused[3]  # not a weak-scaling configuration
+    assert fused[2]["vs_nccl"] == pytest.approx(3.3 / 0.55) and nccl[2]["vs_nccl"] == pytest.approx(1.0)
+    assert "vs_nccl" not in fused[3]  # the baseline failed there
+    result = SuiteResult("multi-gpu", {"device": "cuda"}, {"notes": []}, configs)
+    markdown = report.markdown_report(result)
+    assert ("| P | T/GPU | H | I | E | k | study | entry | ms (median) | p10–p90 ms | TFLOP/s | % of ceiling | "
+            "overlap eff. | vs NCCL | sent MB / rank (max) | payload eff. | max rel. error | status |") in markdown
+    assert "| 8 | 8192 | 2048 | 2048 | 32 | 2 | weak,tokens | fused (NVSHMEM) | 0.550 |" in markdown
+    assert "| 90.9% | 6.00x | – | 100.0% |" in markdown
+    assert "error: boom" in markdown
+
+
+def test_multi_gpu_entry_takes_the_slowest_rank_and_combines_checks():
+    from flashdmoe.multiprocess import RankOutcome, RunResult
+
+    def rank(r, samples, error, scale, traffic):
+        return RankOutcome(r, "ok", 0, info={
+            "samples_ms": samples, "median_ms": float(np.median(samples)), "input_sets": 1, "traffic": [traffic],
+            "check": {"max_abs_error": error, "max_abs_reference": scale, "compared_tokens": 5,
+                      "near_tie_tokens": 1}})
+
+    traffic = {"dispatch_bytes": 4 * 64 * 2, "combine_bytes": 64 * 2, "rows_routed_remote": 4}
+    run = RunResult("nccl_bench", 2, [rank(0, [1.0, 4.0, 2.0], 0.01, 2.0, traffic | {"rank": 0}),
+                                      rank(1, [3.0, 1.0, 1.5], 0.03, 1.0, traffic | {"rank": 1})], 5.0, False)
+    entry = multi_gpu.entry_from_run("nccl", run, 64, 2)
+    assert entry.status == "ok" and entry.samples_ms == [3.0, 4.0, 2.0] and entry.median_ms == 3.0
+    assert entry.max_relative_error == pytest.approx(0.03 / 2.0)
+    assert entry.details["compared_tokens"] == 10 and entry.details["near_tie_tokens"] == 2
+    assert entry.details["payload_efficiency"] == 1.0 and entry.details["max_bytes_sent_per_rank"] == 640
+    hung = RunResult("bench", 2, [run.ranks[0], RankOutcome(1, "hung", -9, phase="timed forwards",
+                                                            kill_reason="still running")], 600.0, False)
+    failed = multi_gpu.entry_from_run("fused", hung, 64, 2)
+    assert failed.status == "error" and "rank 1: hung in phase 'timed forwards'" in failed.reason
+    assert multi_gpu.combine_checks([{"max_abs_error": 0.0, "max_abs_reference": 0.0, "compared_tokens": 0,
+                                      "near_tie_tokens": 0}])["max_relative_error"] == 0.0
+
+
+def test_one_gpu_per_rank_needs_no_mps():
+    from flashdmoe.multiprocess import run_ranks
+
+    with pytest.raises(ValueError, match="mps: one_gpu_per_rank=True"):
+        run_ranks("selftest", 2, nvshmem=False, mps=True, one_gpu_per_rank=True)
+
+
+def test_nccl_baseline_exchange_over_gloo_matches_the_reference():
+    """The baseline scenario's real exchange (counts, rows and results through all_to_all_single, experts by
+    torch._grouped_mm) on 3 CPU processes over gloo, through run_ranks, uneven tokens (one rank with 0)."""
+    from flashdmoe.multiprocess import Problem, run_ranks
+
+    problem = Problem(tokens=(13, 0, 6), hidden=32, ffn=48, experts=6, top_k=2, activation="silu",
+                      dtype="float32", seed=5)
+    run = run_ranks("nccl_bench", 3, nvshmem=False, mps=False, one_gpu_per_rank=True, timeout_s=120, params={
+        "problem": problem.to_dict(), "backend": "gloo", "experts": "grouped_mm", "warmup": 1, "repeats": 2,
+        "input_sets": 2, "return_output": True}).check()
+    inputs = problem.all_inputs()
+    expected = reference.moe_expert_parallel([i.x for i in inputs], inputs[0].router_weight, [i.w1 for i in inputs],
+                                             [i.w2 for i in inputs], top_k=2, activation="silu")
+    for outcome, want, sent in zip(run.ranks, expected, multiprocess_expected_traffic(problem)):
+        assert outcome.tensors["y"].shape == want.shape
+        torch.testing.assert_close(outcome.tensors["y"], want, rtol=1e-5, atol=1e-5)
+        assert len(outcome.info["samples_ms"]) == 2 and outcome.info["backend"] == "gloo"
+        check = outcome.info["check"]
+        assert check["max_abs_error"] < 1e-5 and check["compared_tokens"] + check["near_tie_tokens"] == want.shape[0]
+        traffic = outcome.info["traffic"][0]
+        for key in ("rows_routed_remote", "dispatch_bytes", "combine_bytes"):
+            assert traffic[key] == sent[key], (key, traffic, sent)
+    assert run.ranks[0].info["traffic"][0]["rows_routed_remote"] > 0
+    entry = multi_gpu.entry_from_run("nccl", run, 32, 4)
+    assert entry.status == "ok" and entry.max_relative_error < 1e-5 and entry.details["payload_efficiency"] == 1.0
+
+
+def multiprocess_expected_traffic(problem):
+    from flashdmoe.multiprocess import expected_traffic
+
+    return expected_traffic(problem)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="the multi-gpu suite needs at least 2 GPUs")
+def test_multi_gpu_quick_run_on_gpus(tmp_path):
+    """Tiny shapes, weak scaling over the GPUs present: fused and NCCL rows run and match the reference."""
+    code = main([*MG_ARGS, "--device", "cuda", "--output", str(tmp_path)])
+    results = json.loads((tmp_path / "multi-gpu.json").read_text())
+    counts = [p for p in (2, 4, 8) if p <= torch.cuda.device_count()]
+    assert [c["shape"]["P"] for c in results["configs"]] == counts
+    for config in results["configs"]:
+        entries = {entry["name"]: entry for entry in config["entries"]}
+        for name in ("fused", "nccl"):
+            assert entries[name]["status"] == "ok", entries[name]
+            assert entries[name]["correct"] is True, entries[name]
+        assert entries["fused"]["details"]["payload_efficiency"] == pytest.approx(1.0)
+        assert entries["fused"]["details"]["vs_nccl"] > 0
+        assert entries["fused"]["details"]["overlap_efficiency"] > 0
+    assert (tmp_path / "multi-gpu.png").read_bytes()[:8] == PNG_MAGIC
+    assert code == 0

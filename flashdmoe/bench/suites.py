@@ -301,3 +301,6 @@ register_suite(
 
 # Registers "expert-parallel" (imported last: that module uses the names above).
 from flashdmoe.bench import expert_parallel as _expert_parallel  # noqa: E402,F401
+
+# Registers "multi-gpu" (after expert-parallel: it uses that module's traffic summary).
+from flashdmoe.bench import multi_gpu as _multi_gpu  # noqa: E402,F401
