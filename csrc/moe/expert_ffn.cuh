@@ -57,6 +57,44 @@ __device__ __forceinline__ float* stage_accumulators(const Gemm& gemm, char* sme
   return staged;
 }
 
+// GEMM1 epilogue from the staged fp32 tile: activation (swiglu pairs column c with c + N/2), 16-byte
+// stores of `rows` rows into the intermediate buffer from packed row `packed_row0`, columns from out_col0.
+template <typename Element, typename Variant>
+__device__ __forceinline__ void store_gemm1_rows(const MoEParams& p, const float* staged, int packed_row0, int rows,
+                                                 int out_col0, int out_cols, bool swiglu, int I) {
+  constexpr int kTileN = Variant::kTileN;
+  Element* out = static_cast<Element*>(p.intermediate);
+  const int chunks_per_row = out_cols / 8;
+  for (int i = threadIdx.x; i < rows * chunks_per_row; i += kThreads) {
+    const int r = i / chunks_per_row, c = (i % chunks_per_row) * 8;
+    if (out_col0 + c >= I) continue;
+    const float* src = staged + r * Variant::kEpilogueStride + c;
+    Pack8<Element> pack;
+#pragma unroll
+    for (int v = 0; v < 8; ++v) {
+      const float h = swiglu ? silu(src[v]) * src[v + kTileN / 2] : activate(p.activation, src[v]);
+      pack.v[v] = static_cast<Element>(h);
+    }
+    *reinterpret_cast<Pack8<Element>*>(out + static_cast<size_t>(packed_row0 + r) * I + out_col0 + c) = pack;
+  }
+}
+
+// GEMM2 epilogue from the staged fp32 tile: 16-byte stores of `rows` result rows to `out` (row stride H),
+// columns from col0.
+template <typename Element, typename Variant>
+__device__ __forceinline__ void store_gemm2_rows(const float* staged, Element* out, int rows, int col0, int H) {
+  constexpr int kChunksPerRow = Variant::kTileN / 8;
+  for (int i = threadIdx.x; i < rows * kChunksPerRow; i += kThreads) {
+    const int r = i / kChunksPerRow, c = (i % kChunksPerRow) * 8;
+    if (col0 + c >= H) continue;
+    const float* src = staged + r * Variant::kEpilogueStride + c;
+    Pack8<Element> pack;
+#pragma unroll
+    for (int v = 0; v < 8; ++v) pack.v[v] = static_cast<Element>(src[v]);
+    *reinterpret_cast<Pack8<Element>*>(out + static_cast<size_t>(r) * H + col0 + c) = pack;
+  }
+}
+
 // Results-done accounting after a GEMM2 tile (one thread): the tile wrote `rows` result rows of
 // `cols` columns for source `src`; the tile that completes a source's rows over all column tiles
 // publishes its results-done flag. Rows for this rank itself need no flag (its own barrier orders them).
@@ -117,20 +155,7 @@ __device__ bool gemm1_tile(const MoEParams& p, const RowTile& tile, int row_tile
   });
   const float* staged = stage_accumulators<Variant>(gemm, smem);
 
-  Element* out = static_cast<Element*>(p.intermediate);
-  const int chunks_per_row = out_cols / 8;
-  for (int i = threadIdx.x; i < rows * chunks_per_row; i += kThreads) {
-    const int r = i / chunks_per_row, c = (i % chunks_per_row) * 8;
-    if (out_col0 + c >= I) continue;
-    const float* src = staged + r * Variant::kEpilogueStride + c;
-    Pack8<Element> pack;
-#pragma unroll
-    for (int v = 0; v < 8; ++v) {
-      const float h = swiglu ? silu(src[v]) * src[v + kTileN / 2] : activate(p.activation, src[v]);
-      pack.v[v] = static_cast<Element>(h);
-    }
-    *reinterpret_cast<Pack8<Element>*>(out + static_cast<size_t>(tile.packed_row0 + r) * I + out_col0 + c) = pack;
-  }
+  store_gemm1_rows<Element, Variant>(p, staged, tile.packed_row0, rows, out_col0, out_cols, swiglu, I);
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence();
@@ -166,16 +191,7 @@ __device__ bool gemm2_tile(const MoEParams& p, const DestTables& t, const RowTil
   const float* staged = stage_accumulators<Variant>(gemm, smem);
 
   Element* out = comb_row<Element>(p, tile.src, tile.stream_row0);
-  constexpr int kChunksPerRow = kTileN / 8;
-  for (int i = threadIdx.x; i < rows * kChunksPerRow; i += kThreads) {
-    const int r = i / kChunksPerRow, c = (i % kChunksPerRow) * 8;
-    if (col0 + c >= H) continue;
-    const float* src = staged + r * Variant::kEpilogueStride + c;
-    Pack8<Element> pack;
-#pragma unroll
-    for (int v = 0; v < 8; ++v) pack.v[v] = static_cast<Element>(src[v]);
-    *reinterpret_cast<Pack8<Element>*>(out + static_cast<size_t>(r) * H + col0 + c) = pack;
-  }
+  store_gemm2_rows<Element, Variant>(staged, out, rows, col0, H);
   __syncthreads();
   if (threadIdx.x == 0) account_results<Element, Variant>(p, t, tile.src, rows, min(kTileN, H - col0));
   return true;
@@ -220,20 +236,7 @@ __device__ bool gemm1_tile_tma(const MoEParams& p, const RowTile& tile, int row_
       float* staged = reinterpret_cast<float*>(smem);
       gemm.for_each_acc([&](int row, int col, float v) { staged[row * Variant::kEpilogueStride + col] = v; });
       sync_workers();
-      Element* out = static_cast<Element*>(p.intermediate);
-      const int chunks_per_row = out_cols / 8;
-      for (int i = threadIdx.x; i < rows * chunks_per_row; i += kThreads) {
-        const int r = i / chunks_per_row, c = (i % chunks_per_row) * 8;
-        if (out_col0 + c >= I) continue;
-        const float* src = staged + r * Variant::kEpilogueStride + c;
-        Pack8<Element> pack;
-#pragma unroll
-        for (int v = 0; v < 8; ++v) {
-          const float h = swiglu ? silu(src[v]) * src[v + kTileN / 2] : activate(p.activation, src[v]);
-          pack.v[v] = static_cast<Element>(h);
-        }
-        *reinterpret_cast<Pack8<Element>*>(out + static_cast<size_t>(tile.packed_row0 + r) * I + out_col0 + c) = pack;
-      }
+      store_gemm1_rows<Element, Variant>(p, staged, tile.packed_row0, rows, out_col0, out_cols, swiglu, I);
       tma::fence_proxy_async_global();  // GEMM2's TMA loads (async proxy) read these rows
       sync_workers();
       if (threadIdx.x == 0) {
@@ -274,16 +277,7 @@ __device__ bool gemm2_tile_tma(const MoEParams& p, const DestTables& t, const Ro
       gemm.for_each_acc([&](int row, int col, float v) { staged[row * Variant::kEpilogueStride + col] = v; });
       sync_workers();
       Element* out = comb_row<Element>(p, tile.src, tile.stream_row0);
-      constexpr int kChunksPerRow = kTileN / 8;
-      for (int i = threadIdx.x; i < rows * kChunksPerRow; i += kThreads) {
-        const int r = i / kChunksPerRow, c = (i % kChunksPerRow) * 8;
-        if (col0 + c >= H) continue;
-        const float* src = staged + r * Variant::kEpilogueStride + c;
-        Pack8<Element> pack;
-#pragma unroll
-        for (int v = 0; v < 8; ++v) pack.v[v] = static_cast<Element>(src[v]);
-        *reinterpret_cast<Pack8<Element>*>(out + static_cast<size_t>(r) * H + col0 + c) = pack;
-      }
+      store_gemm2_rows<Element, Variant>(staged, out, rows, col0, H);
       sync_workers();
       if (threadIdx.x == 0) account_results<Element, Variant>(p, t, tile.src, rows, min(kTileN, H - col0));
     }
