@@ -3,15 +3,7 @@
 # first, every other GPU test, the fused/emulated tests again on $OTHER_VARIANTS, the Ray GPU tests, a
 # variant sweep ($QUICK_VARIANTS), and both benchmarks (SKIP_TESTS=1 / SKIP_BENCH=1 leave parts out). Logs in $OUT. Usage: bash scripts/h200_full.sh
 set -uo pipefail
-OUT=${OUT:-$PWD/h200-out}
-mkdir -p "$OUT"
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled
-export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-export FLASHDMOE_CACHE_DIR=${FLASHDMOE_CACHE_DIR:-/tmp/flashdmoe-cache}
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=$PYTHONPATH:/tmp/site
-fi
+source "$(dirname "$0")/device_env.sh"
 { date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; python3 -c "import torch; print('torch', torch.__version__)"; } | tee "$OUT/gpu.txt"
 step() { echo "== $1 ($(date -u +%T))"; }
 step build

@@ -3,12 +3,7 @@
 # variant, and both benchmarks (fused and grouped_mm only; emulated and MPS expert-parallel entries).
 # Prints the tables; keeps few files under $OUT (the device returns at most 8).
 set -uo pipefail
-OUT=${OUT:-$PWD/h200-out}; mkdir -p "$OUT"
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled
-export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-export FLASHDMOE_CACHE_DIR=${FLASHDMOE_CACHE_DIR:-/tmp/flashdmoe-cache}
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  && export PYTHONPATH=$PYTHONPATH:/tmp/site
+source "$(dirname "$0")/device_env.sh"
 date -u; python3 -m flashdmoe build > /tmp/build.log 2>&1; echo "build rc=$?"
 echo "== ray gpu tests ($(date -u +%T))"
 timeout 200 python3 -m pytest -m gpu -q -rs --tb=short -p no:cacheprovider --durations=4 tests/test_ray.py ${RAY_K:+-k "$RAY_K"} > "$OUT/pytest_ray.log" 2>&1
