@@ -102,20 +102,15 @@ def _extension():
 
 
 @functools.lru_cache(maxsize=256)
-def _shape_facts(ext, T, H, I, E, k, dtype_code, world_size=1, stream_rows=0):
-    """(shape error or '', workspace layout) per shape: asked once, not on every forward."""
-    error = ext.check_shapes(T, H, I, E, k, world_size)
-    if error:
-        return error, None
-    return error, ext.workspace_layout(T, H, I, E, k, dtype_code, world_size, stream_rows or T * k)
-
-
 def _check_shapes(ext, T, H, I, E, k, world_size=1):
-    return _shape_facts(ext, T, H, I, E, k, 0, world_size, 0 if world_size == 1 else 1)[0]
+    """The kernel's shape rules: '' or the violated constraint; asked once per shape, not every forward."""
+    return ext.check_shapes(T, H, I, E, k, world_size)
 
 
+@functools.lru_cache(maxsize=256)
 def _workspace_layout(ext, T, H, I, E, k, dtype_code, world_size=1, stream_rows=0):
-    return _shape_facts(ext, T, H, I, E, k, dtype_code, world_size, stream_rows)[1]
+    """One rank's workspace layout (byte offsets) for a shape the rules accept; once per shape."""
+    return ext.workspace_layout(T, H, I, E, k, dtype_code, world_size, stream_rows or T * k)
 
 
 def timeout_ns() -> int:
