@@ -23,7 +23,8 @@ from flashdmoe.ep_exchange import TrafficCounter
 from flashdmoe.ep_peer import PeerExchange, expert_parallel_backward
 from flashdmoe.team import BufferPlan, RankBuffers, Team, TeamFailed
 
-TOLERANCES = {torch.float64: (1e-10, 1e-10), torch.float32: (2e-5, 2e-5), torch.bfloat16: (2e-2, 2e-2)}
+from ep_checks import assert_close
+
 BARRIER_TIMEOUT_S = 60
 
 
@@ -102,17 +103,6 @@ def _raise_first(errors) -> None:
     for rank, error in enumerate(errors):
         if error is not None:
             raise AssertionError(f"rank {rank} raised {error!r}") from error
-
-
-def _assert_close(name: str, got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
-    atol, rtol = TOLERANCES[dtype]
-    assert got.shape == want.shape and got.dtype == want.dtype, \
-        f"{name}: {got.shape}/{got.dtype} vs {want.shape}/{want.dtype}"
-    if want.numel():
-        error = (got.double() - want.double()).abs()
-        bound = atol + rtol * want.double().abs()
-        assert bool((error <= bound).all()), \
-            f"{name}: max abs error {error.max().item():.3e} exceeds {atol}+{rtol}*|want|"
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -303,10 +293,10 @@ def test_backward_matches_reference_fixed_routing(case, monkeypatch):
     dtype = case["dtype"]
     for rank, (dx, d_router, dw1, dw2) in enumerate(results):
         label = f"{case['name']} rank {rank}"
-        _assert_close(f"{label} dx", dx, want_dx[rank], dtype)
-        _assert_close(f"{label} d_router", d_router, want_router, dtype)
-        _assert_close(f"{label} dw1", dw1, want_w1[rank], dtype)
-        _assert_close(f"{label} dw2", dw2, want_w2[rank], dtype)
+        assert_close(f"{label} dx", dx, want_dx[rank], dtype)
+        assert_close(f"{label} d_router", d_router, want_router, dtype)
+        assert_close(f"{label} dw1", dw1, want_w1[rank], dtype)
+        assert_close(f"{label} dw2", dw2, want_w2[rank], dtype)
         # the summed router gradient is bitwise the same everywhere
         assert torch.equal(d_router, results[0][1]), label
         # exactly the kept choices owned by other ranks travelled
@@ -339,10 +329,10 @@ def test_backward_with_router_routing_matches_moe_expert_parallel(monkeypatch):
         activation=case["activation"], normalize_topk=case["normalize_topk"]))
     _raise_first(errors)
     for rank, (dx, d_router, dw1, dw2) in enumerate(results):
-        _assert_close(f"rank {rank} dx", dx, ref_xs[rank].grad, torch.float64)
-        _assert_close(f"rank {rank} d_router", d_router, ref_router.grad, torch.float64)
-        _assert_close(f"rank {rank} dw1", dw1, ref_w1s[rank].grad, torch.float64)
-        _assert_close(f"rank {rank} dw2", dw2, ref_w2s[rank].grad, torch.float64)
+        assert_close(f"rank {rank} dx", dx, ref_xs[rank].grad, torch.float64)
+        assert_close(f"rank {rank} d_router", d_router, ref_router.grad, torch.float64)
+        assert_close(f"rank {rank} dw1", dw1, ref_w1s[rank].grad, torch.float64)
+        assert_close(f"rank {rank} dw2", dw2, ref_w2s[rank].grad, torch.float64)
 
 
 def test_backward_returns_only_requested_grads_even_when_ranks_differ(monkeypatch):
@@ -364,7 +354,7 @@ def test_backward_returns_only_requested_grads_even_when_ranks_differ(monkeypatc
         wanted = (want[0][rank], want[1], want[2][rank], want[3][rank])
         for index, (grad, need, expected) in enumerate(zip(grads, needs[rank], wanted)):
             if need:
-                _assert_close(f"rank {rank} grad {index}", grad, expected, torch.float64)
+                assert_close(f"rank {rank} grad {index}", grad, expected, torch.float64)
             else:
                 assert grad is None, f"rank {rank} grad {index}"
 
@@ -378,7 +368,7 @@ def test_single_team_backward_matches_reference():
         normalize_topk=case["normalize_topk"])
     for name, got, expected in (("dx", dx, want_dx[0]), ("d_router", d_router, want_router),
                                 ("dw1", dw1, want_w1[0]), ("dw2", dw2, want_w2[0])):
-        _assert_close(name, got, expected, torch.float64)
+        assert_close(name, got, expected, torch.float64)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -447,8 +437,8 @@ def test_one_bad_rank_makes_every_rank_raise_and_the_team_stays_usable(fault, mo
     _raise_first(errors)
     want = _reference_grads(case, xs, dys, router, w1s, w2s, routing)
     for rank, (dx, d_router, dw1, dw2) in enumerate(results):
-        _assert_close(f"rank {rank} dx", dx, want[0][rank], torch.bfloat16)
-        _assert_close(f"rank {rank} d_router", d_router, want[1], torch.bfloat16)
+        assert_close(f"rank {rank} dx", dx, want[0][rank], torch.bfloat16)
+        assert_close(f"rank {rank} d_router", d_router, want[1], torch.bfloat16)
 
 
 def test_rows_too_wide_for_the_staging_raise_on_every_rank(monkeypatch):
@@ -549,4 +539,4 @@ def test_gpu_single_team_backward_matches_reference():
     for name, got, expected in (("dx", dx, want_dx[0]), ("d_router", d_router, want_router),
                                 ("dw1", dw1, want_w1[0]), ("dw2", dw2, want_w2[0])):
         assert got.is_cuda, name
-        _assert_close(name, got.cpu(), expected, torch.bfloat16)
+        assert_close(name, got.cpu(), expected, torch.bfloat16)

@@ -28,7 +28,8 @@ import torch.multiprocessing as mp
 from flashdmoe import reference
 from flashdmoe.ep_gloo import TrafficCounter, expert_parallel_moe
 
-TOLERANCES = {torch.float64: (1e-10, 1e-10), torch.float32: (2e-5, 2e-5), torch.bfloat16: (2e-2, 2e-2)}
+from ep_checks import assert_close
+
 
 
 def _free_port() -> int:
@@ -57,17 +58,6 @@ def _case_inputs(case: dict, world_size: int):
     return xs, dys, router, w1s, w2s
 
 
-def _assert_close(name: str, got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
-    atol, rtol = TOLERANCES[dtype]
-    assert got.shape == want.shape and got.dtype == want.dtype, \
-        f"{name}: {got.shape}/{got.dtype} vs {want.shape}/{want.dtype}"
-    if want.numel():
-        error = (got.double() - want.double()).abs()
-        bound = atol + rtol * want.double().abs()
-        assert bool((error <= bound).all()), \
-            f"{name}: max abs error {error.max().item():.3e} exceeds {atol}+{rtol}*|want|"
-
-
 def _run_case(case: dict, rank: int, world_size: int) -> None:
     xs, dys, router, w1s, w2s = _case_inputs(case, world_size)
     options = dict(top_k=case["top_k"], activation=case["activation"], normalize_topk=case["normalize_topk"],
@@ -94,19 +84,19 @@ def _run_case(case: dict, rank: int, world_size: int) -> None:
     local_loss.backward()
 
     label = f"case {case['name']} rank {rank}"
-    _assert_close(f"{label} y", y, ref_ys[rank].detach(), dtype)
+    assert_close(f"{label} y", y, ref_ys[rank].detach(), dtype)
     with torch.no_grad():  # inference: no graph, same output
         y_inference = expert_parallel_moe(x, my_router, w1, w2, **options)
     assert not y_inference.requires_grad and torch.equal(y_inference, y.detach()), label
     assert torch.equal(aux.counts, ref_auxes[rank].counts), label
     assert int(aux.dropped) == int(ref_auxes[rank].dropped), label
-    _assert_close(f"{label} aux_loss", aux.aux_loss.detach(), ref_auxes[rank].aux_loss.detach(), torch.float64
+    assert_close(f"{label} aux_loss", aux.aux_loss.detach(), ref_auxes[rank].aux_loss.detach(), torch.float64
                   if dtype == torch.float64 else torch.float32)
     if x.requires_grad:
-        _assert_close(f"{label} dx", x.grad, ref_xs[rank].grad, dtype)
-    _assert_close(f"{label} d router_weight", my_router.grad, ref_router.grad, dtype)
-    _assert_close(f"{label} dw1", w1.grad, ref_w1s[rank].grad, dtype)
-    _assert_close(f"{label} dw2", w2.grad, ref_w2s[rank].grad, dtype)
+        assert_close(f"{label} dx", x.grad, ref_xs[rank].grad, dtype)
+    assert_close(f"{label} d router_weight", my_router.grad, ref_router.grad, dtype)
+    assert_close(f"{label} dw1", w1.grad, ref_w1s[rank].grad, dtype)
+    assert_close(f"{label} dw2", w2.grad, ref_w2s[rank].grad, dtype)
     # Traffic: exactly the rows this rank dispatched to the other ranks' experts.
     local = case["local_experts"]
     owner = ref_auxes[rank].counts.new_tensor([e // local for e in range(local * world_size)])
@@ -160,12 +150,12 @@ def _run_fixed_case(case: dict, rank: int, world_size: int) -> None:
     (y.double() * dys[rank].double()).sum().backward()
 
     label = f"case {case['name']} rank {rank}"
-    _assert_close(f"{label} y", y, ref_ys[rank].detach(), dtype)
+    assert_close(f"{label} y", y, ref_ys[rank].detach(), dtype)
     if x.requires_grad:
-        _assert_close(f"{label} dx", x.grad, ref_xs[rank].grad, dtype)
-    _assert_close(f"{label} d router_weight", my_router.grad, ref_router.grad, dtype)
-    _assert_close(f"{label} dw1", w1.grad, ref_w1.grad[rank * local:(rank + 1) * local], dtype)
-    _assert_close(f"{label} dw2", w2.grad, ref_w2.grad[rank * local:(rank + 1) * local], dtype)
+        assert_close(f"{label} dx", x.grad, ref_xs[rank].grad, dtype)
+    assert_close(f"{label} d router_weight", my_router.grad, ref_router.grad, dtype)
+    assert_close(f"{label} dw1", w1.grad, ref_w1.grad[rank * local:(rank + 1) * local], dtype)
+    assert_close(f"{label} dw2", w2.grad, ref_w2.grad[rank * local:(rank + 1) * local], dtype)
     num_experts = local * world_size
     assert torch.equal(aux.counts, torch.bincount(chosen.long().reshape(-1), minlength=num_experts)), label
     assert int(aux.dropped) == int((~keep).sum()), label
