@@ -34,7 +34,7 @@ import torch
 
 from flashdmoe import reference
 from flashdmoe.bench import hardware, metrics, report
-from flashdmoe.bench.entries import describe_error
+from flashdmoe.bench.entries import MoEInputs, describe_error
 from flashdmoe.bench.results import BenchShape, ConfigResult, EntryResult, SuiteResult
 from flashdmoe.bench.suites import Suite, SuiteOptions, register_suite
 from flashdmoe.bench.timing import TimingStats, cache_bytes, input_sets_for_cache, measure
@@ -96,20 +96,6 @@ def problem_for(shape: BenchShape, world_size: int, options: SuiteOptions, confi
         normalize_topk=options.normalize_topk, capacity_factor=None, dtype=options.dtype,
         seed=options.seed + 1000 * config_index + set_index, near_tie_gap=0.0,
     )
-
-
-@dataclass(frozen=True)
-class FullInputs:
-    """One input set on the device: x [T, H]; router_weight [E, H]; w1 [E, H, I or 2I]; w2 [E, I, H]."""
-
-    x: torch.Tensor
-    router_weight: torch.Tensor
-    w1: torch.Tensor
-    w2: torch.Tensor
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.x, self.router_weight, self.w1, self.w2))
 
 
 def traffic_summary(traffic: list[dict] | None, hidden: int, element_bytes: int) -> dict:
@@ -220,7 +206,7 @@ def _deferred_checks():
     return deferred() if deferred is not None else contextlib.nullcontext()
 
 
-def _in_process_entry(spec: EntrySpec, shape: BenchShape, input_sets: list[FullInputs], options: SuiteOptions,
+def _in_process_entry(spec: EntrySpec, shape: BenchShape, input_sets: list[MoEInputs], options: SuiteOptions,
                       expected, compare_rows, device, element_bytes) -> EntryResult:
     details = {"world_size": spec.world_size, "transport": spec.kind}
     kwargs = {"top_k": shape.top_k, "activation": options.activation, "normalize_topk": options.normalize_topk}
@@ -349,10 +335,10 @@ def run_expert_parallel(options: SuiteOptions) -> SuiteResult:
 
 
 def _run_config(index, shape, specs, mps_runs, options, device, element_bytes, ceiling_tflops, tolerance):
-    def inputs_for(set_index: int) -> FullInputs:
+    def inputs_for(set_index: int) -> MoEInputs:
         problem = problem_for(shape, 1, options, index, set_index)
         w1, w2 = problem.shard(0)
-        return FullInputs(problem.all_tokens().to(device), problem.router_weight().to(device),
+        return MoEInputs(problem.all_tokens().to(device), problem.router_weight().to(device),
                           w1.to(device), w2.to(device))
 
     input_sets = [inputs_for(0)]
