@@ -19,7 +19,9 @@ def main():
         print(f"kernel attributes bf16 {name}:", ext.kernel_attributes(0, code))
     print(f"{'variant':>16} {'T':>6} {'H':>5} {'I':>5} {'E':>4} {'k':>2} {'ms':>8} {'TF/s':>7}")
     wanted = [v for v in os.environ.get("QUICK_VARIANTS", "").split(",") if v] or list(cuda_backend.EXPERT_VARIANTS)
-    for (T, H, I, E, k), variant in [(s, v) for s in SHAPES for v in wanted]:
+    # QUICK_SHAPES="T/H/I/E/k,...": other shapes than DESIGN.md's (e.g. to separate per-tile from per-slab cost).
+    shapes = [tuple(int(v) for v in s.split("/")) for s in os.environ.get("QUICK_SHAPES", "").split(",") if s] or SHAPES
+    for (T, H, I, E, k), variant in [(s, v) for s in shapes for v in wanted]:
         cuda_backend.debug.expert_variant = variant
         sets = []
         for _ in range(3):
@@ -61,6 +63,17 @@ def main():
         ms = statistics.median(times)
         flops = 2 * T * k * H * I * 2 + 2 * T * H * E
         phases = " ".join(f"{k}={v:.3f}" for k, v in cuda_backend.last_phase_ms.items())
+        if os.environ.get("QUICK_PROFILE") == str(T):  # where the host time of a call goes (QUICK_PROFILE=T)
+            import cProfile
+            import pstats
+
+            profiler = cProfile.Profile()
+            with cuda_backend.deferred_status_checks():
+                profiler.enable()
+                for i in range(20):
+                    run(sets[i % 3])
+                profiler.disable()
+            pstats.Stats(profiler).sort_stats("tottime").print_stats(12)
         print(f"{variant:>16} {T:>6} {H:>5} {I:>5} {E:>4} {k:>2} {ms:>8.3f} {flops / ms / 1e9:>7.1f}  kernel {kernel_ms:.3f} ms"
               f" ({flops / kernel_ms / 1e9:.0f} TF/s)  host {host_us:.0f} us/call  phases(ms) {phases}")
 

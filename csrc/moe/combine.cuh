@@ -23,8 +23,11 @@ __device__ void combine_tokens(const MoEParams& p) {
   const int warps = p.blocks * (kThreads / 32);
   const Element* comb = static_cast<const Element*>(p.peers[p.rank].comb);
   Element* y = static_cast<Element*>(p.y);
-  // One warp per (token, 512-column chunk): small batches still spread over every warp of the rank.
-  constexpr int kChunkColumns = 2 * 32 * 8;
+  // One warp per (token, chunk of kParts x 256 columns): small batches still spread over every warp of
+  // the rank, and each lane keeps kParts independent 16-byte loads per choice in flight (the combine is
+  // bound by the bytes in flight per SM).
+  constexpr int kParts = 4;
+  constexpr int kChunkColumns = kParts * 32 * 8;
   const int chunks = (H + kChunkColumns - 1) / kChunkColumns;
   const long long items = static_cast<long long>(p.tokens) * chunks;
   for (long long item = block_in_rank(p) * (kThreads / 32) + (threadIdx.x >> 5); item < items; item += warps) {
@@ -36,12 +39,13 @@ __device__ void combine_tokens(const MoEParams& p) {
     int my_row = lane < k ? __ldcg(p.topk_row + first + lane) : -1;
     if (my_row >= 0) my_row += (__ldcg(p.topk_expert + first + lane) / p.local_experts) * p.stream_rows;
     const float my_weight = lane < k ? __ldcg(p.topk_weight + first + lane) : 0.f;
-    // Two 256-column halves: twice the independent loads in flight per lane.
     {
-      const int c[2] = {c0 + lane * 8, c0 + 32 * 8 + lane * 8};
-      float acc[2][8];
+      int c[kParts];
 #pragma unroll
-      for (int u = 0; u < 2; ++u)
+      for (int u = 0; u < kParts; ++u) c[u] = c0 + u * 32 * 8 + lane * 8;
+      float acc[kParts][8];
+#pragma unroll
+      for (int u = 0; u < kParts; ++u)
 #pragma unroll
         for (int i = 0; i < 8; ++i) acc[u][i] = 0.f;
       for (int j = 0; j < k; ++j) {
@@ -49,12 +53,12 @@ __device__ void combine_tokens(const MoEParams& p) {
         const float w = __shfl_sync(0xffffffffu, my_weight, j);
         if (row < 0) continue;
         const Element* src = comb + static_cast<size_t>(row) * H;
-        int4 raw[2];
+        int4 raw[kParts];
 #pragma unroll
-        for (int u = 0; u < 2; ++u)
+        for (int u = 0; u < kParts; ++u)
           if (c[u] < H) raw[u] = __ldcg(reinterpret_cast<const int4*>(src + c[u]));
 #pragma unroll
-        for (int u = 0; u < 2; ++u) {
+        for (int u = 0; u < kParts; ++u) {
           if (c[u] >= H) continue;
           const Element* v = reinterpret_cast<const Element*>(&raw[u]);
 #pragma unroll
@@ -62,7 +66,7 @@ __device__ void combine_tokens(const MoEParams& p) {
         }
       }
 #pragma unroll
-      for (int u = 0; u < 2; ++u) {
+      for (int u = 0; u < kParts; ++u) {
         if (c[u] >= H) continue;
         Pack8<Element> pack;
 #pragma unroll

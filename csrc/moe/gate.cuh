@@ -1,11 +1,16 @@
 // Gate phase: router GEMM on tensor cores for a tile of tokens, fp32 softmax, top-k with ties to the
 // lower expert index, and the tile's per-expert counts and in-tile ranks (which become slots once the
 // tile offsets are known). Deterministic: no atomics decide an order.
+// The router GEMM's K slabs come through a cp.async pipeline issued by the worker threads, or, in the
+// TMA variants, from the producer warp (two TMA boxes per slab into an mbarrier ring): issuing cp.async
+// costs the workers more time per slab than the tensor-core work itself (scripts/gate_probe.cu), and the
+// producer runs ahead into the next tile while the workers do softmax and top-k.
 #pragma once
 #include <climits>
 #include "common/sync.cuh"
 #include "moe/smem_layout.cuh"
 #include "moe/tile_gemm.cuh"
+#include "moe/tile_gemm_tma.cuh"
 
 namespace flashdmoe {
 
@@ -24,39 +29,95 @@ __device__ __forceinline__ void warp_argmax(float& value, int& index) {
   }
 }
 
-template <typename Element, int STAGES>
-__device__ void gate_tile(const MoEParams& p, int tile, char* smem, const SmemLayout& layout) {
-  constexpr int kGatePipelineBytes = gate_pipeline_bytes(STAGES);
-  const int E = p.experts, k = p.top_k, H = p.hidden;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+// Where the gate's K slabs come from: the workers' own cp.async copies, or the producer warp's TMA boxes
+// (ring position `slab` counts the block's gate slabs, identically in producer and workers).
+template <int STAGES>
+struct GateFeed {
+  TmaPipelineBarriers<STAGES>* bars;  // TMA feed only
+  uint32_t slab;
+};
+
+// Router GEMM of one gate tile over K slabs [k_begin, k_end): store(row, expert, partial logit) for
+// every row of the tile (rows past the batch hold zeros) and every expert, 128 experts at a time.
+template <typename Element, int STAGES, bool kTma, typename Store>
+__device__ void router_gemm(const MoEParams& p, int tile, int k_begin, int k_end, char* smem, const SmemLayout& layout,
+                            GateFeed<STAGES>& feed, Store&& store) {
+  using Gemm = GateGemm<Element, STAGES>;
+  const int E = p.experts, H = p.hidden;
   const int first_token = tile * kGateTileM;
   const int tile_tokens = min(kGateTileM, p.tokens - first_token);
-  const int stride = gate_logits_stride(E);
-  float* logits = reinterpret_cast<float*>(smem + kGatePipelineBytes);
-  int* choice = reinterpret_cast<int*>(smem + kGatePipelineBytes + round_up16(kGateTileM * stride * 4));
   const Element** a_rows = reinterpret_cast<const Element**>(smem + layout.row_ptrs_offset);
   const Element** b_rows = a_rows + kExpertTileM;
   const Element* x = static_cast<const Element*>(p.x);
   const Element* router = static_cast<const Element*>(p.router);
-
-  // ---- logits = x_tile @ router^T, 128 experts at a time ----
-  if (threadIdx.x < kGateTileM)
+  if (!kTma && threadIdx.x < kGateTileM)
     a_rows[threadIdx.x] =
         threadIdx.x < tile_tokens ? x + static_cast<size_t>(first_token + threadIdx.x) * H : nullptr;
   for (int e0 = 0; e0 < E; e0 += kGateTileN) {
-    if (threadIdx.x < kGateTileN)
-      b_rows[threadIdx.x] = e0 + threadIdx.x < E ? router + static_cast<size_t>(e0 + threadIdx.x) * H : nullptr;
-    sync_workers();
-    GateGemm<Element, STAGES> gemm;
-    gemm.run(smem, H / 64, [&](uint32_t a_dst, uint32_t b_dst, int k0) {
-      GateGemm<Element, STAGES>::template load_rows<kGateTileM>(a_dst, a_rows, k0, x);
-      GateGemm<Element, STAGES>::template load_rows<kGateTileN>(b_dst, b_rows, k0, router);
-    });
+    Gemm gemm;
+    if constexpr (kTma) {
+      const uint32_t base = ptx::smem_addr(smem);
+      const bool lane0 = (threadIdx.x & 31) == 0;
+      gemm.zero_acc();
+      for (int kt = k_begin; kt < k_end; ++kt, ++feed.slab) {
+        const uint32_t s = feed.slab % STAGES, use = feed.slab / STAGES;
+        wait_pipeline(ptx::smem_addr(&feed.bars->full[s]), use & 1, p);  // a failure is in the error word
+        gemm.mma_stage(base + s * Gemm::kStageBytesA, base + STAGES * Gemm::kStageBytesA + s * Gemm::kStageBytesB);
+        __syncwarp();
+        if (lane0) tma::arrive(ptx::smem_addr(&feed.bars->empty[s]));
+      }
+    } else {
+      if (threadIdx.x < kGateTileN)
+        b_rows[threadIdx.x] = e0 + threadIdx.x < E ? router + static_cast<size_t>(e0 + threadIdx.x) * H : nullptr;
+      sync_workers();
+      const int k_offset = k_begin * 64;
+      gemm.run(smem, k_end - k_begin, [&](uint32_t a_dst, uint32_t b_dst, int k0) {
+        Gemm::template load_rows<kGateTileM>(a_dst, a_rows, k_offset + k0, x);
+        Gemm::template load_rows<kGateTileN>(b_dst, b_rows, k_offset + k0, router);
+      });
+    }
     gemm.for_each_acc([&](int row, int col, float v) {
-      if (e0 + col < E) logits[row * stride + e0 + col] = v;
+      if (e0 + col < E) store(row, e0 + col, v);
     });
   }
   sync_workers();
+}
+
+// The producer warp's side of router_gemm (lane 0 issues): per slab, a 32-token box of x and a box of
+// up to 128 router rows (rows past T or E are zero-filled and still count as bytes). Stage rows past
+// the router box keep stale data: they only feed logit columns >= E, which are never stored.
+template <typename Element, int STAGES>
+__device__ bool router_loads(const MoEParams& p, int tile, int k_begin, int k_end, char* smem, GateFeed<STAGES>& feed) {
+  using Gemm = GateGemm<Element, STAGES>;
+  const uint32_t base = ptx::smem_addr(smem);
+  for (int e0 = 0; e0 < p.experts; e0 += kGateTileN) {
+    for (int kt = k_begin; kt < k_end; ++kt, ++feed.slab) {
+      const uint32_t s = feed.slab % STAGES, use = feed.slab / STAGES;
+      if (use > 0 && !wait_pipeline(ptx::smem_addr(&feed.bars->empty[s]), (use - 1) & 1, p)) return false;
+      const uint32_t full = ptx::smem_addr(&feed.bars->full[s]);
+      tma::arrive_expect_tx(full, Gemm::kStageBytesA + p.gate_router_rows * 128);
+      tma::load_2d(base + s * Gemm::kStageBytesA, &p.maps.gate_x, full, kt * 64, tile * kGateTileM);
+      tma::load_2d(base + STAGES * Gemm::kStageBytesA + s * Gemm::kStageBytesB, &p.maps.router, full, kt * 64, e0);
+    }
+  }
+  return true;
+}
+
+template <int STAGES>
+__device__ __forceinline__ float* gate_logits(char* smem) {
+  return reinterpret_cast<float*>(smem + gate_pipeline_bytes(STAGES));
+}
+
+// Softmax, top-k and the tile's counts from the tile's full logits in shared memory.
+template <int STAGES>
+__device__ void finish_gate_tile(const MoEParams& p, int tile, char* smem) {
+  const int E = p.experts, k = p.top_k;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int first_token = tile * kGateTileM;
+  const int tile_tokens = min(kGateTileM, p.tokens - first_token);
+  const int stride = gate_logits_stride(E);
+  float* logits = gate_logits<STAGES>(smem);
+  int* choice = reinterpret_cast<int*>(smem + gate_pipeline_bytes(STAGES) + round_up16(kGateTileM * stride * 4));
 
   // ---- softmax + top-k: one warp per token ----
   for (int row = warp; row < tile_tokens; row += kThreads / 32) {
@@ -128,20 +189,98 @@ __device__ void gate_tile(const MoEParams& p, int tile, char* smem, const SmemLa
   sync_workers();  // smem is reused by the next tile
 }
 
-}  // namespace flashdmoe
+// A whole tile on one block.
+template <typename Element, int STAGES, bool kTma>
+__device__ void gate_tile(const MoEParams& p, int tile, char* smem, const SmemLayout& layout, GateFeed<STAGES>& feed) {
+  float* logits = gate_logits<STAGES>(smem);
+  const int stride = gate_logits_stride(p.experts);
+  router_gemm<Element, STAGES, kTma>(p, tile, 0, p.hidden / 64, smem, layout, feed,
+                               [&](int row, int expert, float v) { logits[row * stride + expert] = v; });
+  finish_gate_tile<STAGES>(p, tile, smem);
+}
 
-namespace flashdmoe {
+// K slabs [begin, end) of split `split` of a tile.
+__device__ __forceinline__ int split_begin(const MoEParams& p, int split) { return split * (p.hidden / 64) / p.gate_splits; }
 
-// The rank's gate tiles, on the worker threads, with the pipeline depth that fits the experts' logits.
-template <typename Element>
-__device__ void gate_tiles(const MoEParams& p, char* smem, const SmemLayout& layout) {
-  if (gate_stages(p.experts) == kGateStagesDeep) {
-    for (int tile = block_in_rank(p); tile < p.gate_tiles; tile += p.blocks)
-      gate_tile<Element, kGateStagesDeep>(p, tile, smem, layout);
+// One K range of a split tile: partial logits to the workspace; the tile's last block to arrive sums
+// the partials in split order (the same sum whichever block is last) and finishes the tile.
+template <typename Element, int STAGES, bool kTma>
+__device__ void gate_split_item(const MoEParams& p, int item, char* smem, const SmemLayout& layout,
+                                GateFeed<STAGES>& feed) {
+  __shared__ int last_to_arrive;
+  const int E = p.experts, splits = p.gate_splits;
+  const int tile = item / splits, split = item % splits;
+  float* partial = p.gate_partial + static_cast<size_t>(item) * kGateTileM * E;
+  router_gemm<Element, STAGES, kTma>(p, tile, split_begin(p, split), split_begin(p, split + 1), smem, layout, feed,
+                               [&](int row, int expert, float v) { partial[row * E + expert] = v; });
+  if (threadIdx.x == 0) {
+    __threadfence();
+    last_to_arrive = atomicAdd(p.gate_arrivals + tile, 1u) == static_cast<uint32_t>(splits - 1);
+    __threadfence();
+  }
+  sync_workers();
+  if (!last_to_arrive) return;
+  const int stride = gate_logits_stride(E);
+  float* logits = gate_logits<STAGES>(smem);
+  const float* first = p.gate_partial + static_cast<size_t>(tile) * splits * kGateTileM * E;
+  for (int i = threadIdx.x; i < kGateTileM * E; i += kThreads) {
+    float sum = 0.f;
+    for (int s = 0; s < splits; ++s) sum += __ldcg(first + static_cast<size_t>(s) * kGateTileM * E + i);
+    logits[(i / E) * stride + i % E] = sum;
+  }
+  sync_workers();
+  finish_gate_tile<STAGES>(p, tile, smem);
+}
+
+// The block's gate work: whole tiles, or (tile, K range) items when the tiles are split. With TMA the
+// producer warp walks the same list issuing the loads; the workers compute.
+template <typename Element, int STAGES, bool kTma>
+__device__ void gate_all_tiles(const MoEParams& p, char* smem, const SmemLayout& layout) {
+  __shared__ TmaPipelineBarriers<STAGES> bars;
+  GateFeed<STAGES> feed{kTma ? &bars : nullptr, 0};
+  if constexpr (kTma) {
+    if (threadIdx.x == 0) {
+      for (int s = 0; s < STAGES; ++s) {
+        tma::mbarrier_init(ptx::smem_addr(&bars.full[s]), 1);
+        tma::mbarrier_init(ptx::smem_addr(&bars.empty[s]), kThreads / 32);
+      }
+      tma::fence_barrier_init();
+    }
+    __syncthreads();
+    if (threadIdx.x >= kThreads) {
+      if (threadIdx.x != kThreads) return;
+      if (p.gate_splits > 1) {
+        for (int item = block_in_rank(p); item < p.gate_tiles * p.gate_splits; item += p.blocks) {
+          const int split = item % p.gate_splits;
+          if (!router_loads<Element, STAGES>(p, item / p.gate_splits, split_begin(p, split), split_begin(p, split + 1),
+                                             smem, feed))
+            return;
+        }
+      } else {
+        for (int tile = block_in_rank(p); tile < p.gate_tiles; tile += p.blocks)
+          if (!router_loads<Element, STAGES>(p, tile, 0, p.hidden / 64, smem, feed)) return;
+      }
+      return;
+    }
+  }
+  if (p.gate_splits > 1) {
+    for (int item = block_in_rank(p); item < p.gate_tiles * p.gate_splits; item += p.blocks)
+      gate_split_item<Element, STAGES, kTma>(p, item, smem, layout, feed);
   } else {
     for (int tile = block_in_rank(p); tile < p.gate_tiles; tile += p.blocks)
-      gate_tile<Element, kGateStagesShallow>(p, tile, smem, layout);
+      gate_tile<Element, STAGES, kTma>(p, tile, smem, layout, feed);
   }
+}
+
+// The rank's gate tiles with the pipeline depth that fits the experts' logits. Every thread of the
+// block calls it; without TMA only the workers take part.
+template <typename Element, bool kTma>
+__device__ void gate_tiles(const MoEParams& p, char* smem, const SmemLayout& layout) {
+  if (!kTma && threadIdx.x >= kThreads) return;
+  if (gate_stages(p.experts) == kGateStagesDeep)
+    gate_all_tiles<Element, kGateStagesDeep, kTma>(p, smem, layout);
+  else
+    gate_all_tiles<Element, kGateStagesShallow, kTma>(p, smem, layout);
 }
 
 }  // namespace flashdmoe

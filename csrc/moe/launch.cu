@@ -1,6 +1,7 @@
 // Dtype dispatch and the shape rules of the fused forward.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <stdexcept>
 #include "moe/launch.h"
 #include "moe/tile_config.cuh"
 
@@ -34,14 +35,36 @@ WorkspaceLayout workspace_layout(int tokens, int hidden, int ffn, int experts, i
                                stream_rows);
 }
 
+// Calls visit(Element{}, Variant{}) for the instance a (dtype, variant id) names.
+template <typename Visit>
+static auto with_instance(DType dtype, int variant, Visit&& visit) {
+  auto with_variant = [&](auto element) {
+    switch (variant) {
+      case 0: return visit(element, Wgmma128ThreeStages{});
+      case 1: return visit(element, Wgmma128FourStages{});
+      case 2: return visit(element, Wgmma256FourStages{});
+      case 3: return visit(element, MmaSync128ThreeStages{});
+      case 4: return visit(element, Tma256FourStages{});
+      case 5: return visit(element, Tma128SixStages{});
+      case 6: return visit(element, TmaPrefetch256FourStages{});
+      case 7: return visit(element, TmaGather256FourStages{});
+      default: throw std::invalid_argument("expert_variant must be 0..7, got " + std::to_string(variant));
+    }
+  };
+  if (dtype == DType::BFloat16) return with_variant(__nv_bfloat16{});
+  return with_variant(__half{});
+}
+
 LaunchInfo launch_forward(const ForwardArgs& args, cudaStream_t stream) {
-  if (args.dtype == DType::BFloat16) return launch_forward_typed<__nv_bfloat16>(args, stream);
-  return launch_forward_typed<__half>(args, stream);
+  return with_instance(args.dtype, args.expert_variant, [&](auto element, auto variant) {
+    return launch_forward_variant<decltype(element), decltype(variant)>(args, stream);
+  });
 }
 
 KernelAttributes kernel_attributes(DType dtype, int expert_variant) {
-  if (dtype == DType::BFloat16) return kernel_attributes_typed<__nv_bfloat16>(expert_variant);
-  return kernel_attributes_typed<__half>(expert_variant);
+  return with_instance(dtype, expert_variant, [](auto element, auto variant) {
+    return kernel_attributes_variant<decltype(element), decltype(variant)>();
+  });
 }
 
 }  // namespace flashdmoe

@@ -72,9 +72,10 @@ WorkspaceLayout workspace_layout(int tokens, int hidden, int ffn, int experts, i
 LaunchInfo launch_forward(const ForwardArgs& args, cudaStream_t stream);
 KernelAttributes kernel_attributes(DType dtype, int expert_variant);
 
-template <typename Element>
-LaunchInfo launch_forward_typed(const ForwardArgs& args, cudaStream_t stream);
-template <typename Element>
-KernelAttributes kernel_attributes_typed(int expert_variant);
+// One (dtype, expert variant) instance, defined in csrc/moe/instances/.
+template <typename Element, typename Variant>
+LaunchInfo launch_forward_variant(const ForwardArgs& args, cudaStream_t stream);
+template <typename Element, typename Variant>
+KernelAttributes kernel_attributes_variant();
 
 }  // namespace flashdmoe

@@ -121,7 +121,10 @@ inline MoEParams rank_params(const ForwardArgs& a, const RankArgs& r) {
   p.expert_kept = reinterpret_cast<int*>(base + ws.expert_kept);
   p.row_token = reinterpret_cast<int*>(base + ws.row_token);
   p.intermediate = base + ws.intermediate;
+  p.gate_partial = reinterpret_cast<float*>(base + ws.gate_partial);
+  p.gate_arrivals = reinterpret_cast<uint32_t*>(base + ws.gate_arrivals);
   p.gate_tiles = ws.gate_tiles;
+  p.gate_splits = 1;  // set once the grid is known
   p.max_row_tiles = ws.max_row_tiles;
   p.timeout_ns = a.timeout_ns;
   p.debug_withhold_phase = a.debug_withhold_phase;
@@ -181,6 +184,12 @@ inline void make_expert_tensor_maps(const ForwardArgs& a, MoEParams& p) {
   const uint64_t x_dims[2] = {H, p.tokens > 0 ? static_cast<uint64_t>(p.tokens) : 1};
   const uint32_t one_row_box[2] = {64, 1};
   p.maps.x = make_tensor_map(p.tokens > 0 ? p.x : p.intermediate, 2, x_dims, one_row_box, a.dtype, "x");
+  // The router box holds only the experts there are (E < 128 would otherwise load zero-filled rows).
+  p.gate_router_rows = std::min(kGateTileN, (p.experts + 7) / 8 * 8);
+  const uint32_t gate_x_box[2] = {64, kGateTileM}, router_box[2] = {64, static_cast<uint32_t>(p.gate_router_rows)};
+  const uint64_t router_dims[2] = {H, static_cast<uint64_t>(p.experts)};
+  p.maps.gate_x = make_tensor_map(p.tokens > 0 ? p.x : p.intermediate, 2, x_dims, gate_x_box, a.dtype, "x (gate)");
+  p.maps.router = make_tensor_map(p.router, 2, router_dims, router_box, a.dtype, "the router");
 }
 
 template <typename Element, typename Variant>
@@ -211,6 +220,7 @@ LaunchInfo launch_forward_variant(const ForwardArgs& a, cudaStream_t stream) {
   for (int i = 0; i < a.num_ranks; ++i) {
     launch.rank[i].first_block = i * blocks_per_rank;
     launch.rank[i].blocks = blocks_per_rank;
+    launch.rank[i].gate_splits = gate_splits_for(launch.rank[i].gate_tiles, a.hidden, a.experts, blocks_per_rank);
   }
 
   for (int i = 0; i < a.num_ranks; ++i) {
@@ -241,34 +251,14 @@ KernelAttributes kernel_attributes_variant() {
           static_cast<int>(attr.sharedSizeBytes)};
 }
 
-template <typename Element>
-LaunchInfo launch_forward_typed(const ForwardArgs& a, cudaStream_t stream) {
-  switch (a.expert_variant) {
-    case 0: return launch_forward_variant<Element, Wgmma128ThreeStages>(a, stream);
-    case 1: return launch_forward_variant<Element, Wgmma128FourStages>(a, stream);
-    case 2: return launch_forward_variant<Element, Wgmma256FourStages>(a, stream);
-    case 3: return launch_forward_variant<Element, MmaSync128ThreeStages>(a, stream);
-    case 4: return launch_forward_variant<Element, Tma256FourStages>(a, stream);
-    case 5: return launch_forward_variant<Element, Tma128SixStages>(a, stream);
-    case 6: return launch_forward_variant<Element, TmaPrefetch256FourStages>(a, stream);
-    case 7: return launch_forward_variant<Element, TmaGather256FourStages>(a, stream);
-    default: throw std::invalid_argument("expert_variant must be 0..7, got " + std::to_string(a.expert_variant));
-  }
-}
-
-template <typename Element>
-KernelAttributes kernel_attributes_typed(int variant) {
-  switch (variant) {
-    case 0: return kernel_attributes_variant<Element, Wgmma128ThreeStages>();
-    case 1: return kernel_attributes_variant<Element, Wgmma128FourStages>();
-    case 2: return kernel_attributes_variant<Element, Wgmma256FourStages>();
-    case 3: return kernel_attributes_variant<Element, MmaSync128ThreeStages>();
-    case 4: return kernel_attributes_variant<Element, Tma256FourStages>();
-    case 5: return kernel_attributes_variant<Element, Tma128SixStages>();
-    case 6: return kernel_attributes_variant<Element, TmaPrefetch256FourStages>();
-    case 7: return kernel_attributes_variant<Element, TmaGather256FourStages>();
-    default: throw std::invalid_argument("expert_variant must be 0..7, got " + std::to_string(variant));
-  }
-}
-
 }  // namespace flashdmoe
+
+// Explicit instances of one expert variant for both dtypes (csrc/moe/instances/: one file per variant,
+// so the variants compile in parallel).
+#define FLASHDMOE_INSTANTIATE_VARIANT(VARIANT)                                                              \
+  namespace flashdmoe {                                                                                  \
+  template LaunchInfo launch_forward_variant<__nv_bfloat16, VARIANT>(const ForwardArgs&, cudaStream_t); \
+  template LaunchInfo launch_forward_variant<__half, VARIANT>(const ForwardArgs&, cudaStream_t);        \
+  template KernelAttributes kernel_attributes_variant<__nv_bfloat16, VARIANT>();                        \
+  template KernelAttributes kernel_attributes_variant<__half, VARIANT>();                               \
+  }

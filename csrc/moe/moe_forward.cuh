@@ -27,7 +27,7 @@ __global__ void __launch_bounds__(Variant::kBlockThreads, Variant::kMinBlocksPer
   stamp_phase(p, 0);
 
   // ---- 1. gate: logits, softmax, top-k, per-tile counts ----
-  if (worker) gate_tiles<Element>(p, smem, layout);
+  gate_tiles<Element, Variant::kUseTma>(p, smem, layout);
   if (!grid_barrier(p, kPhaseGateDone, 1)) return;
   stamp_phase(p, 1);
 

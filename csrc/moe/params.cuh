@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 #include <cstddef>
 #include <cstdint>
+#include "moe/tile_config.cuh"
 
 namespace flashdmoe {
 
@@ -66,8 +67,9 @@ constexpr int kPhaseClockSlots = 6;
 // w1 [L][H][w1_cols] and w2 [L][I][H] as 64x64 boxes, recv [P*stream_rows][H] and intermediate
 // [rows_in][I] as 128-row x 64-column boxes.
 // x [T][H] as one-row boxes (the gather variant's own rows).
+// Gate: x as kGateTileM-row boxes, the router [E][H] as kGateTileN-row boxes.
 struct ExpertTensorMaps {
-  CUtensorMap w1, w2, recv, intermediate, x;
+  CUtensorMap w1, w2, recv, intermediate, x, gate_x, router;
 };
 
 // Everything the kernel reads is a runtime value; templates choose only dtype and tile shape.
@@ -119,7 +121,11 @@ struct MoEParams {
   int* row_token;           // [T*k] gather variant: row of the stream to this rank itself -> token
   void* intermediate;       // [rows_in, I] activation output of every row this rank's experts take, input dtype
 
+  float* gate_partial;       // [gate_tiles * gate_splits, kGateTileM, E] split gate: partial logits
+  uint32_t* gate_arrivals;   // [kGateSplitMaxTiles] split gate: K ranges finished per gate tile
   int gate_tiles;
+  int gate_splits;           // K ranges per gate tile (1: a tile on one block)
+  int gate_router_rows;      // TMA variants: rows of the router box (E rounded up to 8, at most kGateTileN)
   int max_row_tiles;
   uint64_t timeout_ns;
   int debug_withhold_phase;  // > 0: block 0 never arrives at that barrier (tests the watchdog)
@@ -137,9 +143,9 @@ struct LaunchParams {
 // 0 bytes).
 struct WorkspaceLayout {
   size_t barrier_counter, task_counter, error_word, status_flags, phase_clock, traffic, result_rows_done,
-      row_tile_done;
+      row_tile_done, gate_arrivals;
   size_t sync_bytes;
-  size_t slot_in_tile, tile_expert_count, tile_expert_offset, expert_kept, row_token;
+  size_t gate_partial, slot_in_tile, tile_expert_count, tile_expert_offset, expert_kept, row_token;
   size_t intermediate, own_recv, own_comb, own_signals;
   size_t total_bytes;
   int gate_tiles, max_row_tiles;
@@ -168,7 +174,11 @@ inline WorkspaceLayout make_workspace_layout(int tokens, int hidden, int ffn, in
   l.traffic = take(8 * 2);
   l.result_rows_done = take(4 * kMaxRanks);
   l.row_tile_done = take(4 * static_cast<size_t>(l.max_row_tiles));
+  l.gate_arrivals = take(4 * kGateSplitMaxTiles);
   l.sync_bytes = at;
+  l.gate_partial = take(l.gate_tiles <= kGateSplitMaxTiles
+                            ? 4 * static_cast<size_t>(gate_split_max_items(experts)) * gate_tile_rows * experts
+                            : 0);
   l.slot_in_tile = take(4 * rows);
   l.tile_expert_count = take(4 * static_cast<size_t>(l.gate_tiles) * experts);
   l.tile_expert_offset = take(4 * static_cast<size_t>(l.gate_tiles) * experts);

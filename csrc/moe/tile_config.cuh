@@ -8,14 +8,26 @@ constexpr int kThreads = 256;  // 8 warps per block
 // Gate: 32 tokens x 128 experts per router-GEMM tile, K slabs of 64.
 constexpr int kGateTileM = 32;
 constexpr int kGateTileN = 128;
-// A gate tile is latency-bound (little math per K slab), so it keeps more slabs in flight when the
-// experts' fp32 logits leave room (E <= 256). Measured on the H200 the deeper pipeline did not help
-// (gate phase 0.063 ms vs 0.057 ms with 4 stages for 8192 tokens, H = 2048, E = 32, in an earlier build;
-// docs/benchmarks.md): a candidate to revert once it can be re-measured.
+// Gate pipeline depth: deeper when the experts' fp32 logits leave room (E <= 256). With cp.async feeding
+// the depth made no difference (0.78 vs 0.77 us per K slab, scripts/gate_probe.cu: issuing the copies is
+// the cost); the TMA variants' producer warp uses it to run ahead into the next tile.
 constexpr int kGateStagesDeep = 8, kGateStagesShallow = 4;
 constexpr int kDeepGateMaxExperts = 256;
 __host__ __device__ constexpr int gate_stages(int experts) {
   return experts <= kDeepGateMaxExperts ? kGateStagesDeep : kGateStagesShallow;
+}
+// Small batches: with fewer gate tiles than blocks, most SMs would idle while a few stream the whole
+// router. Each tile's K slabs are then split over several blocks (fp32 partial logits to the workspace,
+// summed in split order by the tile's last block: deterministic). Up to kGateSplitMaxTiles tiles are
+// split, into at most gate_split_max_items(E) (tile, K range) items in all.
+constexpr int kGateSplitMaxTiles = 64;
+__host__ __device__ constexpr int gate_split_max_items(int experts) { return 256 * 64 / (experts > 64 ? experts : 64); }
+// K ranges per gate tile for a rank of `blocks` blocks.
+__host__ __device__ constexpr int gate_splits_for(int gate_tiles, int hidden, int experts, int blocks) {
+  const int items = blocks < gate_split_max_items(experts) ? blocks : gate_split_max_items(experts);
+  if (gate_tiles < 1 || gate_tiles > kGateSplitMaxTiles || 2 * gate_tiles > items) return 1;
+  const int splits = items / gate_tiles;
+  return splits < hidden / 64 ? splits : hidden / 64;
 }
 __host__ __device__ constexpr int gate_pipeline_bytes(int stages) { return stages * (kGateTileM + kGateTileN) * 64 * 2; }
 
