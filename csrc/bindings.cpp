@@ -38,6 +38,7 @@ py::dict forward(const py::dict& shared, const py::list& ranks, uintptr_t stream
   a.debug_withhold_phase = get<int>(shared, "debug_withhold_phase");
   a.expert_variant = get<int>(shared, "expert_variant");
   a.max_blocks = get<int>(shared, "max_blocks");
+  a.gate_split = get<bool>(shared, "gate_split");
   a.grid_percent = get<int>(shared, "grid_percent");
   a.num_ranks = static_cast<int>(py::len(ranks));
   if (a.num_ranks < 1 || a.num_ranks > kMaxRanks)

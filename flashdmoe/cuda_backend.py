@@ -23,7 +23,8 @@ from flashdmoe.errors import KernelTimeout
 from flashdmoe.team import mps_thread_percentage
 
 ACTIVATION_CODES = {"relu": 0, "gelu": 1, "silu": 2, "swiglu": 3}
-DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1}
+# float32 runs the tensor cores in TF32 (one rank; teams carry bf16 / fp16), on FP32_EXPERT_VARIANT.
+DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 # Expert GEMM variants compiled into the kernel (csrc/moe/tile_config.cuh): MMA family, cp.async
 # stages, blocks per SM.
 EXPERT_VARIANTS = {"wgmma-128x128-3stage": 0, "wgmma-128x128-4stage": 1, "wgmma-128x256-4stage": 2,
@@ -31,6 +32,9 @@ EXPERT_VARIANTS = {"wgmma-128x128-3stage": 0, "wgmma-128x128-4stage": 1, "wgmma-
                    "tma-wgmma-128x256-4stage-prefetch": 6, "tma-wgmma-128x256-4stage-gather": 7}
 # Fastest on all five shapes of docs/benchmarks.md (H200, 2026-12-02 session-2 variant sweep).
 DEFAULT_EXPERT_VARIANT = "tma-wgmma-128x256-4stage"
+# fp32 inputs: wgmma's TF32 form needs K-major B, and the [K, N] expert weights are N-major, so the TF32
+# path is the mma.sync variant (csrc/moe/tile_gemm.cuh), whatever debug.expert_variant says.
+FP32_EXPERT_VARIANT = "mma.sync-128x128-3stage"
 
 # Phase ids written by the kernel's watchdog (csrc/moe/params.cuh, enum Phase).
 PHASE_NAMES = {
@@ -60,6 +64,8 @@ class DebugKnobs:
     # 0: the whole resident grid; else at most this many blocks (tests of small grids).
     max_blocks: int = 0
     timeout_ms: int | None = None
+    # Small batches split each gate tile's K slabs over several blocks (FLASHDMOE_GATE_SPLIT=0: never).
+    gate_split: bool = os.environ.get("FLASHDMOE_GATE_SPLIT", "1") != "0"
     # Expert GEMM variant (EXPERT_VARIANTS); FLASHDMOE_EXPERT_VARIANT overrides the default.
     expert_variant: str = os.environ.get("FLASHDMOE_EXPERT_VARIANT", DEFAULT_EXPERT_VARIANT)
 
@@ -250,8 +256,8 @@ def _team_kind(team) -> str:
 def _check_dtype(x: torch.Tensor, name: str = "x") -> None:
     if x.dtype not in DTYPE_CODES:
         raise ValueError(
-            f"{name}: the cuda backend takes bfloat16 or float16, got {x.dtype}; use backend='reference' for "
-            "float32/float64 (the TF32 kernel path is not implemented yet)"
+            f"{name}: the cuda backend takes bfloat16, float16 or float32 (as TF32), got {x.dtype}; use "
+            "backend='reference' for float64"
         )
 
 
@@ -259,7 +265,7 @@ def run_forward(xs, router_weight, w1s, w2s, *, top_k, activation, normalize_top
     """Launch the fused kernel for the ranks this process drives.
 
     xs: list of ``[T_r, H]`` (one per rank driven here: ``P`` for an emulated team, else one); w1s / w2s:
-    each rank's experts ``[L, H, I or 2I]`` / ``[L, I, H]``; router_weight ``[E, H]``. All bf16 or fp16,
+    each rank's experts ``[L, H, I or 2I]`` / ``[L, I, H]``; router_weight ``[E, H]``. All bf16 or fp16 (fp32 for one rank),
     contiguous, on one CUDA device. Returns a list of ``(y [T_r, H], FusedRouting)``.
     """
     kind = _team_kind(team)
@@ -324,7 +330,8 @@ def run_forward(xs, router_weight, w1s, w2s, *, top_k, activation, normalize_top
         "activation": ACTIVATION_CODES[activation], "normalize_topk": bool(normalize_topk),
         "sequence": 1 if kind == "single" else team.next_sequence(),
         "timeout_ns": timeout_ns(), "debug_withhold_phase": int(debug.withhold_phase),
-        "expert_variant": EXPERT_VARIANTS[debug.expert_variant], "max_blocks": int(debug.max_blocks),
+        "expert_variant": EXPERT_VARIANTS[FP32_EXPERT_VARIANT if xs[0].dtype == torch.float32 else debug.expert_variant],
+        "max_blocks": int(debug.max_blocks), "gate_split": bool(debug.gate_split),
         "grid_percent": 100 if percent is None else percent,
     }
     try:
@@ -359,7 +366,7 @@ last_launch: dict = {}  # grid / blocks_per_sm / smem_bytes of the most recent l
 
 def fused_forward(x, router_weight, w1, w2, *, top_k, activation, normalize_topk, capacity_factor):
     """Run the fused kernel on one rank. x: [T, H]; router_weight: [E, H]; w1: [E, H, I or 2I]; w2: [E, I, H];
-    all bf16 or fp16, contiguous, on one CUDA device. Returns (y [T, H] dtype of x, FusedRouting)."""
+    all bf16, fp16 or fp32 (TF32 tensor cores), contiguous, on one CUDA device. Returns (y [T, H] dtype of x, FusedRouting)."""
     _check_dtype(x)
     return run_forward([x], router_weight, [w1], [w2], top_k=top_k, activation=activation,
                        normalize_topk=normalize_topk, capacity_factor=capacity_factor)[0]

@@ -52,6 +52,30 @@ __device__ __forceinline__ void mma_16816<__half>(float (&d)[4], const uint32_t 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// fp32 inputs on tensor cores: D = A(16x8, row) * B(8x8, col) + D with TF32 operands and fp32
+// accumulation. Operands are fp32 bit patterns already rounded with to_tf32.
+__device__ __forceinline__ uint32_t to_tf32(uint32_t bits) {
+  uint32_t out;
+  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(out) : "f"(__uint_as_float(bits)));
+  return out;
+}
+// The part of an fp32 value its TF32 rounding `hi` missed, itself as TF32 (3xTF32 products).
+__device__ __forceinline__ uint32_t tf32_remainder(uint32_t bits, uint32_t hi) {
+  return to_tf32(__float_as_uint(__uint_as_float(bits) - __uint_as_float(hi)));
+}
+__device__ __forceinline__ void mma_1688_tf32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ uint32_t lds_u32(uint32_t addr) {
+  uint32_t v;
+  asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(v) : "r"(addr));
+  return v;
+}
+
 // Acquire/release at GPU scope: counters published by one block and consumed by others in one launch.
 __device__ __forceinline__ uint32_t load_acquire_gpu(const uint32_t* p) {
   uint32_t v;

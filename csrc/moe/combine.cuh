@@ -24,9 +24,9 @@ __device__ void combine_tokens(const MoEParams& p) {
   const Element* comb = static_cast<const Element*>(p.peers[p.rank].comb);
   Element* y = static_cast<Element*>(p.y);
   // One warp per (token, chunk of kParts x 256 columns): small batches still spread over every warp of
-  // the rank, and each lane keeps kParts independent 16-byte loads per choice in flight (the combine is
-  // bound by the bytes in flight per SM).
-  constexpr int kParts = 4;
+  // the rank, and each lane keeps 64 bytes of each of two choices in flight (the combine is bound by
+  // the bytes in flight per SM).
+  constexpr int kParts = 8 / static_cast<int>(sizeof(Element));  // 4 for 16-bit inputs, 2 for fp32
   constexpr int kChunkColumns = kParts * 32 * 8;
   const int chunks = (H + kChunkColumns - 1) / kChunkColumns;
   const long long items = static_cast<long long>(p.tokens) * chunks;
@@ -34,8 +34,7 @@ __device__ void combine_tokens(const MoEParams& p) {
     const int token = static_cast<int>(item / chunks);
     const int c0 = static_cast<int>(item % chunks) * kChunkColumns;
     const size_t first = static_cast<size_t>(token) * k;
-    // Lane j holds choice j's row and weight (k <= 32); the loop broadcasts them, so each chunk's k
-    // loads are independent and in flight together.
+    // Lane j holds choice j's row and weight (k <= 32); the loop broadcasts them.
     int my_row = lane < k ? __ldcg(p.topk_row + first + lane) : -1;
     if (my_row >= 0) my_row += (__ldcg(p.topk_expert + first + lane) / p.local_experts) * p.stream_rows;
     const float my_weight = lane < k ? __ldcg(p.topk_weight + first + lane) : 0.f;
@@ -48,21 +47,31 @@ __device__ void combine_tokens(const MoEParams& p) {
       for (int u = 0; u < kParts; ++u)
 #pragma unroll
         for (int i = 0; i < 8; ++i) acc[u][i] = 0.f;
-      for (int j = 0; j < k; ++j) {
-        const int row = __shfl_sync(0xffffffffu, my_row, j);
-        const float w = __shfl_sync(0xffffffffu, my_weight, j);
-        if (row < 0) continue;
-        const Element* src = comb + static_cast<size_t>(row) * H;
-        int4 raw[kParts];
+      // Two choices per step: both rows' loads are in flight before either is summed (still in
+      // choice order, so the sum is the same as one choice at a time).
+      for (int j = 0; j < k; j += 2) {
+        const bool pair = j + 1 < k;
+        const int row[2] = {__shfl_sync(0xffffffffu, my_row, j), __shfl_sync(0xffffffffu, my_row, pair ? j + 1 : j)};
+        const float w[2] = {__shfl_sync(0xffffffffu, my_weight, j), __shfl_sync(0xffffffffu, my_weight, pair ? j + 1 : j)};
+        const bool use[2] = {row[0] >= 0, pair && row[1] >= 0};
+        Pack8<Element> raw[2][kParts];
 #pragma unroll
-        for (int u = 0; u < kParts; ++u)
-          if (c[u] < H) raw[u] = __ldcg(reinterpret_cast<const int4*>(src + c[u]));
+        for (int q = 0; q < 2; ++q) {
+          if (!use[q]) continue;
+          const Element* src = comb + static_cast<size_t>(row[q]) * H;
 #pragma unroll
-        for (int u = 0; u < kParts; ++u) {
-          if (c[u] >= H) continue;
-          const Element* v = reinterpret_cast<const Element*>(&raw[u]);
+          for (int u = 0; u < kParts; ++u)
+            if (c[u] < H) raw[q][u] = load_pack8_cg(src + c[u]);
+        }
 #pragma unroll
-          for (int i = 0; i < 8; ++i) acc[u][i] = fmaf(w, static_cast<float>(v[i]), acc[u][i]);
+        for (int q = 0; q < 2; ++q) {
+          if (!use[q]) continue;
+#pragma unroll
+          for (int u = 0; u < kParts; ++u) {
+            if (c[u] >= H) continue;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) acc[u][i] = fmaf(w[q], static_cast<float>(raw[q][u].v[i]), acc[u][i]);
+          }
         }
       }
 #pragma unroll

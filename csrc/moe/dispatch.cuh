@@ -5,6 +5,7 @@
 #pragma once
 #include "common/tma.cuh"
 #include "moe/routing.cuh"
+#include "moe/smem_tiles.cuh"
 
 namespace flashdmoe {
 
@@ -54,7 +55,7 @@ __device__ inline void dispatch_rows(const MoEParams& p, const int* stream_offse
       const int4* src = reinterpret_cast<const int4*>(x + static_cast<size_t>(token) * H);
       int4* dst = reinterpret_cast<int4*>(static_cast<Element*>(p.peers[owner].recv) +
                                           (static_cast<size_t>(p.rank) * p.stream_rows + row) * H);
-      for (int c = lane; c < H / 8; c += 32) dst[c] = __ldg(src + c);
+      for (int c = lane; c < H / kChunkElements<Element>; c += 32) dst[c] = __ldg(src + c);
       if (owner != p.rank) sent += static_cast<unsigned long long>(H) * sizeof(Element);
     }
   }

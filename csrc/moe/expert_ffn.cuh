@@ -27,10 +27,20 @@ __host__ __device__ constexpr int expert_scratch_bytes() {
   return Variant::kPipelineBytes > Variant::kEpilogueBytes ? Variant::kPipelineBytes : Variant::kEpilogueBytes;
 }
 
+// Eight elements moved as one vector (16 bytes for 2-byte inputs, two 16-byte halves for fp32).
 template <typename Element>
-struct Pack8 {  // eight elements, one 16-byte store
+struct alignas(8 * sizeof(Element)) Pack8 {
   Element v[8];
 };
+// Eight elements from global memory through L2 only (rows other blocks wrote in this launch).
+template <typename Element>
+__device__ __forceinline__ Pack8<Element> load_pack8_cg(const Element* src) {
+  Pack8<Element> out;
+#pragma unroll
+  for (int i = 0; i < static_cast<int>(sizeof(out) / 16); ++i)
+    reinterpret_cast<int4*>(&out)[i] = __ldcg(reinterpret_cast<const int4*>(src) + i);
+  return out;
+}
 
 // GEMM1 output columns per tile: swiglu tiles hold N/2 gate + N/2 up columns and produce N/2.
 template <typename Variant>
@@ -52,7 +62,9 @@ __device__ __forceinline__ int gemm2_column_tiles(const MoEParams& p) {
 template <typename Variant, typename Gemm>
 __device__ __forceinline__ float* stage_accumulators(const Gemm& gemm, char* smem) {
   float* staged = reinterpret_cast<float*>(smem);
-  gemm.for_each_acc([&](int row, int col, float v) { staged[row * Variant::kEpilogueStride + col] = v; });
+  gemm.for_each_acc_pair([&](int row, int col, float2 v) {
+    *reinterpret_cast<float2*>(staged + row * Variant::kEpilogueStride + col) = v;
+  });
   __syncthreads();
   return staged;
 }
@@ -149,7 +161,7 @@ __device__ bool gemm1_tile(const MoEParams& p, const RowTile& tile, int row_tile
 
   using Gemm = ExpertGemm<Element, Variant>;
   Gemm gemm;
-  gemm.run(smem, H / 64, [&](uint32_t a_dst, uint32_t b_dst, int k0) {
+  gemm.run(smem, H / Gemm::kBlockK, [&](uint32_t a_dst, uint32_t b_dst, int k0) {
     Gemm::template load_rows<kExpertTileM>(a_dst, a_rows, k0, fallback);
     Gemm::load_b_n_major(b_dst, w1, p.w1_cols, k0, col_lo, lo_end, col_hi, hi_end);
   });
@@ -184,7 +196,7 @@ __device__ bool gemm2_tile(const MoEParams& p, const DestTables& t, const RowTil
 
   using Gemm = ExpertGemm<Element, Variant>;
   Gemm gemm;
-  gemm.run(smem, I / 64, [&](uint32_t a_dst, uint32_t b_dst, int k0) {
+  gemm.run(smem, I / Gemm::kBlockK, [&](uint32_t a_dst, uint32_t b_dst, int k0) {
     Gemm::template load_rows<kExpertTileM>(a_dst, a_rows, k0, hidden);
     Gemm::load_b_n_major(b_dst, w2, H, k0, col0, H, col0 + kTileN / 2, H);
   });
@@ -234,7 +246,9 @@ __device__ bool gemm1_tile_tma(const MoEParams& p, const RowTile& tile, int row_
     sync_workers();  // both warpgroups' wgmma retired: the stages may hold the staged accumulators
     if (ok) {
       float* staged = reinterpret_cast<float*>(smem);
-      gemm.for_each_acc([&](int row, int col, float v) { staged[row * Variant::kEpilogueStride + col] = v; });
+      gemm.for_each_acc_pair([&](int row, int col, float2 v) {
+        *reinterpret_cast<float2*>(staged + row * Variant::kEpilogueStride + col) = v;
+      });
       sync_workers();
       store_gemm1_rows<Element, Variant>(p, staged, tile.packed_row0, rows, out_col0, out_cols, swiglu, I);
       tma::fence_proxy_async_global();  // GEMM2's TMA loads (async proxy) read these rows
@@ -274,7 +288,9 @@ __device__ bool gemm2_tile_tma(const MoEParams& p, const DestTables& t, const Ro
     sync_workers();
     if (ok) {
       float* staged = reinterpret_cast<float*>(smem);
-      gemm.for_each_acc([&](int row, int col, float v) { staged[row * Variant::kEpilogueStride + col] = v; });
+      gemm.for_each_acc_pair([&](int row, int col, float2 v) {
+        *reinterpret_cast<float2*>(staged + row * Variant::kEpilogueStride + col) = v;
+      });
       sync_workers();
       Element* out = comb_row<Element>(p, tile.src, tile.stream_row0);
       store_gemm2_rows<Element, Variant>(staged, out, rows, col0, H);
@@ -287,27 +303,30 @@ __device__ bool gemm2_tile_tma(const MoEParams& p, const DestTables& t, const Ro
 }
 
 // Drain the task queue: every GEMM1 task precedes every GEMM2 task, so a GEMM2 wait never blocks a
-// GEMM1 tile that has not been taken yet (no deadlock with all blocks resident).
+// GEMM1 tile that has not been taken yet (no deadlock with all blocks resident). The next task id is
+// fetched while the current tile runs (off the critical path); a block's prefetched task is always
+// later in queue order than its current one, so the oldest unfinished task is always being run.
 template <typename Element, typename Variant>
 __device__ bool run_expert_tasks(const MoEParams& p, const DestTables& t, char* smem, const Element** a_rows) {
-  __shared__ int next_task;
+  __shared__ int next_task[2];
   __shared__ TmaPipelineBarriers<Variant::kStages> bars;
   uint32_t ready_seen = 0;  // meaningful in the thread that does the waits
   uint32_t slab = 0;        // TMA variant: K slabs this block has pipelined so far (same in every thread)
   if constexpr (Variant::kUseTma) {
     if (threadIdx.x == 0) TmaTileGemm<Element, Variant::kTileN, Variant::kStages>::init_barriers(bars);
-    __syncthreads();
   }
+  if (threadIdx.x == 0) next_task[0] = static_cast<int>(atomicAdd(p.task_counter, 1u));
+  __syncthreads();
   const int row_tiles = t.tile_start[p.world_size * p.local_experts];
   const int tiles1 = gemm1_column_tiles<Variant>(p), tiles2 = gemm2_column_tiles<Variant>(p);
   const int tasks1 = row_tiles * tiles1;
   const int total = tasks1 + row_tiles * tiles2;
-  for (;;) {
-    if (threadIdx.x == 0) next_task = static_cast<int>(atomicAdd(p.task_counter, 1u));
-    __syncthreads();
-    const int task = next_task;
-    __syncthreads();  // everyone has read next_task before thread 0 may overwrite it
+  for (int n = 0;; ++n) {
+    const int task = next_task[n & 1];
     if (task >= total) return true;
+    // Written here, read after the tile's closing block barrier; slot n & 1 is rewritten only after
+    // the next tile's barrier, when every thread has read it.
+    if (threadIdx.x == 0) next_task[(n + 1) & 1] = static_cast<int>(atomicAdd(p.task_counter, 1u));
     const bool second = task >= tasks1;
     const int index = second ? task - tasks1 : task;
     const int col_tiles = second ? tiles2 : tiles1;

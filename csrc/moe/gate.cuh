@@ -17,6 +17,14 @@ namespace flashdmoe {
 template <typename Element, int STAGES>
 using GateGemm = TileGemm<Element, kGateTileM, kGateTileN, 1, 8, STAGES, /*B_K_CONTIGUOUS=*/true>;
 
+// K slabs of a whole gate tile, and the first slab of split `split` of a tile.
+template <typename Element>
+__device__ __forceinline__ int gate_slabs(const MoEParams& p) { return p.hidden / kSlabDepth<Element>; }
+template <typename Element>
+__device__ __forceinline__ int split_begin(const MoEParams& p, int split) {
+  return split * gate_slabs<Element>(p) / p.gate_splits;
+}
+
 __device__ __forceinline__ void warp_argmax(float& value, int& index) {
 #pragma unroll
   for (int offset = 16; offset > 0; offset >>= 1) {
@@ -70,7 +78,7 @@ __device__ void router_gemm(const MoEParams& p, int tile, int k_begin, int k_end
       if (threadIdx.x < kGateTileN)
         b_rows[threadIdx.x] = e0 + threadIdx.x < E ? router + static_cast<size_t>(e0 + threadIdx.x) * H : nullptr;
       sync_workers();
-      const int k_offset = k_begin * 64;
+      const int k_offset = k_begin * Gemm::kBlockK;
       gemm.run(smem, k_end - k_begin, [&](uint32_t a_dst, uint32_t b_dst, int k0) {
         Gemm::template load_rows<kGateTileM>(a_dst, a_rows, k_offset + k0, x);
         Gemm::template load_rows<kGateTileN>(b_dst, b_rows, k_offset + k0, router);
@@ -194,13 +202,10 @@ template <typename Element, int STAGES, bool kTma>
 __device__ void gate_tile(const MoEParams& p, int tile, char* smem, const SmemLayout& layout, GateFeed<STAGES>& feed) {
   float* logits = gate_logits<STAGES>(smem);
   const int stride = gate_logits_stride(p.experts);
-  router_gemm<Element, STAGES, kTma>(p, tile, 0, p.hidden / 64, smem, layout, feed,
+  router_gemm<Element, STAGES, kTma>(p, tile, 0, gate_slabs<Element>(p), smem, layout, feed,
                                [&](int row, int expert, float v) { logits[row * stride + expert] = v; });
   finish_gate_tile<STAGES>(p, tile, smem);
 }
-
-// K slabs [begin, end) of split `split` of a tile.
-__device__ __forceinline__ int split_begin(const MoEParams& p, int split) { return split * (p.hidden / 64) / p.gate_splits; }
 
 // One K range of a split tile: partial logits to the workspace; the tile's last block to arrive sums
 // the partials in split order (the same sum whichever block is last) and finishes the tile.
@@ -211,15 +216,16 @@ __device__ void gate_split_item(const MoEParams& p, int item, char* smem, const 
   const int E = p.experts, splits = p.gate_splits;
   const int tile = item / splits, split = item % splits;
   float* partial = p.gate_partial + static_cast<size_t>(item) * kGateTileM * E;
-  router_gemm<Element, STAGES, kTma>(p, tile, split_begin(p, split), split_begin(p, split + 1), smem, layout, feed,
-                               [&](int row, int expert, float v) { partial[row * E + expert] = v; });
-  if (threadIdx.x == 0) {
-    __threadfence();
-    last_to_arrive = atomicAdd(p.gate_arrivals + tile, 1u) == static_cast<uint32_t>(splits - 1);
-    __threadfence();
-  }
+  router_gemm<Element, STAGES, kTma>(p, tile, split_begin<Element>(p, split), split_begin<Element>(p, split + 1), smem,
+                                     layout, feed, [&](int row, int expert, float v) { partial[row * E + expert] = v; });
+  // Every writer fences its own partials (not only the arriving thread: the stores come from all
+  // workers), and every reader fences after learning it is last.
+  __threadfence();
+  sync_workers();
+  if (threadIdx.x == 0) last_to_arrive = atomicAdd(p.gate_arrivals + tile, 1u) == static_cast<uint32_t>(splits - 1);
   sync_workers();
   if (!last_to_arrive) return;
+  __threadfence();
   const int stride = gate_logits_stride(E);
   float* logits = gate_logits<STAGES>(smem);
   const float* first = p.gate_partial + static_cast<size_t>(tile) * splits * kGateTileM * E;
@@ -252,13 +258,13 @@ __device__ void gate_all_tiles(const MoEParams& p, char* smem, const SmemLayout&
       if (p.gate_splits > 1) {
         for (int item = block_in_rank(p); item < p.gate_tiles * p.gate_splits; item += p.blocks) {
           const int split = item % p.gate_splits;
-          if (!router_loads<Element, STAGES>(p, item / p.gate_splits, split_begin(p, split), split_begin(p, split + 1),
-                                             smem, feed))
+          const int first = split_begin<Element>(p, split), end = split_begin<Element>(p, split + 1);
+          if (!router_loads<Element, STAGES>(p, item / p.gate_splits, first, end, smem, feed))
             return;
         }
       } else {
         for (int tile = block_in_rank(p); tile < p.gate_tiles; tile += p.blocks)
-          if (!router_loads<Element, STAGES>(p, tile, 0, p.hidden / 64, smem, feed)) return;
+          if (!router_loads<Element, STAGES>(p, tile, 0, gate_slabs<Element>(p), smem, feed)) return;
       }
       return;
     }

@@ -30,8 +30,8 @@ std::string check_shapes(int tokens, int hidden, int ffn, int experts, int top_k
 
 WorkspaceLayout workspace_layout(int tokens, int hidden, int ffn, int experts, int top_k, DType dtype, int world_size,
                                  int stream_rows) {
-  (void)dtype;  // both supported dtypes are 2 bytes wide
-  return make_workspace_layout(tokens, hidden, ffn, experts, top_k, 2, kGateTileM, kExpertTileM, world_size,
+  return make_workspace_layout(tokens, hidden, ffn, experts, top_k, dtype == DType::Float32 ? 4 : 2, kGateTileM,
+                               kExpertTileM, world_size,
                                stream_rows);
 }
 
@@ -52,7 +52,13 @@ static auto with_instance(DType dtype, int variant, Visit&& visit) {
     }
   };
   if (dtype == DType::BFloat16) return with_variant(__nv_bfloat16{});
-  return with_variant(__half{});
+  if (dtype == DType::Float16) return with_variant(__half{});
+  if (dtype != DType::Float32) throw std::invalid_argument("dtype code must be 0 (bf16), 1 (fp16) or 2 (fp32)");
+  // fp32 inputs: TF32 mma.sync tiles (wgmma's TF32 form needs K-major weights, which [K, N] weights are not).
+  if (variant != kFp32ExpertVariant)
+    throw std::invalid_argument("fp32 inputs run on expert variant " + std::to_string(kFp32ExpertVariant) +
+                                " (mma.sync, TF32) only, got " + std::to_string(variant));
+  return visit(float{}, MmaSync128ThreeStages{});
 }
 
 LaunchInfo launch_forward(const ForwardArgs& args, cudaStream_t stream) {

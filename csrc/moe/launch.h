@@ -8,7 +8,8 @@
 
 namespace flashdmoe {
 
-enum class DType : int { BFloat16 = 0, Float16 = 1 };
+// Float32 runs the tensor cores in TF32 (mma.sync variant only).
+enum class DType : int { BFloat16 = 0, Float16 = 1, Float32 = 2 };
 
 // One rank of the launch: its tokens, experts, outputs, local workspace and the peer table.
 struct RankArgs {
@@ -46,6 +47,7 @@ struct ForwardArgs {
   int debug_withhold_phase;
   int expert_variant;  // tile_config.cuh: 0 wgmma 128x128/3 stages, 1 wgmma 128x128/4, 2 wgmma 128x256/4, 3 mma.sync 128x128/3
   int max_blocks;      // 0: the whole resident grid; else at most this many blocks
+  bool gate_split;     // small batches split gate tiles over blocks (false: one block per tile)
   int grid_percent;    // 1..100: this share of the resident grid (ranks sharing one GPU under MPS)
   int num_ranks;       // ranks in this launch: P for an emulated team, else 1
   RankArgs ranks[kMaxRanks];

@@ -220,7 +220,8 @@ LaunchInfo launch_forward_variant(const ForwardArgs& a, cudaStream_t stream) {
   for (int i = 0; i < a.num_ranks; ++i) {
     launch.rank[i].first_block = i * blocks_per_rank;
     launch.rank[i].blocks = blocks_per_rank;
-    launch.rank[i].gate_splits = gate_splits_for(launch.rank[i].gate_tiles, a.hidden, a.experts, blocks_per_rank);
+    launch.rank[i].gate_splits =
+        a.gate_split ? gate_splits_for(launch.rank[i].gate_tiles, a.hidden, a.experts, blocks_per_rank) : 1;
   }
 
   for (int i = 0; i < a.num_ranks; ++i) {
@@ -261,4 +262,10 @@ KernelAttributes kernel_attributes_variant() {
   template LaunchInfo launch_forward_variant<__half, VARIANT>(const ForwardArgs&, cudaStream_t);        \
   template KernelAttributes kernel_attributes_variant<__nv_bfloat16, VARIANT>();                        \
   template KernelAttributes kernel_attributes_variant<__half, VARIANT>();                               \
+  }
+// fp32 inputs (TF32 tensor cores): the mma.sync variant only.
+#define FLASHDMOE_INSTANTIATE_FP32(VARIANT)                                                                 \
+  namespace flashdmoe {                                                                                  \
+  template LaunchInfo launch_forward_variant<float, VARIANT>(const ForwardArgs&, cudaStream_t);         \
+  template KernelAttributes kernel_attributes_variant<float, VARIANT>();                                \
   }

@@ -10,8 +10,14 @@ __device__ __forceinline__ uint32_t k_major_offset(int row, int chunk) {
   return row * 128 + ((chunk ^ (row & 7)) << 4);
 }
 
-// One 64-deep K slab of ROWS gathered rows (row pointers; nullptr rows are zero-filled) by THREADS
-// threads. `fallback` is any valid address: a zero-filling cp.async still needs one.
+// Elements in one 16-byte chunk, and in one 128-byte K slab row (64 for 2-byte inputs, 32 for fp32).
+template <typename Element>
+constexpr int kChunkElements = 16 / static_cast<int>(sizeof(Element));
+template <typename Element>
+constexpr int kSlabDepth = 128 / static_cast<int>(sizeof(Element));
+
+// One K slab (128 bytes deep) of ROWS gathered rows (row pointers; nullptr rows are zero-filled) by
+// THREADS threads. `fallback` is any valid address: a zero-filling cp.async still needs one.
 template <int ROWS, int THREADS, typename Element>
 __device__ __forceinline__ void load_k_major_rows(uint32_t dst, const Element* const* rows, int k0,
                                                   const Element* fallback) {
@@ -20,7 +26,8 @@ __device__ __forceinline__ void load_k_major_rows(uint32_t dst, const Element* c
     const int row = i >> 3, chunk = i & 7;
     const Element* src = rows[row];
     const bool valid = src != nullptr;
-    ptx::cp_async_16(dst + k_major_offset(row, chunk), valid ? src + k0 + chunk * 8 : fallback, valid);
+    ptx::cp_async_16(dst + k_major_offset(row, chunk), valid ? src + k0 + chunk * kChunkElements<Element> : fallback,
+                     valid);
   }
 }
 

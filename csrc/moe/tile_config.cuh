@@ -53,18 +53,22 @@ struct ExpertVariant {
   static constexpr bool kUseTma = kMma == ExpertMma::WgmmaTma || kUseTmaPrefetch;
   static constexpr int kBlockThreads = kUseTma ? kThreads + 32 : kThreads;  // + the producer warp
   static constexpr int kPipelineBytes = kStages * (kExpertTileM + kTileN) * 64 * 2;
-  static constexpr int kEpilogueStride = kTileN + 4;  // fp32 staging row, padded against bank conflicts
+  // fp32 staging row, padded so that a warp's 8-byte fragment stores (8 rows x 4 column pairs, two
+  // phases of 16 lanes) hit every bank once.
+  static constexpr int kEpilogueStride = kTileN + 8;
   static constexpr int kEpilogueBytes = kExpertTileM * kEpilogueStride * 4;
 };
 // Variant ids as the host passes them (flashdmoe/cuda_backend.py EXPERT_VARIANTS).
 using Wgmma128ThreeStages = ExpertVariant<ExpertMma::Wgmma, 128, 3, 2>;    // 0
 using Wgmma128FourStages = ExpertVariant<ExpertMma::Wgmma, 128, 4, 1>;     // 1
 using Wgmma256FourStages = ExpertVariant<ExpertMma::Wgmma, 256, 4, 1>;     // 2
-using MmaSync128ThreeStages = ExpertVariant<ExpertMma::MmaSync, 128, 3, 2>;  // 3
+using MmaSync128ThreeStages = ExpertVariant<ExpertMma::MmaSync, 128, 3, 2>;  // 3 (also fp32 inputs, as TF32)
 using Tma256FourStages = ExpertVariant<ExpertMma::WgmmaTma, 256, 4, 1>;       // 4
 using Tma128SixStages = ExpertVariant<ExpertMma::WgmmaTma, 128, 6, 1>;        // 5
 using TmaPrefetch256FourStages = ExpertVariant<ExpertMma::WgmmaTmaPrefetch, 256, 4, 1>;  // 6
 using TmaGather256FourStages = ExpertVariant<ExpertMma::WgmmaTmaGather, 256, 4, 1>;      // 7
+
+constexpr int kFp32ExpertVariant = 3;
 
 // Shape constraints checked on the host (and named in the error message).
 constexpr int kHiddenMultiple = 64;

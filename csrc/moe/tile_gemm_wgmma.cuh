@@ -103,6 +103,18 @@ struct WgmmaTileGemm {
     sync_workers();
   }
 
+  // The accumulators as (row, col, col + 1) pairs: visit(row, col, float2).
+  template <typename Visit>
+  __device__ void for_each_acc_pair(Visit&& visit) const {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int row0 = (warp >> 2) * 64 + (warp & 3) * 16 + (lane >> 2);
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+        visit(row0 + h * 8, j * 8 + ((lane & 3) << 1), make_float2(acc[j * 4 + 2 * h], acc[j * 4 + 2 * h + 1]));
+  }
+
   // Accumulator j*4+v of a thread: warpgroup rows 64*wg + 16*(warp%4) + lane/4 (+8 for v >= 2),
   // column 8*j + 2*(lane%4) + (v & 1).
   template <typename Visit>
