@@ -35,7 +35,7 @@ fi
 if [ -n "${EXTRA:-}" ]; then step extra; eval "$EXTRA" 2>&1 | tee "$OUT/extra.log"; fi
 if [ "${SKIP_QUICK:-0}" != "1" ]; then step "variant sweep"; timeout 200 python3 scripts/quick_time.py > "$OUT/quick_time.log" 2>&1; grep -v Warn "$OUT/quick_time.log" | grep -E "^ *(tma|wgmma|mma)" | cut -c1-230; fi
 if [ "${SKIP_BENCH:-0}" != "1" ]; then
-  step "bench single-gpu"; timeout 300 python3 -m flashdmoe bench --suite single-gpu --output "$OUT/bench" > "$OUT/bench.log" 2>&1; echo "rc=$?"; tail -12 "$OUT/bench.log"
+  step "bench single-gpu"; timeout 300 python3 -m flashdmoe bench --suite single-gpu ${BENCH_ENTRIES:+--entries $BENCH_ENTRIES} --output "$OUT/bench" > "$OUT/bench.log" 2>&1; echo "rc=$?"; tail -12 "$OUT/bench.log"
   [ "${SKIP_EP_BENCH:-0}" = "1" ] || { step "bench expert-parallel"; timeout 300 python3 -m flashdmoe bench --suite expert-parallel --output "$OUT/bench_ep" > "$OUT/bench_ep.log" 2>&1; echo "rc=$?"; tail -16 "$OUT/bench_ep.log"; }
   rm -f "$OUT/bench/"*.json "$OUT/bench_ep/"*.json
 fi
