@@ -64,8 +64,11 @@ class DebugKnobs:
     # 0: the whole resident grid; else at most this many blocks (tests of small grids).
     max_blocks: int = 0
     timeout_ms: int | None = None
-    # Small batches split each gate tile's K slabs over several blocks (FLASHDMOE_GATE_SPLIT=0: never).
-    gate_split: bool = os.environ.get("FLASHDMOE_GATE_SPLIT", "1") != "0"
+    # Small batches split each gate tile's K slabs over several blocks (E <= 256 only). Off by default
+    # (FLASHDMOE_GATE_SPLIT=1 turns it on): with the TMA-fed gate it saved only ~3 us on the 128-token
+    # shape, and it misrouted with E >= 512 (now refused there); the records in docs/benchmarks.md ran
+    # without it.
+    gate_split: bool = os.environ.get("FLASHDMOE_GATE_SPLIT", "0") == "1"
     # Expert GEMM variant (EXPERT_VARIANTS); FLASHDMOE_EXPERT_VARIANT overrides the default.
     expert_variant: str = os.environ.get("FLASHDMOE_EXPERT_VARIANT", DEFAULT_EXPERT_VARIANT)
 

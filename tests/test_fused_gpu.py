@@ -150,18 +150,25 @@ def test_zero_tokens(backend):
     assert y.shape == (0, 128)
 
 
-@pytest.mark.parametrize("T,H,E,k", [(128, 4096, 64, 6), (100, 1024, 1024, 8), (2048, 512, 32, 2), (33, 64, 8, 2)])
-def test_small_batches_split_the_gate(backend, T, H, E, k):
-    """Few gate tiles: each tile's K slabs are split over several blocks (partial logits summed in split
-    order by the tile's last block). Correct against the reference, and bitwise repeatable."""
-    x, router, w1, w2 = make_inputs(T, H, 128, E, k, "silu", torch.bfloat16)
-    y, routing = check_against_reference(backend, x, router, w1, w2, top_k=k, activation="silu", normalize=True,
-                                         capacity_factor=None)
-    for _ in range(3):
-        again, again_routing = backend.fused_forward(x, router, w1, w2, top_k=k, activation="silu",
-                                                     normalize_topk=True, capacity_factor=None)
-        assert torch.equal(y, again)
-        assert torch.equal(routing.weight, again_routing.weight)
+@pytest.mark.parametrize("T,H,E,k", [(128, 4096, 64, 6), (100, 1024, 256, 8), (100, 1024, 1024, 8), (2048, 512, 32, 2),
+                                     (33, 64, 8, 2)])
+@pytest.mark.parametrize("split", [True, False])
+def test_small_batches_split_the_gate(backend, T, H, E, k, split):
+    """Few gate tiles, with the split gate on (each tile's K slabs split over several blocks, partial
+    logits summed in split order by the tile's last block; E <= 256 only, larger E stays unsplit) and
+    off. Correct against the reference, and bitwise repeatable."""
+    backend.debug.gate_split = split
+    try:
+        x, router, w1, w2 = make_inputs(T, H, 128, E, k, "silu", torch.bfloat16)
+        y, routing = check_against_reference(backend, x, router, w1, w2, top_k=k, activation="silu",
+                                             normalize=True, capacity_factor=None)
+        for _ in range(3):
+            again, again_routing = backend.fused_forward(x, router, w1, w2, top_k=k, activation="silu",
+                                                         normalize_topk=True, capacity_factor=None)
+            assert torch.equal(y, again)
+            assert torch.equal(routing.weight, again_routing.weight)
+    finally:
+        backend.debug.gate_split = False
 
 
 def test_bitwise_deterministic(backend):
