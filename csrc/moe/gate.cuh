@@ -103,7 +103,7 @@ __device__ bool router_loads(const MoEParams& p, int tile, int k_begin, int k_en
       const uint32_t s = feed.slab % STAGES, use = feed.slab / STAGES;
       if (use > 0 && !wait_pipeline(ptx::smem_addr(&feed.bars->empty[s]), (use - 1) & 1, p)) return false;
       const uint32_t full = ptx::smem_addr(&feed.bars->full[s]);
-      tma::arrive_expect_tx(full, Gemm::kStageBytesA + p.gate_router_rows * 128);
+      tma::arrive_expect_tx(full, Gemm::kStageBytesA + gate_router_rows(p.experts) * 128);
       tma::load_2d(base + s * Gemm::kStageBytesA, &p.maps.gate_x, full, kt * 64, tile * kGateTileM);
       tma::load_2d(base + STAGES * Gemm::kStageBytesA + s * Gemm::kStageBytesB, &p.maps.router, full, kt * 64, e0);
     }

@@ -185,8 +185,8 @@ inline void make_expert_tensor_maps(const ForwardArgs& a, MoEParams& p) {
   const uint32_t one_row_box[2] = {64, 1};
   p.maps.x = make_tensor_map(p.tokens > 0 ? p.x : p.intermediate, 2, x_dims, one_row_box, a.dtype, "x");
   // The router box holds only the experts there are (E < 128 would otherwise load zero-filled rows).
-  p.gate_router_rows = std::min(kGateTileN, (p.experts + 7) / 8 * 8);
-  const uint32_t gate_x_box[2] = {64, kGateTileM}, router_box[2] = {64, static_cast<uint32_t>(p.gate_router_rows)};
+  const uint32_t gate_x_box[2] = {64, kGateTileM},
+                 router_box[2] = {64, static_cast<uint32_t>(gate_router_rows(p.experts))};
   const uint64_t router_dims[2] = {H, static_cast<uint64_t>(p.experts)};
   p.maps.gate_x = make_tensor_map(p.tokens > 0 ? p.x : p.intermediate, 2, x_dims, gate_x_box, a.dtype, "x (gate)");
   p.maps.router = make_tensor_map(p.router, 2, router_dims, router_box, a.dtype, "the router");

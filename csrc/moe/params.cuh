@@ -125,7 +125,6 @@ struct MoEParams {
   uint32_t* gate_arrivals;   // [kGateSplitMaxTiles] split gate: K ranges finished per gate tile
   int gate_tiles;
   int gate_splits;           // K ranges per gate tile (1: a tile on one block)
-  int gate_router_rows;      // TMA variants: rows of the router box (E rounded up to 8, at most kGateTileN)
   int max_row_tiles;
   uint64_t timeout_ns;
   int debug_withhold_phase;  // > 0: block 0 never arrives at that barrier (tests the watchdog)

@@ -32,6 +32,10 @@ __host__ __device__ constexpr int gate_splits_for(int gate_tiles, int hidden, in
   const int splits = items / gate_tiles;
   return splits < hidden / 64 ? splits : hidden / 64;
 }
+// Rows of the gate's router TMA box: the experts there are (rounded up to 8), at most kGateTileN.
+__host__ __device__ constexpr int gate_router_rows(int experts) {
+  return (experts + 7) / 8 * 8 < kGateTileN ? (experts + 7) / 8 * 8 : kGateTileN;
+}
 __host__ __device__ constexpr int gate_pipeline_bytes(int stages) { return stages * (kGateTileM + kGateTileN) * 64 * 2; }
 
 // Expert FFN GEMMs: 128-row tiles, 128 or 256 columns (per variant), K slabs of 64.

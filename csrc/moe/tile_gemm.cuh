@@ -192,18 +192,10 @@ struct TileGemm {
   // Visit every accumulator element with its (row, col) inside the block tile.
   template <typename Visit>
   __device__ void for_each_acc(Visit&& visit) const {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int warp_m = warp / WARPS_N, warp_n = warp % WARPS_N;
-#pragma unroll
-    for (int mi = 0; mi < kMmaM; ++mi)
-#pragma unroll
-      for (int ni = 0; ni < kMmaN; ++ni)
-#pragma unroll
-        for (int v = 0; v < 4; ++v) {
-          const int row = warp_m * kWarpM + mi * 16 + (lane >> 2) + ((v >> 1) << 3);
-          const int col = warp_n * kWarpN + ni * 8 + ((lane & 3) << 1) + (v & 1);
-          visit(row, col, acc[mi][ni][v]);
-        }
+    for_each_acc_pair([&](int row, int col, float2 v) {
+      visit(row, col, v.x);
+      visit(row, col + 1, v.y);
+    });
   }
 };
 

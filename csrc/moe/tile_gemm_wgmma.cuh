@@ -119,12 +119,10 @@ struct WgmmaTileGemm {
   // column 8*j + 2*(lane%4) + (v & 1).
   template <typename Visit>
   __device__ void for_each_acc(Visit&& visit) const {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int row0 = (warp >> 2) * 64 + (warp & 3) * 16 + (lane >> 2);
-#pragma unroll
-    for (int j = 0; j < BN / 8; ++j)
-#pragma unroll
-      for (int v = 0; v < 4; ++v) visit(row0 + ((v >> 1) << 3), j * 8 + ((lane & 3) << 1) + (v & 1), acc[j * 4 + v]);
+    for_each_acc_pair([&](int row, int col, float2 v) {
+      visit(row, col, v.x);
+      visit(row, col + 1, v.y);
+    });
   }
 };
 
