@@ -30,8 +30,9 @@ DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 EXPERT_VARIANTS = {"wgmma-128x128-3stage": 0, "wgmma-128x128-4stage": 1, "wgmma-128x256-4stage": 2,
                    "mma.sync-128x128-3stage": 3, "tma-wgmma-128x256-4stage": 4, "tma-wgmma-128x128-6stage": 5,
                    "tma-wgmma-128x256-4stage-prefetch": 6, "tma-wgmma-128x256-4stage-gather": 7}
-# Fastest on all five shapes of docs/benchmarks.md (H200, 2026-12-02 session-2 variant sweep).
-DEFAULT_EXPERT_VARIANT = "tma-wgmma-128x256-4stage"
+# Fastest on all five shapes of docs/benchmarks.md (H200, 2026-12-03 session-4 variant sweep: the
+# producer streams across tile boundaries, results leave through per-warp staging buffers).
+DEFAULT_EXPERT_VARIANT = "tma-wgmma-128x256-4stage-prefetch"
 # fp32 inputs: wgmma's TF32 form needs K-major B, and the [K, N] expert weights are N-major, so the TF32
 # path is the mma.sync variant (csrc/moe/tile_gemm.cuh), whatever debug.expert_variant says.
 FP32_EXPERT_VARIANT = "mma.sync-128x128-3stage"

@@ -25,9 +25,11 @@ timeout 240 python3 scripts/quick_time.py 2>&1 | grep -vE "^kernel attributes" |
 if [ "${NCU:-0}" = "1" ]; then
   echo "== ncu ($(date -u +%T))"
   ncu=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
-  timeout 240 "$ncu" -k regex:moe_forward_kernel --launch-skip 1 --launch-count 1 --section SpeedOfLight \
-    --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy python3 scripts/ncu_probe.py paper \
-    > "$OUT/ncu.log" 2>&1
-  echo "ncu rc=$?"; grep -E "Throughput|Busy|Stall|Issued|Pipe|L2|DRAM|Duration|Warp Cycles" "$OUT/ncu.log" | head -50
+  # Clocks as found (--clock-control none): under wgmma load the H200 runs below its base-locked clock.
+  timeout 240 "$ncu" -k regex:moe_forward_kernel --launch-skip 1 --launch-count 1 --clock-control none \
+    --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
+    --metrics sm__ops_path_tensor_src_bf16_dst_fp32.sum,sm__cycles_elapsed.avg.per_second,lts__t_bytes.sum.per_second,lts__t_sectors_srcunit_tex_op_read.sum \
+    python3 scripts/ncu_probe.py ${NCU_SHAPE:-paper} > "$OUT/ncu.log" 2>&1
+  echo "ncu rc=$?"; grep -E "Throughput|Busy|Stall|Issued|Pipe|pipe|L2|DRAM|Duration|Warp Cycles|Frequency|per_second|lts__|ERR" "$OUT/ncu.log" | head -50
 fi
 date -u

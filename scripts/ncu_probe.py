@@ -8,7 +8,8 @@ import torch
 
 from flashdmoe import cuda_backend
 
-SHAPES = {"paper": (8192, 2048, 2048, 32, 2), "small": (128, 4096, 1408, 64, 6)}
+SHAPES = {"paper": (8192, 2048, 2048, 32, 2), "small": (128, 4096, 1408, 64, 6),
+          "experts": (16384, 2048, 8192, 8, 1)}  # "experts": the expert GEMMs are nearly all of the kernel
 
 
 def main():

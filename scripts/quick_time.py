@@ -21,6 +21,8 @@ def main():
     wanted = [v for v in os.environ.get("QUICK_VARIANTS", "").split(",") if v] or list(cuda_backend.EXPERT_VARIANTS)
     # QUICK_SHAPES="T/H/I/E/k,...": other shapes than DESIGN.md's (e.g. to separate per-tile from per-slab cost).
     shapes = [tuple(int(v) for v in s.split("/")) for s in os.environ.get("QUICK_SHAPES", "").split(",") if s] or SHAPES
+    # QUICK_ACTIVATION=relu: how much of a tile's time the GEMM1 epilogue's activation takes.
+    activation = os.environ.get("QUICK_ACTIVATION", "gelu")
     for (T, H, I, E, k), variant in [(s, v) for s in shapes for v in wanted]:
         cuda_backend.debug.expert_variant = variant
         sets = []
@@ -30,7 +32,7 @@ def main():
             w1 = (torch.randn(E, H, I, device="cuda") / math.sqrt(H)).bfloat16()
             w2 = (torch.randn(E, I, H, device="cuda") / math.sqrt(I)).bfloat16()
             sets.append((x, r, w1, w2))
-        run = lambda s: cuda_backend.fused_forward(*s, top_k=k, activation="gelu", normalize_topk=True,
+        run = lambda s: cuda_backend.fused_forward(*s, top_k=k, activation=activation, normalize_topk=True,
                                                    capacity_factor=None)
         times = []
         with cuda_backend.deferred_status_checks():

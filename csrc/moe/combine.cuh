@@ -3,6 +3,7 @@
 // rank's comb buffer, region [owner of the chosen expert]. Dropped choices add zero.
 #pragma once
 #include "moe/expert_ffn.cuh"
+#include "moe/tile_gemm_tma.cuh"
 
 namespace flashdmoe {
 
@@ -84,6 +85,128 @@ __device__ void combine_tokens(const MoEParams& p) {
       }
     }
   }
+}
+
+// ---- TMA variants: the producer warp streams the chosen rows into shared memory ----
+// The combine is bound by bytes in flight: the workers' own loads keep at most 32 KB per SM in flight
+// and stall between items. Here the producer warp's bulk copies fill a ring of stages (192 KB) with
+// whole (token, column chunk) items, all k chosen rows at once, and the workers only sum from shared
+// memory and store. Same sums in the same order as combine_tokens: the output is bitwise the same.
+constexpr int kCombineStages = 8;
+constexpr int kCombineStageBytes = 24 * 1024;
+constexpr int kCombineRingBytes = kCombineStages * kCombineStageBytes;
+
+struct CombineStage {
+  float weight[kMaxTopK];  // 0 and valid bit clear for a dropped choice
+  uint32_t valid;          // bit j: choice j's row is in the stage
+};
+struct CombineRing {
+  TmaPipelineBarriers<kCombineStages> bars;
+  CombineStage stage[kCombineStages];
+};
+
+// Columns per item: all k rows of the chunk fit one stage (>= 64: k * 64 * 2 bytes <= 4 KB).
+__device__ __forceinline__ int combine_item_columns(const MoEParams& p, int element_bytes) {
+  const int columns = kCombineStageBytes / (p.top_k * element_bytes) / 64 * 64;
+  return columns < p.hidden ? columns : p.hidden;
+}
+
+// Lane 0 of the producer warp.
+template <typename Element>
+__device__ bool combine_loads(const MoEParams& p, char* smem, CombineRing& ring) {
+  const int H = p.hidden, k = p.top_k;
+  const int columns = combine_item_columns(p, sizeof(Element));
+  const int chunks = (H + columns - 1) / columns;
+  const long long items = static_cast<long long>(p.tokens) * chunks;
+  const Element* comb = static_cast<const Element*>(p.peers[p.rank].comb);
+  const uint32_t base = ptx::smem_addr(smem);
+  tma::fence_proxy_async_global();  // the rows were written by generic stores (GEMM2 epilogues, peers)
+  uint32_t n = 0;
+  for (long long item = block_in_rank(p); item < items; item += p.blocks, ++n) {
+    const uint32_t s = n % kCombineStages, use = n / kCombineStages;
+    if (use > 0 && !wait_pipeline(ptx::smem_addr(&ring.bars.empty[s]), (use - 1) & 1, p)) return false;
+    const int token = static_cast<int>(item / chunks);
+    const int c0 = static_cast<int>(item % chunks) * columns;
+    const int width = min(columns, H - c0);
+    const size_t first = static_cast<size_t>(token) * k;
+    CombineStage& meta = ring.stage[s];
+    uint32_t valid = 0;
+    for (int j = 0; j < k; ++j) {
+      const bool kept = __ldcg(p.topk_row + first + j) >= 0;
+      valid |= static_cast<uint32_t>(kept) << j;
+      meta.weight[j] = kept ? __ldcg(p.topk_weight + first + j) : 0.f;
+    }
+    meta.valid = valid;
+    const uint32_t full = ptx::smem_addr(&ring.bars.full[s]);
+    tma::arrive_expect_tx(full, static_cast<uint32_t>(__popc(valid)) * width * sizeof(Element));  // releases meta
+    for (int j = 0; j < k; ++j) {
+      if (!((valid >> j) & 1u)) continue;
+      const int row = __ldcg(p.topk_row + first + j) + (__ldcg(p.topk_expert + first + j) / p.local_experts) * p.stream_rows;
+      tma::load_1d(base + s * kCombineStageBytes + j * width * sizeof(Element),
+                   comb + static_cast<size_t>(row) * H + c0, width * sizeof(Element), full);
+    }
+  }
+  return true;
+}
+
+// The workers: y[token, chunk] = sum_j w_j * row_j in choice order, fp32, from the stage.
+template <typename Element>
+__device__ bool combine_sums(const MoEParams& p, const char* smem, CombineRing& ring) {
+  const int H = p.hidden, k = p.top_k;
+  const int columns = combine_item_columns(p, sizeof(Element));
+  const int chunks = (H + columns - 1) / columns;
+  const long long items = static_cast<long long>(p.tokens) * chunks;
+  Element* y = static_cast<Element*>(p.y);
+  bool ok = true;
+  uint32_t n = 0;
+  for (long long item = block_in_rank(p); item < items; item += p.blocks, ++n) {
+    const uint32_t s = n % kCombineStages, use = n / kCombineStages;
+    ok = ok && wait_pipeline(ptx::smem_addr(&ring.bars.full[s]), use & 1, p);
+    const int token = static_cast<int>(item / chunks);
+    const int c0 = static_cast<int>(item % chunks) * columns;
+    const int width = min(columns, H - c0);
+    const CombineStage& meta = ring.stage[s];
+    const char* stage = smem + s * kCombineStageBytes;
+    for (int c = threadIdx.x * 8; c < width; c += kThreads * 8) {
+      float acc[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[i] = 0.f;
+      for (int j = 0; j < k; ++j) {
+        if (!((meta.valid >> j) & 1u)) continue;
+        const Pack8<Element> v = *reinterpret_cast<const Pack8<Element>*>(stage + (j * width + c) * sizeof(Element));
+        const float w = meta.weight[j];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[i] = fmaf(w, static_cast<float>(v.v[i]), acc[i]);
+      }
+      Pack8<Element> out;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) out.v[i] = static_cast<Element>(acc[i]);
+      *reinterpret_cast<Pack8<Element>*>(y + static_cast<size_t>(token) * H + c0 + c) = out;
+    }
+    __syncwarp();
+    if ((threadIdx.x & 31) == 0) tma::arrive(ptx::smem_addr(&ring.bars.empty[s]));
+  }
+  return ok;
+}
+
+// Whole block (workers and producer warp), after the results are in place.
+template <typename Element>
+__device__ bool combine_tokens_bulk(const MoEParams& p, char* smem) {
+  __shared__ CombineRing ring;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kCombineStages; ++s) {
+      tma::mbarrier_init(ptx::smem_addr(&ring.bars.full[s]), 1);
+      tma::mbarrier_init(ptx::smem_addr(&ring.bars.empty[s]), kThreads / 32);
+    }
+    tma::fence_barrier_init();
+  }
+  __syncthreads();
+  bool ok = true;
+  if (threadIdx.x < kThreads)
+    ok = combine_sums<Element>(p, smem, ring);
+  else if (threadIdx.x == kThreads)
+    ok = combine_loads<Element>(p, smem, ring);
+  return __syncthreads_and(ok);
 }
 
 }  // namespace flashdmoe

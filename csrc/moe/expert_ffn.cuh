@@ -7,6 +7,7 @@
 #include "common/sync.cuh"
 #include "moe/activation.cuh"
 #include "moe/dispatch.cuh"
+#include "moe/epilogue.cuh"
 #include "moe/tile_gemm.cuh"
 #include "moe/tile_gemm_tma.cuh"
 #include "moe/tile_gemm_wgmma.cuh"
@@ -24,7 +25,7 @@ using ExpertGemm = std::conditional_t<
 
 template <typename Variant>
 __host__ __device__ constexpr int expert_scratch_bytes() {
-  return Variant::kPipelineBytes > Variant::kEpilogueBytes ? Variant::kPipelineBytes : Variant::kEpilogueBytes;
+  return Variant::kScratchBytes;
 }
 
 // Eight elements moved as one vector (16 bytes for 2-byte inputs, two 16-byte halves for fp32).
@@ -211,6 +212,15 @@ __device__ bool gemm2_tile(const MoEParams& p, const DestTables& t, const RowTil
 
 // ---- TMA variant: a producer warp loads, the workers compute; per-tile control flow is uniform ----
 
+// Whether the calling worker's warpgroup (64 tile rows) holds any of the tile's rows: tiles of at most
+// 64 rows (an expert's last, partial tile) run on one warpgroup at the tensor cores' full rate.
+__device__ __forceinline__ bool warpgroup_has_rows(int rows) { return (threadIdx.x >> 7) * 64 < rows; }
+
+template <typename Variant>
+__device__ __forceinline__ char* warp_staging(char* smem) {
+  return smem + Variant::kWarpStagingOffset + (threadIdx.x >> 5) * kWarpStagingBytes;
+}
+
 // The TMA loads of one GEMM1 slab: 128 rows of the source's receive region, and the tile's W1 panels
 // (swiglu: gate panels from col_lo, up panels from col_hi; columns past the tensor are zero-filled,
 // columns past the tile's valid range are computed and dropped by the epilogue).
@@ -242,15 +252,9 @@ __device__ bool gemm1_tile_tma(const MoEParams& p, const RowTile& tile, int row_
     }
   } else {
     Gemm gemm;
-    ok = gemm.consume(smem, bars, slab, k_tiles, p);
-    sync_workers();  // both warpgroups' wgmma retired: the stages may hold the staged accumulators
-    if (ok) {
-      float* staged = reinterpret_cast<float*>(smem);
-      gemm.for_each_acc_pair([&](int row, int col, float2 v) {
-        *reinterpret_cast<float2*>(staged + row * Variant::kEpilogueStride + col) = v;
-      });
-      sync_workers();
-      store_gemm1_rows<Element, Variant>(p, staged, tile.packed_row0, rows, out_col0, out_cols, swiglu, I);
+    ok = gemm.consume(smem, bars, slab, k_tiles, p, warpgroup_has_rows(rows));
+    if (sync_workers_and(ok)) {
+      gemm1_epilogue_warp<Element, kTileN>(p, gemm, warp_staging<Variant>(smem), tile.packed_row0, rows, out_col0);
       tma::fence_proxy_async_global();  // GEMM2's TMA loads (async proxy) read these rows
       sync_workers();
       if (threadIdx.x == 0) {
@@ -284,16 +288,10 @@ __device__ bool gemm2_tile_tma(const MoEParams& p, const DestTables& t, const Ro
     }
   } else {
     Gemm gemm;
-    ok = gemm.consume(smem, bars, slab, k_tiles, p);
-    sync_workers();
-    if (ok) {
-      float* staged = reinterpret_cast<float*>(smem);
-      gemm.for_each_acc_pair([&](int row, int col, float2 v) {
-        *reinterpret_cast<float2*>(staged + row * Variant::kEpilogueStride + col) = v;
-      });
-      sync_workers();
-      Element* out = comb_row<Element>(p, tile.src, tile.stream_row0);
-      store_gemm2_rows<Element, Variant>(staged, out, rows, col0, H);
+    ok = gemm.consume(smem, bars, slab, k_tiles, p, warpgroup_has_rows(rows));
+    if (sync_workers_and(ok)) {
+      gemm2_epilogue_warp<Element, kTileN>(gemm, warp_staging<Variant>(smem),
+                                           comb_row<Element>(p, tile.src, tile.stream_row0), H, rows, col0);
       sync_workers();
       if (threadIdx.x == 0) account_results<Element, Variant>(p, t, tile.src, rows, min(kTileN, H - col0));
     }

@@ -2,8 +2,8 @@
 // queue itself, waits for their inputs (a peer's rows, a GEMM1 row tile), and streams their K slabs
 // through the stage ring without stopping at tile boundaries; it hands each task to the consumer
 // warpgroups through a small ring of task slots (one mbarrier each). The consumers run wgmma and write
-// results straight from registers (no shared-memory staging), so the stages are never needed for the
-// epilogue and the next tile's loads overlap this tile's epilogue.
+// results from registers through per-warp buffers (moe/epilogue.cuh), so the stages are never needed
+// for the epilogue and the next tile's loads overlap this tile's epilogue.
 #pragma once
 #include "moe/expert_ffn.cuh"
 
@@ -33,63 +33,6 @@ __device__ __forceinline__ ExpertTask decode_task(int task, int tasks1, int tile
   t.row_tile = index / col_tiles;
   t.col_tile = index % col_tiles;
   return t;
-}
-
-// GEMM1 epilogue from registers: activation (swiglu pairs gate column c with up column c + BN/2, both
-// held by the same thread), two columns per 4-byte store into the intermediate buffer.
-template <typename Element, typename Variant, typename Gemm>
-__device__ __forceinline__ void gemm1_epilogue_registers(const MoEParams& p, const Gemm& gemm, const RowTile& tile,
-                                                          int out_col0) {
-  constexpr int kTileN = Variant::kTileN;
-  const int I = p.ffn;
-  const bool swiglu = p.activation == Activation::Swiglu;
-  const int out_cols = swiglu ? kTileN / 2 : kTileN;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int row0 = (warp >> 2) * 64 + (warp & 3) * 16 + (lane >> 2);
-  Element* out = static_cast<Element*>(p.intermediate);
-#pragma unroll
-  for (int j = 0; j < kTileN / 8; ++j) {
-    const int col = j * 8 + ((lane & 3) << 1);
-    if (col >= out_cols) continue;  // swiglu: the up half is read together with its gate column
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int row = row0 + half * 8;
-      if (row >= tile.rows || out_col0 + col >= I) continue;
-      float h[2];
-#pragma unroll
-      for (int v = 0; v < 2; ++v) {
-        const float a = gemm.acc[j * 4 + half * 2 + v];
-        h[v] = swiglu ? silu(a) * gemm.acc[(j + kTileN / 16) * 4 + half * 2 + v] : activate(p.activation, a);
-      }
-      Element pair[2] = {static_cast<Element>(h[0]), static_cast<Element>(h[1])};
-      *reinterpret_cast<uint32_t*>(out + static_cast<size_t>(tile.packed_row0 + row) * I + out_col0 + col) =
-          *reinterpret_cast<const uint32_t*>(pair);
-    }
-  }
-}
-
-// GEMM2 epilogue from registers into the source's comb rows.
-template <typename Element, typename Variant, typename Gemm>
-__device__ __forceinline__ void gemm2_epilogue_registers(const MoEParams& p, const Gemm& gemm, const RowTile& tile,
-                                                          int col0) {
-  constexpr int kTileN = Variant::kTileN;
-  const int H = p.hidden;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int row0 = (warp >> 2) * 64 + (warp & 3) * 16 + (lane >> 2);
-  Element* out = comb_row<Element>(p, tile.src, tile.stream_row0);
-#pragma unroll
-  for (int j = 0; j < kTileN / 8; ++j) {
-    const int col = j * 8 + ((lane & 3) << 1);
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int row = row0 + half * 8;
-      if (row >= tile.rows || col0 + col >= H) continue;
-      Element pair[2] = {static_cast<Element>(gemm.acc[j * 4 + half * 2]),
-                         static_cast<Element>(gemm.acc[j * 4 + half * 2 + 1])};
-      *reinterpret_cast<uint32_t*>(out + static_cast<size_t>(row) * H + col0 + col) =
-          *reinterpret_cast<const uint32_t*>(pair);
-    }
-  }
 }
 
 // Counts shared by producer and consumers.
@@ -161,7 +104,8 @@ __device__ bool produce_tasks(const MoEParams& p, const DestTables& t, char* sme
           const int r = lane + 32 * i;
           token_of[i] = r < tile.rows ? __ldcg(p.row_token + tile.stream_row0 + r) : 0;
         }
-        produced = Gemm::produce_gathered(smem, bars, slab, k_tiles, p, &p.maps.x, token_of, tile.rows, load_b);
+        produced = Gemm::produce_gathered(smem, bars, slab, k_tiles, p, static_cast<const Element*>(p.x), token_of,
+                                          tile.rows, load_b);
       } else if (lane == 0) {
         const int a_row = tile.src * p.stream_rows + tile.stream_row0;
         produced = Gemm::produce(smem, bars, slab, k_tiles, p, [&](uint32_t a_dst, uint32_t b_dst, int k0, uint32_t bar) {
@@ -194,11 +138,13 @@ __device__ bool consume_tasks(const MoEParams& p, const DestTables& t, char* sme
     const RowTile tile = row_tile_of(p, t, job.row_tile);
     const int k_tiles = job.second ? p.ffn / 64 : p.hidden / 64;
     Gemm gemm;
-    const bool ok = gemm.consume(smem, bars, slab, k_tiles, p);
+    const bool gathered = Variant::kGatherOwnRows && !job.second && tile.src == p.rank;
+    const bool ok = gemm.consume(smem, bars, slab, k_tiles, p, warpgroup_has_rows(tile.rows), gathered);
     slab += k_tiles;
     if (!sync_workers_and(ok)) return false;
     if (!job.second) {
-      gemm1_epilogue_registers<Element, Variant>(p, gemm, tile, job.col_tile * out_cols1);
+      gemm1_epilogue_warp<Element, kTileN>(p, gemm, warp_staging<Variant>(smem), tile.packed_row0, tile.rows,
+                                           job.col_tile * out_cols1);
       tma::fence_proxy_async_global();  // GEMM2's TMA loads (async proxy) read these rows
       sync_workers();
       if (threadIdx.x == 0) {
@@ -207,7 +153,8 @@ __device__ bool consume_tasks(const MoEParams& p, const DestTables& t, char* sme
       }
     } else {
       const int col0 = job.col_tile * kTileN;
-      gemm2_epilogue_registers<Element, Variant>(p, gemm, tile, col0);
+      gemm2_epilogue_warp<Element, kTileN>(gemm, warp_staging<Variant>(smem),
+                                           comb_row<Element>(p, tile.src, tile.stream_row0), p.hidden, tile.rows, col0);
       sync_workers();
       if (threadIdx.x == 0) account_results<Element, Variant>(p, t, tile.src, tile.rows, min(kTileN, p.hidden - col0));
     }

@@ -182,8 +182,6 @@ inline void make_expert_tensor_maps(const ForwardArgs& a, MoEParams& p) {
   p.maps.intermediate = make_tensor_map(p.intermediate, 2, mid_dims, row_box, a.dtype, "the intermediate buffer");
   // With no tokens the map is never read; it still needs a valid base.
   const uint64_t x_dims[2] = {H, p.tokens > 0 ? static_cast<uint64_t>(p.tokens) : 1};
-  const uint32_t one_row_box[2] = {64, 1};
-  p.maps.x = make_tensor_map(p.tokens > 0 ? p.x : p.intermediate, 2, x_dims, one_row_box, a.dtype, "x");
   // The router box holds only the experts there are (E < 128 would otherwise load zero-filled rows).
   const uint32_t gate_x_box[2] = {64, kGateTileM},
                  router_box[2] = {64, static_cast<uint32_t>(gate_router_rows(p.experts))};

@@ -66,10 +66,9 @@ constexpr int kPhaseClockSlots = 6;
 // TMA descriptors of the expert GEMM operands (TMA variants only; 128-byte swizzled boxes):
 // w1 [L][H][w1_cols] and w2 [L][I][H] as 64x64 boxes, recv [P*stream_rows][H] and intermediate
 // [rows_in][I] as 128-row x 64-column boxes.
-// x [T][H] as one-row boxes (the gather variant's own rows).
 // Gate: x as kGateTileM-row boxes, the router [E][H] as kGateTileN-row boxes.
 struct ExpertTensorMaps {
-  CUtensorMap w1, w2, recv, intermediate, x, gate_x, router;
+  CUtensorMap w1, w2, recv, intermediate, gate_x, router;
 };
 
 // Everything the kernel reads is a runtime value; templates choose only dtype and tile shape.

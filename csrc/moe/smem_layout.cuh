@@ -16,7 +16,7 @@ __host__ __device__ inline int round_up16(int v) { return (v + 15) / 16 * 16; }
 
 __host__ __device__ inline int gate_logits_stride(int experts) { return experts + 4; }
 
-// expert_scratch_bytes: the variant's pipeline or epilogue staging, whichever is larger.
+// expert_scratch_bytes: the variant's pipeline and its epilogue staging (tile_config.cuh kScratchBytes).
 __host__ __device__ inline SmemLayout make_smem_layout(int experts, int top_k, int expert_scratch_bytes,
                                                        int world_size) {
   const int gate = gate_pipeline_bytes(gate_stages(experts)) + round_up16(kGateTileM * gate_logits_stride(experts) * 4) +

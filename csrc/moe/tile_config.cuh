@@ -40,6 +40,8 @@ __host__ __device__ constexpr int gate_pipeline_bytes(int stages) { return stage
 
 // Expert FFN GEMMs: 128-row tiles, 128 or 256 columns (per variant), K slabs of 64.
 constexpr int kExpertTileM = 128;
+// Results staging per worker warp in the TMA variants: 16 rows x 64 two-byte columns (moe/epilogue.cuh).
+constexpr int kWarpStagingBytes = 16 * 128;
 
 // Expert GEMM variants, chosen at launch (benchmarks compare them): the MMA instruction family, the
 // cp.async pipeline depth, and the blocks per SM the register budget is cut for.
@@ -64,6 +66,11 @@ struct ExpertVariant {
   // phases of 16 lanes) hit every bank once.
   static constexpr int kEpilogueStride = kTileN + 8;
   static constexpr int kEpilogueBytes = kExpertTileM * kEpilogueStride * 4;
+  // TMA variants write results from registers through a 2 KB buffer per worker warp (moe/epilogue.cuh),
+  // placed after the stages so that the next tile's loads need not wait for the epilogue.
+  static constexpr int kWarpStagingOffset = kPipelineBytes;
+  static constexpr int kScratchBytes = kUseTma ? kPipelineBytes + (kThreads / 32) * kWarpStagingBytes
+                                               : (kPipelineBytes > kEpilogueBytes ? kPipelineBytes : kEpilogueBytes);
 };
 // Variant ids as the host passes them (flashdmoe/cuda_backend.py EXPERT_VARIANTS).
 using Wgmma128ThreeStages = ExpertVariant<ExpertMma::Wgmma, 128, 3, 2>;    // 0

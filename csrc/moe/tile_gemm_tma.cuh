@@ -71,17 +71,18 @@ struct TmaTileGemm : WgmmaTileGemm<Element, BN, STAGES> {
     return true;
   }
 
-  // The whole producer warp: like produce(), but A is `rows` single rows of `rows_map` (row_of[i] is the
-  // tensor row of tile row lane + 32 i), each a one-row TMA box into its 128-byte row of the stage (the
-  // 128-byte swizzle follows the shared-memory address). Tile rows past `rows` keep stale data; their
-  // results are never stored.
+  // The whole producer warp: like produce(), but A is `rows` single rows of `x` (row_of[i] is the token of
+  // tile row lane + 32 i), gathered with 16-byte cp.async into the stage's 128-byte-swizzled rows (one
+  // warp instruction moves 512 bytes, where one-row TMA boxes cost a TMA request per 128 bytes). Each
+  // lane ties its copies to the stage's full mbarrier; lane 0's counted arrival comes after them and
+  // carries B's TMA bytes. The copies are generic-proxy writes: the consumers fence before their wgmma
+  // read them (consume(..., generic_a = true)). Tile rows past `rows` keep stale data; their results
+  // are never stored.
   template <typename LoadB>
   __device__ static bool produce_gathered(char* smem, Barriers& bars, uint32_t slab, int k_tiles, const MoEParams& p,
-                                          const CUtensorMap* rows_map, const int (&row_of)[4], int rows,
-                                          LoadB&& load_b) {
+                                          const Element* x, const int (&row_of)[4], int rows, LoadB&& load_b) {
     const uint32_t base = ptx::smem_addr(smem);
     const int lane = threadIdx.x & 31;
-    const uint32_t bytes = static_cast<uint32_t>(rows) * 128 + kStageBytesB;
     for (int kt = 0; kt < k_tiles; ++kt) {
       const uint32_t it = slab + kt, s = it % STAGES, use = it / STAGES;
       bool ok = true;
@@ -89,15 +90,22 @@ struct TmaTileGemm : WgmmaTileGemm<Element, BN, STAGES> {
       if (!__shfl_sync(0xffffffffu, ok, 0)) return false;
       const uint32_t full = ptx::smem_addr(&bars.full[s]);
       const int k0 = kt * Base::kBlockK;
-      if (lane == 0) {
-        tma::arrive_expect_tx(full, bytes);
-        load_b(b_stage(base, s), k0, full);
-      }
-      __syncwarp();
+      // Eight lanes per row, so that each instruction reads four whole 128-byte row segments (with one
+      // lane per row, every 16-byte request would fetch half a 32-byte sector twice).
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int r = lane + 32 * i;
-        if (r < rows) tma::load_2d(a_stage(base, s) + r * 128, rows_map, full, k0, row_of[i]);
+      for (int m = 0; m < Base::kBlockM / 4; ++m) {
+        if (4 * m >= rows) break;
+        const int r = 4 * m + (lane >> 3), chunk = lane & 7;
+        const int token = __shfl_sync(0xffffffffu, row_of[m / 8], r & 31);  // held by lane r % 32
+        if (r < rows)
+          ptx::cp_async_16(a_stage(base, s) + r * 128 + ((chunk ^ (r & 7)) << 4),
+                           x + static_cast<size_t>(token) * p.hidden + k0 + chunk * 8, true);
+      }
+      tma::cp_async_arrive(full);
+      __syncwarp();
+      if (lane == 0) {
+        tma::arrive_expect_tx(full, kStageBytesB);
+        load_b(b_stage(base, s), k0, full);
       }
     }
     return true;
@@ -107,15 +115,29 @@ struct TmaTileGemm : WgmmaTileGemm<Element, BN, STAGES> {
   // wgmma were issued and the previous ones retired (wait_group 1). After a failed wait (watchdog) the
   // loop still runs to the end on whatever the stages hold, without waiting: no early exit between
   // wgmma issue and retirement, which would make the compiler serialise the pipeline.
-  __device__ bool consume(char* smem, Barriers& bars, uint32_t slab, int k_tiles, const MoEParams& p) {
+  // A warpgroup whose 64 rows are all past the tile's rows (`active` false) only paces the ring: it waits
+  // for each stage and releases it at once, leaving the tensor cores to the other warpgroup.
+  // generic_a: A was written by cp.async (produce_gathered), not TMA.
+  __device__ bool consume(char* smem, Barriers& bars, uint32_t slab, int k_tiles, const MoEParams& p,
+                          bool active = true, bool generic_a = false) {
     const uint32_t base = ptx::smem_addr(smem);
     const bool lane0 = (threadIdx.x & 31) == 0;
     bool ok = true;
 #pragma unroll
     for (int i = 0; i < Base::kAccumulators; ++i) this->acc[i] = 0.f;
+    if (!active) {
+      for (int kt = 0; kt < k_tiles; ++kt) {
+        const uint32_t it = slab + kt, s = it % STAGES, use = it / STAGES;
+        ok = ok && wait_pipeline(ptx::smem_addr(&bars.full[s]), use & 1, p);
+        __syncwarp();
+        if (lane0) tma::arrive(ptx::smem_addr(&bars.empty[s]));
+      }
+      return ok;
+    }
     for (int kt = 0; kt < k_tiles; ++kt) {
       const uint32_t it = slab + kt, s = it % STAGES, use = it / STAGES;
       ok = ok && wait_pipeline(ptx::smem_addr(&bars.full[s]), use & 1, p);
+      if (generic_a) wgmma::fence_proxy_async_shared();  // cp.async rows, read by wgmma (async proxy)
       this->issue_stage(a_stage(base, s), b_stage(base, s));
       wgmma::wait_group<1>();
       __syncwarp();

@@ -1,0 +1,118 @@
+// Expert-tile epilogue straight from the wgmma accumulators, one warp at a time: a warp's 16 rows go
+// through a private 16 x 64 (2 KB) shared-memory buffer per 64 output columns, so that the global stores
+// are 16 bytes per lane and whole 128-byte rows, while no block-wide barrier is needed and the pipeline
+// stages stay free for the next tile's loads. The buffer's 16-byte chunks are XOR-swizzled by row:
+// the fragment writes (8 rows x 4 lanes) and the row reads (8 lanes per row) are both conflict-free.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <type_traits>
+#include "common/ptx.cuh"
+#include "moe/activation.cuh"
+#include "moe/tile_config.cuh"
+
+namespace flashdmoe {
+
+template <typename Element>
+__device__ __forceinline__ uint32_t pack_pair(float lo, float hi) {
+  if constexpr (std::is_same_v<Element, __nv_bfloat16>) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+  } else {
+    const __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+  }
+}
+
+// The calling warp's rows of a 128-row wgmma tile (two warpgroups of 64 rows, warps of 16).
+__device__ __forceinline__ int warp_tile_row0() {
+  const int warp = threadIdx.x >> 5;
+  return (warp >> 2) * 64 + (warp & 3) * 16;
+}
+
+// Stores the warp's 16 rows of kGroups x 8 columns: packed[2 * j + half] is the lane's pair of columns
+// 8j + 2 (lane % 4) + {0, 1} in row lane / 4 + 8 half (the wgmma fragment layout). out points at the
+// warp's first row, column 0 (row stride ld elements). Rows from `rows` on and 64-column chunks from
+// `cols` on are not stored (cols is a multiple of 64). The values are packed first so that the
+// accumulators die before the stores need registers.
+template <typename Element, int kGroups>
+__device__ __forceinline__ void store_warp_rows(char* staging, const uint32_t (&packed)[2 * kGroups], Element* out,
+                                                size_t ld, int rows, int cols) {
+  static_assert(kGroups % 8 == 0, "whole 64-column chunks");
+  if (rows <= 0) return;
+  const int lane = threadIdx.x & 31;
+  const int frag_row = lane >> 2;
+  // The buffer is 128-byte aligned, so chunk j of a row lives at (row address) ^ (j << 4) once the
+  // row's own swizzle is folded into the base: one base address per direction.
+  const uint32_t buffer = ptx::smem_addr(staging);
+  const uint32_t write_base = buffer + frag_row * 128 + (frag_row << 4) + (lane & 3) * 4;
+  const int read_row = lane >> 3, read_chunk = lane & 7;
+  const uint32_t read_base = buffer + read_row * 128 + ((read_chunk ^ read_row) << 4);  // rows 4i + read_row
+  Element* dst = out + read_row * ld + read_chunk * 8;
+#pragma unroll
+  for (int c = 0; c < kGroups / 8; ++c) {
+    if (c * 64 >= cols) break;
+#pragma unroll
+    for (int jj = 0; jj < 8; ++jj)
+#pragma unroll
+      for (int half = 0; half < 2; ++half)
+        *reinterpret_cast<uint32_t*>(staging + (((write_base + half * 8 * 128) ^ (jj << 4)) - buffer)) =
+            packed[2 * (c * 8 + jj) + half];
+    __syncwarp();
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      // Row 4i + read_row: its swizzle differs from read_row's by (4i & 7) in the chunk index.
+      const uint4 v =
+          *reinterpret_cast<const uint4*>(staging + (((read_base + i * 4 * 128) ^ (((4 * i) & 7) << 4)) - buffer));
+      if (4 * i + read_row < rows) *reinterpret_cast<uint4*>(dst + (4 * i) * ld + c * 64) = v;
+    }
+    __syncwarp();
+  }
+}
+
+// GEMM1 epilogue: activation of the accumulators (swiglu: gate column group j times up group j + BN/16,
+// both held by the same lane), into the intermediate rows.
+template <typename Element, int BN, typename Gemm>
+__device__ __forceinline__ void gemm1_epilogue_warp(const MoEParams& p, const Gemm& gemm, char* staging,
+                                                    int packed_row0, int rows, int out_col0) {
+  const int row0 = warp_tile_row0();
+  Element* out = static_cast<Element*>(p.intermediate) + static_cast<size_t>(packed_row0 + row0) * p.ffn + out_col0;
+  const int cols = p.ffn - out_col0;
+  auto pack = [&](auto&& f, auto& packed, int groups) {
+#pragma unroll
+    for (int j = 0; j < groups; ++j)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) packed[2 * j + h] = pack_pair<Element>(f(j, h, 0), f(j, h, 1));
+  };
+  auto acc = [&](int j, int h, int v) { return gemm.acc[j * 4 + h * 2 + v]; };
+  if (p.activation == Activation::Swiglu) {
+    uint32_t packed[BN / 8];
+    pack([&](int j, int h, int v) { return silu(acc(j, h, v)) * acc(j + BN / 16, h, v); }, packed, BN / 16);
+    store_warp_rows<Element, BN / 16>(staging, packed, out, p.ffn, rows - row0, cols);
+    return;
+  }
+  uint32_t packed[BN / 4];
+  switch (p.activation) {
+    case Activation::Relu: pack([&](int j, int h, int v) { return fmaxf(acc(j, h, v), 0.f); }, packed, BN / 8); break;
+    case Activation::Gelu:
+      pack([&](int j, int h, int v) { return activate(Activation::Gelu, acc(j, h, v)); }, packed, BN / 8);
+      break;
+    default: pack([&](int j, int h, int v) { return silu(acc(j, h, v)); }, packed, BN / 8);
+  }
+  store_warp_rows<Element, BN / 8>(staging, packed, out, p.ffn, rows - row0, cols);
+}
+
+// GEMM2 epilogue: the accumulators as they are, into `out` (the tile's first result row, column col0).
+template <typename Element, int BN, typename Gemm>
+__device__ __forceinline__ void gemm2_epilogue_warp(const Gemm& gemm, char* staging, Element* out, int H, int rows,
+                                                    int col0) {
+  const int row0 = warp_tile_row0();
+  uint32_t packed[BN / 4];
+#pragma unroll
+  for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) packed[2 * j + h] = pack_pair<Element>(gemm.acc[j * 4 + h * 2], gemm.acc[j * 4 + h * 2 + 1]);
+  store_warp_rows<Element, BN / 8>(staging, packed, out + static_cast<size_t>(row0) * H + col0, H, rows - row0, H - col0);
+}
+
+}  // namespace flashdmoe
