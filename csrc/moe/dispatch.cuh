@@ -27,13 +27,16 @@ __device__ inline void publish_counts(const MoEParams& p) {
   }
 }
 
-// One warp per token: its k rows; 16 bytes per lane per step. Bytes written to peers are counted.
-// Worker threads only.
+// One warp per token: its k rows. The row is read once, 8 x 16 bytes per lane at a time (4 KB in flight
+// per warp), and each piece is written to every destination before the next is read. Bytes written to
+// peers are counted. Worker threads only.
 // kGatherOwn: rows for this rank's own experts are not copied, only their tokens noted (row_token).
 template <typename Element, bool kGatherOwn>
 __device__ inline void dispatch_rows(const MoEParams& p, const int* stream_offset) {
+  constexpr int kUnroll = 8;
   const int lane = threadIdx.x & 31, H = p.hidden, k = p.top_k, L = p.local_experts;
   const int warps = p.blocks * (kThreads / 32);
+  const int row_chunks = H / kChunkElements<Element>;
   const Element* x = static_cast<const Element*>(p.x);
   unsigned long long sent = 0;
   for (int token = block_in_rank(p) * (kThreads / 32) + (threadIdx.x >> 5); token < p.tokens; token += warps) {
@@ -44,19 +47,32 @@ __device__ inline void dispatch_rows(const MoEParams& p, const int* stream_offse
       my_row = stream_row_of(p, stream_offset, first + lane, my_expert);
       p.topk_row[first + lane] = my_row;
     }
-    for (int j = 0; j < k; ++j) {
-      const int row = __shfl_sync(0xffffffffu, my_row, j);
-      const int owner = __shfl_sync(0xffffffffu, my_expert, j) / L;
-      if (row < 0) continue;  // dropped by capacity: counted on the host from expert_counts
-      if (kGatherOwn && owner == p.rank) {
-        if (lane == 0) p.row_token[row] = token;
-        continue;
+    // Lane j's choice is copied unless dropped (counted on the host from expert_counts) or gathered.
+    const bool copy_mine = my_row >= 0 && !(kGatherOwn && my_expert / L == p.rank);
+    if (kGatherOwn && lane < k && my_row >= 0 && !copy_mine) p.row_token[my_row] = token;
+    const uint32_t copies = __ballot_sync(0xffffffffu, copy_mine);
+    if (copies == 0) continue;
+    const int4* src = reinterpret_cast<const int4*>(x + static_cast<size_t>(token) * H);
+    for (int c0 = 0; c0 < row_chunks; c0 += 32 * kUnroll) {
+      int4 piece[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int c = c0 + u * 32 + lane;
+        if (c < row_chunks) piece[u] = __ldg(src + c);
       }
-      const int4* src = reinterpret_cast<const int4*>(x + static_cast<size_t>(token) * H);
-      int4* dst = reinterpret_cast<int4*>(static_cast<Element*>(p.peers[owner].recv) +
-                                          (static_cast<size_t>(p.rank) * p.stream_rows + row) * H);
-      for (int c = lane; c < H / kChunkElements<Element>; c += 32) dst[c] = __ldg(src + c);
-      if (owner != p.rank) sent += static_cast<unsigned long long>(H) * sizeof(Element);
+      for (uint32_t rest = copies; rest != 0; rest &= rest - 1) {
+        const int j = __ffs(rest) - 1;
+        const int row = __shfl_sync(0xffffffffu, my_row, j);
+        const int owner = __shfl_sync(0xffffffffu, my_expert, j) / L;
+        int4* dst = reinterpret_cast<int4*>(static_cast<Element*>(p.peers[owner].recv) +
+                                            (static_cast<size_t>(p.rank) * p.stream_rows + row) * H);
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          const int c = c0 + u * 32 + lane;
+          if (c < row_chunks) dst[c] = piece[u];
+        }
+        if (c0 == 0 && owner != p.rank) sent += static_cast<unsigned long long>(H) * sizeof(Element);
+      }
     }
   }
   if (lane == 0 && sent) atomicAdd(p.traffic, sent);
