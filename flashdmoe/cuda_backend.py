@@ -29,7 +29,8 @@ DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 # stages, blocks per SM.
 EXPERT_VARIANTS = {"wgmma-128x128-3stage": 0, "wgmma-128x128-4stage": 1, "wgmma-128x256-4stage": 2,
                    "mma.sync-128x128-3stage": 3, "tma-wgmma-128x256-4stage": 4, "tma-wgmma-128x128-6stage": 5,
-                   "tma-wgmma-128x256-4stage-prefetch": 6, "tma-wgmma-128x256-4stage-gather": 7}
+                   "tma-wgmma-128x256-4stage-prefetch": 6, "tma-wgmma-128x256-4stage-gather": 7,
+                   "tma-wgmma-128x256-4stage-cluster2": 8}
 # Fastest on all five shapes of docs/benchmarks.md (H200, 2026-12-03 session-4 variant sweep: the
 # producer streams across tile boundaries, results leave through per-warp staging buffers).
 DEFAULT_EXPERT_VARIANT = "tma-wgmma-128x256-4stage-prefetch"

@@ -96,14 +96,19 @@ constexpr int kCombineStages = 8;
 constexpr int kCombineStageBytes = 24 * 1024;
 constexpr int kCombineRingBytes = kCombineStages * kCombineStageBytes;
 
+// Per stage, beside the rows (in the scratch area after the ring, not in static shared memory, which
+// every phase would pay for).
 struct CombineStage {
   float weight[kMaxTopK];  // 0 and valid bit clear for a dropped choice
   uint32_t valid;          // bit j: choice j's row is in the stage
 };
+constexpr int kCombineScratchBytes = kCombineRingBytes + kCombineStages * static_cast<int>(sizeof(CombineStage));
 struct CombineRing {
   TmaPipelineBarriers<kCombineStages> bars;
-  CombineStage stage[kCombineStages];
 };
+__device__ __forceinline__ CombineStage* combine_meta(char* smem) {
+  return reinterpret_cast<CombineStage*>(smem + kCombineRingBytes);
+}
 
 // Columns per item: all k rows of the chunk fit one stage (>= 64: k * 64 * 2 bytes <= 4 KB).
 __device__ __forceinline__ int combine_item_columns(const MoEParams& p, int element_bytes) {
@@ -129,7 +134,7 @@ __device__ bool combine_loads(const MoEParams& p, char* smem, CombineRing& ring)
     const int c0 = static_cast<int>(item % chunks) * columns;
     const int width = min(columns, H - c0);
     const size_t first = static_cast<size_t>(token) * k;
-    CombineStage& meta = ring.stage[s];
+    CombineStage& meta = combine_meta(smem)[s];
     uint32_t valid = 0;
     for (int j = 0; j < k; ++j) {
       const bool kept = __ldcg(p.topk_row + first + j) >= 0;
@@ -151,7 +156,7 @@ __device__ bool combine_loads(const MoEParams& p, char* smem, CombineRing& ring)
 
 // The workers: y[token, chunk] = sum_j w_j * row_j in choice order, fp32, from the stage.
 template <typename Element>
-__device__ bool combine_sums(const MoEParams& p, const char* smem, CombineRing& ring) {
+__device__ bool combine_sums(const MoEParams& p, char* smem, CombineRing& ring) {
   const int H = p.hidden, k = p.top_k;
   const int columns = combine_item_columns(p, sizeof(Element));
   const int chunks = (H + columns - 1) / columns;
@@ -165,7 +170,7 @@ __device__ bool combine_sums(const MoEParams& p, const char* smem, CombineRing& 
     const int token = static_cast<int>(item / chunks);
     const int c0 = static_cast<int>(item % chunks) * columns;
     const int width = min(columns, H - c0);
-    const CombineStage& meta = ring.stage[s];
+    const CombineStage& meta = combine_meta(smem)[s];
     const char* stage = smem + s * kCombineStageBytes;
     for (int c = threadIdx.x * 8; c < width; c += kThreads * 8) {
       float acc[8];

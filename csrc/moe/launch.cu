@@ -48,7 +48,8 @@ static auto with_instance(DType dtype, int variant, Visit&& visit) {
       case 5: return visit(element, Tma128SixStages{});
       case 6: return visit(element, TmaPrefetch256FourStages{});
       case 7: return visit(element, TmaGather256FourStages{});
-      default: throw std::invalid_argument("expert_variant must be 0..7, got " + std::to_string(variant));
+      case 8: return visit(element, TmaCluster256FourStages{});
+      default: throw std::invalid_argument("expert_variant must be 0..8, got " + std::to_string(variant));
     }
   };
   if (dtype == DType::BFloat16) return with_variant(__nv_bfloat16{});

@@ -69,6 +69,39 @@ inline ResidentGrid resident_grid(const void* kernel, int device, int smem_bytes
   return known.back().grid;
 }
 
+// Clusters of `cluster_size` blocks that can be resident at once (after resident_grid raised the
+// kernel's shared-memory limit), asked once per (kernel, device, shared memory bytes).
+inline int resident_clusters(const void* kernel, int device, int smem_bytes, int block_threads, int cluster_size) {
+  struct Entry {
+    const void* kernel;
+    int device, smem_bytes, clusters;
+  };
+  static std::mutex mutex;
+  static std::vector<Entry> known;
+  std::lock_guard<std::mutex> lock(mutex);
+  for (const Entry& e : known)
+    if (e.kernel == kernel && e.device == device && e.smem_bytes == smem_bytes) return e.clusters;
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(cluster_size);
+  config.blockDim = dim3(block_threads);
+  config.dynamicSmemBytes = smem_bytes;
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeClusterDimension;
+  attribute.val.clusterDim.x = cluster_size;
+  attribute.val.clusterDim.y = 1;
+  attribute.val.clusterDim.z = 1;
+  config.attrs = &attribute;
+  config.numAttrs = 1;
+  int clusters = 0;
+  throw_on_cuda_error(cudaOccupancyMaxActiveClusters(&clusters, kernel, &config), "cluster occupancy query");
+  if (clusters < 1)
+    throw std::runtime_error("the fused kernel cannot be resident on this GPU as clusters of " +
+                             std::to_string(cluster_size) + " blocks with " + std::to_string(smem_bytes) +
+                             " bytes of shared memory");
+  known.push_back({kernel, device, smem_bytes, clusters});
+  return clusters;
+}
+
 // One rank's kernel parameters from its arguments and workspace.
 inline MoEParams rank_params(const ForwardArgs& a, const RankArgs& r) {
   const std::string shape_error = check_shapes(r.tokens, a.hidden, a.ffn, a.experts, a.top_k, a.world_size);
@@ -207,13 +240,18 @@ LaunchInfo launch_forward_variant(const ForwardArgs& a, cudaStream_t stream) {
   int device = 0;
   throw_on_cuda_error(cudaGetDevice(&device), "cudaGetDevice");
   const ResidentGrid resident = resident_grid(reinterpret_cast<const void*>(kernel), device, smem.total_bytes, Variant::kBlockThreads);
+  constexpr int kCluster = Variant::kClusterSize;
   int grid = resident.blocks_per_sm * resident.sms;
+  if constexpr (kCluster > 1)
+    grid = kCluster * resident_clusters(reinterpret_cast<const void*>(kernel), device, smem.total_bytes,
+                                        Variant::kBlockThreads, kCluster);
   if (a.grid_percent > 0 && a.grid_percent < 100) grid = std::max(1, grid * a.grid_percent / 100);
   if (a.max_blocks > 0 && a.max_blocks < grid) grid = a.max_blocks;
-  const int blocks_per_rank = grid / a.num_ranks;
+  const int blocks_per_rank = grid / a.num_ranks / kCluster * kCluster;  // whole clusters per rank
   if (blocks_per_rank < 1)
     throw std::invalid_argument("a grid of " + std::to_string(grid) + " blocks cannot hold " +
-                                std::to_string(a.num_ranks) + " ranks");
+                                std::to_string(a.num_ranks) + " ranks" +
+                                (kCluster > 1 ? " in clusters of " + std::to_string(kCluster) + " blocks" : ""));
   grid = blocks_per_rank * a.num_ranks;
   for (int i = 0; i < a.num_ranks; ++i) {
     launch.rank[i].first_block = i * blocks_per_rank;
@@ -233,11 +271,15 @@ LaunchInfo launch_forward_variant(const ForwardArgs& a, cudaStream_t stream) {
   config.blockDim = dim3(Variant::kBlockThreads);
   config.dynamicSmemBytes = smem.total_bytes;
   config.stream = stream;
-  cudaLaunchAttribute attribute{};
-  attribute.id = cudaLaunchAttributeCooperative;  // refused if the grid cannot be co-resident
-  attribute.val.cooperative = 1;
-  config.attrs = &attribute;
-  config.numAttrs = 1;
+  cudaLaunchAttribute attributes[2]{};
+  attributes[0].id = cudaLaunchAttributeCooperative;  // refused if the grid cannot be co-resident
+  attributes[0].val.cooperative = 1;
+  attributes[1].id = cudaLaunchAttributeClusterDimension;
+  attributes[1].val.clusterDim.x = kCluster;
+  attributes[1].val.clusterDim.y = 1;
+  attributes[1].val.clusterDim.z = 1;
+  config.attrs = attributes;
+  config.numAttrs = kCluster > 1 ? 2 : 1;
   throw_on_cuda_error(cudaLaunchKernelEx(&config, kernel, launch), "launching moe_forward_kernel");
   return {grid, resident.blocks_per_sm, smem.total_bytes};
 }

@@ -4,6 +4,7 @@
 // that carry this forward's sequence number, so the same code runs across processes and GPUs.
 #pragma once
 #include "moe/combine.cuh"
+#include "moe/expert_cluster.cuh"
 #include "moe/expert_pipeline.cuh"
 #include "moe/gate.cuh"
 
@@ -52,7 +53,9 @@ __global__ void __launch_bounds__(Variant::kBlockThreads, Variant::kMinBlocksPer
   if (!build_dest_tables(p, tables)) return;
   publish_empty_results(p, tables);
   const Element** a_rows = reinterpret_cast<const Element**>(smem + layout.row_ptrs_offset);
-  if constexpr (Variant::kUseTmaPrefetch) {
+  if constexpr (Variant::kClusterSize > 1) {
+    if (!run_expert_pair_tasks<Element, Variant>(p, tables, smem)) return;
+  } else if constexpr (Variant::kUseTmaPrefetch) {
     if (!run_expert_tasks_prefetch<Element, Variant>(p, tables, smem)) return;
   } else {
     if (!run_expert_tasks<Element, Variant>(p, tables, smem, a_rows)) return;
@@ -62,7 +65,7 @@ __global__ void __launch_bounds__(Variant::kBlockThreads, Variant::kMinBlocksPer
 
   // ---- 5. combine, once every peer returned its results ----
   if constexpr (Variant::kUseTma) {  // the producer warp streams the rows (combine.cuh)
-    static_assert(kCombineRingBytes <= Variant::kScratchBytes, "the combine ring lives in the scratch area");
+    static_assert(kCombineScratchBytes <= Variant::kScratchBytes, "the combine ring lives in the scratch area");
     const bool ready = worker ? wait_for_results(p) : true;
     if (!__syncthreads_and(ready)) return;
     if (!combine_tokens_bulk<Element>(p, smem)) return;

@@ -50,11 +50,17 @@ constexpr int kWarpStagingBytes = 16 * 128;
 // WgmmaTmaPrefetch: the same, and the producer streams across tile boundaries (registers epilogue).
 // WgmmaTmaGather: the same, and a rank's rows for its own experts are not copied: the producer warp loads
 // them straight from x with one-row TMA boxes (32 lanes, up to 4 rows each).
-enum class ExpertMma : int { Wgmma = 0, MmaSync = 1, WgmmaTma = 2, WgmmaTmaPrefetch = 3, WgmmaTmaGather = 4 };
+// WgmmaTmaCluster: the prefetch schedule on clusters of two blocks that take pairs of row tiles; when
+// both tiles belong to one expert, each block's producer loads half of the weight panels and multicasts
+// them to both blocks (half the weight traffic out of L2 per block).
+enum class ExpertMma : int {
+  Wgmma = 0, MmaSync = 1, WgmmaTma = 2, WgmmaTmaPrefetch = 3, WgmmaTmaGather = 4, WgmmaTmaCluster = 5
+};
 template <ExpertMma kMma, int kTileNArg, int kStagesArg, int kBlocksPerSm>
 struct ExpertVariant {
   static constexpr bool kGatherOwnRows = kMma == ExpertMma::WgmmaTmaGather;
-  static constexpr bool kUseTmaPrefetch = kMma == ExpertMma::WgmmaTmaPrefetch || kGatherOwnRows;
+  static constexpr int kClusterSize = kMma == ExpertMma::WgmmaTmaCluster ? 2 : 1;
+  static constexpr bool kUseTmaPrefetch = kMma == ExpertMma::WgmmaTmaPrefetch || kGatherOwnRows || kClusterSize > 1;
   static constexpr bool kUseWgmma = kMma != ExpertMma::MmaSync;
   static constexpr int kTileN = kTileNArg;
   static constexpr int kStages = kStagesArg;
@@ -81,6 +87,7 @@ using Tma256FourStages = ExpertVariant<ExpertMma::WgmmaTma, 256, 4, 1>;       //
 using Tma128SixStages = ExpertVariant<ExpertMma::WgmmaTma, 128, 6, 1>;        // 5
 using TmaPrefetch256FourStages = ExpertVariant<ExpertMma::WgmmaTmaPrefetch, 256, 4, 1>;  // 6
 using TmaGather256FourStages = ExpertVariant<ExpertMma::WgmmaTmaGather, 256, 4, 1>;      // 7
+using TmaCluster256FourStages = ExpertVariant<ExpertMma::WgmmaTmaCluster, 256, 4, 1>;    // 8
 
 constexpr int kFp32ExpertVariant = 3;
 

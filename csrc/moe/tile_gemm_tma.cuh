@@ -5,6 +5,7 @@
 // "empty" mbarrier. No block-wide barrier inside the K loop, so loads run up to STAGES slabs ahead.
 // Stage layouts are exactly WgmmaTileGemm's (TMA's 128-byte swizzle is wgmma's).
 #pragma once
+#include "common/cluster.cuh"
 #include "common/sync.cuh"
 #include "common/tma.cuh"
 #include "moe/tile_gemm_wgmma.cuh"
@@ -17,12 +18,15 @@ struct TmaPipelineBarriers {
   uint64_t empty[STAGES];
 };
 
-// Bounded mbarrier wait (the watchdog covers the pipeline too).
-__device__ __forceinline__ bool wait_pipeline(uint32_t bar, uint32_t parity, const MoEParams& p) {
-  if (tma::try_wait_parity(bar, parity)) return true;
+// Bounded mbarrier wait (the watchdog covers the pipeline too). cluster_scope: the phase was completed
+// by another CTA's arrivals that release data this thread reads (acquire at cluster scope).
+__device__ __forceinline__ bool wait_pipeline(uint32_t bar, uint32_t parity, const MoEParams& p,
+                                              bool cluster_scope = false) {
+  auto ready = [&] { return cluster_scope ? cluster::try_wait_parity(bar, parity) : tma::try_wait_parity(bar, parity); };
+  if (ready()) return true;
   const uint64_t start = ptx::global_timer_ns();
   for (uint32_t spin = 1;; ++spin) {
-    if (tma::try_wait_parity(bar, parity)) return true;
+    if (ready()) return true;
     if ((spin & 15) == 0) {
       if (ptx::load_relaxed_u64(p.error_word) != 0) return false;
       if (ptx::global_timer_ns() - start > p.timeout_ns) {
@@ -46,10 +50,11 @@ struct TmaTileGemm : WgmmaTileGemm<Element, BN, STAGES> {
   __device__ static uint32_t b_stage(uint32_t base, int s) { return base + STAGES * kStageBytesA + s * kStageBytesB; }
 
   // Thread 0 of the block, once per launch, before any use (followed by a block-wide barrier).
-  __device__ static void init_barriers(Barriers& bars) {
+  // consumer_ctas: CTAs whose consumers release each stage (2 in the cluster schedule).
+  __device__ static void init_barriers(Barriers& bars, int consumer_ctas = 1) {
     for (int s = 0; s < STAGES; ++s) {
-      tma::mbarrier_init(ptx::smem_addr(&bars.full[s]), 1);               // the producer's arrive + bytes
-      tma::mbarrier_init(ptx::smem_addr(&bars.empty[s]), kThreads / 32);  // one arrive per consumer warp
+      tma::mbarrier_init(ptx::smem_addr(&bars.full[s]), 1);  // the producer's arrive + bytes
+      tma::mbarrier_init(ptx::smem_addr(&bars.empty[s]), consumer_ctas * kThreads / 32);  // per consumer warp
     }
     tma::fence_barrier_init();
   }
@@ -118,11 +123,18 @@ struct TmaTileGemm : WgmmaTileGemm<Element, BN, STAGES> {
   // A warpgroup whose 64 rows are all past the tile's rows (`active` false) only paces the ring: it waits
   // for each stage and releases it at once, leaving the tensor cores to the other warpgroup.
   // generic_a: A was written by cp.async (produce_gathered), not TMA.
+  // peer_cta >= 0 (cluster schedule): the stages are also written by that CTA's producer (multicast), so
+  // each release goes to its empty barrier too.
   __device__ bool consume(char* smem, Barriers& bars, uint32_t slab, int k_tiles, const MoEParams& p,
-                          bool active = true, bool generic_a = false) {
+                          bool active = true, bool generic_a = false, int peer_cta = -1) {
     const uint32_t base = ptx::smem_addr(smem);
     const bool lane0 = (threadIdx.x & 31) == 0;
     bool ok = true;
+    auto release = [&](uint32_t s) {
+      const uint32_t empty = ptx::smem_addr(&bars.empty[s]);
+      tma::arrive(empty);
+      if (peer_cta >= 0) cluster::arrive(cluster::map_shared(empty, peer_cta));
+    };
 #pragma unroll
     for (int i = 0; i < Base::kAccumulators; ++i) this->acc[i] = 0.f;
     if (!active) {
@@ -130,7 +142,7 @@ struct TmaTileGemm : WgmmaTileGemm<Element, BN, STAGES> {
         const uint32_t it = slab + kt, s = it % STAGES, use = it / STAGES;
         ok = ok && wait_pipeline(ptx::smem_addr(&bars.full[s]), use & 1, p);
         __syncwarp();
-        if (lane0) tma::arrive(ptx::smem_addr(&bars.empty[s]));
+        if (lane0) release(s);
       }
       return ok;
     }
@@ -141,12 +153,12 @@ struct TmaTileGemm : WgmmaTileGemm<Element, BN, STAGES> {
       this->issue_stage(a_stage(base, s), b_stage(base, s));
       wgmma::wait_group<1>();
       __syncwarp();
-      if (kt > 0 && lane0) tma::arrive(ptx::smem_addr(&bars.empty[(it - 1) % STAGES]));
+      if (kt > 0 && lane0) release((it - 1) % STAGES);
     }
     wgmma::wait_group<0>();
     wgmma::fence_operands(this->acc);
     __syncwarp();
-    if (k_tiles > 0 && lane0) tma::arrive(ptx::smem_addr(&bars.empty[(slab + k_tiles - 1) % STAGES]));
+    if (k_tiles > 0 && lane0) release((slab + k_tiles - 1) % STAGES);
     return ok;
   }
 };
