@@ -66,11 +66,15 @@ __device__ void router_gemm(const MoEParams& p, int tile, int k_begin, int k_end
     if constexpr (kTma) {
       const uint32_t base = ptx::smem_addr(smem);
       const bool lane0 = (threadIdx.x & 31) == 0;
+      // A warp whose 16 expert columns are all past E only paces the ring: with few experts most warps'
+      // ldmatrix traffic and MMAs would be for columns that are never stored.
+      const bool has_experts = e0 + (threadIdx.x >> 5) * Gemm::kWarpN < E;
       gemm.zero_acc();
       for (int kt = k_begin; kt < k_end; ++kt, ++feed.slab) {
         const uint32_t s = feed.slab % STAGES, use = feed.slab / STAGES;
         wait_pipeline(ptx::smem_addr(&feed.bars->full[s]), use & 1, p);  // a failure is in the error word
-        gemm.mma_stage(base + s * Gemm::kStageBytesA, base + STAGES * Gemm::kStageBytesA + s * Gemm::kStageBytesB);
+        if (has_experts)
+          gemm.mma_stage(base + s * Gemm::kStageBytesA, base + STAGES * Gemm::kStageBytesA + s * Gemm::kStageBytesB);
         __syncwarp();
         if (lane0) tma::arrive(ptx::smem_addr(&feed.bars->empty[s]));
       }
