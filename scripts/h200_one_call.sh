@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything of record in one device call (< 600 s), for sessions with little device time left: build,
-# the fused tests on the default and $TEST_VARIANTS, the variant sweep, the single-GPU benchmark on the
+# the fused tests on the default (and, with the emulated-team tests, on $TEST_VARIANTS), the variant sweep, the single-GPU benchmark on the
 # default and on $BENCH_VARIANTS, every other GPU test (multi-process under MPS first, Ray last), and
 # Nsight Compute on the expert-bound shape if time is left. Each step has its own timeout; logs in $OUT
 # (at most eight files come back). Usage: bash scripts/h200_one_call.sh
@@ -19,7 +19,9 @@ for variant in default ${TEST_VARIANTS:-}; do
   step "fused tests, $variant"
   if [ "$variant" = default ]; then unset FLASHDMOE_EXPERT_VARIANT; else export FLASHDMOE_EXPERT_VARIANT=$variant; fi
   echo "### fused tests, $variant" >> "$TESTS_LOG"
-  timeout 120 $PYTEST tests/test_fused_gpu.py >> "$TESTS_LOG" 2>&1; echo "rc=$?"; tail -1 "$TESTS_LOG"
+  # A non-default variant also runs the emulated teams (several ranks in one launch).
+  files=tests/test_fused_gpu.py; [ "$variant" = default ] || files="$files tests/test_ep_emulated_gpu.py"
+  timeout 120 $PYTEST $files >> "$TESTS_LOG" 2>&1; echo "rc=$?"; tail -1 "$TESTS_LOG"
 done
 unset FLASHDMOE_EXPERT_VARIANT
 step sweep
