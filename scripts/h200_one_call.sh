@@ -2,7 +2,7 @@
 # Everything of record in one device call (< 600 s), for sessions with little device time left: build,
 # the fused tests on the default (and, with the emulated-team tests, on $TEST_VARIANTS), the variant sweep, the single-GPU benchmark on the
 # default and on $BENCH_VARIANTS, every other GPU test (multi-process under MPS first, Ray last), and
-# Nsight Compute on the expert-bound shape if time is left. Each step has its own timeout; logs in $OUT
+# Nsight Compute on the expert-bound shape if time is left (SKIP_MP=1, SKIP_RAY=1, NCU=0 leave parts out). Each step has its own timeout; logs in $OUT
 # (at most eight files come back). Usage: bash scripts/h200_one_call.sh
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
@@ -39,13 +39,13 @@ step "gpu tests"
 echo "### gpu tests" >> "$TESTS_LOG"
 timeout $(( $(left) > 150 ? 120 : 60 )) $PYTEST tests/test_ep_emulated_gpu.py tests/test_ep_exchange.py tests/test_team.py \
   tests/test_reference.py tests/test_api.py >> "$TESTS_LOG" 2>&1; echo "rc=$?"; tail -1 "$TESTS_LOG"
-if [ "$(left)" -gt 120 ]; then
+if [ "$(left)" -gt 120 ] && [ "${SKIP_MP:-0}" != "1" ]; then
   step "multi-process tests (MPS)"
   echo "### multi-process tests" >> "$TESTS_LOG"
   timeout $(( $(left) - 60 > 200 ? 200 : $(left) - 60 )) $PYTEST tests/test_ep_multiprocess.py >> "$TESTS_LOG" 2>&1
   echo "rc=$?"; tail -1 "$TESTS_LOG"
 fi
-if [ "$(left)" -gt 90 ]; then
+if [ "$(left)" -gt 90 ] && [ "${SKIP_RAY:-0}" != "1" ]; then
   step "ray gpu tests"
   echo "### ray gpu tests" >> "$TESTS_LOG"
   timeout $(( $(left) - 30 )) $PYTEST tests/test_ray.py >> "$TESTS_LOG" 2>&1; echo "rc=$?"; tail -1 "$TESTS_LOG"

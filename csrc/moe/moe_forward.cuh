@@ -64,17 +64,10 @@ __global__ void __launch_bounds__(Variant::kBlockThreads, Variant::kMinBlocksPer
   stamp_phase(p, 4);
 
   // ---- 5. combine, once every peer returned its results ----
-  if constexpr (Variant::kUseTma) {  // the producer warp streams the rows (combine.cuh)
-    static_assert(kCombineScratchBytes <= Variant::kScratchBytes, "the combine ring lives in the scratch area");
-    const bool ready = worker ? wait_for_results(p) : true;
-    if (!__syncthreads_and(ready)) return;
-    if (!combine_tokens_bulk<Element>(p, smem)) return;
-  } else {
-    if (!worker) return;
-    if (!wait_for_results(p)) return;
-    combine_tokens<Element>(p);
-    sync_workers();
-  }
+  if (!worker) return;
+  if (!wait_for_results(p)) return;
+  combine_tokens<Element>(p);
+  sync_workers();
   if (threadIdx.x == 0) atomicMax(p.phase_clock + kPhaseClockSlots - 1, ptx::global_timer_ns());
 }
 
