@@ -47,9 +47,9 @@ constexpr int kWarpStagingBytes = 16 * 128;
 // cp.async pipeline depth, and the blocks per SM the register budget is cut for.
 // WgmmaTma: operands loaded by TMA from a producer warp (warp-specialised, mbarrier pipeline);
 // Wgmma / MmaSync: all threads load with cp.async.
-// WgmmaTmaPrefetch: the same, and the producer streams across tile boundaries (registers epilogue).
-// WgmmaTmaGather: the same, and a rank's rows for its own experts are not copied: the producer warp loads
-// them straight from x with one-row TMA boxes (32 lanes, up to 4 rows each).
+// WgmmaTmaPrefetch: the same, and the producer streams across tile boundaries (the default).
+// WgmmaTmaGather: the same, and a rank's rows for its own experts are not copied: the producer warp
+// gathers them straight from x with 16-byte cp.async.
 // WgmmaTmaCluster: the prefetch schedule on clusters of two blocks that take pairs of row tiles; when
 // both tiles belong to one expert, each block's producer loads half of the weight panels and multicasts
 // them to both blocks (half the weight traffic out of L2 per block).
