@@ -33,13 +33,4 @@ __device__ __forceinline__ void arrive(uint32_t cluster_address) {
   asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(cluster_address) : "memory");
 }
 
-// Wait for a phase completed by arrivals from other CTAs (acquire at cluster scope); may return early false.
-__device__ __forceinline__ bool try_wait_parity(uint32_t bar, uint32_t parity) {
-  uint32_t done;
-  asm volatile(
-      "{\n .reg .pred p;\n mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
-      : "=r"(done) : "r"(bar), "r"(parity) : "memory");
-  return done != 0;
-}
-
 }  // namespace flashdmoe::cluster

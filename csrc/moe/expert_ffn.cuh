@@ -221,11 +221,36 @@ __device__ __forceinline__ char* warp_staging(char* smem) {
   return smem + Variant::kWarpStagingOffset + (threadIdx.x >> 5) * kWarpStagingBytes;
 }
 
+// After a TMA tile's K loop (the workers, all of them): the results out from registers, then what they
+// complete. GEMM1: the row tile's count of finished column tiles (GEMM2 tiles wait on it); GEMM2: the
+// source's result rows (its results-done flag once all are in).
+template <typename Element, typename Variant, typename Gemm>
+__device__ __forceinline__ void finish_tile_tma(const MoEParams& p, const DestTables& t, const Gemm& gemm, char* smem,
+                                                bool second, const RowTile& tile, int row_tile, int col_tile) {
+  constexpr int kTileN = Variant::kTileN;
+  if (!second) {
+    gemm1_epilogue_warp<Element, kTileN>(p, gemm, warp_staging<Variant>(smem), tile.packed_row0, tile.rows,
+                                         col_tile * gemm1_output_columns<Variant>(p));
+    tma::fence_proxy_async_global();  // GEMM2's TMA loads (async proxy) read these rows
+    sync_workers();
+    if (threadIdx.x == 0) {
+      __threadfence();
+      ptx::red_release_add_gpu(p.row_tile_done + row_tile, 1);
+    }
+  } else {
+    const int col0 = col_tile * kTileN;
+    gemm2_epilogue_warp<Element, kTileN>(gemm, warp_staging<Variant>(smem),
+                                         comb_row<Element>(p, tile.src, tile.stream_row0), p.hidden, tile.rows, col0);
+    sync_workers();
+    if (threadIdx.x == 0) account_results<Element, Variant>(p, t, tile.src, tile.rows, min(kTileN, p.hidden - col0));
+  }
+}
+
 // The TMA loads of one GEMM1 slab: 128 rows of the source's receive region, and the tile's W1 panels
 // (swiglu: gate panels from col_lo, up panels from col_hi; columns past the tensor are zero-filled,
 // columns past the tile's valid range are computed and dropped by the epilogue).
 template <typename Element, typename Variant>
-__device__ bool gemm1_tile_tma(const MoEParams& p, const RowTile& tile, int row_tile, int col_tile,
+__device__ bool gemm1_tile_tma(const MoEParams& p, const DestTables& t, const RowTile& tile, int row_tile, int col_tile,
                                uint32_t& ready_seen, char* smem, TmaPipelineBarriers<Variant::kStages>& bars,
                                uint32_t& slab) {
   using Gemm = TmaTileGemm<Element, Variant::kTileN, Variant::kStages>;
@@ -253,15 +278,7 @@ __device__ bool gemm1_tile_tma(const MoEParams& p, const RowTile& tile, int row_
   } else {
     Gemm gemm;
     ok = gemm.consume(smem, bars, slab, k_tiles, p, warpgroup_has_rows(rows));
-    if (sync_workers_and(ok)) {
-      gemm1_epilogue_warp<Element, kTileN>(p, gemm, warp_staging<Variant>(smem), tile.packed_row0, rows, out_col0);
-      tma::fence_proxy_async_global();  // GEMM2's TMA loads (async proxy) read these rows
-      sync_workers();
-      if (threadIdx.x == 0) {
-        __threadfence();
-        ptx::red_release_add_gpu(p.row_tile_done + row_tile, 1);
-      }
-    }
+    if (sync_workers_and(ok)) finish_tile_tma<Element, Variant>(p, t, gemm, smem, false, tile, row_tile, col_tile);
   }
   slab += k_tiles;
   return __syncthreads_and(ok);
@@ -289,12 +306,7 @@ __device__ bool gemm2_tile_tma(const MoEParams& p, const DestTables& t, const Ro
   } else {
     Gemm gemm;
     ok = gemm.consume(smem, bars, slab, k_tiles, p, warpgroup_has_rows(rows));
-    if (sync_workers_and(ok)) {
-      gemm2_epilogue_warp<Element, kTileN>(gemm, warp_staging<Variant>(smem),
-                                           comb_row<Element>(p, tile.src, tile.stream_row0), H, rows, col0);
-      sync_workers();
-      if (threadIdx.x == 0) account_results<Element, Variant>(p, t, tile.src, rows, min(kTileN, H - col0));
-    }
+    if (sync_workers_and(ok)) finish_tile_tma<Element, Variant>(p, t, gemm, smem, true, tile, row_tile, col_tile);
   }
   slab += k_tiles;
   return __syncthreads_and(ok);
@@ -333,7 +345,7 @@ __device__ bool run_expert_tasks(const MoEParams& p, const DestTables& t, char* 
     bool ok;
     if constexpr (Variant::kUseTma) {
       ok = second ? gemm2_tile_tma<Element, Variant>(p, t, tile, row_tile, col_tile, smem, bars, slab)
-                  : gemm1_tile_tma<Element, Variant>(p, tile, row_tile, col_tile, ready_seen, smem, bars, slab);
+                  : gemm1_tile_tma<Element, Variant>(p, t, tile, row_tile, col_tile, ready_seen, smem, bars, slab);
     } else {
       ok = second ? gemm2_tile<Element, Variant>(p, t, tile, row_tile, col_tile, smem, a_rows)
                   : gemm1_tile<Element, Variant>(p, tile, row_tile, col_tile, ready_seen, smem, a_rows);

@@ -126,8 +126,6 @@ __device__ bool consume_tasks(const MoEParams& p, const DestTables& t, char* sme
                               const TaskCounts& c) {
   using Gemm = TmaTileGemm<Element, Variant::kTileN, Variant::kStages>;
   using Ring = TaskRing<Variant::kStages>;
-  constexpr int kTileN = Variant::kTileN;
-  const int out_cols1 = p.activation == Activation::Swiglu ? kTileN / 2 : kTileN;
   uint32_t slab = 0;
   for (int n = 0;; ++n) {
     const int slot = n % Ring::kSlots;
@@ -142,22 +140,7 @@ __device__ bool consume_tasks(const MoEParams& p, const DestTables& t, char* sme
     const bool ok = gemm.consume(smem, bars, slab, k_tiles, p, warpgroup_has_rows(tile.rows), gathered);
     slab += k_tiles;
     if (!sync_workers_and(ok)) return false;
-    if (!job.second) {
-      gemm1_epilogue_warp<Element, kTileN>(p, gemm, warp_staging<Variant>(smem), tile.packed_row0, tile.rows,
-                                           job.col_tile * out_cols1);
-      tma::fence_proxy_async_global();  // GEMM2's TMA loads (async proxy) read these rows
-      sync_workers();
-      if (threadIdx.x == 0) {
-        __threadfence();
-        ptx::red_release_add_gpu(p.row_tile_done + job.row_tile, 1);
-      }
-    } else {
-      const int col0 = job.col_tile * kTileN;
-      gemm2_epilogue_warp<Element, kTileN>(gemm, warp_staging<Variant>(smem),
-                                           comb_row<Element>(p, tile.src, tile.stream_row0), p.hidden, tile.rows, col0);
-      sync_workers();
-      if (threadIdx.x == 0) account_results<Element, Variant>(p, t, tile.src, tile.rows, min(kTileN, p.hidden - col0));
-    }
+    finish_tile_tma<Element, Variant>(p, t, gemm, smem, job.second, tile, job.row_tile, job.col_tile);
   }
 }
 

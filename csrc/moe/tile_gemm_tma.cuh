@@ -22,7 +22,7 @@ struct TmaPipelineBarriers {
 // by another CTA's arrivals that release data this thread reads (acquire at cluster scope).
 __device__ __forceinline__ bool wait_pipeline(uint32_t bar, uint32_t parity, const MoEParams& p,
                                               bool cluster_scope = false) {
-  auto ready = [&] { return cluster_scope ? cluster::try_wait_parity(bar, parity) : tma::try_wait_parity(bar, parity); };
+  auto ready = [&] { return cluster_scope ? tma::try_wait_parity<true>(bar, parity) : tma::try_wait_parity(bar, parity); };
   if (ready()) return true;
   const uint64_t start = ptx::global_timer_ns();
   for (uint32_t spin = 1;; ++spin) {
