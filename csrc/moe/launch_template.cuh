@@ -69,6 +69,15 @@ inline ResidentGrid resident_grid(const void* kernel, int device, int smem_bytes
   return known.back().grid;
 }
 
+inline cudaLaunchAttribute cluster_dimension(int cluster_size) {
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeClusterDimension;
+  attribute.val.clusterDim.x = cluster_size;
+  attribute.val.clusterDim.y = 1;
+  attribute.val.clusterDim.z = 1;
+  return attribute;
+}
+
 // Clusters of `cluster_size` blocks that can be resident at once (after resident_grid raised the
 // kernel's shared-memory limit), asked once per (kernel, device, shared memory bytes).
 inline int resident_clusters(const void* kernel, int device, int smem_bytes, int block_threads, int cluster_size) {
@@ -85,11 +94,7 @@ inline int resident_clusters(const void* kernel, int device, int smem_bytes, int
   config.gridDim = dim3(cluster_size);
   config.blockDim = dim3(block_threads);
   config.dynamicSmemBytes = smem_bytes;
-  cudaLaunchAttribute attribute{};
-  attribute.id = cudaLaunchAttributeClusterDimension;
-  attribute.val.clusterDim.x = cluster_size;
-  attribute.val.clusterDim.y = 1;
-  attribute.val.clusterDim.z = 1;
+  cudaLaunchAttribute attribute = cluster_dimension(cluster_size);
   config.attrs = &attribute;
   config.numAttrs = 1;
   int clusters = 0;
@@ -274,10 +279,7 @@ LaunchInfo launch_forward_variant(const ForwardArgs& a, cudaStream_t stream) {
   cudaLaunchAttribute attributes[2]{};
   attributes[0].id = cudaLaunchAttributeCooperative;  // refused if the grid cannot be co-resident
   attributes[0].val.cooperative = 1;
-  attributes[1].id = cudaLaunchAttributeClusterDimension;
-  attributes[1].val.clusterDim.x = kCluster;
-  attributes[1].val.clusterDim.y = 1;
-  attributes[1].val.clusterDim.z = 1;
+  attributes[1] = cluster_dimension(kCluster);
   config.attrs = attributes;
   config.numAttrs = kCluster > 1 ? 2 : 1;
   throw_on_cuda_error(cudaLaunchKernelEx(&config, kernel, launch), "launching moe_forward_kernel");
