@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -60,9 +59,9 @@ def test_info_json_matches_this_machine():
 def test_run_tiny_config_on_ray_prints_table_and_writes_json(tmp_path):
     """The main job as a user runs it: an embedded Ray on 127.0.0.1, one gloo worker per rank, verified."""
     output = tmp_path / "out"
-    started = time.monotonic()
+    # The subprocess timeout is the hang guard; no wall-clock assertion (a 2-core CI machine under load
+    # once took 154 s for what usually takes under a minute).
     result = run_cli("run", "--config", str(TINY), "--output", str(output), "--no-progress", timeout=180)
-    elapsed = time.monotonic() - started
     assert result.returncode == 0, result.stdout + result.stderr
     config = MoEConfig.from_yaml(TINY)
     for text in (f"FlashDMoE Ray run: backend gloo, {config.world_size} workers", "forward ms", "backward ms",
@@ -85,7 +84,6 @@ def test_run_tiny_config_on_ray_prints_table_and_writes_json(tmp_path):
     assert 0 < verification["max_rel_err"] <= verification["tolerance"] == runner.tolerance_for("float32", "reference")
     assert results["retries"] == 0 and results["faults"] == []
     assert (output / "latency.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert elapsed < 120, f"the tiny Ray run took {elapsed:.0f}s"
 
 
 def test_run_in_process_tiny_config_prints_table_and_writes_json(tmp_path):
