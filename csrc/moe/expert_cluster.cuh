@@ -67,7 +67,7 @@ __device__ bool produce_pair_tasks(const MoEParams& p, const DestTables& t, char
     const ExpertTask job = decode_task(task, c.tasks1, c.tiles1, c.tiles2);  // row_tile = the pair
     const PairShare share = pair_share(p, t, job.row_tile, row_tiles, cta);
     const RowTile& tile = share.tile;
-    const int k_tiles = job.second ? p.ffn / 64 : p.hidden / 64;
+    const int k_tiles = task_k_tiles(p, job.second);
     const bool mine = share.row_tile >= 0;
     if (mine) {
       const bool ready = job.second
@@ -119,17 +119,14 @@ __device__ bool consume_pair_tasks(const MoEParams& p, const DestTables& t, char
                                    TmaPipelineBarriers<Variant::kStages>& bars, TaskRing<Variant::kStages>& ring,
                                    const TaskCounts& c, int row_tiles, uint32_t cta) {
   using Gemm = TmaTileGemm<Element, Variant::kTileN, Variant::kStages>;
-  using Ring = TaskRing<Variant::kStages>;
   uint32_t slab = 0;
   for (int n = 0;; ++n) {
-    const int slot = n % Ring::kSlots;
-    const bool handed = wait_pipeline(ptx::smem_addr(&ring.full[slot]), (n / Ring::kSlots) & 1, p, true);
-    const int task = handed ? ring.task[slot] : kTaskAbort;
+    const int task = take_task(ring, n, p, /*cluster_scope=*/true);
     if (task < 0) return task == kTaskEnd;
     const ExpertTask job = decode_task(task, c.tasks1, c.tiles1, c.tiles2);
     const PairShare share = pair_share(p, t, job.row_tile, row_tiles, cta);
     const int rows = share.row_tile >= 0 ? share.tile.rows : 0;
-    const int k_tiles = job.second ? p.ffn / 64 : p.hidden / 64;
+    const int k_tiles = task_k_tiles(p, job.second);
     Gemm gemm;
     const bool ok = gemm.consume(smem, bars, slab, k_tiles, p, warpgroup_has_rows(rows), false, static_cast<int>(cta ^ 1u));
     slab += k_tiles;
@@ -148,17 +145,8 @@ __device__ bool run_expert_pair_tasks(const MoEParams& p, const DestTables& t, c
   __shared__ Ring ring;
   const uint32_t cta = cluster::cta_rank();
   const int row_tiles = t.tile_start[p.world_size * p.local_experts];
-  const int pairs = (row_tiles + 1) / 2;
-  TaskCounts c;
-  c.tiles1 = gemm1_column_tiles<Variant>(p);
-  c.tiles2 = gemm2_column_tiles<Variant>(p);
-  c.tasks1 = pairs * c.tiles1;
-  c.total = c.tasks1 + pairs * c.tiles2;
-  if (threadIdx.x == 0) {
-    Gemm::init_barriers(bars, 2);
-    for (int s = 0; s < Ring::kSlots; ++s) tma::mbarrier_init(ptx::smem_addr(&ring.full[s]), 1);
-    tma::fence_barrier_init();
-  }
+  const TaskCounts c = task_counts<Variant>(p, (row_tiles + 1) / 2);  // tasks over pairs of row tiles
+  if (threadIdx.x == 0) init_task_pipeline<Gemm>(bars, ring, /*consumer_ctas=*/2);
   cluster::sync();  // both blocks' barriers exist before either arrives on the other's
   bool ok = true;
   if (threadIdx.x < kThreads)

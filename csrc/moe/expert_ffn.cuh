@@ -289,7 +289,7 @@ __device__ bool gemm2_tile_tma(const MoEParams& p, const DestTables& t, const Ro
                                char* smem, TmaPipelineBarriers<Variant::kStages>& bars, uint32_t& slab) {
   using Gemm = TmaTileGemm<Element, Variant::kTileN, Variant::kStages>;
   constexpr int kTileN = Variant::kTileN;
-  const int H = p.hidden, I = p.ffn, rows = tile.rows, k_tiles = I / 64;
+  const int rows = tile.rows, k_tiles = p.ffn / 64;
   const int col0 = col_tile * kTileN;
   bool ok = true;
   if (threadIdx.x >= kThreads) {

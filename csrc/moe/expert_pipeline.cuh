@@ -40,6 +40,40 @@ struct TaskCounts {
   int tasks1, tiles1, tiles2, total;
 };
 
+// The counts over `row_units` units of rows (row tiles; pairs of them in the cluster schedule).
+template <typename Variant>
+__device__ __forceinline__ TaskCounts task_counts(const MoEParams& p, int row_units) {
+  TaskCounts c;
+  c.tiles1 = gemm1_column_tiles<Variant>(p);
+  c.tiles2 = gemm2_column_tiles<Variant>(p);
+  c.tasks1 = row_units * c.tiles1;
+  c.total = c.tasks1 + row_units * c.tiles2;
+  return c;
+}
+
+// K slabs of a task's GEMM (GEMM1 runs over H, GEMM2 over I).
+__device__ __forceinline__ int task_k_tiles(const MoEParams& p, bool second) {
+  return second ? p.ffn / 64 : p.hidden / 64;
+}
+
+// Thread 0, once per launch: the stage ring's barriers (released by the consumers of `consumer_ctas`
+// CTAs) and the task ring's.
+template <typename Gemm, typename Ring>
+__device__ __forceinline__ void init_task_pipeline(typename Gemm::Barriers& bars, Ring& ring, int consumer_ctas = 1) {
+  Gemm::init_barriers(bars, consumer_ctas);
+  for (int s = 0; s < Ring::kSlots; ++s) tma::mbarrier_init(ptx::smem_addr(&ring.full[s]), 1);
+  tma::fence_barrier_init();
+}
+
+// Workers: the task id handed in ring slot n, in order (kTaskAbort when the wait failed).
+// cluster_scope: the hand-over came from the other CTA's producer.
+template <typename Ring>
+__device__ __forceinline__ int take_task(Ring& ring, int n, const MoEParams& p, bool cluster_scope = false) {
+  const int slot = n % Ring::kSlots;
+  const bool handed = wait_pipeline(ptx::smem_addr(&ring.full[slot]), (n / Ring::kSlots) & 1, p, cluster_scope);
+  return handed ? ring.task[slot] : kTaskAbort;
+}
+
 // Producer warp: lane 0 takes tasks, waits for their inputs and hands them over in order; the slabs
 // are streamed by lane 0 (box loads), or by the whole warp when a GEMM1 tile gathers this rank's own
 // rows from x (gather variant).
@@ -76,7 +110,7 @@ __device__ bool produce_tasks(const MoEParams& p, const DestTables& t, char* sme
     if (handed < 0) return handed == kTaskEnd;
     const ExpertTask job = decode_task(handed, c.tasks1, c.tiles1, c.tiles2);
     const RowTile tile = row_tile_of(p, t, job.row_tile);
-    const int k_tiles = job.second ? p.ffn / 64 : p.hidden / 64;
+    const int k_tiles = task_k_tiles(p, job.second);
     bool produced = true;
     if (job.second) {
       const int col0 = job.col_tile * kTileN;
@@ -125,16 +159,13 @@ __device__ bool consume_tasks(const MoEParams& p, const DestTables& t, char* sme
                               TmaPipelineBarriers<Variant::kStages>& bars, TaskRing<Variant::kStages>& ring,
                               const TaskCounts& c) {
   using Gemm = TmaTileGemm<Element, Variant::kTileN, Variant::kStages>;
-  using Ring = TaskRing<Variant::kStages>;
   uint32_t slab = 0;
   for (int n = 0;; ++n) {
-    const int slot = n % Ring::kSlots;
-    const bool handed = wait_pipeline(ptx::smem_addr(&ring.full[slot]), (n / Ring::kSlots) & 1, p);
-    const int task = handed ? ring.task[slot] : kTaskAbort;
+    const int task = take_task(ring, n, p);
     if (task < 0) return task == kTaskEnd;
     const ExpertTask job = decode_task(task, c.tasks1, c.tiles1, c.tiles2);
     const RowTile tile = row_tile_of(p, t, job.row_tile);
-    const int k_tiles = job.second ? p.ffn / 64 : p.hidden / 64;
+    const int k_tiles = task_k_tiles(p, job.second);
     Gemm gemm;
     const bool gathered = Variant::kGatherOwnRows && !job.second && tile.src == p.rank;
     const bool ok = gemm.consume(smem, bars, slab, k_tiles, p, warpgroup_has_rows(tile.rows), gathered);
@@ -150,17 +181,8 @@ __device__ bool run_expert_tasks_prefetch(const MoEParams& p, const DestTables& 
   using Ring = TaskRing<Variant::kStages>;
   __shared__ TmaPipelineBarriers<Variant::kStages> bars;
   __shared__ Ring ring;
-  TaskCounts c;
-  const int row_tiles = t.tile_start[p.world_size * p.local_experts];
-  c.tiles1 = gemm1_column_tiles<Variant>(p);
-  c.tiles2 = gemm2_column_tiles<Variant>(p);
-  c.tasks1 = row_tiles * c.tiles1;
-  c.total = c.tasks1 + row_tiles * c.tiles2;
-  if (threadIdx.x == 0) {
-    Gemm::init_barriers(bars);
-    for (int s = 0; s < Ring::kSlots; ++s) tma::mbarrier_init(ptx::smem_addr(&ring.full[s]), 1);
-    tma::fence_barrier_init();
-  }
+  const TaskCounts c = task_counts<Variant>(p, t.tile_start[p.world_size * p.local_experts]);
+  if (threadIdx.x == 0) init_task_pipeline<Gemm>(bars, ring);
   __syncthreads();
   bool ok = true;
   if (threadIdx.x >= kThreads) {

@@ -19,11 +19,23 @@ inline void throw_on_cuda_error(cudaError_t status, const char* what) {
 struct ResidentGrid {
   int blocks_per_sm;
   int sms;
+  int clusters;  // clusters of cluster_size blocks resident at once (cluster_size > 1 only, else 0)
 };
 
+inline cudaLaunchAttribute cluster_dimension(int cluster_size) {
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeClusterDimension;
+  attribute.val.clusterDim.x = cluster_size;
+  attribute.val.clusterDim.y = 1;
+  attribute.val.clusterDim.z = 1;
+  return attribute;
+}
+
 // Occupancy of (kernel, device, shared memory bytes), asked once and remembered: these driver queries
-// cost tens of microseconds, too much for every forward.
-inline ResidentGrid resident_grid(const void* kernel, int device, int smem_bytes, int block_threads) {
+// cost tens of microseconds, too much for every forward. A kernel is always launched with one
+// cluster_size, so it need not be part of the key.
+inline ResidentGrid resident_grid(const void* kernel, int device, int smem_bytes, int block_threads,
+                                  int cluster_size = 1) {
   struct Entry {
     const void* kernel;
     int device, smem_bytes;
@@ -65,46 +77,23 @@ inline ResidentGrid resident_grid(const void* kernel, int device, int smem_bytes
   if (blocks_per_sm < 1)
     throw std::runtime_error("the fused kernel cannot be resident on this GPU (0 blocks per SM with " +
                              std::to_string(smem_bytes) + " bytes of shared memory)");
-  known.push_back({kernel, device, smem_bytes, {blocks_per_sm, sms}});
-  return known.back().grid;
-}
-
-inline cudaLaunchAttribute cluster_dimension(int cluster_size) {
-  cudaLaunchAttribute attribute{};
-  attribute.id = cudaLaunchAttributeClusterDimension;
-  attribute.val.clusterDim.x = cluster_size;
-  attribute.val.clusterDim.y = 1;
-  attribute.val.clusterDim.z = 1;
-  return attribute;
-}
-
-// Clusters of `cluster_size` blocks that can be resident at once (after resident_grid raised the
-// kernel's shared-memory limit), asked once per (kernel, device, shared memory bytes).
-inline int resident_clusters(const void* kernel, int device, int smem_bytes, int block_threads, int cluster_size) {
-  struct Entry {
-    const void* kernel;
-    int device, smem_bytes, clusters;
-  };
-  static std::mutex mutex;
-  static std::vector<Entry> known;
-  std::lock_guard<std::mutex> lock(mutex);
-  for (const Entry& e : known)
-    if (e.kernel == kernel && e.device == device && e.smem_bytes == smem_bytes) return e.clusters;
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(cluster_size);
-  config.blockDim = dim3(block_threads);
-  config.dynamicSmemBytes = smem_bytes;
-  cudaLaunchAttribute attribute = cluster_dimension(cluster_size);
-  config.attrs = &attribute;
-  config.numAttrs = 1;
   int clusters = 0;
-  throw_on_cuda_error(cudaOccupancyMaxActiveClusters(&clusters, kernel, &config), "cluster occupancy query");
-  if (clusters < 1)
-    throw std::runtime_error("the fused kernel cannot be resident on this GPU as clusters of " +
-                             std::to_string(cluster_size) + " blocks with " + std::to_string(smem_bytes) +
-                             " bytes of shared memory");
-  known.push_back({kernel, device, smem_bytes, clusters});
-  return clusters;
+  if (cluster_size > 1) {
+    cudaLaunchConfig_t config{};
+    config.gridDim = dim3(cluster_size);
+    config.blockDim = dim3(block_threads);
+    config.dynamicSmemBytes = smem_bytes;
+    cudaLaunchAttribute attribute = cluster_dimension(cluster_size);
+    config.attrs = &attribute;
+    config.numAttrs = 1;
+    throw_on_cuda_error(cudaOccupancyMaxActiveClusters(&clusters, kernel, &config), "cluster occupancy query");
+    if (clusters < 1)
+      throw std::runtime_error("the fused kernel cannot be resident on this GPU as clusters of " +
+                               std::to_string(cluster_size) + " blocks with " + std::to_string(smem_bytes) +
+                               " bytes of shared memory");
+  }
+  known.push_back({kernel, device, smem_bytes, {blocks_per_sm, sms, clusters}});
+  return known.back().grid;
 }
 
 // One rank's kernel parameters from its arguments and workspace.
@@ -244,12 +233,10 @@ LaunchInfo launch_forward_variant(const ForwardArgs& a, cudaStream_t stream) {
   auto kernel = moe_forward_kernel<Element, Variant>;
   int device = 0;
   throw_on_cuda_error(cudaGetDevice(&device), "cudaGetDevice");
-  const ResidentGrid resident = resident_grid(reinterpret_cast<const void*>(kernel), device, smem.total_bytes, Variant::kBlockThreads);
   constexpr int kCluster = Variant::kClusterSize;
-  int grid = resident.blocks_per_sm * resident.sms;
-  if constexpr (kCluster > 1)
-    grid = kCluster * resident_clusters(reinterpret_cast<const void*>(kernel), device, smem.total_bytes,
-                                        Variant::kBlockThreads, kCluster);
+  const ResidentGrid resident = resident_grid(reinterpret_cast<const void*>(kernel), device, smem.total_bytes,
+                                              Variant::kBlockThreads, kCluster);
+  int grid = kCluster > 1 ? kCluster * resident.clusters : resident.blocks_per_sm * resident.sms;
   if (a.grid_percent > 0 && a.grid_percent < 100) grid = std::max(1, grid * a.grid_percent / 100);
   if (a.max_blocks > 0 && a.max_blocks < grid) grid = a.max_blocks;
   const int blocks_per_rank = grid / a.num_ranks / kCluster * kCluster;  // whole clusters per rank
