@@ -1,14 +1,29 @@
-"""Shared pytest set-up: GPU tests (``@pytest.mark.gpu``) are skipped where CUDA is unavailable."""
+"""Shared pytest set-up.
+
+GPU tests (``@pytest.mark.gpu``) are skipped where CUDA is unavailable. Random inputs draw from the
+``seed`` fixture: one base seed per run (``FLASHDMOE_SEED``, else random), printed in the header, and a
+per-test seed derived from it and the test's id, printed with every failure so that
+``FLASHDMOE_SEED=<base> pytest <test id>`` replays it.
+"""
 
 from __future__ import annotations
 
+import os
+import zlib
+
 import pytest
 import torch
+
+_BASE_SEED = int(os.environ.get("FLASHDMOE_SEED") or int.from_bytes(os.urandom(4), "little"))
 
 
 def pytest_configure(config: pytest.Config) -> None:
     # Also declared in pyproject.toml; repeated so a run with another rootdir still knows the marker.
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped when torch.cuda.is_available() is False)")
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return f"FLASHDMOE_SEED={_BASE_SEED} (set it to replay this run's random inputs)"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -18,3 +33,28 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+def test_seed(nodeid: str) -> int:
+    """The seed a test with this id draws from in this run (stable for a given FLASHDMOE_SEED)."""
+    return zlib.crc32(f"{_BASE_SEED}:{nodeid}".encode()) & 0x7FFFFFFF
+
+
+test_seed.__test__ = False  # a helper, not a test
+
+
+@pytest.fixture
+def seed(request: pytest.FixtureRequest) -> int:
+    value = test_seed(request.node.nodeid)
+    request.node.user_properties.append(("seed", value))
+    return value
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    report = yield
+    if report.failed and "seed" in getattr(item, "fixturenames", ()):
+        report.sections.append((
+            "seed", f"per-test seed {test_seed(item.nodeid)}; replay: FLASHDMOE_SEED={_BASE_SEED} "
+                    f"python -m pytest '{item.nodeid}'"))
+    return report

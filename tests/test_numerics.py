@@ -1,0 +1,95 @@
+"""The tolerance model of flashdmoe.numerics against the arithmetic it describes (CPU).
+
+Each bound is checked from both sides: the error of an emulation of the kernel's roundings stays under
+the bound, and is not so far under it that the bound would hide a real fault."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from flashdmoe import numerics, reference
+
+
+def _round_tf32(t: torch.Tensor) -> torch.Tensor:
+    """Round float32 to TF32 (10 explicit mantissa bits), to nearest, ties away (as cvt.rna.tf32)."""
+    bits = t.contiguous().view(torch.int32)
+    rounded = (bits + 0x1000) & ~0x1FFF
+    return rounded.view(torch.float32)
+
+
+def _emulated_layer(x, w1, w2, weight, activation, dtype):
+    """One expert's FFN and a combine weight with the fused kernel's roundings (float32 accumulation)."""
+    if dtype == torch.float32:  # TF32 operands, float32 results
+        h = _round_tf32(_hidden(_round_tf32(x), _round_tf32(w1), activation))
+        return weight * (h @ _round_tf32(w2))
+    h = _hidden(x, w1, activation).to(dtype).float()
+    row = (h @ w2).to(dtype).float()
+    return (weight * row).to(dtype).float()
+
+
+def _hidden(x, w1, activation):
+    pre = x @ w1
+    if activation == "swiglu":
+        gate, up = pre.chunk(2, dim=-1)
+        return torch.nn.functional.silu(gate) * up
+    return {"gelu": torch.nn.functional.gelu, "relu": torch.relu, "silu": torch.nn.functional.silu}[activation](pre)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+def test_kernel_tolerance_bounds_the_emulated_roundings(seed, dtype, activation):
+    g = torch.Generator().manual_seed(seed)
+    T, H, I = 256, 512, 384
+    cols = 2 * I if activation == "swiglu" else I
+    x = torch.randn(T, H, generator=g).to(dtype).float()
+    w1 = (torch.randn(H, cols, generator=g) / math.sqrt(H)).to(dtype).float()
+    w2 = (torch.randn(I, H, generator=g) / math.sqrt(I)).to(dtype).float()
+    weight = torch.rand(T, 1, generator=g).to(torch.float32)
+    want = weight.double() * (_hidden(x.double(), w1.double(), activation) @ w2.double())
+    got = _emulated_layer(x, w1, w2, weight, activation, dtype)
+    error = numerics.normwise_error(got, want)
+    bound = numerics.kernel_tolerance(dtype)
+    assert error <= bound, f"seed {seed}: error {error:.3e} > bound {bound:.3e}"
+    # Not vacuous: the roundings the bound counts really produce an error of its order.
+    assert error >= bound / 40, f"seed {seed}: error {error:.3e} far below bound {bound:.3e}: the model is off"
+
+
+@pytest.mark.parametrize("dtype,n", [(torch.float32, 16), (torch.float32, 1000), (torch.float32, 20000),
+                                     (torch.bfloat16, 16), (torch.bfloat16, 100)])
+def test_reorder_tolerance_bounds_two_summation_orders(seed, dtype, n):
+    g = torch.Generator().manual_seed(seed)
+    terms = torch.randn(64, n, generator=g).to(dtype)
+    forward = terms.sum(dim=1, dtype=dtype)
+    backward = terms.flip(1).cumsum(dim=1)[:, -1]  # sequential, the other way round
+    exact = terms.double().sum(dim=1)
+    bound = numerics.reorder_tolerance(dtype, n)
+    assert numerics.normwise_error(forward, exact) <= bound
+    assert numerics.normwise_error(backward, exact) <= bound
+    assert numerics.normwise_error(forward, backward.to(forward.dtype)) <= bound
+
+
+def test_dtype_table_is_consistent():
+    for name, entry in numerics.DTYPES.items():
+        assert entry.name == name
+        assert torch.empty((), dtype=entry.dtype).element_size() == entry.element_bytes
+        assert entry.unit_roundoff == torch.finfo(entry.dtype).eps / 2
+        assert numerics.precision(entry.dtype) is entry and numerics.dtype_by_name(name) == entry.dtype
+    with pytest.raises(ValueError, match="dtype='float8'"):
+        numerics.precision("float8")
+    with pytest.raises(ValueError, match="fused kernel takes"):
+        numerics.kernel_tolerance(torch.float64)
+    with pytest.raises(ValueError, match="reduction_length"):
+        numerics.reorder_tolerance(torch.bfloat16, 1 << 10)
+
+
+def test_error_measures():
+    want = torch.tensor([3.0, -4.0])
+    assert numerics.normwise_error(want + torch.tensor([0.3, 0.4]), want) == pytest.approx(0.1)
+    assert numerics.max_normwise_error(want + torch.tensor([0.0, 0.4]), want) == pytest.approx(0.1)
+    assert numerics.normwise_error(torch.zeros(0), torch.zeros(0)) == 0.0
+    assert numerics.normwise_error(torch.ones(2), torch.zeros(2)) == math.inf
+    with pytest.raises(ValueError, match="shapes differ"):
+        numerics.max_normwise_error(torch.ones(2), torch.ones(3))
