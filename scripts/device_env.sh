@@ -5,6 +5,11 @@ mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled
 export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 export FLASHDMOE_CACHE_DIR=${FLASHDMOE_CACHE_DIR:-/tmp/flashdmoe-cache}
+# Ray's wheel is over the transfer limit: it travels as a tarball without its Java jars and libraries
+# (rllib, serve, tune, train, data) that the project does not use.
+if ls .whl/ray-*.tar.xz >/dev/null 2>&1; then
+  mkdir -p /tmp/site && tar xJf .whl/ray-*.tar.xz -C /tmp/site && export PATH=/tmp/site/bin:$PATH
+fi
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=$PYTHONPATH:/tmp/site
