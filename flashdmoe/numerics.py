@@ -17,7 +17,7 @@ import torch
 
 __all__ = [
     "DTYPES", "Precision", "precision", "dtype_by_name", "kernel_tolerance", "reorder_tolerance",
-    "normwise_error", "max_normwise_error", "TF32_UNIT_ROUNDOFF",
+    "normwise_error", "max_normwise_error", "TF32_UNIT_ROUNDOFF", "rounding_tolerance",
 ]
 
 # TF32 keeps 10 explicit mantissa bits: the float32 path of the fused kernel multiplies in TF32.
@@ -82,6 +82,13 @@ def kernel_tolerance(dtype: torch.dtype | str) -> float:
         raise ValueError(f"dtype={entry.name}: the fused kernel takes {[p.name for p in DTYPES.values() if p.kernel]}")
     roundings = 4 if entry.dtype == torch.float32 else 3
     return 2.0 * roundings * entry.compute_unit_roundoff
+
+
+def rounding_tolerance(dtype: torch.dtype | str, operations: int) -> float:
+    """Relative bound on a short chain of ``operations`` correctly rounded operations in ``dtype`` on
+    well-conditioned values (a softmax of a few numbers, a hand-worked output): to first order the
+    relative errors add, at most u each."""
+    return max(int(operations), 1) * precision(dtype).unit_roundoff
 
 
 def reorder_tolerance(dtype: torch.dtype | str, reduction_length: int, *, depth: int = 1) -> float:
