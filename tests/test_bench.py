@@ -13,11 +13,25 @@ import torch
 from rich.console import Console
 
 from flashdmoe import reference
-from flashdmoe.bench import baselines, expert_parallel, main, metrics, report, suites, timing
+from flashdmoe.bench import (
+    baselines,
+    expert_parallel,
+    main,
+    metrics,
+    rank_results,
+    rank_scenarios,
+    registry,
+    report,
+    single_gpu,
+    timing,
+)
 from flashdmoe.bench import cli as bench_cli
 from flashdmoe.bench.entries import ENTRY_TYPES, BenchEntry, MoEInputs, MoEProblem, PreparedRun
 from flashdmoe.bench.results import BenchShape, ConfigResult, EntryResult, SuiteResult, parse_shapes
+from flashdmoe.bench.suite import SuiteOptions
 from flashdmoe.bench.workload import make_inputs
+from flashdmoe.ranks import Problem, RankContext, RankOutcome, RunResult, run_ranks, scenarios
+from flashdmoe.ranks.problem import expected_traffic, reference_results
 
 QUICK_ARGS = ["--device", "cpu", "--quick", "--repeats", "3", "--warmup", "1"]
 ENTRY_NAMES = ["fused", "grouped_mm", "per_expert_loop", "reference"]
@@ -52,7 +66,7 @@ def test_quick_run_writes_json_markdown_and_png(quick_run):
 def test_every_config_has_every_entry_with_consistent_numbers(quick_run):
     _, _, results = quick_run
     assert [config["shape"] for config in results["configs"]] == [
-        shape.to_dict() for shape in suites.QUICK_SHAPES
+        shape.to_dict() for shape in single_gpu.QUICK_SHAPES
     ]
     for config in results["configs"]:
         assert [entry["name"] for entry in config["entries"]] == ENTRY_NAMES
@@ -262,12 +276,12 @@ class _CrashingEntry(BenchEntry):
 def test_wrong_and_failing_entries_are_reported(monkeypatch):
     monkeypatch.setitem(ENTRY_TYPES, "wrong", _WrongEntry)
     monkeypatch.setitem(ENTRY_TYPES, "crashing", _CrashingEntry)
-    options = suites.SuiteOptions(
+    options = SuiteOptions(
         suite="single-gpu", device="cpu", dtype="float32", activation="gelu",
         shapes=[BenchShape(16, 16, 32, 4, 2)], entries=["per_expert_loop", "wrong", "crashing"],
         repeats=2, warmup=0,
     )
-    result = suites.run_single_gpu(options)
+    result = single_gpu.run_single_gpu(options)
     loop, wrong, crashing = result.configs[0].entries
     assert loop.status == "ok" and loop.correct is True
     assert wrong.status == "ok" and wrong.correct is False and wrong.max_relative_error > 0.1
@@ -356,14 +370,23 @@ EP_ARGS = ["--suite", "expert-parallel", "--device", "cpu", "--quick", "--repeat
 EP_ENTRIES = ["single", "emulated-1", "emulated-2", "emulated-4", "emulated-8", "mps-2", "mps-4", "reference"]
 
 
+def test_suites_are_listed_in_one_registry():
+    assert list(registry.SUITES) == ["single-gpu", "expert-parallel", "multi-gpu"]
+    assert [registry.get_suite(name).name for name in registry.SUITES] == list(registry.SUITES)
+    with pytest.raises(ValueError, match=r"--suite 'nope': expected one of \['expert-parallel'"):
+        registry.get_suite("nope")
+    help_text = " ".join(bench_cli.configure_parser(argparse.ArgumentParser()).format_help().split())
+    assert "single-gpu, expert-parallel, multi-gpu" in help_text
+
+
 def test_expert_parallel_suite_is_registered():
-    suite = suites.get_suite("expert-parallel")
+    suite = registry.get_suite("expert-parallel")
     assert list(suite.entry_names) == EP_ENTRIES
     assert suite.validate is expert_parallel.validate_options
     assert BenchShape(8192, 2048, 2048, 32, 2) in suite.default_shapes  # the paper's problem, as the total
     assert all(shape.experts % 8 == 0 for shape in suite.default_shapes + suite.quick_shapes)
-    assert report.layout_for(SuiteResult("expert-parallel", {}, {}, [])) is expert_parallel.EP_LAYOUT
-    assert report.layout_for(SuiteResult("single-gpu", {}, {}, [])) is report.DEFAULT_LAYOUT
+    assert suite.layout is expert_parallel.EP_LAYOUT
+    assert registry.get_suite("single-gpu").layout is report.DEFAULT_LAYOUT
     help_text = bench_cli.configure_parser(argparse.ArgumentParser()).format_help()
     assert "expert-parallel" in help_text and "single-gpu" in help_text
 
@@ -420,7 +443,7 @@ def test_expert_parallel_accepts_experts_divisible_by_the_chosen_ranks():
 
 
 def test_expert_parallel_problems_are_the_same_total_for_every_p():
-    options = suites.SuiteOptions(suite="expert-parallel", device="cpu", dtype="bfloat16", activation="swiglu",
+    options = SuiteOptions(suite="expert-parallel", device="cpu", dtype="bfloat16", activation="swiglu",
                                   shapes=[], entries=[], seed=4)
     shape = BenchShape(10, 64, 64, 8, 2)
     one = expert_parallel.problem_for(shape, 1, options, 2, 1)
@@ -438,47 +461,44 @@ def test_traffic_summary():
         {"rank": 0, "dispatch_bytes": 4 * 64 * 2, "combine_bytes": 6 * 64 * 2, "rows_routed_remote": 4},
         {"rank": 1, "dispatch_bytes": 6 * 64 * 2, "combine_bytes": 4 * 64 * 2, "rows_routed_remote": 5},
     ]
-    summary = expert_parallel.traffic_summary(traffic, 64, 2)
+    summary = rank_results.traffic_summary(traffic, 64, 2)
     assert summary["bytes_sent_per_rank"] == [1280, 1280] and summary["max_bytes_sent_per_rank"] == 1280
     assert summary["payload_efficiency"] == pytest.approx(10 / 9)  # rank 1 sent one row more than it routed
-    alone = expert_parallel.traffic_summary([{"rank": 0, "dispatch_bytes": 0, "combine_bytes": 0,
+    alone = rank_results.traffic_summary([{"rank": 0, "dispatch_bytes": 0, "combine_bytes": 0,
                                                "rows_routed_remote": 0}], 64, 2)
     assert alone["max_bytes_sent_per_rank"] == 0 and alone["payload_efficiency"] is None
-    assert expert_parallel.traffic_summary([], 64, 2)["max_bytes_sent_per_rank"] is None
+    assert rank_results.traffic_summary([], 64, 2)["max_bytes_sent_per_rank"] is None
 
 
 def _rank(rank, samples, y, traffic):
-    from flashdmoe.multiprocess import RankOutcome
-
     return RankOutcome(rank, "ok", 0, info={"samples_ms": samples, "median_ms": float(np.median(samples)),
                                             "traffic": [traffic], "input_sets": 1}, tensors={"y": y})
 
 
 def test_mps_rows_take_the_slowest_rank_per_forward_and_check_all_outputs():
-    from flashdmoe.multiprocess import RankOutcome, RunResult
-
     spec = expert_parallel.entry_spec("mps-2")
     y = torch.randn(10, 64)
     compare = torch.ones(10, dtype=torch.bool)
     traffic = {"dispatch_bytes": 128, "combine_bytes": 256, "rows_routed_remote": 1}
-    run = RunResult("bench", 2, [_rank(0, [1.0, 5.0, 2.0], y[:6], traffic | {"rank": 0}),
+    run = RunResult("timed_fused_forwards", 2, [_rank(0, [1.0, 5.0, 2.0], y[:6], traffic | {"rank": 0}),
                                  _rank(1, [3.0, 1.0, 4.0], y[6:], traffic | {"rank": 1})], 9.0, True)
     entry = expert_parallel._mps_entry(spec, run, BenchShape(10, 64, 64, 8, 2), y, compare, "cpu", 2)
     assert entry.status == "ok" and entry.samples_ms == [3.0, 5.0, 4.0] and entry.median_ms == 4.0
     assert entry.max_relative_error == 0.0
     assert entry.details["rank_medians_ms"] == [2.0, 3.0] and entry.details["payload_efficiency"] == 1.0
     assert entry.details["max_bytes_sent_per_rank"] == 384
-    wrong = RunResult("bench", 2, [run.ranks[0], _rank(1, [3.0, 1.0, 4.0], y[6:] + 1, traffic)], 9.0, True)
+    wrong = RunResult("timed_fused_forwards", 2,
+                      [run.ranks[0], _rank(1, [3.0, 1.0, 4.0], y[6:] + 1, traffic)], 9.0, True)
     assert expert_parallel._mps_entry(spec, wrong, BenchShape(10, 64, 64, 8, 2), y, compare, "cpu",
                                       2).max_relative_error > 0.1
-    hung = RunResult("bench", 2, [run.ranks[0], RankOutcome(1, "hung", -9, phase="timed forwards",
+    hung = RunResult("timed_fused_forwards", 2, [run.ranks[0], RankOutcome(1, "hung", -9, phase="timed forwards",
                                                             kill_reason="still running")], 600.0, True)
     failed = expert_parallel._mps_entry(spec, hung, BenchShape(10, 64, 64, 8, 2), y, compare, "cpu", 2)
     assert failed.status == "error" and "rank 1: hung in phase 'timed forwards'" in failed.reason
 
 
 def test_expert_parallel_table_cells():
-    details = expert_parallel.traffic_summary(
+    details = rank_results.traffic_summary(
         [{"rank": r, "dispatch_bytes": 1_000_000, "combine_bytes": 2_150_000 + r, "rows_routed_remote": 1_000_000 // 128}
          for r in range(2)], 64, 2)
     entries = [
@@ -493,14 +513,14 @@ def test_expert_parallel_table_cells():
     config = ConfigResult("T=8 H=64 I=64 E=8 k=2", {"T": 8, "H": 64, "I": 64, "E": 8, "k": 2}, "gelu",
                           "bfloat16", 1, 1, entries)
     result = SuiteResult("expert-parallel", {"device": "cuda"}, {"notes": ["a note"]}, [config])
-    markdown = report.markdown_report(result)
+    markdown = report.markdown_report(result, layout=expert_parallel.EP_LAYOUT)
     assert "| 8 | 64 | 64 | 8 | 2 | 2 | emulated P=2 | 1.500 | 1.400–1.600 | 80.0 | 10.0 | 1.25x | 3.15 | 100.0% | " \
            "6.0e-03 | ok |" in markdown
     assert "| 8 | 64 | 64 | 8 | 2 | 1 | emulated P=1 | 1.200 | 1.100–1.300 | 100.0 | – | 1.00x | – | – |" in markdown
     assert "| 2 | 2 processes (MPS) | – | – | – | – | – | – | – | – | error: rank 1: hung in phase 'x' |" in markdown
     assert "- a note" in markdown
     console = Console(record=True, width=200)
-    console.print(report.rich_table(result))
+    console.print(report.rich_table(result, expert_parallel.EP_LAYOUT))
     text = console.export_text()
     assert "MB/rank" in text and "1.25x" in text and "100.0%" in text and "3.15" in text
 
@@ -536,7 +556,7 @@ def test_expert_parallel_in_process_entries_with_stand_ins(monkeypatch):
     monkeypatch.setattr(Team, "emulated", classmethod(lambda cls, world_size, **sizes: StandInTeam(world_size, **sizes)))
     monkeypatch.setattr(flashdmoe, "moe_expert_parallel", moe_expert_parallel, raising=False)
     monkeypatch.setattr(flashdmoe, "moe", lambda x, r, w1, w2, backend, **kw: reference.moe(x, r, w1, w2, **kw))
-    options = suites.SuiteOptions(
+    options = SuiteOptions(
         suite="expert-parallel", device="cpu", dtype="float32", activation="silu",
         shapes=[BenchShape(30, 64, 64, 8, 2)], entries=["single", "emulated-1", "emulated-2", "emulated-8", "reference"],
         repeats=2, warmup=1, input_sets=2,
@@ -593,10 +613,10 @@ MG_ARGS = ["--suite", "multi-gpu", "--quick", "--repeats", "2", "--warmup", "0"]
 
 
 def test_multi_gpu_suite_is_registered():
-    suite = suites.get_suite("multi-gpu")
+    suite = registry.get_suite("multi-gpu")
     assert list(suite.entry_names) == ["fused", "nccl"] and suite.validate is multi_gpu.validate_options
     assert suite.default_shapes == (BenchShape(8192, 2048, 2048, 32, 2),)
-    assert report.layout_for(SuiteResult("multi-gpu", {}, {}, [])) is multi_gpu.MULTI_GPU_LAYOUT
+    assert suite.layout is multi_gpu.MULTI_GPU_LAYOUT
     assert "multi-gpu" in bench_cli.configure_parser(argparse.ArgumentParser()).format_help()
     assert "not yet run on multi-GPU hardware" in multi_gpu.__doc__
 
@@ -629,7 +649,7 @@ def test_multi_gpu_plan_for_8_4_3_and_2_gpus():
 def _mg_options(**changes):
     base = {"suite": "multi-gpu", "device": "cuda", "dtype": "bfloat16", "activation": "gelu",
             "shapes": list(multi_gpu.MULTI_GPU_SHAPES), "entries": ["fused", "nccl"]}
-    return suites.SuiteOptions(**(base | changes))
+    return SuiteOptions(**(base | changes))
 
 
 def test_multi_gpu_refuses_without_two_gpus(tmp_path, capsys):
@@ -680,7 +700,7 @@ def test_multi_gpu_derived_metrics():
     assert fused[2]["vs_nccl"] == pytest.approx(3.3 / 0.55) and nccl[2]["vs_nccl"] == pytest.approx(1.0)
     assert "vs_nccl" not in fused[3]  # the baseline failed there
     result = SuiteResult("multi-gpu", {"device": "cuda"}, {"notes": []}, configs)
-    markdown = report.markdown_report(result)
+    markdown = report.markdown_report(result, layout=multi_gpu.MULTI_GPU_LAYOUT)
     assert ("| P | T/GPU | H | I | E | k | study | entry | ms (median) | p10–p90 ms | TFLOP/s | % of ceiling | "
             "overlap eff. | vs NCCL | sent MB / rank (max) | payload eff. | max rel. error | status |") in markdown
     assert "| 8 | 8192 | 2048 | 2048 | 32 | 2 | weak,tokens | fused (NVSHMEM) | 0.550 |" in markdown
@@ -689,8 +709,6 @@ def test_multi_gpu_derived_metrics():
 
 
 def test_multi_gpu_entry_takes_the_slowest_rank_and_combines_checks():
-    from flashdmoe.multiprocess import RankOutcome, RunResult
-
     def rank(r, samples, error, scale, traffic):
         return RankOutcome(r, "ok", 0, info={
             "samples_ms": samples, "median_ms": float(np.median(samples)), "input_sets": 1, "traffic": [traffic],
@@ -698,14 +716,14 @@ def test_multi_gpu_entry_takes_the_slowest_rank_and_combines_checks():
                       "near_tie_tokens": 1}})
 
     traffic = {"dispatch_bytes": 4 * 64 * 2, "combine_bytes": 64 * 2, "rows_routed_remote": 4}
-    run = RunResult("nccl_bench", 2, [rank(0, [1.0, 4.0, 2.0], 0.01, 2.0, traffic | {"rank": 0}),
+    run = RunResult("nccl_forwards", 2, [rank(0, [1.0, 4.0, 2.0], 0.01, 2.0, traffic | {"rank": 0}),
                                       rank(1, [3.0, 1.0, 1.5], 0.03, 1.0, traffic | {"rank": 1})], 5.0, False)
     entry = multi_gpu.entry_from_run("nccl", run, 64, 2)
     assert entry.status == "ok" and entry.samples_ms == [3.0, 4.0, 2.0] and entry.median_ms == 3.0
     assert entry.max_relative_error == pytest.approx(0.03 / 2.0)
     assert entry.details["compared_tokens"] == 10 and entry.details["near_tie_tokens"] == 2
     assert entry.details["payload_efficiency"] == 1.0 and entry.details["max_bytes_sent_per_rank"] == 640
-    hung = RunResult("bench", 2, [run.ranks[0], RankOutcome(1, "hung", -9, phase="timed forwards",
+    hung = RunResult("timed_fused_forwards", 2, [run.ranks[0], RankOutcome(1, "hung", -9, phase="timed forwards",
                                                             kill_reason="still running")], 600.0, False)
     failed = multi_gpu.entry_from_run("fused", hung, 64, 2)
     assert failed.status == "error" and "rank 1: hung in phase 'timed forwards'" in failed.reason
@@ -713,9 +731,33 @@ def test_multi_gpu_entry_takes_the_slowest_rank_and_combines_checks():
                                       "near_tie_tokens": 0}])["max_relative_error"] == 0.0
 
 
-def test_one_gpu_per_rank_needs_no_mps():
-    from flashdmoe.multiprocess import run_ranks
+def test_timed_fused_forwards_rotate_input_sets_after_a_checked_forward(monkeypatch, tmp_path):
+    """The rank scenario's own code on the CPU: a one-rank stand-in team, the reference as the layer."""
+    problem = Problem((20,), 64, 64, 4, 2, dtype="float32", near_tie_gap=0.0, seed=9)
+    calls, barriers = [], []
 
+    def reference_layer(problem, context, x, router, w1, w2):
+        calls.append(x)
+        return reference.moe(x, router, w1, w2, **problem.moe_kwargs())
+
+    monkeypatch.setattr(scenarios, "team_moe", reference_layer)
+
+    class StandInTeam:
+        def barrier(self):
+            barriers.append(True)
+
+    params = {"problem": problem.to_dict(), "warmup": 1, "repeats": 4, "input_sets": 2}
+    out = rank_scenarios.timed_fused_forwards(
+        RankContext(0, 1, params, StandInTeam(), torch.device("cpu"), tmp_path, {}))
+    assert barriers == [True] and out.info["input_sets"] == 2
+    assert len(out.info["samples_ms"]) == 4 and out.info["p10_ms"] <= out.info["median_ms"] <= out.info["p90_ms"]
+    sets = [problem.replace(seed=9 + s).rank_inputs(0).x for s in range(2)]
+    # checked forward on set 0, one warm-up (set 0), then four timed runs rotating from set 1
+    assert [next(i for i, x in enumerate(sets) if torch.equal(x, c)) for c in calls] == [0, 0, 1, 0, 1, 0]
+    torch.testing.assert_close(out.tensors["y"], reference_results(problem)[0]["y"], rtol=1e-5, atol=1e-5)
+
+
+def test_one_gpu_per_rank_needs_no_mps():
     with pytest.raises(ValueError, match="mps: one_gpu_per_rank=True"):
         run_ranks("selftest", 2, nvshmem=False, mps=True, one_gpu_per_rank=True)
 
@@ -723,17 +765,16 @@ def test_one_gpu_per_rank_needs_no_mps():
 def test_nccl_baseline_exchange_over_gloo_matches_the_reference():
     """The baseline scenario's real exchange (counts, rows and results through all_to_all_single, experts by
     torch._grouped_mm) on 3 CPU processes over gloo, through run_ranks, uneven tokens (one rank with 0)."""
-    from flashdmoe.multiprocess import Problem, run_ranks
-
     problem = Problem(tokens=(13, 0, 6), hidden=32, ffn=48, experts=6, top_k=2, activation="silu",
                       dtype="float32", seed=5)
-    run = run_ranks("nccl_bench", 3, nvshmem=False, mps=False, one_gpu_per_rank=True, timeout_s=120, params={
-        "problem": problem.to_dict(), "backend": "gloo", "experts": "grouped_mm", "warmup": 1, "repeats": 2,
-        "input_sets": 2, "return_output": True}).check()
+    params = {"problem": problem.to_dict(), "backend": "gloo", "experts": "grouped_mm", "warmup": 1, "repeats": 2,
+              "input_sets": 2, "return_output": True}
+    run = run_ranks(rank_scenarios.nccl_forwards, 3, nvshmem=False, mps=False, one_gpu_per_rank=True, timeout_s=120,
+                    params=params).check()
     inputs = problem.all_inputs()
     expected = reference.moe_expert_parallel([i.x for i in inputs], inputs[0].router_weight, [i.w1 for i in inputs],
                                              [i.w2 for i in inputs], top_k=2, activation="silu")
-    for outcome, want, sent in zip(run.ranks, expected, multiprocess_expected_traffic(problem)):
+    for outcome, want, sent in zip(run.ranks, expected, expected_traffic(problem)):
         assert outcome.tensors["y"].shape == want.shape
         torch.testing.assert_close(outcome.tensors["y"], want, rtol=1e-5, atol=1e-5)
         assert len(outcome.info["samples_ms"]) == 2 and outcome.info["backend"] == "gloo"
@@ -745,12 +786,6 @@ def test_nccl_baseline_exchange_over_gloo_matches_the_reference():
     assert run.ranks[0].info["traffic"][0]["rows_routed_remote"] > 0
     entry = multi_gpu.entry_from_run("nccl", run, 32, 4)
     assert entry.status == "ok" and entry.max_relative_error < 1e-5 and entry.details["payload_efficiency"] == 1.0
-
-
-def multiprocess_expected_traffic(problem):
-    from flashdmoe.multiprocess import expected_traffic
-
-    return expected_traffic(problem)
 
 
 @pytest.mark.gpu

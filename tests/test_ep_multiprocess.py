@@ -1,12 +1,13 @@
 """Expert parallelism across processes: P rank processes share the one GPU under MPS, each joins a
-``Team.nvshmem`` team and calls ``flashdmoe.moe(..., team=team, backend="cuda")`` (flashdmoe.multiprocess).
+``Team.nvshmem`` team and calls ``flashdmoe.moe(..., team=team, backend="cuda")`` (flashdmoe.ranks).
 
 CPU part (always runs): the harness itself (unique-id hand-over, per-rank errors, hung and crashed ranks,
 argument checks) and the seeded problems the GPU part is built on.
 
 GPU part (``gpu``): forward and backward of every rank against ``reference.moe_expert_parallel``, computed
 here on the CPU in float32 from the same seeded inputs; the traffic counters against the reference routing;
-a silent rank makes every rank raise ``KernelTimeout`` naming it, and a new team works afterwards.
+a silent rank makes every rank raise ``KernelTimeout`` naming it, and a new team works afterwards. On a GPU
+machine the GPU part fails (it does not skip) when nvshmem4py or CUDA MPS is missing.
 Tolerances (norm-relative, as tests/test_fused_gpu.py): outputs bf16 2e-2 / fp16 5e-3 (the kernel rounds the
 activation and per-expert outputs to the input dtype), gradients 3e-2. Near-ties of the router are redrawn
 by ``Problem`` (gap 1e-3 in log-probability), so the kernel must route exactly like the reference.
@@ -24,16 +25,17 @@ import time
 import pytest
 import torch
 
-from flashdmoe import multiprocess as mp
 from flashdmoe import reference
-from flashdmoe.multiprocess import Problem
+from flashdmoe.ranks import child, launcher, scenarios
+from flashdmoe.ranks.launcher import RunResult, run_ranks
+from flashdmoe.ranks.problem import Problem, expected_traffic, near_tie_rows, reference_results, split_tokens
 
 # ------------------------------------------------------------------------------------------------------------
 # CPU: the harness
 
 
 def test_ranks_receive_rank0_id_and_return_results():
-    result = mp.run_ranks("selftest", 2, nvshmem=False, mps=False, timeout_s=120)
+    result = run_ranks("selftest", 2, nvshmem=False, mps=False, timeout_s=120)
     assert result.ok, result.summary()
     assert result.check() is result
     uids = {outcome.info["uid"] for outcome in result.ranks}
@@ -47,18 +49,18 @@ def test_ranks_receive_rank0_id_and_return_results():
 
 def test_failing_crashing_and_hung_ranks_are_reported():
     started = time.monotonic()
-    result = mp.run_ranks("selftest", 3, nvshmem=False, mps=False, timeout_s=120, failure_grace_s=3,
+    result = run_ranks("selftest", 3, nvshmem=False, mps=False, timeout_s=120, failure_grace_s=3,
                           params={"actions": {"0": "raise", "1": "hang", "2": "exit"}})
     assert time.monotonic() - started < 60  # the hung rank is killed soon after the failure, not at the timeout
     raised, hung, crashed = result.ranks
     assert raised.status == "error" and raised.error_type == "ValueError" and raised.returncode == 1
-    assert "rank 0 raises as asked" in raised.error_message and "scenario_selftest" in raised.traceback
+    assert "rank 0 raises as asked" in raised.error_message and "in selftest" in raised.traceback
     assert raised.phase == "scenario selftest"
     assert hung.status == "hung" and hung.phase == "selftest: hanging as asked"
     assert "after rank" in hung.kill_reason and "failed" in hung.kill_reason
     assert crashed.status == "crashed" and crashed.returncode == 7 and crashed.phase == "scenario selftest"
     assert result.hung_ranks == [1] and result.failed_ranks == [0, 1, 2] and not result.ok
-    with pytest.raises(mp.RanksFailed, match=r"rank 1: hung in phase 'selftest: hanging as asked'") as info:
+    with pytest.raises(launcher.RanksFailed, match=r"rank 1: hung in phase 'selftest: hanging as asked'") as info:
         result.check()
     assert info.value.result is result
     assert "rank 0: ValueError: selftest: rank 0 raises as asked" in str(info.value)
@@ -67,8 +69,8 @@ def test_failing_crashing_and_hung_ranks_are_reported():
 
 def test_uid_wait_returns_published_id(tmp_path):
     uid = bytes(range(128))
-    threading.Timer(0.3, mp._publish_uid, args=(tmp_path, uid)).start()
-    assert mp._wait_for_uid(tmp_path, timeout_s=20, poll_s=0.01) == uid
+    threading.Timer(0.3, child.publish_uid, args=(tmp_path, uid)).start()
+    assert child.wait_for_uid(tmp_path, timeout_s=20, poll_s=0.01) == uid
     assert sorted(p.name for p in tmp_path.iterdir()) == ["uid.bin"]  # the temporary file was renamed
 
 
@@ -76,7 +78,7 @@ def test_uid_wait_is_bounded_and_names_rank0_phase(tmp_path):
     (tmp_path / "rank0.phase.json").write_text(json.dumps({"phase": "joining the NVSHMEM team (collective)"}))
     started = time.monotonic()
     with pytest.raises(TimeoutError, match=r"no unique id from rank 0 .* after 0.3 s .*joining the NVSHMEM team"):
-        mp._wait_for_uid(tmp_path, timeout_s=0.3, poll_s=0.01)
+        child.wait_for_uid(tmp_path, timeout_s=0.3, poll_s=0.01)
     assert time.monotonic() - started < 5
 
 
@@ -84,10 +86,10 @@ def test_uid_wait_stops_when_rank0_failed(tmp_path):
     (tmp_path / "rank0.status.json").write_text(json.dumps(
         {"status": "error", "error_type": "ImportError", "error_message": "no nvshmem"}))
     with pytest.raises(RuntimeError, match="rank 0 finished without publishing the unique id .*ImportError: no nvshmem"):
-        mp._wait_for_uid(tmp_path, timeout_s=60)
+        child.wait_for_uid(tmp_path, timeout_s=60)
     (tmp_path / "uid.bin").write_bytes(b"short")
     with pytest.raises(RuntimeError, match="5 bytes; expected a 128-byte unique id"):
-        mp._wait_for_uid(tmp_path, timeout_s=1)
+        child.wait_for_uid(tmp_path, timeout_s=1)
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -101,20 +103,41 @@ def test_uid_wait_stops_when_rank0_failed(tmp_path):
     (dict(scenario="forward_backward", world_size=2, nvshmem=True), "team: required"),
     (dict(scenario="forward_backward", world_size=3, nvshmem=True,
           params={"problem": Problem((4, 4), 64, 64, 4, 2).to_dict()}), "tokens for 2 ranks, but world_size=3"),
-    (dict(scenario="bench", world_size=2, team={"hidden": 64}), "team: missing"),
+    (dict(scenario="forward_backward", world_size=2, team={"hidden": 64}), "team: missing"),
 ])
 def test_run_ranks_rejects_bad_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        mp.run_ranks(**({"mps": False} | kwargs))
+        run_ranks(**({"mps": False} | kwargs))
+
+
+def _nested_scenario():
+    def inner(context):
+        return {}
+    return inner
+
+
+def test_scenarios_are_named_by_module_and_function():
+    assert launcher.scenario_target("selftest") == ("selftest", "flashdmoe.ranks.scenarios:selftest")
+    assert launcher.scenario_target(scenarios.forward_backward) == (
+        "forward_backward", "flashdmoe.ranks.scenarios:forward_backward")
+    assert launcher.scenario_target("some.module:run") == ("some.module:run", "some.module:run")
+    assert child.resolve_scenario("flashdmoe.ranks.scenarios:selftest") is scenarios.selftest
+    for unreachable in (lambda context: {}, _nested_scenario()):  # a rank process cannot import these by name
+        with pytest.raises(ValueError, match="top level of an importable module"):
+            launcher.scenario_target(unreachable)
+    with pytest.raises(ValueError, match="has no function 'nope'"):
+        child.resolve_scenario("flashdmoe.ranks.scenarios:nope")
+    with pytest.raises(ValueError, match="expected 'package.module:function'"):
+        child.resolve_scenario("selftest")
 
 
 def test_child_rejects_a_bad_spec(tmp_path, capsys):
-    assert mp.main([]) == 2
+    assert child.main([]) == 2
     bad = tmp_path / "spec.json"
     bad.write_text(json.dumps({"version": 99}))
-    assert mp.main([str(bad)]) == 2
+    assert child.main([str(bad)]) == 2
     assert "spec version 99" in capsys.readouterr().err
-    done = subprocess.run([sys.executable, "-m", "flashdmoe.multiprocess", str(bad)],
+    done = subprocess.run([sys.executable, "-m", "flashdmoe.ranks", str(bad)],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "bad spec" in done.stderr
 
@@ -133,8 +156,8 @@ class _StandInTeam:
         self.barriers += 1
 
 
-def _cpu_context(tmp_path, params, team=None) -> mp.RankContext:
-    return mp.RankContext(0, 1, params, team or _StandInTeam(), torch.device("cpu"), tmp_path, {})
+def _cpu_context(tmp_path, params, team=None) -> child.RankContext:
+    return child.RankContext(0, 1, params, team or _StandInTeam(), torch.device("cpu"), tmp_path, {})
 
 
 def _reference_layer(calls):
@@ -147,13 +170,13 @@ def _reference_layer(calls):
 def test_forward_backward_scenario_returns_every_gradient(monkeypatch, tmp_path):
     problem = Problem((40,), 64, 48, 4, 2, "swiglu", True, 1.0, dtype="float32", seed=7)
     calls = []
-    monkeypatch.setattr(mp, "_moe_call", _reference_layer(calls))
+    monkeypatch.setattr(scenarios, "team_moe", _reference_layer(calls))
     traffic = [{"rank": 0, "dispatch_bytes": 0, "combine_bytes": 0, "rows_routed_remote": 0}]
     # (cuda_backend.last_traffic is computed by a module __getattr__: patch the reader, not the module)
-    monkeypatch.setattr(mp, "_traffic_now", lambda: [dict(t) for t in traffic])
-    out = mp.scenario_forward_backward(_cpu_context(tmp_path, {"problem": problem.to_dict(), "iterations": 3}))
+    monkeypatch.setattr(scenarios, "last_traffic", lambda: [dict(t) for t in traffic])
+    out = scenarios.forward_backward(_cpu_context(tmp_path, {"problem": problem.to_dict(), "iterations": 3}))
     assert len(calls) == 3 and all(x.requires_grad for x in calls)
-    want = mp.reference_results(problem)[0]
+    want = reference_results(problem)[0]
     for name in ("y", "dx", "d_router", "dw1", "dw2"):
         torch.testing.assert_close(out.tensors[name], want[name], rtol=1e-5, atol=1e-5, msg=name)
     assert out.info == {"traffic": traffic, "iterations": 3, "repeat_identical": True,
@@ -175,9 +198,9 @@ def test_timeout_scenario_reports_both_errors_and_restores_the_knobs(monkeypatch
             raise KernelTimeout("flashdmoe kernel timed out in the dispatch (waiting on rank 1)")
         raise TeamFailed("Team(...) failed earlier; make a new team")
 
-    monkeypatch.setattr(mp, "_moe_call", forward)
+    monkeypatch.setattr(scenarios, "team_moe", forward)
     problem = Problem((8,), 64, 64, 4, 2, dtype="float32")
-    out = mp.scenario_timeout(_cpu_context(tmp_path, {"problem": problem.to_dict(), "silent_rank": 1,
+    out = scenarios.silent_rank_timeout(_cpu_context(tmp_path, {"problem": problem.to_dict(), "silent_rank": 1,
                                                       "timeout_ms": 500}, team))
     assert out.info["error"] == {"type": "KernelTimeout", "module": "flashdmoe.errors",
                                  "message": "flashdmoe kernel timed out in the dispatch (waiting on rank 1)"}
@@ -185,21 +208,6 @@ def test_timeout_scenario_reports_both_errors_and_restores_the_knobs(monkeypatch
     assert out.info["silent_rank"] == 1 and out.info["timeout_ms"] == 500 and out.info["elapsed_s"] < 60
     assert seen == [(1, 500), (-1, 500)]  # the second call has no silent rank
     assert getattr(cuda_backend.debug, "silent_rank", -1) == -1 and cuda_backend.debug.timeout_ms is None
-
-
-def test_bench_scenario_times_rotated_sets_after_a_checked_forward(monkeypatch, tmp_path):
-    problem = Problem((20,), 64, 64, 4, 2, dtype="float32", near_tie_gap=0.0, seed=9)
-    calls = []
-    monkeypatch.setattr(mp, "_moe_call", _reference_layer(calls))
-    team = _StandInTeam()
-    out = mp.scenario_bench(_cpu_context(tmp_path, {"problem": problem.to_dict(), "warmup": 1, "repeats": 4,
-                                                    "input_sets": 2}, team))
-    assert team.barriers == 1 and out.info["input_sets"] == 2
-    assert len(out.info["samples_ms"]) == 4 and out.info["p10_ms"] <= out.info["median_ms"] <= out.info["p90_ms"]
-    sets = [problem.replace(seed=9 + s).rank_inputs(0).x for s in range(2)]
-    # checked forward on set 0, one warm-up (set 0), then four timed runs rotating from set 1
-    assert [next(i for i, x in enumerate(sets) if torch.equal(x, c)) for c in calls] == [0, 0, 1, 0, 1, 0]
-    torch.testing.assert_close(out.tensors["y"], mp.reference_results(problem)[0]["y"], rtol=1e-5, atol=1e-5)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -233,10 +241,10 @@ def test_problem_redraws_near_ties():
     kept = problem.replace(near_tie_gap=0.0).all_tokens()
     fixed = problem.all_tokens()
     router = problem.router_weight()
-    assert mp.near_tie_rows(kept, router, 3, 1e-2).sum() > 0  # there were some
-    assert mp.near_tie_rows(fixed, router, 3, 1e-2).sum() == 0  # and none are left
+    assert near_tie_rows(kept, router, 3, 1e-2).sum() > 0  # there were some
+    assert near_tie_rows(fixed, router, 3, 1e-2).sum() == 0  # and none are left
     redrawn = (kept != fixed).any(dim=1)
-    assert torch.equal(redrawn, mp.near_tie_rows(kept, router, 3, 1e-2))  # exactly the near-ties were redrawn
+    assert torch.equal(redrawn, near_tie_rows(kept, router, 3, 1e-2))  # exactly the near-ties were redrawn
 
 
 @pytest.mark.parametrize("changes, message", [
@@ -263,17 +271,17 @@ def test_problem_rejects_bad_fields(changes, message):
 
 
 def test_split_tokens():
-    assert mp.split_tokens(10, 4) == [3, 3, 2, 2]
-    assert mp.split_tokens(8192, 8) == [1024] * 8
-    assert mp.split_tokens(1, 3) == [1, 0, 0]
+    assert split_tokens(10, 4) == [3, 3, 2, 2]
+    assert split_tokens(8192, 8) == [1024] * 8
+    assert split_tokens(1, 3) == [1, 0, 0]
     with pytest.raises(ValueError, match="world_size=0"):
-        mp.split_tokens(4, 0)
+        split_tokens(4, 0)
 
 
 def test_reference_results_are_the_single_rank_layer_on_all_tokens():
     problem = Problem(tokens=(37, 0, 51), hidden=64, ffn=32, experts=6, top_k=2, activation="swiglu",
                       dtype="float32", seed=3)
-    per_rank = mp.reference_results(problem)
+    per_rank = reference_results(problem)
     inputs = problem.all_inputs()
     x = torch.cat([i.x for i in inputs]).requires_grad_()
     router = inputs[0].router_weight.clone().requires_grad_()
@@ -292,8 +300,8 @@ def test_reference_results_are_the_single_rank_layer_on_all_tokens():
 
 def test_expected_traffic_counts_remote_kept_choices():
     problem = Problem(tokens=(50, 70), hidden=64, ffn=64, experts=4, top_k=2, capacity_factor=0.5, seed=2)
-    traffic = mp.expected_traffic(problem)
-    per_rank = mp.reference_results(problem)
+    traffic = expected_traffic(problem)
+    per_rank = reference_results(problem)
     owners = [r["experts"] // 2 for r in per_rank]
     sent = [int(((owners[r] != r) & per_rank[r]["keep"]).sum()) for r in range(2)]
     assert [t["rows_routed_remote"] for t in traffic] == sent
@@ -326,50 +334,60 @@ CONFIGS = [
 CONFIG_IDS = [name for name, _ in CONFIGS]
 
 
+def _missing_requirement() -> str | None:
+    """What this GPU machine lacks for the multi-process tests, or None. A missing package fails the
+    tests instead of skipping them: on a GPU machine a skip would pass without testing the path."""
+    from flashdmoe.mps import mps_available
+
+    reason = launcher.nvshmem_unavailable_reason()
+    if reason:
+        return ("the multi-process GPU tests need the nvshmem4py package in this Python "
+                f"(pip install -e '.[gpu]'): {reason}")
+    reason = mps_available()
+    if reason:
+        return f"the multi-process GPU tests need CUDA MPS (several rank processes on one GPU): {reason}"
+    return None
+
+
 @pytest.fixture(scope="module")
 def mps_daemon():
-    """One MPS daemon for the module's runs (DESIGN.md §4); skips where the multi-process path cannot run."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
+    """One MPS daemon for the module's runs; fails where a package or MPS is missing."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the fused kernel targets Hopper (sm_90a)")
     from flashdmoe import extension
 
     extension.load()  # built here once (a failure on Hopper is an error, not a skip), not inside a rank's run
-    reason = mp.nvshmem_unavailable_reason()
-    if reason:
-        pytest.skip(f"rank processes need nvshmem4py: {reason}")
-    from flashdmoe.mps import MpsDaemon, mps_available
+    missing = _missing_requirement()
+    if missing:
+        pytest.fail(missing)
+    from flashdmoe.mps import MpsDaemon
 
-    reason = mps_available()
-    if reason:
-        pytest.skip(f"several processes on one GPU need MPS: {reason}")
     daemon = MpsDaemon()
     try:
         daemon.start()
     except (OSError, subprocess.SubprocessError, RuntimeError) as error:
         log = daemon.log_tail()
         daemon.stop()
-        pytest.skip(f"the MPS daemon did not start: {error}\n{log}")
+        pytest.fail(f"the MPS daemon did not start: {error}\n{log}")
     yield daemon
     daemon.stop()
 
 
-_RUNS: dict[str, mp.RunResult] = {}
+_RUNS: dict[str, RunResult] = {}
 _HUNG: list[str] = []
 
 
-def _run(mps_daemon, scenario: str, world_size: int, params: dict, what: str) -> mp.RunResult:
+def _run(mps_daemon, scenario: str, world_size: int, params: dict, what: str) -> RunResult:
     """run_ranks, except after a run that hung: then fail at once instead of spending the timeout again."""
     if _HUNG:
         pytest.fail(f"not started: an earlier multi-process run hung ({_HUNG[0]})")
-    result = mp.run_ranks(scenario, world_size, mps=mps_daemon, params=params, timeout_s=RUN_TIMEOUT_S)
+    result = run_ranks(scenario, world_size, mps=mps_daemon, params=params, timeout_s=RUN_TIMEOUT_S)
     if result.hung_ranks:
         _HUNG.append(f"{what}: ranks {result.hung_ranks}")
     return result
 
 
-def _forward_backward(mps_daemon, name: str, problem: Problem) -> mp.RunResult:
+def _forward_backward(mps_daemon, name: str, problem: Problem) -> RunResult:
     """One multi-process run per config, shared by the tests that read it."""
     if name not in _RUNS:
         _RUNS[name] = _run(mps_daemon, "forward_backward", problem.world_size,
@@ -399,7 +417,7 @@ def _check_close(got: torch.Tensor, want: torch.Tensor, tolerance: float, what: 
 def test_forward_backward_matches_reference(mps_daemon, name, problem):
     result = _forward_backward(mps_daemon, name, problem)
     result.check()
-    expected = mp.reference_results(problem)
+    expected = reference_results(problem)
     dtype = problem.torch_dtype
     for rank, (outcome, want) in enumerate(zip(result.ranks, expected)):
         got = outcome.tensors
@@ -425,7 +443,7 @@ def test_only_routed_rows_travel(mps_daemon, name, problem):
     """cuda_backend.last_traffic of each rank's forward against the reference routing (payload efficiency 1)."""
     result = _forward_backward(mps_daemon, name, problem)
     result.check()
-    for outcome, want in zip(result.ranks, mp.expected_traffic(problem)):
+    for outcome, want in zip(result.ranks, expected_traffic(problem)):
         traffic = outcome.info["traffic"]
         assert isinstance(traffic, list) and len(traffic) == 1, traffic  # one rank per process
         got = traffic[0]
@@ -441,7 +459,7 @@ def test_only_routed_rows_travel(mps_daemon, name, problem):
 def test_silent_rank_makes_every_rank_time_out_then_a_new_team_works(mps_daemon):
     problem = Problem((128, 128), 128, 128, 8, 2, "gelu", seed=21)
     timeout_ms = 2000
-    result = _run(mps_daemon, "timeout", 2,
+    result = _run(mps_daemon, "silent_rank_timeout", 2,
                   {"problem": problem.to_dict(), "silent_rank": 1, "timeout_ms": timeout_ms}, "timeout")
     result.check()  # no rank hung: the watchdog ended every kernel
     for outcome in result.ranks:
@@ -458,5 +476,5 @@ def test_silent_rank_makes_every_rank_time_out_then_a_new_team_works(mps_daemon)
     name, fresh = CONFIGS[0]
     again = _run(mps_daemon, "forward_backward", 2, {"problem": fresh.to_dict(), "iterations": 1},
                  "after the timeout").check()
-    for outcome, want in zip(again.ranks, mp.reference_results(fresh)):
+    for outcome, want in zip(again.ranks, reference_results(fresh)):
         _check_close(outcome.tensors["y"], want["y"], TOLERANCE_Y[fresh.dtype], f"after the timeout: rank {outcome.rank} y")

@@ -1,7 +1,7 @@
 """``flashdmoe bench``: the fused MoE kernel timed beside unfused PyTorch baselines (DESIGN.md §7).
 
 ``configure_parser(parser)`` adds the options to an argparse (sub)parser, ``run(args) -> int`` runs
-them, ``main(argv=None)`` does both. Suites live in a registry (``flashdmoe.bench.suites``).
+them, ``main(argv=None)`` does both. The suites are listed in ``flashdmoe.bench.registry``.
 """
 
 from flashdmoe.bench.cli import configure_parser, main, run

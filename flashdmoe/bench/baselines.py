@@ -102,7 +102,7 @@ def _check_arguments(
         raise ValueError(f"top_k={top_k}: expected 1 <= top_k <= E ({experts})")
 
 
-def _scatter_combine(
+def scatter_combine(
     tokens: int, token_of_row: torch.Tensor, row_outputs: torch.Tensor, row_weights: torch.Tensor,
     dtype: torch.dtype,
 ) -> torch.Tensor:
@@ -149,7 +149,7 @@ def grouped_mm_pipeline(
     hidden = activate(torch._grouped_mm(rows, w1, offs=offsets), activation)
     row_outputs = torch._grouped_mm(hidden, w2, offs=offsets)
     row_weights = routing.weights.reshape(-1).index_select(0, order)
-    return _scatter_combine(tokens, token_of_row, row_outputs, row_weights, x.dtype)
+    return scatter_combine(tokens, token_of_row, row_outputs, row_weights, x.dtype)
 
 
 def _column_major(weight: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,8 @@ from rich.console import Console
 
 from flashdmoe.bench import report
 from flashdmoe.bench.results import parse_shapes
-from flashdmoe.bench.suites import SUITES, SuiteOptions, get_suite
+from flashdmoe.bench.registry import SUITES, get_suite
+from flashdmoe.bench.suite import SuiteOptions
 from flashdmoe.bench.workload import DTYPES
 
 DEFAULT_OUTPUT_DIR = "results/bench"
@@ -34,7 +35,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     """Add the ``bench`` options to ``parser`` (a top-level parser or a subcommand's)."""
     parser.add_argument(
         "--suite", default="single-gpu",
-        help=f"suite to run (registered: {', '.join(sorted(SUITES))}; default: single-gpu)",
+        help=f"suite to run ({', '.join(SUITES)}; default: single-gpu)",
     )
     parser.add_argument(
         "--output", default=DEFAULT_OUTPUT_DIR, metavar="DIR",
@@ -145,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
     result = suite.runner(options)
     result.date = started.isoformat(timespec="seconds")
     result.command = getattr(args, "command_line", None) or _command_line(sys.argv)
-    paths = report.write_all(result, args.output)
+    paths = report.write_all(result, args.output, suite.layout)
     console.print("wrote " + ", ".join(str(path) for path in paths.values()))
     failures = [
         f"{config.label} / {entry.label}"
@@ -156,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
     if failures:
         console.print("[red]failed or out of tolerance: " + "; ".join(failures) + "[/red]")
     # The table goes last and to stdout, so it is what a reader sees at the end of the log.
-    report.print_summary(result, Console())
+    report.print_summary(result, Console(), suite.layout)
     return 1 if failures else 0
 
 

@@ -1,18 +1,19 @@
 """The ``expert-parallel`` suite: what the expert-parallel protocol costs on one GPU (issue 4, item 5).
 
 Every entry computes the same total problem: ``T`` tokens (split as evenly as possible over the ranks,
-:func:`flashdmoe.multiprocess.split_tokens`), ``E`` experts (rank ``r`` owns ``[r L, (r + 1) L)``), ``k``:
+:func:`flashdmoe.ranks.split_tokens`), ``E`` experts (rank ``r`` owns ``[r L, (r + 1) L)``), ``k``:
 
 * ``single`` -- ``flashdmoe.moe(x, ..., backend="cuda")`` on all tokens, no team (the single-GPU kernel);
 * ``emulated-P`` (P = 1, 2, 4, 8) -- ``flashdmoe.moe_expert_parallel`` over ``Team.emulated(P)``: P virtual
   ranks in one launch, every dispatched row and combined result going through the symmetric buffers;
   ``emulated-1`` is the baseline of the "vs P=1" column (the protocol's overhead);
 * ``mps-P`` (P = 2, 4) -- P processes sharing the GPU under MPS, each one rank of a ``Team.nvshmem`` team
-  (:mod:`flashdmoe.multiprocess`, scenario ``bench``); a forward's time is the slowest rank's (per run,
-  the maximum over ranks of their CUDA-event times: the forwards are collective);
+  (:func:`flashdmoe.ranks.run_ranks` of :func:`flashdmoe.bench.rank_scenarios.timed_fused_forwards`); a
+  forward's time is the slowest rank's (per run, the maximum over ranks of their CUDA-event times: the
+  forwards are collective);
 * ``reference`` -- ``flashdmoe.reference.moe`` on all tokens (the oracle; the one entry a CPU runs).
 
-Inputs come from :class:`flashdmoe.multiprocess.Problem` (seeded piece by piece), so the rank processes
+Inputs come from :class:`flashdmoe.ranks.Problem` (seeded piece by piece), so the rank processes
 build exactly the tokens and experts this process uses for the reference answer. Times are medians of
 CUDA events after warm-up, inside ``cuda_backend.deferred_status_checks()``; input sets are rotated as in
 the single-gpu suite. Traffic comes from ``cuda_backend.last_traffic`` after one checked forward on input
@@ -33,12 +34,15 @@ from dataclasses import dataclass
 import torch
 
 from flashdmoe import reference
-from flashdmoe.bench import hardware, metrics, report
+from flashdmoe.bench import hardware, metrics, rank_scenarios, report
 from flashdmoe.bench.entries import MoEInputs, describe_error
+from flashdmoe.bench.rank_results import failure_details, failure_reason, timed_run_summary, traffic_summary
 from flashdmoe.bench.results import BenchShape, ConfigResult, EntryResult, SuiteResult
-from flashdmoe.bench.suites import Suite, SuiteOptions, register_suite
-from flashdmoe.bench.timing import TimingStats, cache_bytes, input_sets_for_cache, measure
+from flashdmoe.bench.suite import Suite, SuiteOptions
+from flashdmoe.bench.timing import cache_bytes, input_sets_for_cache, measure
 from flashdmoe.bench.workload import torch_dtype
+from flashdmoe.mps import MpsDaemon, mps_available
+from flashdmoe.ranks import Problem, nvshmem_unavailable_reason, run_ranks, split_tokens
 
 SUITE_NAME = "expert-parallel"
 EMULATED_RANKS = (1, 2, 4, 8)
@@ -86,29 +90,15 @@ def validate_options(options: SuiteOptions) -> None:
                 )
 
 
-def problem_for(shape: BenchShape, world_size: int, options: SuiteOptions, config_index: int, set_index: int = 0):
-    """The seeded :class:`flashdmoe.multiprocess.Problem` of input set ``set_index`` split over ``world_size``."""
-    from flashdmoe.multiprocess import Problem, split_tokens
-
+def problem_for(shape: BenchShape, world_size: int, options: SuiteOptions, config_index: int,
+                set_index: int = 0) -> Problem:
+    """The seeded :class:`flashdmoe.ranks.Problem` of input set ``set_index`` split over ``world_size``."""
     return Problem(
         tokens=tuple(split_tokens(shape.tokens, world_size)), hidden=shape.hidden, ffn=shape.ffn,
         experts=shape.experts, top_k=shape.top_k, activation=options.activation,
         normalize_topk=options.normalize_topk, capacity_factor=None, dtype=options.dtype,
         seed=options.seed + 1000 * config_index + set_index, near_tie_gap=0.0,
     )
-
-
-def traffic_summary(traffic: list[dict] | None, hidden: int, element_bytes: int) -> dict:
-    """From ``cuda_backend.last_traffic`` (one dict per rank): bytes each rank sent (dispatch + combine),
-    their maximum, and the payload efficiency over all ranks (None when no row went to another rank)."""
-    if not traffic:
-        return {"traffic": traffic or [], "bytes_sent_per_rank": [], "max_bytes_sent_per_rank": None,
-                "payload_efficiency": None}
-    sent = [int(t.get("dispatch_bytes", 0)) + int(t.get("combine_bytes", 0)) for t in traffic]
-    routed = sum(int(t.get("rows_routed_remote", 0)) for t in traffic) * hidden * element_bytes
-    dispatched = sum(int(t.get("dispatch_bytes", 0)) for t in traffic)
-    return {"traffic": traffic, "bytes_sent_per_rank": sent, "max_bytes_sent_per_rank": max(sent),
-            "payload_efficiency": dispatched / routed if routed else None}
 
 
 def _unavailable(spec: EntrySpec, reason: str) -> EntryResult:
@@ -129,13 +119,10 @@ def _kernel_unavailable_reason(options: SuiteOptions) -> str | None:
 
 
 def _run_mps_entries(options: SuiteOptions, names: list[str]) -> dict[tuple[int, str], object]:
-    """(config index, entry name) -> RunResult of the ``bench`` scenario, or an EntryResult if it could not run."""
-    from flashdmoe import multiprocess
-    from flashdmoe.mps import MpsDaemon, mps_available
-
+    """(config index, entry name) -> RunResult of :func:`~flashdmoe.bench.rank_scenarios.timed_fused_forwards`,
+    or an EntryResult if it could not run."""
     specs = [entry_spec(name) for name in names]
-    reason = (_kernel_unavailable_reason(options) or multiprocess.nvshmem_unavailable_reason()
-              or mps_available())
+    reason = _kernel_unavailable_reason(options) or nvshmem_unavailable_reason() or mps_available()
     if reason:
         return {(index, spec.name): _unavailable(spec, reason)
                 for index in range(len(options.shapes)) for spec in specs}
@@ -156,8 +143,9 @@ def _run_mps_entries(options: SuiteOptions, names: list[str]) -> dict[tuple[int,
                 params = {"problem": problem.to_dict(), "warmup": options.warmup, "repeats": options.repeats,
                           "input_sets": options.input_sets, "max_input_sets": options.max_input_sets}
                 try:
-                    out[(index, spec.name)] = multiprocess.run_ranks(
-                        "bench", spec.world_size, params=params, mps=daemon, timeout_s=MPS_RUN_TIMEOUT_S)
+                    out[(index, spec.name)] = run_ranks(
+                        rank_scenarios.timed_fused_forwards, spec.world_size, params=params, mps=daemon,
+                        timeout_s=MPS_RUN_TIMEOUT_S)
                 except Exception as error:
                     out[(index, spec.name)] = EntryResult(
                         spec.name, spec.label, "error", reason=describe_error(error),
@@ -172,16 +160,10 @@ def _mps_entry(spec: EntrySpec, run, shape: BenchShape, expected, compare_rows, 
         return run
     details = {"world_size": spec.world_size, "transport": spec.kind, "wall_s": round(run.elapsed_s, 1)}
     if not run.ok:
-        first_line = "; ".join(outcome.describe() for outcome in run.ranks if not outcome.ok)
-        return EntryResult(spec.name, spec.label, "error", reason=first_line, details=details | {
-            "ranks": [outcome.describe() for outcome in run.ranks], "summary": run.summary()})
-    infos = [outcome.info for outcome in run.ranks]
-    per_run = [max(samples) for samples in zip(*(info["samples_ms"] for info in infos))]
-    stats = TimingStats.from_samples(per_run)
-    traffic = [dict(t) for info in infos for t in (info.get("traffic") or [])]
-    details |= traffic_summary(traffic, shape.hidden, element_bytes)
-    details["rank_medians_ms"] = [info["median_ms"] for info in infos]
-    details["input_sets"] = infos[0].get("input_sets")
+        return EntryResult(spec.name, spec.label, "error", reason=failure_reason(run),
+                           details=details | failure_details(run))
+    stats, summary = timed_run_summary(run, shape.hidden, element_bytes)
+    details |= summary
     output = torch.cat([outcome.tensors["y"] for outcome in run.ranks]).to(device)
     error = metrics.max_relative_error(output, expected, compare_rows)
     return EntryResult(spec.name, spec.label, "ok", median_ms=stats.median_ms, p10_ms=stats.p10_ms,
@@ -232,7 +214,6 @@ def _in_process_entry(spec: EntrySpec, shape: BenchShape, input_sets: list[MoEIn
             forward = getattr(flashdmoe, "moe_expert_parallel", None)
             if forward is None:
                 return _unavailable(spec, "flashdmoe.moe_expert_parallel is not in this build")
-            from flashdmoe.multiprocess import split_tokens
             from flashdmoe.team import Team
 
             P = spec.world_size
@@ -394,71 +375,46 @@ def _run_config(index, shape, specs, mps_runs, options, device, element_bytes, c
 # Tables
 
 
-def _detail(entry: EntryResult, key: str):
-    return (entry.details or {}).get(key)
-
-
 def _world_size_cell(config, entry) -> str:
-    value = _detail(entry, "world_size")
+    value = (entry.details or {}).get("world_size")
     return "–" if value is None else str(value)
-
-
-def _vs_p1_cell(config, entry) -> str:
-    value = _detail(entry, "vs_p1")
-    return "–" if value is None else f"{value:.2f}x"
-
-
-def _sent_cell(config, entry) -> str:
-    value = _detail(entry, "max_bytes_sent_per_rank")
-    return "–" if value is None else f"{value / 1e6:.2f}"
-
-
-def _payload_cell(config, entry) -> str:
-    value = _detail(entry, "payload_efficiency")
-    return "–" if value is None else f"{100.0 * value:.1f}%"
-
-
-def _spread_cell(config, entry) -> str:
-    return "–" if entry.p10_ms is None else f"{entry.p10_ms:.3f}–{entry.p90_ms:.3f}"
 
 
 EP_LAYOUT = report.Layout(
     markdown=(
         report.Column("P", _world_size_cell),
         report.Column("entry", lambda config, entry: entry.label, "left"),
-        report.Column("ms (median)", lambda config, entry: report._number(entry.median_ms, 3)),
-        report.Column("p10–p90 ms", _spread_cell),
-        report.Column("TFLOP/s", lambda config, entry: report._tflops_cell(entry.tflops)),
-        report.Column("% of ceiling", lambda config, entry: report._number(entry.percent_of_ceiling, 1)),
-        report.Column("vs P=1", _vs_p1_cell),
-        report.Column("sent MB / rank (max)", _sent_cell),
-        report.Column("payload eff.", _payload_cell),
-        report.Column("max rel. error", lambda config, entry: report._error_cell(entry)),
-        report.Column("status", lambda config, entry: report._status_cell(entry), "left"),
+        report.Column("ms (median)", lambda config, entry: report.number_text(entry.median_ms, 3)),
+        report.Column("p10–p90 ms", lambda config, entry: report.spread_text(entry)),
+        report.Column("TFLOP/s", lambda config, entry: report.tflops_text(entry.tflops)),
+        report.Column("% of ceiling", lambda config, entry: report.number_text(entry.percent_of_ceiling, 1)),
+        report.Column("vs P=1", report.ratio_cell("vs_p1")),
+        report.Column("sent MB / rank (max)", report.sent_megabytes_cell),
+        report.Column("payload eff.", report.ratio_cell("payload_efficiency", percent=True)),
+        report.Column("max rel. error", lambda config, entry: report.error_text(entry)),
+        report.Column("status", lambda config, entry: report.status_text(entry), "left"),
     ),
     terminal=(
         report.Column("entry", lambda config, entry: entry.name, "left"),
         report.Column("P", _world_size_cell),
-        report.Column("ms", lambda config, entry: report._number(entry.median_ms, 3)),
-        report.Column("TFLOP/s", lambda config, entry: report._tflops_cell(entry.tflops)),
-        report.Column("vs P=1", _vs_p1_cell),
-        report.Column("MB/rank", _sent_cell),
-        report.Column("payload", _payload_cell),
-        report.Column("rel err", lambda config, entry: report._error_cell(entry)),
-        report.Column("status", lambda config, entry: report._status_cell(entry, report.REASON_WIDTH_IN_TERMINAL),
+        report.Column("ms", lambda config, entry: report.number_text(entry.median_ms, 3)),
+        report.Column("TFLOP/s", lambda config, entry: report.tflops_text(entry.tflops)),
+        report.Column("vs P=1", report.ratio_cell("vs_p1")),
+        report.Column("MB/rank", report.sent_megabytes_cell),
+        report.Column("payload", report.ratio_cell("payload_efficiency", percent=True)),
+        report.Column("rel err", lambda config, entry: report.error_text(entry)),
+        report.Column("status", lambda config, entry: report.status_text(entry, report.REASON_WIDTH_IN_TERMINAL),
                       "left"),
     ),
 )
-report.register_layout(SUITE_NAME, EP_LAYOUT)
 
-register_suite(
-    Suite(
-        name=SUITE_NAME,
-        description="expert-parallel protocol on one GPU: emulated P = 1, 2, 4, 8 and P processes under MPS",
-        runner=run_expert_parallel,
-        default_shapes=EP_SHAPES,
-        quick_shapes=EP_QUICK_SHAPES,
-        entry_names=ENTRY_NAMES,
-        validate=validate_options,
-    )
+SUITE = Suite(
+    name=SUITE_NAME,
+    description="expert-parallel protocol on one GPU: emulated P = 1, 2, 4, 8 and P processes under MPS",
+    runner=run_expert_parallel,
+    default_shapes=EP_SHAPES,
+    quick_shapes=EP_QUICK_SHAPES,
+    entry_names=ENTRY_NAMES,
+    validate=validate_options,
+    layout=EP_LAYOUT,
 )

@@ -4,18 +4,18 @@
 derived metrics, refusal, and the all-to-all baseline's exchange code over gloo through the same process
 harness) are tested on the CPU; the GPU path is tested only by ``tests/test_bench.py``'s ``gpu`` test.
 
-One process per GPU (rank ``r`` on ``cuda:r``, no MPS), started by :func:`flashdmoe.multiprocess.run_ranks`
+One process per GPU (rank ``r`` on ``cuda:r``, no MPS), started by :func:`flashdmoe.ranks.run_ranks`
 with ``one_gpu_per_rank=True``; every configuration runs twice, on the same seeded inputs
-(:class:`flashdmoe.multiprocess.Problem`: ``T`` tokens per GPU on each of ``P`` ranks, ``E`` experts, rank
+(:class:`flashdmoe.ranks.Problem`: ``T`` tokens per GPU on each of ``P`` ranks, ``E`` experts, rank
 ``r`` owning ``[r E/P, (r + 1) E/P)``):
 
 * ``fused`` -- :meth:`Team.nvshmem <flashdmoe.team.Team.nvshmem>` and ``flashdmoe.moe(..., team=team,
-  backend="cuda")`` (the ``bench`` scenario of :mod:`flashdmoe.multiprocess`, wrapped by
-  :func:`scenario_fused`): forwards timed back to back with CUDA events inside
-  ``cuda_backend.deferred_status_checks()``; bytes sent and payload efficiency from
-  ``cuda_backend.last_traffic`` of one checked forward;
-* ``nccl`` -- the unfused baseline (scenario ``nccl_bench``): ``torch.distributed`` NCCL (a ``file://``
-  rendezvous in the run's directory), :func:`all_to_all_moe`: router, per-expert counts exchanged first
+  backend="cuda")`` (:func:`flashdmoe.bench.rank_scenarios.checked_fused_forwards`): forwards timed back to
+  back with CUDA events inside ``cuda_backend.deferred_status_checks()``; bytes sent and payload efficiency
+  from ``cuda_backend.last_traffic`` of one checked forward;
+* ``nccl`` -- the unfused baseline (:func:`flashdmoe.bench.rank_scenarios.nccl_forwards`):
+  ``torch.distributed`` NCCL (a ``file://`` rendezvous in the run's directory),
+  :func:`flashdmoe.bench.all_to_all.all_to_all_moe`: router, per-expert counts exchanged first
   (``all_to_all_single``), the routed rows dispatched with ``all_to_all_single``, the local experts as two
   ``torch._grouped_mm`` calls (:mod:`flashdmoe.bench.baselines`), the results sent back with
   ``all_to_all_single`` and the weighted sum at the source.
@@ -38,18 +38,16 @@ efficiency = dispatched bytes / (rows routed to other ranks x H x element size).
 from __future__ import annotations
 
 import gc
-import math
 from dataclasses import dataclass
 
 import torch
 
-from flashdmoe import reference
-from flashdmoe.bench import baselines, hardware, metrics, report
+from flashdmoe.bench import hardware, metrics, rank_scenarios, report
 from flashdmoe.bench.entries import describe_error
-from flashdmoe.bench.expert_parallel import traffic_summary
+from flashdmoe.bench.rank_results import failure_details, failure_reason, timed_run_summary
 from flashdmoe.bench.results import BenchShape, ConfigResult, EntryResult, SuiteResult
-from flashdmoe.bench.suites import Suite, SuiteOptions, register_suite
-from flashdmoe.bench.timing import TimingStats
+from flashdmoe.bench.suite import Suite, SuiteOptions
+from flashdmoe.ranks import Problem, RunResult, nvshmem_unavailable_reason, run_ranks
 
 SUITE_NAME = "multi-gpu"
 ENTRY_NAMES = ("fused", "nccl")
@@ -164,10 +162,8 @@ def validate_options(options: SuiteOptions, gpu_count: int | None = None) -> Non
                 f"P={planned.world_size} GPUs; use E a multiple of {max(gpu_counts_for(found))}")
 
 
-def problem_for(planned: PlannedConfig, options: SuiteOptions, config_index: int):
-    """The seeded :class:`flashdmoe.multiprocess.Problem` of configuration ``config_index``."""
-    from flashdmoe.multiprocess import Problem
-
+def problem_for(planned: PlannedConfig, options: SuiteOptions, config_index: int) -> Problem:
+    """The seeded :class:`flashdmoe.ranks.Problem` of configuration ``config_index``."""
     shape = planned.shape
     return Problem(
         tokens=(shape.tokens,) * planned.world_size, hidden=shape.hidden, ffn=shape.ffn, experts=shape.experts,
@@ -177,144 +173,7 @@ def problem_for(planned: PlannedConfig, options: SuiteOptions, config_index: int
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The baseline's exchange (torch.distributed: NCCL on GPUs, gloo on CPUs)
-
-
-def all_to_all_moe(
-    x: torch.Tensor,
-    router_weight: torch.Tensor,
-    w1: torch.Tensor,
-    w2: torch.Tensor,
-    *,
-    top_k: int,
-    activation: str = "gelu",
-    normalize_topk: bool = True,
-    group=None,
-    experts: str = "grouped_mm",
-    traffic: dict | None = None,
-) -> torch.Tensor:
-    """This rank's MoE output through host-launched collectives (the unfused expert-parallel baseline).
-
-    Collective over ``group`` (every rank calls it). Dropless; the router as
-    :func:`flashdmoe.bench.baselines.route_top_k` (fp32; ``torch.topk`` decides ties).
-
-    Args:
-        x: ``[T, H]`` this rank's tokens (T may differ per rank, 0 allowed); bfloat16/float16/float32.
-        router_weight: ``[E, H]`` replicated, x's dtype.
-        w1: ``[L, H, I]`` (``[L, H, 2I]`` for swiglu) this rank's experts ``[rank L, (rank + 1) L)``,
-            ``E = L * world_size``; w2: ``[L, I, H]``. For ``experts="grouped_mm"`` on CUDA: bfloat16.
-        experts: ``"grouped_mm"`` (two ``torch._grouped_mm`` calls) or ``"reference"``
-            (:func:`flashdmoe.reference.expert_ffn` per local expert, for CPU checks).
-        traffic: if given, filled with ``rows_routed_remote``, ``dispatch_bytes``, ``combine_bytes``
-            (rows to / results for other ranks, in bytes) and ``count_bytes`` (the count messages).
-
-    Returns: ``y [T, H]`` in x's dtype.
-    """
-    import torch.distributed as dist
-
-    if experts not in ("grouped_mm", "reference"):
-        raise ValueError(f"experts={experts!r}: expected 'grouped_mm' or 'reference'")
-    if x.dim() != 2 or router_weight.dim() != 2 or router_weight.shape[1] != x.shape[1]:
-        raise ValueError(f"x.shape={tuple(x.shape)}, router_weight.shape={tuple(router_weight.shape)}: "
-                         "expected [T, H] and [E, H]")
-    world_size, rank = dist.get_world_size(group), dist.get_rank(group)
-    tokens, hidden = x.shape
-    num_experts, local = router_weight.shape[0], w1.shape[0]
-    if local * world_size != num_experts:
-        raise ValueError(f"w1.shape={tuple(w1.shape)}: expected {num_experts // max(world_size, 1)} local "
-                         f"experts (E={num_experts} over {world_size} ranks)")
-    if w2.dim() != 3 or w2.shape[0] != local or w2.shape[2] != hidden:
-        raise ValueError(f"w2.shape={tuple(w2.shape)}: expected [{local}, I, {hidden}]")
-    if not 1 <= top_k <= num_experts:
-        raise ValueError(f"top_k={top_k}: expected 1 <= top_k <= E ({num_experts})")
-    device = x.device
-
-    # Gate: choices ordered by global expert (so by destination rank, then local expert), then token.
-    routing = baselines.route_top_k(x, router_weight, top_k, normalize_topk)
-    sorted_experts, order = torch.sort(routing.experts.reshape(-1), stable=True)
-    token_of_row = order // top_k
-    rows = x.index_select(0, token_of_row)  # [T k, H]
-    send_counts = torch.bincount(sorted_experts, minlength=num_experts)  # int64 [E]
-
-    # Counts first (L per destination), then one copy of all counts to the host for the splits.
-    recv_counts = torch.empty_like(send_counts)
-    dist.all_to_all_single(recv_counts, send_counts, group=group)
-    host = torch.cat([send_counts, recv_counts]).cpu()
-    input_splits = host[:num_experts].view(world_size, local).sum(1).tolist()
-    recv_host = host[num_experts:].view(world_size, local)  # [source rank, local expert]
-    output_splits = recv_host.sum(1).tolist()
-
-    # Dispatch: received rows are [source][local expert][row].
-    received = rows.new_empty((sum(output_splits), hidden))
-    dist.all_to_all_single(received, rows, output_splits, input_splits, group=group)
-
-    # Experts: regroup by local expert (stable: source order within an expert), compute, put back.
-    per_expert = recv_host.sum(0)  # [L]
-    if received.shape[0]:
-        expert_of_row = torch.repeat_interleave(
-            torch.arange(local, device=device).repeat(world_size), recv_counts.view(-1).to(device),
-            output_size=received.shape[0])
-        by_expert = torch.argsort(expert_of_row, stable=True)
-        grouped = received.index_select(0, by_expert)
-        if experts == "grouped_mm":
-            if not baselines.grouped_mm_available():
-                raise baselines.BaselineUnavailable(f"torch {torch.__version__} has no torch._grouped_mm")
-            offsets = torch.cumsum(per_expert, 0).to(device=device, dtype=torch.int32)
-            hidden_rows = baselines.activate(torch._grouped_mm(grouped, w1, offs=offsets), activation)
-            outputs = torch._grouped_mm(hidden_rows, w2, offs=offsets).to(x.dtype)
-        else:
-            pieces = [reference.expert_ffn(piece, w1[e], w2[e], activation).to(x.dtype)
-                      for e, piece in enumerate(grouped.split(per_expert.tolist()))]
-            outputs = torch.cat(pieces)
-        results = torch.empty_like(outputs).index_copy_(0, by_expert, outputs)
-    else:
-        results = received
-
-    # Combine: results travel back to their sources, which form the weighted sum.
-    returned = rows.new_empty((tokens * top_k, hidden))
-    dist.all_to_all_single(returned, results.contiguous(), input_splits, output_splits, group=group)
-    row_weights = routing.weights.reshape(-1).index_select(0, order)
-    y = baselines._scatter_combine(tokens, token_of_row, returned, row_weights, x.dtype)
-    if traffic is not None:
-        row_bytes = hidden * x.element_size()
-        remote_rows = tokens * top_k - input_splits[rank]
-        traffic.update({
-            "rank": rank, "rows_routed_remote": int(remote_rows), "dispatch_bytes": int(remote_rows * row_bytes),
-            "combine_bytes": int((sum(output_splits) - output_splits[rank]) * row_bytes),
-            "count_bytes": int((world_size - 1) * local * send_counts.element_size()),
-        })
-    return y
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Checks against the reference (in the rank processes: each holds its own output)
-
-
-def rank_reference_check(problem, rank: int, y: torch.Tensor, device=None) -> dict:
-    """Compare rank ``rank``'s output ``y [T_r, H]`` with :func:`flashdmoe.reference.moe` over all
-    ``E`` experts (computed on ``device``, default y's). Near-tie tokens (:data:`metrics.NEAR_TIE_LOG_GAP`)
-    are left out. Returns ``max_abs_error``, ``max_abs_reference`` (over compared rows; inf error when y has
-    a non-finite compared value), ``compared_tokens``, ``near_tie_tokens``."""
-    device = torch.device(device) if device is not None else y.device
-    inputs = problem.rank_inputs(rank)
-    w1, w2 = problem.expert_weights(0, problem.experts)
-    x, router = inputs.x.to(device), inputs.router_weight.to(device)
-    with torch.no_grad():
-        expected = reference.moe(x, router, w1.to(device), w2.to(device), top_k=problem.top_k,
-                                 activation=problem.activation, normalize_topk=problem.normalize_topk)
-        probs = reference.route(x, router, problem.top_k, problem.normalize_topk).probs
-        keep = ~metrics.near_tie_mask(probs, problem.top_k)
-        compared = int(keep.sum())
-        if tuple(y.shape) != tuple(expected.shape):
-            raise ValueError(f"y.shape={tuple(y.shape)}: expected {tuple(expected.shape)} (rank {rank})")
-        if compared == 0:
-            error, scale = 0.0, 0.0
-        else:
-            got, want = y.to(device)[keep].double(), expected[keep].double()
-            scale = float(want.abs().max())
-            error = float((got - want).abs().max()) if bool(torch.isfinite(got).all()) else math.inf
-    return {"max_abs_error": error, "max_abs_reference": scale, "compared_tokens": compared,
-            "near_tie_tokens": int(keep.numel() - compared)}
+# Results of one run
 
 
 def combine_checks(checks: list[dict]) -> dict:
@@ -327,44 +186,18 @@ def combine_checks(checks: list[dict]) -> dict:
             "near_tie_tokens": sum(c["near_tie_tokens"] for c in checks)}
 
 
-def scenario_fused(context):
-    """Rank scenario: :func:`flashdmoe.multiprocess.scenario_bench` (same params), then this rank's output
-    checked against the reference (info ``check``); the output tensor is not returned."""
-    from flashdmoe.multiprocess import Problem, scenario_bench
-
-    context.params["return_output"] = True
-    output = scenario_bench(context)
-    y = output.tensors.pop("y")
-    if context.params.get("check", True):
-        context.phase("checking against the reference")
-        problem = Problem.from_dict(context.params["problem"])
-        output.info["check"] = rank_reference_check(problem, context.rank, y, context.device)
-    return output
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Results of one run
-
-
-def entry_from_run(name: str, run, hidden: int, element_bytes: int) -> EntryResult:
-    """An :class:`EntryResult` from a :class:`flashdmoe.multiprocess.RunResult` (or the EntryResult of a
-    run that could not start): per timed forward the slowest rank's time, errors combined over ranks."""
+def entry_from_run(name: str, run: RunResult | EntryResult, hidden: int, element_bytes: int) -> EntryResult:
+    """An :class:`EntryResult` from a :class:`flashdmoe.ranks.RunResult` (or the EntryResult of a run that
+    could not start): per timed forward the slowest rank's time, errors combined over ranks."""
     label = ENTRY_LABELS[name]
     if isinstance(run, EntryResult):
         return run
     details = {"world_size": run.world_size, "wall_s": round(run.elapsed_s, 1)}
     if not run.ok:
-        reason = "; ".join(outcome.describe() for outcome in run.ranks if not outcome.ok)
-        return EntryResult(name, label, "error", reason=reason, details=details | {
-            "ranks": [outcome.describe() for outcome in run.ranks], "summary": run.summary()})
-    infos = [outcome.info for outcome in run.ranks]
-    per_run = [max(samples) for samples in zip(*(info["samples_ms"] for info in infos))]
-    stats = TimingStats.from_samples(per_run)
-    traffic = [dict(t) for info in infos for t in (info.get("traffic") or [])]
-    details |= traffic_summary(traffic, hidden, element_bytes)
-    details["rank_medians_ms"] = [info["median_ms"] for info in infos]
-    details["input_sets"] = infos[0].get("input_sets")
-    checks = [info.get("check") for info in infos]
+        return EntryResult(name, label, "error", reason=failure_reason(run), details=details | failure_details(run))
+    stats, summary = timed_run_summary(run, hidden, element_bytes)
+    details |= summary
+    checks = [outcome.info.get("check") for outcome in run.ranks]
     if any(check is None for check in checks):
         return EntryResult(name, label, "error", reason="a rank returned no reference check", details=details)
     combined = combine_checks(checks)
@@ -402,23 +235,23 @@ def add_derived(configs: list[ConfigResult]) -> None:
 # The suite
 
 
-def _run_entry(name: str, planned: PlannedConfig, problem, options: SuiteOptions):
-    from flashdmoe import multiprocess
-
+def _run_entry_ranks(name: str, planned: PlannedConfig, problem: Problem,
+                     options: SuiteOptions) -> RunResult | EntryResult:
+    """The rank processes of entry ``name`` on one configuration, or the EntryResult of a run that could not
+    start."""
     params = {"problem": problem.to_dict(), "warmup": options.warmup, "repeats": options.repeats,
               "input_sets": options.input_sets, "max_input_sets": options.max_input_sets, "check": True}
     try:
         if name == "fused":
-            reason = multiprocess.nvshmem_unavailable_reason()
+            reason = nvshmem_unavailable_reason()
             if reason:
                 return EntryResult(name, ENTRY_LABELS[name], "unavailable", reason=reason,
                                    details={"world_size": planned.world_size})
-            return multiprocess.run_ranks(
-                "flashdmoe.bench.multi_gpu:scenario_fused", planned.world_size, params=params, mps=False,
-                one_gpu_per_rank=True, timeout_s=RUN_TIMEOUT_S)
+            return run_ranks(rank_scenarios.checked_fused_forwards, planned.world_size, params=params, mps=False,
+                             one_gpu_per_rank=True, timeout_s=RUN_TIMEOUT_S)
         params |= {"backend": "nccl", "experts": "grouped_mm"}
-        return multiprocess.run_ranks("nccl_bench", planned.world_size, params=params, nvshmem=False, mps=False,
-                                      one_gpu_per_rank=True, timeout_s=RUN_TIMEOUT_S)
+        return run_ranks(rank_scenarios.nccl_forwards, planned.world_size, params=params, nvshmem=False,
+                         mps=False, one_gpu_per_rank=True, timeout_s=RUN_TIMEOUT_S)
     except Exception as error:
         return EntryResult(name, ENTRY_LABELS[name], "error", reason=describe_error(error),
                            details={"world_size": planned.world_size})
@@ -438,7 +271,7 @@ def run_multi_gpu(options: SuiteOptions) -> SuiteResult:
         problem = problem_for(planned, options, index)
         for name in options.entries:
             console.log(f"[{index + 1}/{len(plan)}] {planned.label}: {ENTRY_LABELS[name]}")
-            runs[(index, name)] = _run_entry(name, planned, problem, options)
+            runs[(index, name)] = _run_entry_ranks(name, planned, problem, options)
     device = torch.device("cuda", 0)
     ceiling_tflops = None
     try:
@@ -507,70 +340,46 @@ def run_multi_gpu(options: SuiteOptions) -> SuiteResult:
 # Tables
 
 
-def _detail(entry: EntryResult, key: str):
-    return (entry.details or {}).get(key)
-
-
-def _ratio_cell(key: str, percent: bool = False):
-    def cell(config, entry) -> str:
-        value = _detail(entry, key)
-        if value is None:
-            return "–"
-        return f"{100.0 * value:.1f}%" if percent else f"{value:.2f}x"
-    return cell
-
-
 def _studies_cell(config, entry) -> str:
     return ",".join((config.details or {}).get("studies", [])) or "–"
-
-
-def _sent_cell(config, entry) -> str:
-    value = _detail(entry, "max_bytes_sent_per_rank")
-    return "–" if value is None else f"{value / 1e6:.2f}"
-
-
-def _spread_cell(config, entry) -> str:
-    return "–" if entry.p10_ms is None else f"{entry.p10_ms:.3f}–{entry.p90_ms:.3f}"
 
 
 MULTI_GPU_LAYOUT = report.Layout(
     markdown=(
         report.Column("study", _studies_cell, "left"),
         report.Column("entry", lambda config, entry: entry.label, "left"),
-        report.Column("ms (median)", lambda config, entry: report._number(entry.median_ms, 3)),
-        report.Column("p10–p90 ms", _spread_cell),
-        report.Column("TFLOP/s", lambda config, entry: report._tflops_cell(entry.tflops)),
-        report.Column("% of ceiling", lambda config, entry: report._number(entry.percent_of_ceiling, 1)),
-        report.Column("overlap eff.", _ratio_cell("overlap_efficiency", percent=True)),
-        report.Column("vs NCCL", _ratio_cell("vs_nccl")),
-        report.Column("sent MB / rank (max)", _sent_cell),
-        report.Column("payload eff.", _ratio_cell("payload_efficiency", percent=True)),
-        report.Column("max rel. error", lambda config, entry: report._error_cell(entry)),
-        report.Column("status", lambda config, entry: report._status_cell(entry), "left"),
+        report.Column("ms (median)", lambda config, entry: report.number_text(entry.median_ms, 3)),
+        report.Column("p10–p90 ms", lambda config, entry: report.spread_text(entry)),
+        report.Column("TFLOP/s", lambda config, entry: report.tflops_text(entry.tflops)),
+        report.Column("% of ceiling", lambda config, entry: report.number_text(entry.percent_of_ceiling, 1)),
+        report.Column("overlap eff.", report.ratio_cell("overlap_efficiency", percent=True)),
+        report.Column("vs NCCL", report.ratio_cell("vs_nccl")),
+        report.Column("sent MB / rank (max)", report.sent_megabytes_cell),
+        report.Column("payload eff.", report.ratio_cell("payload_efficiency", percent=True)),
+        report.Column("max rel. error", lambda config, entry: report.error_text(entry)),
+        report.Column("status", lambda config, entry: report.status_text(entry), "left"),
     ),
     terminal=(
         report.Column("entry", lambda config, entry: entry.name, "left"),
-        report.Column("ms", lambda config, entry: report._number(entry.median_ms, 3)),
-        report.Column("TFLOP/s", lambda config, entry: report._tflops_cell(entry.tflops)),
-        report.Column("overlap", _ratio_cell("overlap_efficiency", percent=True)),
-        report.Column("vs NCCL", _ratio_cell("vs_nccl")),
-        report.Column("MB/rank", _sent_cell),
-        report.Column("payload", _ratio_cell("payload_efficiency", percent=True)),
-        report.Column("rel err", lambda config, entry: report._error_cell(entry)),
-        report.Column("status", lambda config, entry: report._status_cell(entry, report.REASON_WIDTH_IN_TERMINAL),
+        report.Column("ms", lambda config, entry: report.number_text(entry.median_ms, 3)),
+        report.Column("TFLOP/s", lambda config, entry: report.tflops_text(entry.tflops)),
+        report.Column("overlap", report.ratio_cell("overlap_efficiency", percent=True)),
+        report.Column("vs NCCL", report.ratio_cell("vs_nccl")),
+        report.Column("MB/rank", report.sent_megabytes_cell),
+        report.Column("payload", report.ratio_cell("payload_efficiency", percent=True)),
+        report.Column("rel err", lambda config, entry: report.error_text(entry)),
+        report.Column("status", lambda config, entry: report.status_text(entry, report.REASON_WIDTH_IN_TERMINAL),
                       "left"),
     ),
 )
-report.register_layout(SUITE_NAME, MULTI_GPU_LAYOUT)
 
-register_suite(
-    Suite(
-        name=SUITE_NAME,
-        description="fused kernel on 2/4/8 GPUs (one process per GPU) beside an NCCL all_to_all baseline",
-        runner=run_multi_gpu,
-        default_shapes=MULTI_GPU_SHAPES,
-        quick_shapes=MULTI_GPU_QUICK_SHAPES,
-        entry_names=ENTRY_NAMES,
-        validate=validate_options,
-    )
+SUITE = Suite(
+    name=SUITE_NAME,
+    description="fused kernel on 2/4/8 GPUs (one process per GPU) beside an NCCL all_to_all baseline",
+    runner=run_multi_gpu,
+    default_shapes=MULTI_GPU_SHAPES,
+    quick_shapes=MULTI_GPU_QUICK_SHAPES,
+    entry_names=ENTRY_NAMES,
+    validate=validate_options,
+    layout=MULTI_GPU_LAYOUT,
 )

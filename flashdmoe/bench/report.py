@@ -1,7 +1,7 @@
 """Results out: JSON file, a Markdown table for docs/benchmarks.md, a PNG bar plot, a rich table.
 
 Works on any ``SuiteResult``: shape columns come from each configuration's ``shape`` dict; the columns
-after them come from the suite's :class:`Layout` (``register_layout``), else the single-gpu columns.
+after them come from the suite's :class:`Layout` (``Suite.layout``; by default the single-gpu columns).
 ``settings["notes"]`` (a list of strings) adds bullet lines to the Markdown header.
 """
 
@@ -30,13 +30,14 @@ def output_paths(result: SuiteResult, output_dir: Path) -> dict[str, Path]:
     }
 
 
-def write_all(result: SuiteResult, output_dir: Path | str) -> dict[str, Path]:
-    """Write ``<suite>.json``, ``<suite>.md`` and ``<suite>.png`` into output_dir (created)."""
+def write_all(result: SuiteResult, output_dir: Path | str, layout: Layout | None = None) -> dict[str, Path]:
+    """Write ``<suite>.json``, ``<suite>.md`` (tables in ``layout``) and ``<suite>.png`` into output_dir
+    (created)."""
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     paths = output_paths(result, output_dir)
     write_json(result, paths["json"])
-    paths["markdown"].write_text(markdown_report(result, plot_name=paths["plot"].name))
+    paths["markdown"].write_text(markdown_report(result, plot_name=paths["plot"].name, layout=layout))
     write_plot(result, paths["plot"])
     return paths
 
@@ -55,25 +56,25 @@ def write_json(result: SuiteResult, path: Path) -> None:
     path.write_text(json.dumps(finite(result.to_dict()), indent=2) + "\n")
 
 
-def _number(value: float | None, digits: int) -> str:
+def number_text(value: float | None, digits: int) -> str:
     return "–" if value is None else f"{value:.{digits}f}"
 
 
-def _tflops_cell(value: float | None) -> str:
+def tflops_text(value: float | None) -> str:
     # Tiny CPU smoke shapes run at a few GFLOP/s: keep three significant digits there.
     if value is None:
         return "–"
     return f"{value:.1f}" if value >= 10 else f"{value:.3g}"
 
 
-def _error_cell(entry: EntryResult) -> str:
+def error_text(entry: EntryResult) -> str:
     if entry.max_relative_error is None:
         return "–"
     mark = "" if entry.correct in (True, None) else " FAIL"
     return f"{entry.max_relative_error:.1e}{mark}"
 
 
-def _status_cell(entry: EntryResult, width: int | None = None) -> str:
+def status_text(entry: EntryResult, width: int | None = None) -> str:
     if entry.status == "ok":
         return "ok"
     text = f"{entry.status}: {entry.reason}" if entry.reason else entry.status
@@ -82,26 +83,12 @@ def _status_cell(entry: EntryResult, width: int | None = None) -> str:
     return text
 
 
-def _row_cells(entry: EntryResult) -> list[str]:
-    spread = (
-        "–" if entry.p10_ms is None else f"{entry.p10_ms:.3f}–{entry.p90_ms:.3f}"
-    )
-    return [
-        entry.label,
-        _number(entry.median_ms, 3),
-        spread,
-        _tflops_cell(entry.tflops),
-        _number(entry.percent_of_ceiling, 1),
-        _number(entry.percent_of_floor, 1),
-        "–" if entry.speedup_over_grouped_mm is None else f"{entry.speedup_over_grouped_mm:.2f}x",
-        _error_cell(entry),
-    ]
+def spread_text(entry: EntryResult) -> str:
+    return "–" if entry.p10_ms is None else f"{entry.p10_ms:.3f}–{entry.p90_ms:.3f}"
 
 
-ROW_HEADERS = [
-    "entry", "ms (median)", "p10–p90 ms", "TFLOP/s", "% of ceiling", "% of floor",
-    "vs grouped_mm", "max rel. error",
-]
+def speedup_text(entry: EntryResult) -> str:
+    return "–" if entry.speedup_over_grouped_mm is None else f"{entry.speedup_over_grouped_mm:.2f}x"
 
 
 @dataclass(frozen=True)
@@ -121,46 +108,51 @@ class Layout:
     terminal: tuple[Column, ...]
 
 
-def _row_cell(index: int) -> Callable[[ConfigResult, EntryResult], str]:
-    return lambda config, entry: _row_cells(entry)[index]
+def ratio_cell(key: str, percent: bool = False) -> Callable[[ConfigResult, EntryResult], str]:
+    """Cell of the ratio ``entry.details[key]``: ``1.23x``, or ``45.6%`` with ``percent``."""
+    def cell(config: ConfigResult, entry: EntryResult) -> str:
+        value = (entry.details or {}).get(key)
+        if value is None:
+            return "–"
+        return f"{100.0 * value:.1f}%" if percent else f"{value:.2f}x"
+    return cell
 
 
-def _speedup_cell(entry: EntryResult) -> str:
-    return "–" if entry.speedup_over_grouped_mm is None else f"{entry.speedup_over_grouped_mm:.2f}x"
+def sent_megabytes_cell(config: ConfigResult, entry: EntryResult) -> str:
+    """Cell of ``entry.details["max_bytes_sent_per_rank"]`` in MB."""
+    value = (entry.details or {}).get("max_bytes_sent_per_rank")
+    return "–" if value is None else f"{value / 1e6:.2f}"
 
 
 DEFAULT_LAYOUT = Layout(
     markdown=(
-        Column("floor ms", lambda config, entry: _number(config.floor_ms, 3)),
-        *(Column(header, _row_cell(index)) for index, header in enumerate(ROW_HEADERS)),
-        Column("status", lambda config, entry: _status_cell(entry), "left"),
+        Column("floor ms", lambda config, entry: number_text(config.floor_ms, 3)),
+        Column("entry", lambda config, entry: entry.label),
+        Column("ms (median)", lambda config, entry: number_text(entry.median_ms, 3)),
+        Column("p10–p90 ms", lambda config, entry: spread_text(entry)),
+        Column("TFLOP/s", lambda config, entry: tflops_text(entry.tflops)),
+        Column("% of ceiling", lambda config, entry: number_text(entry.percent_of_ceiling, 1)),
+        Column("% of floor", lambda config, entry: number_text(entry.percent_of_floor, 1)),
+        Column("vs grouped_mm", lambda config, entry: speedup_text(entry)),
+        Column("max rel. error", lambda config, entry: error_text(entry)),
+        Column("status", lambda config, entry: status_text(entry), "left"),
     ),
     terminal=(
         Column("entry", lambda config, entry: entry.name, "left"),
-        Column("ms", lambda config, entry: _number(entry.median_ms, 3)),
-        Column("TFLOP/s", lambda config, entry: _tflops_cell(entry.tflops)),
-        Column("% ceil", lambda config, entry: _number(entry.percent_of_ceiling, 1)),
-        Column("% floor", lambda config, entry: _number(entry.percent_of_floor, 1)),
-        Column("vs gmm", lambda config, entry: _speedup_cell(entry)),
-        Column("rel err", lambda config, entry: _error_cell(entry)),
-        Column("status", lambda config, entry: _status_cell(entry, REASON_WIDTH_IN_TERMINAL), "left"),
+        Column("ms", lambda config, entry: number_text(entry.median_ms, 3)),
+        Column("TFLOP/s", lambda config, entry: tflops_text(entry.tflops)),
+        Column("% ceil", lambda config, entry: number_text(entry.percent_of_ceiling, 1)),
+        Column("% floor", lambda config, entry: number_text(entry.percent_of_floor, 1)),
+        Column("vs gmm", lambda config, entry: speedup_text(entry)),
+        Column("rel err", lambda config, entry: error_text(entry)),
+        Column("status", lambda config, entry: status_text(entry, REASON_WIDTH_IN_TERMINAL), "left"),
     ),
 )
-LAYOUTS: dict[str, Layout] = {}
 
 
-def register_layout(suite: str, layout: Layout) -> Layout:
-    """Use ``layout`` for the tables of suite ``suite`` (re-registering replaces it)."""
-    LAYOUTS[suite] = layout
-    return layout
-
-
-def layout_for(result: SuiteResult) -> Layout:
-    return LAYOUTS.get(result.suite, DEFAULT_LAYOUT)
-
-
-def markdown_report(result: SuiteResult, plot_name: str | None = None) -> str:
-    """Header (command, date, machine, peaks) and one table row per (configuration, entry)."""
+def markdown_report(result: SuiteResult, plot_name: str | None = None, layout: Layout | None = None) -> str:
+    """Header (command, date, machine, peaks) and one table row per (configuration, entry), the columns
+    after the shape from ``layout`` (default: the single-gpu columns)."""
     machine = result.machine
     settings = result.settings
     peaks = [f"bf16 matmul ceiling {result.ceiling_tflops:.0f} TFLOP/s"] if result.ceiling_tflops else []
@@ -183,7 +175,7 @@ def markdown_report(result: SuiteResult, plot_name: str | None = None) -> str:
     ]
     lines += [f"- {note}" for note in settings.get("notes", [])]
     lines.append("")
-    columns = layout_for(result).markdown
+    columns = (layout or DEFAULT_LAYOUT).markdown
     shape_keys = list(result.configs[0].shape) if result.configs else []
     headers = shape_keys + [column.header for column in columns]
     lines.append("| " + " | ".join(headers) + " |")
@@ -202,10 +194,10 @@ def _compact_label(config: ConfigResult) -> str:
     return "/".join(str(value) for value in config.shape.values())
 
 
-def rich_table(result: SuiteResult) -> Table:
+def rich_table(result: SuiteResult, layout: Layout | None = None) -> Table:
     """Short terminal summary: one row per (configuration, entry); full reasons are in the files."""
     shape_keys = "/".join(result.configs[0].shape) if result.configs else "config"
-    columns = layout_for(result).terminal
+    columns = (layout or DEFAULT_LAYOUT).terminal
     table = Table(title=f"flashdmoe bench --suite {result.suite}", show_lines=False)
     table.add_column(shape_keys, justify="left", no_wrap=True, overflow="ellipsis")
     for column in columns:
@@ -220,12 +212,12 @@ def rich_table(result: SuiteResult) -> Table:
     return table
 
 
-def print_summary(result: SuiteResult, console: Console | None = None) -> None:
+def print_summary(result: SuiteResult, console: Console | None = None, layout: Layout | None = None) -> None:
     console = console or Console()
     if not console.is_terminal:
         # Logs (CI, ray job logs) are read later in wide viewers: do not squeeze to 80 columns.
         console.width = max(console.width, 150)
-    console.print(rich_table(result))
+    console.print(rich_table(result, layout))
 
 
 def _two_line_label(config: ConfigResult) -> str:

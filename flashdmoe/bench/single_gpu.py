@@ -1,18 +1,13 @@
-"""Registry of named benchmark suites, and the ``single-gpu`` suite.
-
-A suite is a ``Suite`` record with a ``runner(options) -> SuiteResult`` (and optionally a ``validate(options)``
-that raises ``ValueError`` for option combinations it cannot run); ``register_suite`` adds more. The
-``expert-parallel`` suite (``flashdmoe.bench.expert_parallel``) registers itself when this module is imported.
+"""The ``single-gpu`` suite: the fused kernel beside the unfused baselines on one device (torch
+``grouped_mm``, a per-expert loop, the reference), each timed on rotated input sets and checked against
+:func:`flashdmoe.reference.moe`.
 """
 
 from __future__ import annotations
 
 import gc
-from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
-from rich.console import Console
 
 from flashdmoe import reference
 from flashdmoe.bench import hardware, metrics
@@ -21,65 +16,13 @@ from flashdmoe.bench.entries import (
     BenchEntry,
     EntryUnavailable,
     MoEInputs,
-    describe_error,
     MoEProblem,
+    describe_error,
 )
 from flashdmoe.bench.results import BenchShape, ConfigResult, EntryResult, SuiteResult
+from flashdmoe.bench.suite import Suite, SuiteOptions
 from flashdmoe.bench.timing import cache_bytes, input_sets_for_cache, measure
 from flashdmoe.bench.workload import make_inputs, torch_dtype
-
-
-@dataclass
-class SuiteOptions:
-    """Everything a suite runner needs, already validated and with defaults resolved."""
-
-    suite: str
-    device: str
-    dtype: str
-    activation: str
-    shapes: list[BenchShape]
-    entries: list[str]
-    repeats: int = 20
-    warmup: int = 5
-    normalize_topk: bool = True
-    reference_max_tokens: int | None = None
-    input_sets: int | None = None  # None: enough sets to exceed twice the cache
-    max_input_sets: int = 16
-    seed: int = 0
-    console: Console = field(default_factory=lambda: Console(stderr=True, log_path=False))
-
-
-@dataclass(frozen=True)
-class Suite:
-    name: str
-    description: str
-    runner: Callable[[SuiteOptions], SuiteResult]
-    default_shapes: tuple[BenchShape, ...]
-    quick_shapes: tuple[BenchShape, ...]
-    entry_names: tuple[str, ...]
-    activation: str = "gelu"
-    dtype: str = "bfloat16"
-    validate: Callable[[SuiteOptions], None] | None = None
-
-
-SUITES: dict[str, Suite] = {}
-
-
-def register_suite(suite: Suite) -> Suite:
-    if suite.name in SUITES:
-        raise ValueError(f"suite name={suite.name!r}: already registered")
-    SUITES[suite.name] = suite
-    return suite
-
-
-def get_suite(name: str) -> Suite:
-    if name not in SUITES:
-        raise ValueError(f"--suite {name!r}: expected one of {sorted(SUITES)}")
-    return SUITES[name]
-
-
-# ---------------------------------------------------------------------------------------------
-# single-gpu: the fused kernel beside the unfused baselines on one device, DESIGN.md §7 shapes.
 
 SINGLE_GPU_SHAPES = (
     BenchShape(8192, 2048, 2048, 32, 2),  # the FlashDMoE paper's per-GPU problem
@@ -288,19 +231,11 @@ def _add_speedups(config: ConfigResult) -> None:
             entry.speedup_over_grouped_mm = baseline.median_ms / entry.median_ms
 
 
-register_suite(
-    Suite(
-        name="single-gpu",
-        description="fused kernel vs torch grouped_mm, per-expert loop and reference on one device",
-        runner=run_single_gpu,
-        default_shapes=SINGLE_GPU_SHAPES,
-        quick_shapes=QUICK_SHAPES,
-        entry_names=("fused", "grouped_mm", "per_expert_loop", "reference"),
-    )
+SUITE = Suite(
+    name="single-gpu",
+    description="fused kernel vs torch grouped_mm, per-expert loop and reference on one device",
+    runner=run_single_gpu,
+    default_shapes=SINGLE_GPU_SHAPES,
+    quick_shapes=QUICK_SHAPES,
+    entry_names=("fused", "grouped_mm", "per_expert_loop", "reference"),
 )
-
-# Registers "expert-parallel" (imported last: that module uses the names above).
-from flashdmoe.bench import expert_parallel as _expert_parallel  # noqa: E402,F401
-
-# Registers "multi-gpu" (after expert-parallel: it uses that module's traffic summary).
-from flashdmoe.bench import multi_gpu as _multi_gpu  # noqa: E402,F401

@@ -1,0 +1,161 @@
+"""The correctness scenarios a rank process runs (:data:`SCENARIOS`, by the name given to
+:func:`flashdmoe.ranks.launcher.run_ranks`).
+
+* ``forward_backward``: seeded inputs (:class:`~flashdmoe.ranks.problem.Problem`),
+  ``flashdmoe.moe(..., team=team, backend="cuda")`` and ``loss.backward()`` on a seeded ``dy``; returns y,
+  dx, d_router, dw1, dw2 and the forward's traffic counters.
+* ``silent_rank_timeout``: one rank never publishes its signals and the watchdog is short; returns the
+  exception each rank saw, whether the team is marked failed, and what a further call raised.
+* ``selftest``: no NVSHMEM and no GPU; exercises the harness itself (unique-id hand-over, errors, hangs,
+  crashes) so it is tested on a CPU machine.
+
+Timed scenarios belong to the benchmarks (:mod:`flashdmoe.bench.rank_scenarios`); they reuse
+:func:`team_moe` and :func:`last_traffic`.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from flashdmoe.ranks.child import RankContext, ScenarioOutput, error_info, synchronize
+from flashdmoe.ranks.problem import Problem
+
+__all__ = ["SCENARIOS", "forward_backward", "last_traffic", "selftest", "silent_rank_timeout", "team_moe"]
+
+
+def team_moe(problem: Problem, context: RankContext, x, router_weight, w1, w2) -> torch.Tensor:
+    """This rank's ``flashdmoe.moe`` over the context's team, with the problem's routing options."""
+    import flashdmoe
+
+    return flashdmoe.moe(x, router_weight, w1, w2, team=context.team, backend="cuda", **problem.moe_kwargs())
+
+
+def last_traffic() -> list[dict[str, Any]]:
+    """A copy of ``cuda_backend.last_traffic``: the traffic counters of this process's last checked forward."""
+    from flashdmoe import cuda_backend
+
+    return copy.deepcopy(list(getattr(cuda_backend, "last_traffic", None) or []))
+
+
+def forward_backward(context: RankContext) -> ScenarioOutput:
+    """params: ``problem`` (:meth:`Problem.to_dict`), ``iterations`` (default 2: forward + backward
+    repeated, checking that signals work back to back and that y is bitwise repeatable).
+
+    Returns tensors y ``[T_r, H]``, dx ``[T_r, H]``, d_router ``[E, H]``, dw1 ``[L, H, .]``, dw2 ``[L, I, H]``
+    (the problem's dtype; y of the first iteration, gradients of the last) and info ``traffic`` (the
+    first forward's :func:`last_traffic`), ``repeat_identical`` (every iteration's y equal to the first
+    bit for bit), ``grads_repeat_identical``, ``missing_grads`` (leaves whose ``.grad`` stayed None; filled
+    with zeros in the tensors).
+    """
+    problem = Problem.from_dict(context.params["problem"])
+    iterations = int(context.params.get("iterations", 2))
+    if iterations < 1:
+        raise ValueError(f"iterations={iterations}: expected >= 1")
+    inputs = problem.rank_inputs(context.rank).to(context.device)
+    names = ("dx", "d_router", "dw1", "dw2")
+    first_y = first_grads = traffic = None
+    repeat_identical = grads_identical = True
+    missing: list[str] = []
+    for iteration in range(iterations):
+        leaves = [t.detach().clone().requires_grad_()
+                  for t in (inputs.x, inputs.router_weight, inputs.w1, inputs.w2)]
+        context.enter_phase(f"forward {iteration}")
+        y = team_moe(problem, context, *leaves)
+        if iteration == 0:
+            traffic = last_traffic()
+        loss = (y.float() * inputs.dy.float()).sum()
+        context.enter_phase(f"backward {iteration}")
+        loss.backward()
+        synchronize(context.device)
+        grads = []
+        for name, leaf in zip(names, leaves):
+            if leaf.grad is None:
+                if name not in missing:
+                    missing.append(name)
+                grads.append(torch.zeros_like(leaf))
+            else:
+                grads.append(leaf.grad.detach())
+        y = y.detach()
+        if iteration == 0:
+            first_y, first_grads = y, grads
+        else:
+            repeat_identical &= torch.equal(first_y, y)
+            grads_identical &= all(torch.equal(a, b) for a, b in zip(first_grads, grads))
+    tensors = {"y": first_y} | dict(zip(names, grads))
+    return ScenarioOutput(tensors, {
+        "traffic": traffic, "iterations": iterations, "repeat_identical": bool(repeat_identical),
+        "grads_repeat_identical": bool(grads_identical), "missing_grads": missing,
+    })
+
+
+def silent_rank_timeout(context: RankContext) -> ScenarioOutput:
+    """params: ``problem``, ``silent_rank`` (its signals are never published), ``timeout_ms`` (default 2000).
+
+    Returns info ``error`` (type/module/message of what the forward raised; type None if nothing),
+    ``elapsed_s`` (of that forward), ``team_failed`` (``team.failed`` afterwards) and ``second_call_error``
+    (what a further forward on the same team raised: it must be ``TeamFailed``).
+    """
+    from flashdmoe import cuda_backend
+
+    problem = Problem.from_dict(context.params["problem"])
+    silent_rank = int(context.params["silent_rank"])
+    timeout_ms = int(context.params.get("timeout_ms", 2000))
+    inputs = problem.rank_inputs(context.rank).to(context.device)
+    args = (inputs.x, inputs.router_weight, inputs.w1, inputs.w2)
+    knobs = cuda_backend.debug
+    saved = (getattr(knobs, "silent_rank", -1), knobs.timeout_ms)
+    knobs.silent_rank = silent_rank
+    knobs.timeout_ms = timeout_ms
+    error = second = {"type": None, "module": None, "message": None}
+    try:
+        started = time.monotonic()
+        try:
+            with torch.no_grad():
+                team_moe(problem, context, *args)
+            synchronize(context.device)
+        except Exception as caught:
+            error = error_info(caught)
+        elapsed = time.monotonic() - started
+        team_failed = bool(context.team.failed)
+        knobs.silent_rank = -1
+        try:
+            with torch.no_grad():
+                team_moe(problem, context, *args)
+            synchronize(context.device)
+        except Exception as caught:
+            second = error_info(caught)
+    finally:
+        knobs.silent_rank, knobs.timeout_ms = saved
+    return ScenarioOutput(info={"error": error, "elapsed_s": elapsed, "team_failed": team_failed,
+                                "second_call_error": second, "silent_rank": silent_rank,
+                                "timeout_ms": timeout_ms})
+
+
+def selftest(context: RankContext) -> ScenarioOutput:
+    """The harness itself, without NVSHMEM or a GPU. params: ``actions`` {rank: "ok" | "raise" | "hang" |
+    "exit"} (default "ok"); "hang" sleeps ``hang_s`` (default 3600). Returns tensor ``rank`` and info
+    ``uid`` (the hex of the id rank 0 published), ``pid``."""
+    actions = {int(rank): action for rank, action in (context.params.get("actions") or {}).items()}
+    action = actions.get(context.rank, "ok")
+    if action == "raise":
+        raise ValueError(f"selftest: rank {context.rank} raises as asked")
+    if action == "hang":
+        context.enter_phase("selftest: hanging as asked")
+        time.sleep(float(context.params.get("hang_s", 3600)))
+    if action == "exit":
+        os._exit(7)
+    return ScenarioOutput({"rank": torch.tensor([context.rank])},
+                          {"uid": context.uid.hex(), "pid": os.getpid()})
+
+
+SCENARIOS: dict[str, Callable[[RankContext], Any]] = {
+    "forward_backward": forward_backward,
+    "silent_rank_timeout": silent_rank_timeout,
+    "selftest": selftest,
+}
