@@ -19,16 +19,13 @@ from typing import Any
 import torch
 import yaml
 
+from flashdmoe import numerics
 from flashdmoe.validation import ACTIVATIONS, validate_capacity_factor
 
 __all__ = ["CONFIG_DTYPES", "MoEConfig", "derive_seed", "make_tokens", "make_weights", "seeded_randn"]
 
-#: Parameter/activation dtypes a config may ask for (float64 is for tests, not configs).
-CONFIG_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
+#: Parameter/activation dtypes a config may ask for: the kernel's (float64 is for tests, not configs).
+CONFIG_DTYPES: dict[str, torch.dtype] = {name: p.dtype for name, p in numerics.DTYPES.items() if p.kernel}
 
 _MAX_SEED = 2**63 - 1
 

@@ -12,7 +12,8 @@ import pytest
 import torch
 from rich.console import Console
 
-from flashdmoe import reference
+from closeness import assert_normwise_close
+from flashdmoe import numerics, reference
 from flashdmoe.bench import (
     baselines,
     expert_parallel,
@@ -82,7 +83,7 @@ def test_every_config_has_every_entry_with_consistent_numbers(quick_run):
             assert entry["tflops"] == pytest.approx(config["flops"] / (entry["median_ms"] * 1e-3) / 1e12)
             assert entry["percent_of_floor"] == pytest.approx(100 * config["floor_ms"] / entry["median_ms"])
             assert entry["correct"] is True
-            assert entry["max_relative_error"] <= entry["error_tolerance"] == 2e-2
+            assert entry["max_relative_error"] <= entry["error_tolerance"] == numerics.kernel_tolerance("bfloat16")
         assert config["entries"][3]["max_relative_error"] == 0.0  # the reference against itself
 
 
@@ -175,6 +176,10 @@ def _random_problem(seed, tokens, hidden, ffn, experts, activation, dtype=torch.
     return make_inputs(shape, activation=activation, dtype=dtype, device="cpu", seed=seed)
 
 
+# Float32 forwards that differ from the reference only in summation order: every problem in this file has
+# H, I and T at most 512; three reductions in a row (router, GEMM1, GEMM2).
+FLOAT32_FORWARD_TOLERANCE = numerics.reorder_tolerance(torch.float32, 512, depth=3)
+
 BASELINE_CASES = [
     # (tokens, hidden, ffn, experts, top_k, activation, normalize_topk)
     (37, 24, 40, 8, 2, "gelu", True),
@@ -204,7 +209,7 @@ def test_baseline_equals_reference_float32(baseline, case):
                          top_k=top_k, activation=activation, normalize_topk=normalize)
     assert got.dtype == torch.float32 and got.shape == (tokens, hidden)
     # float32 on both sides, same routing (same fp32 router GEMM); only summation order differs
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert_normwise_close(got, want, FLOAT32_FORWARD_TOLERANCE)
 
 
 @pytest.mark.parametrize("baseline", _baseline_functions(), ids=lambda f: f.__name__)
@@ -234,7 +239,7 @@ def test_grouped_mm_weight_layouts_give_the_same_output(layout):
         assert w1.stride(-2) == 1 and w2.stride(-2) == 1
     got = baselines.grouped_mm_pipeline(inputs.x, inputs.router_weight, w1, w2, top_k=2, activation="swiglu")
     want = reference.moe(inputs.x, inputs.router_weight, inputs.w1, inputs.w2, top_k=2, activation="swiglu")
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert_normwise_close(got, want, FLOAT32_FORWARD_TOLERANCE)
 
 
 def test_baselines_reject_bad_arguments():
@@ -754,7 +759,7 @@ def test_timed_fused_forwards_rotate_input_sets_after_a_checked_forward(monkeypa
     sets = [problem.replace(seed=9 + s).rank_inputs(0).x for s in range(2)]
     # checked forward on set 0, one warm-up (set 0), then four timed runs rotating from set 1
     assert [next(i for i, x in enumerate(sets) if torch.equal(x, c)) for c in calls] == [0, 0, 1, 0, 1, 0]
-    torch.testing.assert_close(out.tensors["y"], reference_results(problem)[0]["y"], rtol=1e-5, atol=1e-5)
+    assert_normwise_close(out.tensors["y"], reference_results(problem)[0]["y"], FLOAT32_FORWARD_TOLERANCE)
 
 
 def test_one_gpu_per_rank_needs_no_mps():
@@ -776,7 +781,7 @@ def test_nccl_baseline_exchange_over_gloo_matches_the_reference():
                                              [i.w2 for i in inputs], top_k=2, activation="silu")
     for outcome, want, sent in zip(run.ranks, expected, expected_traffic(problem)):
         assert outcome.tensors["y"].shape == want.shape
-        torch.testing.assert_close(outcome.tensors["y"], want, rtol=1e-5, atol=1e-5)
+        assert_normwise_close(outcome.tensors["y"], want, FLOAT32_FORWARD_TOLERANCE)
         assert len(outcome.info["samples_ms"]) == 2 and outcome.info["backend"] == "gloo"
         check = outcome.info["check"]
         assert check["max_abs_error"] < 1e-5 and check["compared_tokens"] + check["near_tie_tokens"] == want.shape[0]

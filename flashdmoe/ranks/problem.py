@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from flashdmoe import reference
+from flashdmoe import numerics, reference
 from flashdmoe.team import MAX_RANKS
 
 __all__ = [
@@ -35,7 +35,7 @@ __all__ = [
 ]
 
 #: The problem dtypes, by the name a JSON spec carries.
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+DTYPES = {name: p.dtype for name, p in numerics.DTYPES.items() if p.kernel}
 #: Tokens whose k-th and (k+1)-th router log-probabilities are closer than this are redrawn by
 #: :class:`Problem` (a near-tie may legitimately route differently under another fp32 summation order).
 DEFAULT_NEAR_TIE_GAP = 1e-3
