@@ -226,7 +226,7 @@ def _open_ranks(args: argparse.Namespace, config):
 
 def _command_run(args: argparse.Namespace) -> int:
     from flashdmoe.job import ClusterTooSmall, WorkerFault, run_job
-    from flashdmoe.job.loop import default_console
+    from flashdmoe.job.table import default_console
 
     config = _load_run_config(args)
     try:

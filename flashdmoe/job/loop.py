@@ -5,7 +5,6 @@ forward + backward steps on every rank, then the float64 verification of step 0
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,7 @@ from flashdmoe.job.executor import RankExecutor
 from flashdmoe.job.results import make_results, write_results
 from flashdmoe.job.table import print_results
 
-__all__ = ["VERIFIED_STEP", "default_console", "run_job"]
+__all__ = ["VERIFIED_STEP", "run_job"]
 
 #: The step whose outputs and gradients verification checks (run once more after the timed steps).
 VERIFIED_STEP = 0
@@ -70,8 +69,3 @@ def run_job(ranks: RankExecutor, *, verify: bool = True, output_dir: str | Path 
             console.print(f"results written to {results['output']} and {results['plot']}", markup=False,
                           highlight=False)
     return results
-
-
-def default_console() -> Console:
-    """stdout; 132 columns when not a terminal, so that job logs keep the tables' rows whole."""
-    return Console(width=None if sys.stdout.isatty() else 132)

@@ -4,12 +4,18 @@ table of ranks where ranks are timed apart, medians, retries and faults, and the
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
-__all__ = ["print_results"]
+__all__ = ["default_console", "print_results"]
+
+
+def default_console() -> Console:
+    """stdout; 132 columns when not a terminal, so that job logs keep the tables' rows whole."""
+    return Console(width=None if sys.stdout.isatty() else 132)
 
 
 def _shown(value: float | None, spec: str) -> str:
