@@ -1,8 +1,9 @@
 """The ``flashdmoe`` command line: ``info``, ``run``, ``bench``, ``build``.
 
-``flashdmoe run`` is a thin layer over :func:`ray_actors.driver.run_job` (one Ray worker per rank); with
-``--in-process`` it calls :func:`flashdmoe.runner.run_in_process` instead, which needs no Ray. Ray is
-imported only for a Ray run, so the other commands and ``--in-process`` work where Ray is absent.
+``flashdmoe run`` opens the ranks (:class:`ray_actors.cluster.MoECluster`, one Ray worker per rank, or
+with ``--in-process`` :class:`flashdmoe.job.InProcessRanks`) and runs the main job on them
+(:func:`flashdmoe.job.run_job`); it is also the ``ray job submit`` entrypoint. Ray is imported only for a
+Ray run, so the other commands and ``--in-process`` work where Ray is absent.
 """
 
 from __future__ import annotations
@@ -24,10 +25,11 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-__all__ = ["RAY_BACKENDS", "build_parser", "collect_info", "main"]
+__all__ = ["build_parser", "collect_info", "main"]
 
 # `flashdmoe run` exit status: 1 when the result is not a verified one (verification failed, or a
-# fault the bounded retries could not recover), 2 for bad input, before anything starts.
+# fault the bounded retries could not recover), 2 for bad input or a cluster that cannot host the run,
+# before any step runs.
 _EXIT_BAD_INPUT = 2
 _EXIT_VERIFICATION_FAILED = 1
 _EXIT_RUN_FAILED = 1
@@ -176,52 +178,6 @@ def _command_info(args: argparse.Namespace) -> int:
 # -- run -------------------------------------------------------------------------------------------
 
 
-def _format(value: float | None, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
-def _print_run(results: dict[str, Any], console: Console) -> None:
-    run = results["run"]
-    config = results["config"]
-    console.print(f"[bold]flashdmoe run[/bold]: {run['mode']}; backend {run['backend']} on {run['device']}")
-    title = (f"T={config['tokens_per_rank']}/rank H={config['hidden']} I={config['ffn']} E={config['experts']} "
-             f"k={config['top_k']} P={config['world_size']} {config['dtype']} {config['activation']}")
-    table = Table(title=title)
-    for column in ("step", "fwd ms", "bwd ms", "tokens/s", "TFLOP/s", "dropped", "max err", "ok"):
-        table.add_column(column, justify="right")
-    for record in results["steps"]:
-        passed = record["passed"]
-        table.add_row(
-            str(record["step"]),
-            _format(record["forward_ms"], ".3f"),
-            _format(record["backward_ms"], ".3f"),
-            _format(record["tokens_per_s"], ",.0f"),
-            _format(record["tflops"], ".3g"),
-            str(record["dropped_choices"]),
-            _format(record["max_error"], ".2e"),
-            "-" if passed is None else ("yes" if passed else "NO"),
-        )
-    console.print(table)
-    metrics = results["metrics"]
-    console.print(f"median over {metrics['steps_in_median']} step(s): forward {_format(metrics['forward_ms_median'], '.3f')} ms, "
-                  f"backward {_format(metrics['backward_ms_median'], '.3f')} ms, "
-                  f"{_format(metrics['tokens_per_s_median'], ',.0f')} tokens/s")
-    verification = results["verification"]
-    if verification["enabled"]:
-        verdict = "passed" if verification["passed"] else "FAILED"
-        console.print(f"verification {verdict}: max error {verification['max_error']:.2e} "
-                      f"(tolerance {verification['tolerance']:.0e}) against {verification['oracle']}")
-    else:
-        console.print("verification skipped (--no-verify)")
-    if "output" in results:
-        console.print(f"results written to {results['output']}")
-
-
-#: ``flashdmoe run --backend`` to :func:`ray_actors.driver.run_job`'s backend: the reference layer runs
-#: on Ray as the CPU expert-parallel path (gloo all-to-all, reference experts).
-RAY_BACKENDS = {"auto": "auto", "reference": "gloo", "cuda": "cuda"}
-
-
 def _load_run_config(args: argparse.Namespace):
     """The validated config with ``--workers`` applied; raises ValueError/FileNotFoundError before any
     Ray process or actor starts."""
@@ -236,60 +192,59 @@ def _load_run_config(args: argparse.Namespace):
     return config
 
 
-def _run_in_process(args: argparse.Namespace, config) -> int:
-    from flashdmoe.runner import run_in_process
-
-    ray_only = {"--address": args.address, "--gpus-per-worker": args.gpus_per_worker,
-                "--max-retries": args.max_retries, "--mps-pipe-dir": args.mps_pipe_dir,
-                "--mps-log-dir": args.mps_log_dir}
-    for option, value in ray_only.items():
-        if value is not None:
-            raise ValueError(f"{option}={value!r}: applies to runs on Ray; --in-process runs every rank in this "
-                             f"process (drop {option} or --in-process)")
-    results = run_in_process(config, args.output, backend=args.backend, device=args.device,
-                             verify=args.verify, progress=not args.no_progress)
-    _print_run(results, Console())
-    if args.verify and not results["verification"]["passed"]:
-        return _EXIT_VERIFICATION_FAILED
-    return 0
+#: ``flashdmoe run`` options that apply to Ray runs only, with their ``MoECluster`` argument names.
+_RAY_OPTIONS = {"address": "--address", "gpus_per_worker": "--gpus-per-worker", "max_retries": "--max-retries",
+                "mps_pipe_dir": "--mps-pipe-dir", "mps_log_dir": "--mps-log-dir",
+                "placement_timeout": "--placement-timeout"}
 
 
-def _run_on_ray(args: argparse.Namespace, config) -> int:
+def _open_ranks(args: argparse.Namespace, config):
+    """The run's executor, started: every rank in this process (``--in-process``) or one Ray worker each."""
+    if args.in_process:
+        for name, option in _RAY_OPTIONS.items():
+            value = getattr(args, name)
+            if value is not None:
+                raise ValueError(f"{option}={value!r}: applies to runs on Ray; --in-process runs every rank in this "
+                                 f"process (drop {option} or --in-process)")
+        from flashdmoe.job import InProcessRanks
+
+        return InProcessRanks(config, backend=args.backend, device=args.device)
     if args.device is not None:
         raise ValueError(f"--device={args.device!r}: applies to --in-process runs only; each Ray worker uses "
                          "its own GPU (or the CPU)")
     try:
-        from ray_actors.driver import WorkerFault, run_job
+        from ray_actors.cluster import MoECluster
     except ImportError as error:
         raise ValueError(f"the Ray run cannot start: {error}; install ray[default] (pip install -e .) or "
                          "pass --in-process to run every rank in this process without Ray") from None
-    options = {}
-    if args.gpus_per_worker is not None:
-        options["gpus_per_worker"] = args.gpus_per_worker
-    if args.max_retries is not None:
-        options["max_retries"] = args.max_retries
-    if args.mps_pipe_dir is not None:
-        options["mps_pipe_dir"] = args.mps_pipe_dir
-    if args.mps_log_dir is not None:
-        options["mps_log_dir"] = args.mps_log_dir
+    options = {name: getattr(args, name) for name in ("gpus_per_worker", "max_retries", "mps_pipe_dir", "mps_log_dir")
+               if getattr(args, name) is not None}
+    if args.placement_timeout is not None:
+        options["placement_timeout_s"] = args.placement_timeout
+    return MoECluster(config, args.address, backend=args.backend, **options)
+
+
+def _command_run(args: argparse.Namespace) -> int:
+    from flashdmoe.job import ClusterTooSmall, WorkerFault, run_job
+    from flashdmoe.job.table import default_console
+
+    config = _load_run_config(args)
     try:
-        results = run_job(config, address=args.address, workers=args.workers, verify=args.verify,
-                          output_dir=args.output, progress=not args.no_progress,
-                          backend=RAY_BACKENDS[args.backend], **options)
+        ranks = _open_ranks(args, config)
+    except ClusterTooSmall as error:
+        print(f"error: the cluster cannot host the run: {error}", file=sys.stderr)
+        return _EXIT_BAD_INPUT
+    try:
+        with ranks:
+            results = run_job(ranks, verify=args.verify, output_dir=args.output, progress=not args.no_progress,
+                              console=default_console())
     except WorkerFault as fault:  # the team broke and the bounded retries did not bring it back
         print(f"error: the run failed ({fault.kind} on rank(s) {fault.ranks}): {fault}", file=sys.stderr)
         return _EXIT_RUN_FAILED
     verification = results["verification"]
-    if verification is not None and not verification["passed"]:
+    if verification["enabled"] and not verification["passed"]:
         return _EXIT_VERIFICATION_FAILED
     return 0
-
-
-def _command_run(args: argparse.Namespace) -> int:
-    config = _load_run_config(args)
-    if args.in_process:
-        return _run_in_process(args, config)
-    return _run_on_ray(args, config)
 
 
 # -- build -----------------------------------------------------------------------------------------
@@ -356,22 +311,24 @@ def build_parser() -> argparse.ArgumentParser:
     run = subparsers.add_parser(
         "run", help="the main job: forward + backward steps of a configured layer on Ray workers",
         description="Run config.steps forward + backward steps of the layer on world_size Ray workers (one rank "
-                    "each; without --address an embedded Ray on 127.0.0.1), verify outputs and gradients "
-                    "against the reference, print a table and write results.json and latency.png. "
-                    "--in-process runs the ranks inside this process instead (no Ray).",
+                    "each; without --address an embedded Ray on 127.0.0.1), verify step 0's outputs and gradients "
+                    "against a float64 reference, print a table and write results.json and latency.png. "
+                    "--in-process runs the ranks inside this process instead (no Ray). Exit status: 0 success, "
+                    "1 verification failed or the team could not be recovered, 2 bad config or argument or a "
+                    "cluster that cannot host the run.",
     )
     run.add_argument("--config", required=True, type=Path, help="YAML config (see configs/)")
     run.add_argument("--output", type=Path, default=Path("results"),
-                     help="directory for results.json (and latency.png on Ray) (default: results/)")
+                     help="directory for results.json and latency.png (default: results/)")
     run.add_argument("--address", default=None,
                      help="Ray cluster to join, e.g. 'auto' (the cluster of this node or of the Ray job) or "
                           "HOST:PORT (default: $RAY_ADDRESS, else an embedded Ray on 127.0.0.1)")
     run.add_argument("--workers", type=int, default=None,
                      help="number of ranks, one Ray worker each (default: the config's world_size)")
     run.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True,
-                     help="check outputs and gradients against the reference, in float64 on the driver's CPU "
-                          "(default: on; use --no-verify for large configs)")
-    run.add_argument("--backend", choices=tuple(RAY_BACKENDS), default="auto",
+                     help="check step 0's outputs and gradients against the reference, in float64 on this "
+                          "process's CPU (default: on; use --no-verify for large configs)")
+    run.add_argument("--backend", choices=("auto", "reference", "cuda"), default="auto",
                      help="auto: the fused kernel where every worker has a GPU, else the reference; reference: "
                           "CPU expert parallelism over gloo (on Ray) or the reference layer (--in-process); "
                           "cuda: the fused kernel (default: auto)")
@@ -388,6 +345,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--max-retries", type=int, default=None,
                      help="recoveries from a dead worker, a kernel watchdog (KernelTimeout) or a hung team "
                           "allowed per call (default: 2)")
+    run.add_argument("--placement-timeout", type=float, default=None, metavar="SECONDS",
+                     help="how long to wait for the Ray cluster to place the workers before giving up with exit "
+                          "status 2 (default: 120)")
     run.add_argument("--in-process", action="store_true",
                      help="run every rank inside this process (no Ray): the expert-parallel reference, or "
                           "flashdmoe.moe for one rank")

@@ -1,17 +1,16 @@
-"""Ray orchestration of FlashDMoE: one :class:`~ray_actors.worker.MoEWorker` actor per rank and the
-driver (:class:`~ray_actors.driver.MoECluster`, :func:`~ray_actors.driver.run_job`); DESIGN.md §6.
-
-``python -m ray_actors.driver --config FILE`` is the ``ray job submit`` entrypoint.
+"""The main job's ranks on Ray: :class:`~ray_actors.cluster.MoECluster` (the executor the step loop
+:func:`flashdmoe.job.run_job` drives, and a Python API) and :class:`~ray_actors.worker.MoEWorker` (the
+actor that is one rank). ``flashdmoe run`` is the entry point, also under ``ray job submit``.
 """
 
 from __future__ import annotations
 
 import importlib
 
-__all__ = ["MoECluster", "MoEWorker", "run_job"]
+__all__ = ["MoECluster", "MoEWorker"]
 
-# Imported on first use, so `python -m ray_actors.driver` does not import the driver twice.
-_LAZY = {"MoECluster": "ray_actors.driver", "run_job": "ray_actors.driver", "MoEWorker": "ray_actors.worker"}
+# Imported on first use: importing ray_actors alone should not import Ray.
+_LAZY = {"MoECluster": "ray_actors.cluster", "MoEWorker": "ray_actors.worker"}
 
 
 def __getattr__(name: str):

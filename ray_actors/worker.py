@@ -1,7 +1,8 @@
 """``MoEWorker``: the Ray actor that is one rank of the expert-parallel MoE (DESIGN.md §6).
 
 One actor per GPU (``num_gpus=1``) or, on a cluster without GPUs, per CPU (``num_cpus=1``); the driver
-(:mod:`ray_actors.driver`) places them in a STRICT_PACK placement group, one bundle each. A worker:
+(:class:`ray_actors.cluster.MoECluster`) places them in a STRICT_PACK placement group, one bundle each.
+A worker:
 
 1. joins the team (:meth:`MoEWorker.setup`):
    - CPU: ``torch.distributed`` gloo over a TCP store on ``127.0.0.1:<port>`` (rank 0's node; STRICT_PACK
@@ -14,8 +15,8 @@ One actor per GPU (``num_gpus=1``) or, on a cluster without GPUs, per CPU (``num
      ``CUDA_MPS_*`` in the actor's environment, :func:`gpu_env_vars`);
 2. builds its expert shard from the config's seed (:func:`flashdmoe.config.make_weights`);
 3. runs :meth:`forward` / :meth:`backward` on batches the driver sends, or :meth:`step` on seeded
-   batches (:func:`flashdmoe.config.make_tokens`, :func:`upstream_gradient`), timing each;
-4. reports :meth:`metrics` and frees everything in :meth:`teardown`.
+   batches (:func:`flashdmoe.config.make_tokens`, :func:`flashdmoe.job.data.output_gradient`), timing each;
+4. reports its :meth:`peak_memory_bytes` and frees everything in :meth:`teardown`.
 
 Every collective call must be issued by all ranks of the team; the driver guarantees that by sending
 each call to every worker.
@@ -37,7 +38,6 @@ import math
 import os
 import resource
 import socket
-import statistics
 import sys
 import time
 from typing import Any
@@ -46,13 +46,13 @@ import ray
 import torch
 
 from flashdmoe import reference
-from flashdmoe.config import CONFIG_DTYPES, MoEConfig, derive_seed, make_tokens, make_weights, seeded_randn
+from flashdmoe.config import CONFIG_DTYPES, MoEConfig, make_tokens, make_weights
 from flashdmoe.errors import BackendUnavailable, KernelTimeout
-from flashdmoe.runner import forward_flops
-from flashdmoe.team import TeamFailed
+from flashdmoe.job.data import output_gradient
+from flashdmoe.job.results import rank_step_entry
+from flashdmoe.team import Team, TeamFailed
 
-__all__ = ["CRASH_POINTS", "GPU_ENVIRONMENT", "MoEWorker", "RemoteMoEWorker", "gpu_env_vars", "mps_share_percentage",
-           "upstream_gradient"]
+__all__ = ["CRASH_POINTS", "GPU_ENVIRONMENT", "MoEWorker", "RemoteMoEWorker", "gpu_env_vars", "mps_share_percentage"]
 
 #: Environment for GPU processes: no NVLink SHARP / multicast objects (DESIGN.md §4).
 GPU_ENVIRONMENT = {"NVSHMEM_DISABLE_NVLS": "1", "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
@@ -98,27 +98,6 @@ def gpu_env_vars(gpus_per_worker: float = 1.0, *, mps_pipe_dir: str | os.PathLik
     return environment
 
 
-def upstream_gradient(config: MoEConfig, rank: int, step: int) -> torch.Tensor:
-    """Seeded ``dL/dy`` fed to backward by :meth:`MoEWorker.step`: ``[tokens_per_rank, H]``, standard
-    normal, config dtype (the same stream as ``flashdmoe.runner``'s output gradients)."""
-    return seeded_randn((config.tokens_per_rank, config.hidden), derive_seed(config.seed, "output-grad", rank, step),
-                        dtype=config.torch_dtype)
-
-
-def _gpu_team_class():
-    """``flashdmoe.team.Team`` if it offers the NVSHMEM constructors, else a clear error."""
-    try:
-        from flashdmoe.team import Team
-    except ImportError as error:
-        raise BackendUnavailable(f"flashdmoe.team cannot be imported: {error}") from error
-    missing = [name for name in ("nvshmem", "make_unique_id") if not callable(getattr(Team, name, None))]
-    if missing:
-        raise BackendUnavailable(
-            f"flashdmoe.team.Team lacks {', '.join(missing)}: this build has no multi-process NVSHMEM team, so "
-            "the GPU Ray path cannot run; use backend='gloo' (the CPU expert-parallel path)")
-    return Team
-
-
 def _load_cuda_backend(dtype: torch.dtype, device: torch.device, rank: int | None) -> None:
     """Build (first use) or load the fused kernel's extension now, before this rank joins a team: a rank
     still compiling when its peers launch their first kernel would leave them spinning into the watchdog
@@ -146,19 +125,18 @@ class MoEWorker:
         self.team = None
         self.traffic = None
         self.device = torch.device("cpu")
-        self.records: list[dict[str, Any]] = []
         self.faults: list[dict[str, Any]] = []  # KernelTimeout / TeamFailed seen by this actor (fault_reports)
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None  # (x leaf, y) awaiting backward
 
     # -- rendezvous ------------------------------------------------------------------------------
 
     def node_info(self) -> dict[str, Any]:
-        """Where this actor runs: ``pid``, ``hostname``, Ray ``node_id``, assigned ``gpu_ids``, ``cuda``, and
-        ``mps``: the MPS variables this process sees (``pipe_dir``, ``log_dir``, ``thread_percentage``;
-        ``None`` where unset)."""
+        """Where this actor runs: ``pid``, ``hostname``, Ray ``node_id``, assigned ``gpu_ids`` and ``mps``: the
+        MPS variables this process sees (``pipe_dir``, ``log_dir``, ``thread_percentage``; ``None`` where
+        unset)."""
         return {"pid": os.getpid(), "hostname": socket.gethostname(),
                 "node_id": ray.get_runtime_context().get_node_id(),
-                "gpu_ids": [str(gpu) for gpu in ray.get_gpu_ids()], "cuda": torch.cuda.is_available(),
+                "gpu_ids": [str(gpu) for gpu in ray.get_gpu_ids()],
                 "mps": {"pipe_dir": os.environ.get("CUDA_MPS_PIPE_DIRECTORY"),
                         "log_dir": os.environ.get("CUDA_MPS_LOG_DIRECTORY"),
                         "thread_percentage": os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")}}
@@ -174,14 +152,13 @@ class MoEWorker:
         first use, builds) the CUDA extension first, while no peer waits yet, so the other ranks find it
         cached. ``dtype``: the config's dtype name (checked against the kernel's)."""
         os.environ.update(GPU_ENVIRONMENT)
-        team_class = _gpu_team_class()
         if dtype not in CONFIG_DTYPES:
             raise ValueError(f"dtype={dtype!r}: expected one of {', '.join(CONFIG_DTYPES)}")
         if not torch.cuda.is_available():
             raise BackendUnavailable("rank 0: backend 'cuda' but this actor sees no CUDA device "
                                      f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
         _load_cuda_backend(CONFIG_DTYPES[dtype], torch.device("cuda", 0), 0)
-        return bytes(team_class.make_unique_id())
+        return bytes(Team.make_unique_id())
 
     def setup(self, rank: int, world_size: int, config_dict: dict[str, Any],
               rendezvous: dict[str, Any]) -> dict[str, Any]:
@@ -197,8 +174,9 @@ class MoEWorker:
                 pass per forward, which sizes the team's symmetric buffers.
 
         Returns:
-            :meth:`node_info` plus ``rank``, ``backend``, ``device`` and ``team`` (``Team.describe()``, or
-            ``None`` on gloo).
+            :meth:`node_info` plus ``rank``, ``device``, ``device_name`` (the GPU's, else ``None``) and
+            ``team`` (``Team.describe()``, or ``None`` on gloo): the fields of a results ``workers[]`` entry
+            (:func:`flashdmoe.job.results.worker_entry`) but ``generation`` and ``team_id``.
         """
         config = MoEConfig.from_dict(config_dict)
         if config.world_size != world_size or not 0 <= rank < world_size:
@@ -226,14 +204,12 @@ class MoEWorker:
             self.device = torch.device("cuda", 0)
             _load_cuda_backend(config.torch_dtype, self.device, rank)  # before the team: see there
             if world_size == 1:
-                from flashdmoe.team import Team
-
                 self.team = Team.single()
             else:
                 max_tokens = rendezvous.get("max_tokens", max(1, config.tokens_per_rank))
                 if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
                     raise ValueError(f"rendezvous['max_tokens']={max_tokens!r}: expected an integer >= 1")
-                self.team = _gpu_team_class().nvshmem(
+                self.team = Team.nvshmem(
                     rendezvous["unique_id"], rank, world_size, max_tokens=max_tokens, hidden=config.hidden,
                     top_k=config.top_k, local_experts=config.local_experts, dtype=config.torch_dtype,
                     device=self.device)
@@ -247,10 +223,10 @@ class MoEWorker:
         self.router_weight = router_weight.requires_grad_()
         self.w1 = w1.requires_grad_()
         self.w2 = w2.requires_grad_()
-        self.records = []
         self.faults = []
         describe = getattr(self.team, "describe", None)
-        return {**self.node_info(), "rank": rank, "backend": backend, "device": str(self.device),
+        device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None
+        return {**self.node_info(), "rank": rank, "device": str(self.device), "device_name": device_name,
                 "team": describe() if callable(describe) else None}
 
     # -- compute ---------------------------------------------------------------------------------
@@ -393,7 +369,7 @@ class MoEWorker:
 
     def step(self, step: int, crash_at: str | None = None, silence: dict[str, Any] | None = None) -> dict[str, Any]:
         """One timed forward + backward on seeded data (:func:`flashdmoe.config.make_tokens` and
-        :func:`upstream_gradient` of ``(rank, step)``). Collective.
+        :func:`flashdmoe.job.data.output_gradient` of ``(rank, step)``). Collective.
 
         Args:
             step: step index (selects the data).
@@ -403,9 +379,10 @@ class MoEWorker:
                 raises ``KernelTimeout`` (caught, recorded in :meth:`fault_reports`, re-raised).
 
         Returns:
-            ``{"rank", "step", "tokens", "forward_ms", "backward_ms", "latency_ms", "bytes_sent",
-            "rows_sent_remote", "dispatch_bytes", "combine_bytes", "payload_efficiency", "traffic_source",
-            "dropped"}``; also kept for :meth:`metrics`. ``bytes_sent``: gloo: every byte this rank handed
+            This rank's entry of the step record (:func:`flashdmoe.job.results.rank_step_entry`): ``rank``,
+            ``tokens``, ``forward_ms``, ``backward_ms``, ``latency_ms``, ``dropped``, ``bytes_sent``,
+            ``rows_sent_remote``, ``dispatch_bytes``, ``combine_bytes``, ``payload_efficiency``,
+            ``traffic_source``. ``bytes_sent``: gloo: every byte this rank handed
             to other ranks (forward and backward); cuda: the forward kernel's ``dispatch_bytes +
             combine_bytes`` (``flashdmoe.cuda_backend.last_traffic``; ``traffic_source`` "kernel"), or, where
             the kernel does not report traffic, the dispatch payload estimated from the routing
@@ -417,7 +394,7 @@ class MoEWorker:
         if crash_at is not None and crash_at not in CRASH_POINTS:
             raise ValueError(f"crash_at={crash_at!r}: expected None or one of {CRASH_POINTS}")
         x = make_tokens(config, self.rank, step, device=self.device).requires_grad_()
-        dy = upstream_gradient(config, self.rank, step).to(self.device)
+        dy = output_gradient(config, self.rank, step, device=self.device)
         bytes_before = self._bytes_sent()
         rows_before = self.traffic.rows_sent_remote if self.traffic is not None else 0
         self._zero_grads()
@@ -458,13 +435,11 @@ class MoEWorker:
         else:
             bytes_sent, rows_remote = self._estimated_gpu_payload(x.detach(), aux)
             source = "estimate"
-        record = {"rank": self.rank, "step": step, "tokens": int(x.shape[0]), "forward_ms": forward_s * 1e3,
-                  "backward_ms": backward_s * 1e3, "latency_ms": (forward_s + backward_s) * 1e3,
-                  "bytes_sent": int(bytes_sent), "rows_sent_remote": int(rows_remote),
-                  "dispatch_bytes": dispatch_bytes, "combine_bytes": combine_bytes,
-                  "payload_efficiency": efficiency, "traffic_source": source, "dropped": int(aux.dropped)}
-        self.records.append(record)
-        return record
+        return rank_step_entry(rank=self.rank, tokens=int(x.shape[0]), forward_ms=forward_s * 1e3,
+                               backward_ms=backward_s * 1e3, latency_ms=(forward_s + backward_s) * 1e3,
+                               dropped=int(aux.dropped), bytes_sent=int(bytes_sent), rows_sent_remote=int(rows_remote),
+                               dispatch_bytes=dispatch_bytes, combine_bytes=combine_bytes,
+                               payload_efficiency=efficiency, traffic_source=source)
 
     def _estimated_gpu_payload(self, x: torch.Tensor, aux) -> tuple[int, int]:
         """Forward dispatch payload on the GPU path, from the routing: rows of kept choices whose expert
@@ -480,32 +455,13 @@ class MoEWorker:
 
     # -- reporting ---------------------------------------------------------------------------------
 
-    def metrics(self) -> dict[str, Any]:
-        """Summary of this actor's :meth:`step` records: medians of ``forward_ms``, ``backward_ms``,
-        ``latency_ms``; ``tokens_per_s``; ``tflops`` (backward counted as twice the forward FLOPs);
-        ``bytes_sent`` in total; ``payload_efficiency`` (median over steps that report it, else ``None``);
-        ``peak_memory_bytes`` (CUDA max allocated, or the process's max RSS)."""
-        config = self._require_setup()
+    def peak_memory_bytes(self) -> int:
+        """This process's peak memory so far: CUDA max allocated on a GPU, else the max RSS."""
+        self._require_setup()
         if self.device.type == "cuda":
-            peak = torch.cuda.max_memory_allocated(self.device)
-        else:  # ru_maxrss is KiB on Linux, bytes on macOS
-            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
-        summary: dict[str, Any] = {"rank": self.rank, "backend": self.backend, "device": str(self.device),
-                                   "steps": len(self.records), "peak_memory_bytes": int(peak),
-                                   "bytes_sent": sum(record["bytes_sent"] for record in self.records)}
-        efficiencies = [record["payload_efficiency"] for record in self.records
-                        if record.get("payload_efficiency") is not None]
-        summary["payload_efficiency"] = statistics.median(efficiencies) if efficiencies else None
-        if self.records:
-            latency = statistics.median(record["latency_ms"] for record in self.records)
-            summary.update(
-                forward_ms=statistics.median(record["forward_ms"] for record in self.records),
-                backward_ms=statistics.median(record["backward_ms"] for record in self.records),
-                latency_ms=latency,
-                tokens_per_s=config.tokens_per_rank / (latency / 1e3) if latency > 0 else None,
-                tflops=3 * forward_flops(config, config.tokens_per_rank) / (latency / 1e3) / 1e12
-                if latency > 0 else None)
-        return summary
+            return int(torch.cuda.max_memory_allocated(self.device))
+        # ru_maxrss is KiB on Linux, bytes on macOS
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
 
     def ping(self) -> int:
         """Liveness probe: this actor's pid."""

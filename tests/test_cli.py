@@ -1,9 +1,12 @@
 """The flashdmoe CLI end to end (subprocess): `flashdmoe run` through a real embedded Ray on 127.0.0.1
-(gloo workers), `flashdmoe run --in-process` and the runner behind it, argument handling, info, bench, build."""
+(gloo workers) and `flashdmoe run --in-process`, both writing the one results schema; argument handling and
+exit statuses; the in-process executor and the float64 verification behind `run`; info, bench, build."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
 import subprocess
 import sys
@@ -13,8 +16,12 @@ import pytest
 import torch
 import yaml
 
-from flashdmoe import api, cli, reference, runner
+from flashdmoe import api, cli, job, reference
 from flashdmoe.config import MoEConfig
+from flashdmoe.job import RESULTS_FILENAME, InProcessRanks, run_job, tolerance_for, verification
+from flashdmoe.job.data import StepOutputs, seeded_inputs
+from flashdmoe.job.results import forward_flops
+from job_checks import check_results_schema
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "tiny.yaml"
@@ -56,6 +63,10 @@ def test_info_json_matches_this_machine():
     assert info["ray"] is not None
 
 
+def _flat(text: str) -> str:
+    return " ".join(text.split())  # rich wraps long lines
+
+
 def test_run_tiny_config_on_ray_prints_table_and_writes_json(tmp_path):
     """The main job as a user runs it: an embedded Ray on 127.0.0.1, one gloo worker per rank, verified."""
     output = tmp_path / "out"
@@ -64,26 +75,24 @@ def test_run_tiny_config_on_ray_prints_table_and_writes_json(tmp_path):
     result = run_cli("run", "--config", str(TINY), "--output", str(output), "--no-progress", timeout=180)
     assert result.returncode == 0, result.stdout + result.stderr
     config = MoEConfig.from_yaml(TINY)
-    for text in (f"FlashDMoE Ray run: backend gloo, {config.world_size} workers", "forward ms", "backward ms",
-                 "tokens/s", "retries: 0", "verification PASSED",
+    for text in (f"FlashDMoE run: backend reference, transport gloo, {config.world_size} rank(s) on Ray",
+                 "forward ms", "backward ms", "tokens/s", "KiB sent/step", "peak MiB", "retries: 0",
+                 "verification PASSED (step 0)",
                  f"results written to {output / 'results.json'} and {output / 'latency.png'}"):
-        assert text in " ".join(result.stdout.split()), (text, result.stdout)  # rich wraps long lines
-    rank_rows = [line.strip("│ ").split()[0] for line in result.stdout.splitlines() if line.startswith("│")]
-    assert rank_rows == [str(rank) for rank in range(config.world_size)], result.stdout
+        assert text in _flat(result.stdout), (text, result.stdout)
 
     results = json.loads((output / "results.json").read_text())
+    check_results_schema(results, executor="ray", steps=config.steps, world_size=2)
     assert results["config"] == yaml.safe_load(TINY.read_text())
-    assert results["world_size"] == config.world_size == 2 and results["backend"] == "gloo"
+    assert results["run"]["backend"] == "reference" and results["run"]["transport"] == "gloo"
     assert len({worker["pid"] for worker in results["workers"]}) == 2  # one process per rank
-    assert [step["step"] for step in results["steps"]] == list(range(config.steps))
     for step in results["steps"]:
-        assert step["attempts"] == 1 and len(step["latency_ms"]) == config.world_size
-        assert all(latency > 0 for latency in step["latency_ms"]) and sum(step["bytes_sent"]) > 0
+        assert step["attempts"] == 1 and step["bytes_sent"] > 0
+        assert all(entry["latency_ms"] > 0 and entry["traffic_source"] == "gloo" for entry in step["ranks"])
     verification = results["verification"]
     assert verification["passed"] is True
-    assert 0 < verification["max_rel_err"] <= verification["tolerance"] == runner.tolerance_for("float32", "reference")
+    assert 0 < verification["max_rel_err"] <= verification["tolerance"] == tolerance_for("float32", "reference")
     assert results["retries"] == 0 and results["faults"] == []
-    assert (output / "latency.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_run_in_process_tiny_config_prints_table_and_writes_json(tmp_path):
@@ -91,27 +100,24 @@ def test_run_in_process_tiny_config_prints_table_and_writes_json(tmp_path):
     result = run_cli("run", "--in-process", "--config", str(TINY), "--output", str(output))
     assert result.returncode == 0, result.stdout + result.stderr
     config = MoEConfig.from_yaml(TINY)
-    for text in ("flashdmoe run", "fwd ms", "bwd ms", "tokens/s", "max err", "verification passed",
-                 f"results written to {output / 'results.json'}"):
-        assert text in result.stdout, (text, result.stdout)
-    table_rows = [line for line in result.stdout.splitlines() if line.strip().startswith("│")]
-    assert len(table_rows) == config.steps
+    for text in ("FlashDMoE run: backend reference, transport emulated, 2 rank(s) in this process", "forward ms",
+                 "backward ms", "tokens/s", "verification PASSED (step 0)",
+                 f"results written to {output / 'results.json'} and {output / 'latency.png'}"):
+        assert text in _flat(result.stdout), (text, result.stdout)
+    assert "peak MiB" not in result.stdout  # no per-rank table: the ranks share one process and one clock
+    step_rows = [line for line in result.stdout.splitlines() if line.strip().startswith("│")]
+    assert len(step_rows) == config.steps
 
     results = json.loads((output / "results.json").read_text())
+    check_results_schema(results, executor="in-process", steps=config.steps, world_size=2)
     assert results["config"] == yaml.safe_load(TINY.read_text())
-    assert results["run"]["world_size"] == config.world_size == 2
-    assert results["run"]["backend"] == "reference"
-    assert [step["step"] for step in results["steps"]] == list(range(config.steps))
+    assert results["run"]["backend"] == "reference" and results["run"]["transport"] == "emulated"
     for step in results["steps"]:
-        assert step["forward_ms"] > 0 and step["backward_ms"] > 0 and step["tokens_per_s"] > 0
-        assert step["tokens"] == config.tokens_per_rank * config.world_size
-        assert set(step["errors"]) == {"y", "dx", "d_router_weight", "d_w1", "d_w2"}
-        assert step["passed"] is True and step["max_error"] <= results["verification"]["tolerance"]
+        assert step["forward_ms"] > 0 and step["backward_ms"] > 0 and step["bytes_sent"] is None
+        assert all(entry["latency_ms"] is None for entry in step["ranks"])
     verification = results["verification"]
     assert verification["enabled"] is True and verification["passed"] is True
-    assert verification["tolerance"] == runner.tolerance_for("float32", "reference")
-    assert results["metrics"]["forward_ms_median"] > 0
-    assert results["metrics"]["steps_in_median"] == config.steps - 1
+    assert verification["tolerance"] == tolerance_for("float32", "reference")
     assert results["environment"]["torch"] == torch.__version__
 
 
@@ -157,69 +163,98 @@ def test_run_refuses_options_of_the_other_mode(tmp_path, capsys, no_ray_start):
                            (["--in-process", "--max-retries", "1"], "--max-retries=1: applies to runs on Ray"),
                            (["--in-process", "--mps-pipe-dir", "/tmp/p"],
                             "--mps-pipe-dir='/tmp/p': applies to runs on Ray"),
+                           (["--in-process", "--placement-timeout", "5"],
+                            "--placement-timeout=5.0: applies to runs on Ray"),
                            (["--device", "cpu"], "--device='cpu': applies to --in-process runs only")):
         assert cli.main(base + extra) == 2, extra
         assert message in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
 
-def _fake_run_job(calls: list, passed: bool | None):
-    def fake(config, **options):
-        calls.append((config, options))
-        return {"verification": None if passed is None else {"passed": passed}}
+class _FakeCluster:
+    """Stands in for ray_actors.cluster.MoECluster: records how it was opened and closed."""
 
-    return fake
+    opened: list = []
+
+    def __init__(self, config, address=None, **options):
+        self.config = config
+        self.closed = False
+        _FakeCluster.opened.append((self, address, options))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        self.closed = True
 
 
-@pytest.mark.parametrize("backend, ray_backend", [("auto", "auto"), ("reference", "gloo"), ("cuda", "cuda")])
-def test_run_hands_its_arguments_to_the_ray_driver(backend, ray_backend, monkeypatch, tmp_path):
-    from ray_actors import driver
+def _fake_ray(monkeypatch, run_job=None):
+    """MoECluster and run_job replaced; returns the list of (cluster, address, options) opened and the list
+    of (ranks, run_job options) run."""
+    from ray_actors import cluster
 
-    calls = []
-    monkeypatch.setattr(driver, "run_job", _fake_run_job(calls, passed=True))
+    opened, runs = [], []
+    monkeypatch.setattr(_FakeCluster, "opened", opened)
+    monkeypatch.setattr(cluster, "MoECluster", _FakeCluster)
+
+    def fake_run_job(ranks, **options):
+        runs.append((ranks, options))
+        return {"verification": {"enabled": True, "passed": True}}
+
+    monkeypatch.setattr(job, "run_job", run_job or fake_run_job)
+    return opened, runs
+
+
+@pytest.mark.parametrize("backend", ["auto", "reference", "cuda"])
+def test_run_opens_ray_ranks_with_its_arguments(backend, monkeypatch, tmp_path):
+    opened, runs = _fake_ray(monkeypatch)
     assert cli.main(["run", "--config", str(TINY), "--address", "auto", "--workers", "4", "--backend", backend,
-                     "--output", str(tmp_path), "--no-progress", "--gpus-per-worker", "0.5"]) == 0
-    config, options = calls[0]
-    assert config == MoEConfig.from_yaml(TINY).replace(world_size=4)
-    assert options == dict(address="auto", workers=4, verify=True, output_dir=tmp_path, progress=False,
-                           backend=ray_backend, gpus_per_worker=0.5)
-    assert cli.main(["run", "--config", str(TINY), "--no-verify"]) == 0
-    config, options = calls[1]
-    assert config == MoEConfig.from_yaml(TINY)
-    assert options == dict(address=None, workers=None, verify=False, output_dir=Path("results"), progress=True,
-                           backend="auto")
+                     "--output", str(tmp_path), "--no-progress", "--gpus-per-worker", "0.5",
+                     "--placement-timeout", "7"]) == 0
+    ranks, address, options = opened[0]
+    assert ranks.config == MoEConfig.from_yaml(TINY).replace(world_size=4) and address == "auto"
+    assert options == dict(backend=backend, gpus_per_worker=0.5, placement_timeout_s=7.0)
+    assert runs[0][0] is ranks and ranks.closed
+    assert set(runs[0][1]) == {"verify", "output_dir", "progress", "console"}
+    assert runs[0][1]["verify"] is True and runs[0][1]["output_dir"] == tmp_path and runs[0][1]["progress"] is False
 
-
-def test_run_hands_the_mps_options_to_the_ray_driver(monkeypatch, tmp_path):
-    from ray_actors import driver
-
-    calls = []
-    monkeypatch.setattr(driver, "run_job", _fake_run_job(calls, passed=True))
-    assert cli.main(["run", "--config", str(TINY), "--backend", "cuda", "--gpus-per-worker", "0.25",
-                     "--mps-pipe-dir", "/tmp/mps/pipe", "--mps-log-dir", "/tmp/mps/log", "--output", str(tmp_path),
-                     "--no-progress"]) == 0
-    _, options = calls[0]
-    assert options == dict(address=None, workers=None, verify=True, output_dir=tmp_path, progress=False,
-                           backend="cuda", gpus_per_worker=0.25, mps_pipe_dir="/tmp/mps/pipe",
-                           mps_log_dir="/tmp/mps/log")
+    assert cli.main(["run", "--config", str(TINY), "--no-verify", "--backend", backend, "--max-retries", "3",
+                     "--mps-pipe-dir", "/tmp/mps/pipe", "--mps-log-dir", "/tmp/mps/log"]) == 0
+    ranks, address, options = opened[1]
+    assert ranks.config == MoEConfig.from_yaml(TINY) and address is None
+    assert options == dict(backend=backend, max_retries=3, mps_pipe_dir="/tmp/mps/pipe", mps_log_dir="/tmp/mps/log")
+    assert runs[1][1]["verify"] is False and runs[1][1]["output_dir"] == Path("results") and runs[1][1]["progress"]
 
 
 def test_run_on_ray_exit_status(monkeypatch, capsys):
-    from ray_actors import driver
+    from flashdmoe.job import ClusterTooSmall, WorkerFault
 
-    monkeypatch.setattr(driver, "run_job", _fake_run_job([], passed=False))
+    def failed_verification(ranks, **options):
+        return {"verification": {"enabled": True, "passed": False}}
+
+    _fake_ray(monkeypatch, failed_verification)
     assert cli.main(["run", "--config", str(TINY)]) == 1
 
-    def broken_team(config, **options):
-        raise driver.WorkerFault("worker_died", [1], "rank(s) [1] died during step: gone")
+    def broken_team(ranks, **options):
+        raise WorkerFault("worker_died", [1], "rank(s) [1] died during step: gone")
 
-    monkeypatch.setattr(driver, "run_job", broken_team)
+    _fake_ray(monkeypatch, broken_team)
     assert cli.main(["run", "--config", str(TINY)]) == 1
     assert "the run failed (worker_died on rank(s) [1])" in capsys.readouterr().err
 
+    class TooSmall(_FakeCluster):
+        def __init__(self, config, address=None, **options):
+            raise ClusterTooSmall("workers=2: the Ray cluster has 1 CPUs")
+
+    from ray_actors import cluster
+
+    monkeypatch.setattr(cluster, "MoECluster", TooSmall)
+    assert cli.main(["run", "--config", str(TINY)]) == 2
+    assert "error: the cluster cannot host the run: workers=2: the Ray cluster has 1 CPUs" in capsys.readouterr().err
+
 
 def test_run_without_ray_points_to_in_process(monkeypatch, capsys):
-    monkeypatch.delitem(sys.modules, "ray_actors.driver", raising=False)
+    monkeypatch.delitem(sys.modules, "ray_actors.cluster", raising=False)
     monkeypatch.setitem(sys.modules, "ray", None)  # makes `import ray` fail, as on a machine without Ray
     assert cli.main(["run", "--config", str(TINY)]) == 2
     error = capsys.readouterr().err
@@ -250,11 +285,10 @@ def test_run_exits_1_when_verification_fails(tmp_path, monkeypatch, capsys):
 
     monkeypatch.setattr(reference, "moe_expert_parallel", off_by_one_percent)
     assert cli.main(["run", "--in-process", "--config", str(TINY), "--output", str(tmp_path), "--no-progress"]) == 1
-    output = capsys.readouterr().out
-    assert "verification FAILED" in output and "NO" in output
+    assert "verification FAILED (step 0)" in _flat(capsys.readouterr().out)
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["verification"]["passed"] is False
-    assert results["steps"][0]["errors"]["y"] == pytest.approx(0.01, rel=1e-3)
+    assert results["verification"]["tensors"]["y"]["max_rel_err"] == pytest.approx(0.01, rel=1e-3)
 
 
 def test_bench_subcommand_delegates_to_flashdmoe_bench():
@@ -294,10 +328,10 @@ def test_build_prints_the_extension_path(monkeypatch, capsys, tmp_path):
     assert "build failed: nvcc: not found" in capsys.readouterr().err
 
 
-# -- the runner ----------------------------------------------------------------------------------
+# -- the in-process executor and the verification -------------------------------------------------
 
 
-RUNNER_CASES = [
+IN_PROCESS_CASES = [
     dict(world_size=1, activation="swiglu", capacity_factor=0.75),
     dict(world_size=2, activation="relu", normalize_topk=False, top_k=1),
     dict(world_size=4, activation="silu", capacity_factor=0.5, top_k=3),
@@ -306,24 +340,28 @@ RUNNER_CASES = [
 ]
 
 
-@pytest.mark.parametrize("options", RUNNER_CASES, ids=[str(i) for i in range(len(RUNNER_CASES))])
-def test_run_in_process_verifies_outputs_and_gradients(options, tmp_path):
+@pytest.mark.parametrize("options", IN_PROCESS_CASES, ids=[str(i) for i in range(len(IN_PROCESS_CASES))])
+def test_in_process_run_verifies_outputs_and_gradients(options, tmp_path):
     config = MoEConfig(**{"hidden": 16, "ffn": 24, "experts": 8, "top_k": 2, "tokens_per_rank": 21, "steps": 2,
                           "seed": 11, **options})
-    results = runner.run_in_process(config, tmp_path, progress=False)
-    assert results["verification"]["passed"] is True, results["steps"]
+    with InProcessRanks(config) as ranks:
+        results = run_job(ranks, output_dir=tmp_path, progress=False)
+    verification = results["verification"]
+    assert verification["passed"] is True, verification
     assert len(results["steps"]) == 2
+    if config.tokens_per_rank:
+        check_results_schema(results, executor="in-process", steps=2, world_size=config.world_size)
     if config.capacity_factor is not None and config.tokens_per_rank:
-        assert all(step["dropped_choices"] > 0 for step in results["steps"])
+        assert all(step["dropped"] > 0 for step in results["steps"])
     if config.tokens_per_rank and config.dtype == "float32":
         # A real comparison happened: float32 runs differ from the float64 oracle by rounding only.
-        assert 0 < results["verification"]["max_error"] <= results["verification"]["tolerance"]
-        assert "float64" in results["verification"]["oracle"]
-    on_disk = json.loads((tmp_path / runner.RESULTS_FILENAME).read_text())
-    assert on_disk["config"] == config.to_dict() and on_disk["verification"] == results["verification"]
+        assert 0 < verification["max_rel_err"] <= verification["tolerance"]
+        assert "float64" in verification["oracle"]
+    on_disk = json.loads((tmp_path / RESULTS_FILENAME).read_text())
+    assert on_disk["config"] == config.to_dict() and on_disk["verification"] == verification
 
 
-def test_run_in_process_single_rank_detects_a_wrong_backend(monkeypatch, tmp_path):
+def test_in_process_single_rank_detects_a_wrong_backend(monkeypatch):
     real = api.moe
 
     def wrong_router_gradient(x, router_weight, *args, **kwargs):
@@ -332,43 +370,117 @@ def test_run_in_process_single_rank_detects_a_wrong_backend(monkeypatch, tmp_pat
 
     monkeypatch.setattr(api, "moe", wrong_router_gradient)
     config = MoEConfig(hidden=16, ffn=16, experts=4, top_k=2, tokens_per_rank=12, steps=1)
-    results = runner.run_in_process(config, None, progress=False)
-    errors = results["steps"][0]["errors"]
-    assert errors["y"] < 1e-5 and errors["d_router_weight"] == pytest.approx(1.0)
+    with InProcessRanks(config) as ranks:
+        results = run_job(ranks, progress=False)
+    tensors = results["verification"]["tensors"]
+    assert tensors["y"]["max_rel_err"] < 1e-5 and tensors["d_router_weight"]["max_rel_err"] == pytest.approx(1.0)
     assert results["verification"]["passed"] is False
-    assert "output" not in results
+    check_results_schema(results, executor="in-process", steps=1, world_size=1, written=False)
 
 
-def test_run_in_process_without_verification(tmp_path):
+def test_in_process_run_without_verification(tmp_path):
     config = MoEConfig(hidden=8, ffn=8, experts=2, top_k=1, tokens_per_rank=5, steps=1)
-    results = runner.run_in_process(config, tmp_path, verify=False, progress=False)
-    assert results["verification"]["enabled"] is False and results["steps"][0]["passed"] is None
-    assert results["metrics"]["steps_in_median"] == 1
+    with InProcessRanks(config) as ranks:
+        results = run_job(ranks, verify=False, output_dir=tmp_path, progress=False)
+    check_results_schema(results, executor="in-process", steps=1, world_size=1)
+    assert results["verification"]["enabled"] is False
+    assert results["steps"][0]["ranks"][0]["latency_ms"] > 0  # one rank: the step's time is that rank's
 
 
-def test_run_in_process_rejects_cuda_for_several_ranks():
+def test_in_process_ranks_refuse_what_they_cannot_run():
     from flashdmoe.errors import BackendUnavailable
 
     config = MoEConfig(hidden=8, ffn=8, experts=2, top_k=1, tokens_per_rank=5, world_size=2)
     with pytest.raises(BackendUnavailable, match="world_size=2"):
-        runner.run_in_process(config, None, backend="cuda", progress=False)
+        InProcessRanks(config, backend="cuda")
     with pytest.raises(ValueError, match="backend='fast'"):
-        runner.run_in_process(config, None, backend="fast", progress=False)
+        InProcessRanks(config, backend="fast")
+    with pytest.raises(ValueError, match="crash=.*Ray executor"):
+        InProcessRanks(config).step(0, crash={"rank": 0, "at": "before_forward"})
+
+
+def _verification_config(**changes) -> MoEConfig:
+    return MoEConfig(**{"hidden": 16, "ffn": 24, "experts": 6, "top_k": 2, "tokens_per_rank": 17, "world_size": 3,
+                        "capacity_factor": 0.75, "seed": 5, **changes})
+
+
+def test_oracle_is_the_expert_parallel_layer_in_float64():
+    """The oracle (per rank, full weights, fixed routing) equals the expert-parallel reference run on the same
+    values in float64, capacity drops included."""
+    config = _verification_config()
+    inputs = seeded_inputs(config, step=4)
+    want = verification.oracle(config, inputs)
+    xs = [x.double().requires_grad_() for x in inputs.xs]
+    router = inputs.router_weight.double().requires_grad_()
+    w1s = [w.double().requires_grad_() for w in inputs.w1s]
+    w2s = [w.double().requires_grad_() for w in inputs.w2s]
+    ys, auxes = reference.moe_expert_parallel(xs, router, w1s, w2s, top_k=config.top_k, activation=config.activation,
+                                              normalize_topk=config.normalize_topk,
+                                              capacity_factor=config.capacity_factor, return_aux=True)
+    assert sum(int(aux.dropped) for aux in auxes) > 0
+    torch.autograd.backward(ys, [dy.double() for dy in inputs.output_grads])
+    pairs = [*zip(want.ys, ys), *zip(want.dxs, [x.grad for x in xs]), (want.d_router_weight, router.grad),
+             *zip(want.d_w1s, [w.grad for w in w1s]), *zip(want.d_w2s, [w.grad for w in w2s])]
+    for got, expected in pairs:
+        assert got.dtype == torch.float64
+        torch.testing.assert_close(got, expected.detach(), rtol=1e-12, atol=1e-12)
+
+
+def _as_system_outputs(config: MoEConfig, outputs: StepOutputs) -> StepOutputs:
+    cast = lambda tensors: [tensor.to(config.torch_dtype) for tensor in tensors]  # noqa: E731
+    return StepOutputs(ys=cast(outputs.ys), dxs=cast(outputs.dxs),
+                       d_router_weight=outputs.d_router_weight.to(config.torch_dtype),
+                       d_w1s=cast(outputs.d_w1s), d_w2s=cast(outputs.d_w2s))
+
+
+@pytest.mark.parametrize("tensor, rank", [("y", 2), ("dx", 0), ("d_router_weight", None), ("d_w1", 1), ("d_w2", 2)])
+def test_verification_names_the_tensor_and_rank_that_is_off(tensor, rank):
+    config = _verification_config()
+    inputs = seeded_inputs(config, step=0)
+    exact = _as_system_outputs(config, verification.oracle(config, inputs))
+    record = verification.compare(config, "reference", inputs, exact, step=0)
+    assert record["passed"] is True and record["max_rel_err"] < 1e-6  # float32 rounding of the oracle only
+
+    field = {"y": "ys", "dx": "dxs", "d_w1": "d_w1s", "d_w2": "d_w2s"}.get(tensor)
+    if field is None:
+        wrong = dataclasses.replace(exact, d_router_weight=exact.d_router_weight * 1.02)
+    else:
+        tensors = list(getattr(exact, field))
+        tensors[rank] = tensors[rank] * 1.02
+        wrong = dataclasses.replace(exact, **{field: tensors})
+    record = verification.compare(config, "reference", inputs, wrong, step=0)
+    assert record["passed"] is False and record["tolerance"] == tolerance_for("float32", "reference")
+    assert record["tensors"][tensor]["max_rel_err"] == pytest.approx(0.02, rel=1e-3)
+    assert record["tensors"][tensor]["worst_rank"] == rank
+    assert all(entry["max_rel_err"] < 1e-6 for name, entry in record["tensors"].items() if name != tensor)
+
+
+def test_verification_fails_on_non_finite_values():
+    config = _verification_config()
+    inputs = seeded_inputs(config, step=0)
+    exact = _as_system_outputs(config, verification.oracle(config, inputs))
+    ys = list(exact.ys)
+    ys[1] = ys[1].clone()
+    ys[1][3, 4] = float("nan")
+    record = verification.compare(config, "reference", inputs, dataclasses.replace(exact, ys=ys))
+    assert record["passed"] is False and math.isnan(record["max_rel_err"])
+    assert record["tensors"]["y"]["worst_rank"] == 1
 
 
 def test_forward_flops_formula():
     config = MoEConfig(hidden=4, ffn=6, experts=8, top_k=2, tokens_per_rank=1)
-    assert runner.forward_flops(config, 10) == 2 * 10 * 2 * 4 * 6 * 2 + 2 * 10 * 4 * 8
-    assert runner.forward_flops(config.replace(activation="swiglu"), 10) == 2 * 10 * 2 * 4 * 6 * 3 + 2 * 10 * 4 * 8
+    assert forward_flops(config, 10) == 2 * 10 * 2 * 4 * 6 * 2 + 2 * 10 * 4 * 8
+    assert forward_flops(config.replace(activation="swiglu"), 10) == 2 * 10 * 2 * 4 * 6 * 3 + 2 * 10 * 4 * 8
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("world_size", [1, 2])
-def test_run_in_process_on_cuda(world_size, tmp_path):
+def test_in_process_run_on_cuda(world_size, tmp_path):
     # H and I are multiples of 64 so that a one-rank run can take the fused kernel when it is built.
     config = MoEConfig(hidden=256, ffn=512, experts=8, top_k=2, tokens_per_rank=300, dtype="bfloat16",
                        world_size=world_size, steps=2)
-    results = runner.run_in_process(config, tmp_path, progress=False)
-    assert results["run"]["device"].startswith("cuda")
-    assert results["verification"]["passed"] is True, results["steps"]
-    assert all(step["forward_ms"] > 0 for step in results["steps"])
+    with InProcessRanks(config) as ranks:
+        results = run_job(ranks, output_dir=tmp_path, progress=False)
+    assert all(worker["device"].startswith("cuda") for worker in results["workers"])
+    assert results["verification"]["passed"] is True, results["verification"]
+    check_results_schema(results, executor="in-process", steps=2, world_size=world_size)

@@ -1,0 +1,644 @@
+"""The main job's ranks on Ray: :class:`MoECluster`, one :class:`ray_actors.worker.MoEWorker` actor per
+rank, a :class:`flashdmoe.job.executor.RankExecutor` for :func:`flashdmoe.job.run_job` and a Python API
+of its own (:meth:`MoECluster.forward`, :meth:`MoECluster.backward`, :meth:`MoECluster.step`).
+
+``MoECluster(config)`` starts an embedded Ray on 127.0.0.1 (or connects to ``address``), checks the
+config and the cluster's resources before any actor starts, reserves a STRICT_PACK placement group with
+one bundle per rank (``{"GPU": g}`` or ``{"CPU": 1}``; waiting at most ``placement_timeout_s``), starts
+one worker per bundle and bootstraps the team: on CPUs a gloo group whose TCP store rank 0 hosts on a
+fresh port, on GPUs an NVSHMEM team (``flashdmoe.team.Team.nvshmem``) from a fresh unique id made by
+rank 0's actor (``Team.make_unique_id``) and handed by the driver to every rank, sized for
+``max_tokens`` tokens per rank. All ``setup`` calls are submitted before any is awaited, because team
+initialisation is collective. A cluster that cannot place the ranks raises
+:class:`flashdmoe.job.executor.ClusterTooSmall` naming what was asked for and what it has.
+
+Several ranks on one GPU: ``gpus_per_worker=g < 1`` schedules each actor with ``num_gpus=g`` and gives it
+``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=floor(100 g)`` and the MPS daemon's pipe/log directories
+(``CUDA_MPS_PIPE_DIRECTORY`` / ``CUDA_MPS_LOG_DIRECTORY``; by default those of the driver's environment)
+through the actor's ``runtime_env``. The MPS daemon is started by whoever starts the cluster
+(docs/deploy.md, "Several ranks on one GPU").
+
+Faults: when a worker dies during a call (``ray.exceptions.RayActorError``), a kernel watchdog fires on
+any rank (``flashdmoe.KernelTimeout``, caught and reported by each worker) or a call exceeds
+``call_timeout_s``, the team is torn down and bootstrapped again (new port or new unique id, new actors)
+and the call is retried, at most ``max_retries`` times. After a watchdog every rank is alive, so every
+worker first closes its team (collective; bounded by ``teardown_timeout_s``) before the actors are
+replaced; after a death or a hang the workers are killed directly. Each recovery is recorded in
+:attr:`MoECluster.faults` (with every rank's report), which the results carry.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch
+from ray.exceptions import RayActorError
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from flashdmoe.config import MoEConfig
+from flashdmoe.errors import KernelTimeout
+from flashdmoe.job.data import StepOutputs
+from flashdmoe.job.executor import ClusterTooSmall, RankExecutor, WorkerFault
+from flashdmoe.job.results import fault_entry, step_record, worker_entry
+from flashdmoe.team import TeamFailed
+from ray_actors.worker import CRASH_POINTS, RemoteMoEWorker, gpu_env_vars
+
+__all__ = ["BACKENDS", "MoECluster"]
+
+#: ``backend`` values: ``auto`` (the fused kernel when the cluster has a GPU per worker and the dtype is one
+#: it runs, else the reference), ``reference`` (CPU expert parallelism over gloo, reference experts) or
+#: ``cuda`` (the fused kernel; several ranks form an NVSHMEM team).
+BACKENDS = ("auto", "reference", "cuda")
+
+#: After one rank fails, how long the others get to finish or fail before they count as stuck.
+_FAULT_GRACE_S = 30.0
+
+#: Token dtypes a multi-rank (NVSHMEM) team carries (flashdmoe.team.BufferPlan).
+_TEAM_DTYPES = ("bfloat16", "float16")
+
+_log = logging.getLogger(__name__)
+
+
+def _load_config(config: MoEConfig | dict[str, Any] | str | Path) -> MoEConfig:
+    """A :class:`MoEConfig` from a config, a mapping of its fields, or a YAML path (validated)."""
+    if isinstance(config, MoEConfig):
+        return config
+    if isinstance(config, dict):
+        return MoEConfig.from_dict(config)
+    if isinstance(config, (str, Path)):
+        return MoEConfig.from_yaml(config)
+    raise ValueError(f"config: got {type(config).__name__}; expected a MoEConfig, a dict of its fields or a YAML path")
+
+
+def _cuda_dtypes(world_size: int) -> tuple[str, ...]:
+    """Config dtypes the CUDA backend runs for ``world_size`` ranks: the fused kernel's
+    (``flashdmoe.cuda_backend.DTYPE_CODES``), and for several ranks only what a team's buffers carry."""
+    from flashdmoe.config import CONFIG_DTYPES
+
+    try:
+        from flashdmoe.cuda_backend import DTYPE_CODES
+        kernel = {dtype for dtype in DTYPE_CODES}
+    except ImportError:
+        kernel = {torch.bfloat16, torch.float16}
+    names = tuple(name for name, dtype in CONFIG_DTYPES.items() if dtype in kernel)
+    return names if world_size == 1 else tuple(name for name in names if name in _TEAM_DTYPES)
+
+
+def _code_paths() -> str:
+    """PYTHONPATH for embedded-Ray workers: where ``ray_actors`` and ``flashdmoe`` are imported from here."""
+    import flashdmoe
+    import ray_actors
+
+    paths = [str(Path(module.__file__).resolve().parent.parent) for module in (ray_actors, flashdmoe)]
+    paths += [path for path in os.environ.get("PYTHONPATH", "").split(os.pathsep) if path]
+    return os.pathsep.join(dict.fromkeys(paths))
+
+
+def _positive_seconds(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{name}={value!r}: expected a number of seconds > 0")
+    return float(value)
+
+
+def _cpus_and_gpus(resources: dict[str, float]) -> str:
+    return f"{resources.get('CPU', 0.0):g} CPU, {resources.get('GPU', 0.0):g} GPU"
+
+
+class MoECluster(RankExecutor):
+    """Expert-parallel MoE layer over Ray actors, one rank each. Use as a context manager.
+
+    Args:
+        config: the layer (a :class:`MoEConfig`, a dict of its fields or a YAML path).
+        address: Ray cluster to connect to; ``None`` starts an embedded Ray on 127.0.0.1 (or joins the
+            cluster of the Ray job this driver runs in, from ``RAY_ADDRESS``).
+        workers: number of ranks ``P``; default ``config.world_size`` (the config is re-validated with it).
+        backend: one of :data:`BACKENDS`.
+        gpus_per_worker: GPU share per rank on the CUDA backend, ``0 < g <= 1`` (the actors' ``num_gpus``);
+            below 1 several ranks share a GPU under MPS and each gets
+            ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=floor(100*g)``.
+        max_retries: recoveries allowed per call before the fault is raised.
+        collective_timeout_s: gloo's timeout for one collective (a dead peer is usually noticed sooner).
+        call_timeout_s: longest a call may take on any rank before the team counts as hung.
+        placement_timeout_s: longest to wait for the cluster to place the ranks (the placement group) before
+            :class:`~flashdmoe.job.executor.ClusterTooSmall`.
+        num_cpus: CPUs of the embedded Ray (default ``max(os.cpu_count(), P)``).
+        max_tokens: most tokens any rank passes to one forward on the CUDA backend with several ranks (it
+            sizes the NVSHMEM team's symmetric buffers); default ``config.tokens_per_rank`` (at least 1).
+            :meth:`forward` refuses larger batches.
+        mps_pipe_dir, mps_log_dir: the MPS daemon's directories, passed to every GPU actor as
+            ``CUDA_MPS_PIPE_DIRECTORY`` / ``CUDA_MPS_LOG_DIRECTORY``; default (when ``gpus_per_worker < 1``)
+            those of this process's environment, if set (else the MPS default ``/tmp/nvidia-mps``).
+        teardown_timeout_s: how long the workers get to close their teams after a kernel watchdog fired,
+            before they are killed anyway.
+
+    Raises:
+        ValueError: bad config or arguments, before any actor starts.
+        ClusterTooSmall: the cluster cannot place the ranks (too few CPUs or GPUs in all or on one node,
+            or not free within ``placement_timeout_s``).
+    """
+
+    kind = "ray"
+
+    def __init__(self, config: MoEConfig | dict[str, Any] | str | Path, address: str | None = None,
+                 workers: int | None = None, *, backend: str = "auto", gpus_per_worker: float = 1.0,
+                 max_retries: int = 2, collective_timeout_s: float = 120.0, call_timeout_s: float = 600.0,
+                 placement_timeout_s: float = 120.0, num_cpus: int | None = None, max_tokens: int | None = None,
+                 mps_pipe_dir: str | os.PathLike | None = None, mps_log_dir: str | os.PathLike | None = None,
+                 teardown_timeout_s: float = 60.0) -> None:
+        started = time.perf_counter()
+        config = _load_config(config)
+        if workers is not None:
+            if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+                raise ValueError(f"workers={workers!r}: expected an integer >= 1")
+            try:
+                config = config.replace(world_size=workers)
+            except ValueError as error:
+                raise ValueError(f"workers={workers}: {error}") from None
+        if backend not in BACKENDS:
+            raise ValueError(f"backend={backend!r}: expected one of {', '.join(BACKENDS)}")
+        if isinstance(gpus_per_worker, bool) or not isinstance(gpus_per_worker, (int, float)) \
+                or not 0 < gpus_per_worker <= 1:
+            raise ValueError(f"gpus_per_worker={gpus_per_worker!r}: expected a number in (0, 1]")
+        if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
+            raise ValueError(f"max_retries={max_retries!r}: expected an integer >= 0")
+        self.collective_timeout_s = _positive_seconds("collective_timeout_s", collective_timeout_s)
+        self.call_timeout_s = _positive_seconds("call_timeout_s", call_timeout_s)
+        self.placement_timeout_s = _positive_seconds("placement_timeout_s", placement_timeout_s)
+        self.teardown_timeout_s = _positive_seconds("teardown_timeout_s", teardown_timeout_s)
+        if num_cpus is not None and (isinstance(num_cpus, bool) or not isinstance(num_cpus, int) or num_cpus < 1):
+            raise ValueError(f"num_cpus={num_cpus!r}: expected None or an integer >= 1")
+        if max_tokens is None:
+            max_tokens = max(1, config.tokens_per_rank)
+        elif isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < config.tokens_per_rank \
+                or max_tokens < 1:
+            raise ValueError(f"max_tokens={max_tokens!r}: expected an integer >= max(1, tokens_per_rank="
+                             f"{config.tokens_per_rank})")
+        if gpus_per_worker < 1:
+            mps_pipe_dir = os.environ.get("CUDA_MPS_PIPE_DIRECTORY") if mps_pipe_dir is None else mps_pipe_dir
+            mps_log_dir = os.environ.get("CUDA_MPS_LOG_DIRECTORY") if mps_log_dir is None else mps_log_dir
+        self._gpu_env = gpu_env_vars(gpus_per_worker, mps_pipe_dir=mps_pipe_dir, mps_log_dir=mps_log_dir)
+
+        self.config = config
+        self.requested_backend = backend
+        self.gpus_per_worker = float(gpus_per_worker)
+        self.max_retries = max_retries
+        self.max_tokens = max_tokens
+        self.generation = 0  # teams bootstrapped so far (1 after the first; +1 per recovery)
+        self.faults: list[dict[str, Any]] = []
+        self.actors: list[Any] = []
+        self.node_infos: list[dict[str, Any]] = []
+        self._placement_group = None
+        self._last_xs: list[torch.Tensor] | None = None
+        self._owns_ray = False
+        self._closed = False
+        self._team_broken = False
+
+        self._connect(address, num_cpus)
+        try:
+            self.backend = self._resolve_backend(backend)
+            self.transport = "gloo" if self.backend == "reference" else "nvshmem" if self.world_size > 1 else "single"
+            self._start()
+        except BaseException:
+            self.close()
+            raise
+        self.startup_s = time.perf_counter() - started
+
+    # -- cluster and team lifecycle ------------------------------------------------------------------
+
+    def _connect(self, address: str | None, num_cpus: int | None) -> None:
+        if ray.is_initialized():
+            return  # the caller's Ray session; leave it running at close()
+        if address is None and not os.environ.get("RAY_ADDRESS"):
+            # address="local": always a new embedded Ray; with None, ray.init joins a `ray start` cluster
+            # recorded in /tmp/ray (and then refuses num_cpus)
+            ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False,
+                     num_cpus=num_cpus or max(os.cpu_count() or 1, self.world_size),
+                     runtime_env={"env_vars": {"PYTHONPATH": _code_paths()}}, logging_level=logging.WARNING)
+        else:
+            # an existing cluster: the code must be importable there (installed, or the job's working_dir)
+            ray.init(address=address, logging_level=logging.WARNING)
+        self._owns_ray = True
+
+    def _resolve_backend(self, requested: str) -> str:
+        resources = ray.cluster_resources()
+        gpus, cpus = resources.get("GPU", 0.0), resources.get("CPU", 0.0)
+        gpus_needed = self.world_size * self.gpus_per_worker
+        dtypes = _cuda_dtypes(self.world_size)
+        if requested == "cuda":
+            if self.config.dtype not in dtypes:
+                raise ValueError(f"dtype={self.config.dtype!r}: the cuda backend with {self.world_size} worker(s) "
+                                 f"runs {', '.join(dtypes)}; use backend='reference' for {self.config.dtype}")
+            if gpus < gpus_needed:
+                raise ClusterTooSmall(f"backend='cuda': the Ray cluster has {gpus:g} GPUs; {self.world_size} "
+                                      f"workers x {self.gpus_per_worker:g} GPU need {gpus_needed:g}")
+            return "cuda"
+        if requested == "auto" and gpus >= gpus_needed and self.config.dtype in dtypes:
+            return "cuda"
+        if cpus < self.world_size:
+            raise ClusterTooSmall(f"workers={self.world_size}: the Ray cluster has {cpus:g} CPUs; the reference "
+                                  "backend (gloo) needs one CPU per worker")
+        return "reference"
+
+    def _bundle(self) -> dict[str, float]:
+        return {"GPU": self.gpus_per_worker} if self.backend == "cuda" else {"CPU": 1.0}
+
+    def _check_one_node_fits(self) -> None:
+        """STRICT_PACK puts every rank on one node: refuse at once when no node is large enough."""
+        bundle = self._bundle()
+        needed = {resource: amount * self.world_size for resource, amount in bundle.items()}
+        nodes = [node.get("Resources", {}) for node in ray.nodes() if node.get("Alive")]
+        if any(all(node.get(resource, 0.0) >= amount for resource, amount in needed.items()) for node in nodes):
+            return
+        largest = max(nodes, key=lambda node: tuple(node.get(resource, 0.0) for resource in needed), default={})
+        raise ClusterTooSmall(
+            f"{self.world_size} workers x {bundle} must share one node (STRICT_PACK), which needs "
+            f"{_cpus_and_gpus(needed)} on one node; the Ray cluster's largest of {len(nodes)} node(s) has "
+            f"{_cpus_and_gpus(largest)}")
+
+    def _place(self) -> Any:
+        """Reserve the STRICT_PACK placement group (at most ``placement_timeout_s``)."""
+        bundle = self._bundle()
+        group = placement_group([dict(bundle) for _ in range(self.world_size)], strategy="STRICT_PACK")
+        self._placement_group = group
+        try:
+            ray.get(group.ready(), timeout=self.placement_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise ClusterTooSmall(
+                f"could not place {self.world_size} workers x {bundle} on one node within "
+                f"{self.placement_timeout_s:g}s (STRICT_PACK placement group still pending): the Ray cluster has "
+                f"{_cpus_and_gpus(ray.cluster_resources())} in all and {_cpus_and_gpus(ray.available_resources())} "
+                "free; other actors or jobs hold the rest (wait longer with --placement-timeout)") from None
+        return group
+
+    def _start(self) -> None:
+        """Reserve the placement group, start the workers and bootstrap a fresh team on them."""
+        self._check_one_node_fits()
+        group = self._place()
+        if self.backend == "cuda":
+            # multicast off; when ranks share a GPU, their MPS share and the daemon's directories
+            options = dict(num_cpus=0, num_gpus=self.gpus_per_worker, runtime_env={"env_vars": dict(self._gpu_env)})
+        else:
+            options = dict(num_cpus=1)
+        self.actors = [
+            RemoteMoEWorker.options(
+                scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=group,
+                                                                     placement_group_bundle_index=rank),
+                max_restarts=0, **options).remote()
+            for rank in range(self.world_size)
+        ]
+        self.generation += 1
+        # every actor process up before any rendezvous starts its clock (gloo's store timeout, NVSHMEM's init)
+        self._gather([worker.ping.remote() for worker in self.actors], "start")
+        if self.backend == "cuda" and self.world_size == 1:
+            # a single-rank team needs no bootstrap
+            rendezvous = {"backend": "cuda", "unique_id": None, "max_tokens": self.max_tokens}
+            team_id = "single"
+        elif self.backend == "cuda":
+            # a fresh unique id per team: a failed team's id is never reused
+            unique_id = self._gather([self.actors[0].make_unique_id.remote(self.config.dtype)], "make_unique_id",
+                                     ranks=[0])[0]
+            rendezvous = {"backend": "cuda", "unique_id": unique_id, "max_tokens": self.max_tokens}
+            team_id = "nvshmem-" + hashlib.sha256(bytes(unique_id)).hexdigest()[:16]
+        else:
+            port = self._gather([self.actors[0].free_port.remote()], "free_port", ranks=[0])[0]
+            rendezvous = {"backend": "gloo", "address": "127.0.0.1", "port": port,
+                          "timeout_s": self.collective_timeout_s}
+            team_id = f"gloo-127.0.0.1:{port}"
+        config_dict = self.config.to_dict()
+        # all submitted before any is awaited: team initialisation blocks until every rank has joined
+        refs = [worker.setup.remote(rank, self.world_size, config_dict, rendezvous)
+                for rank, worker in enumerate(self.actors)]
+        self.node_infos = [worker_entry(**info, generation=self.generation, team_id=team_id)
+                           for info in self._gather(refs, "setup")]
+        self._last_xs = None
+
+    def _stop_workers(self) -> None:
+        """Kill every worker and release the placement group (no collective teardown: peers may be hung)."""
+        for worker in self.actors:
+            try:
+                ray.kill(worker, no_restart=True)
+            except Exception as error:  # already gone
+                _log.debug("ray.kill: %s", error)
+        self.actors = []
+        if self._placement_group is not None:
+            try:
+                remove_placement_group(self._placement_group)
+            except Exception as error:
+                _log.debug("remove_placement_group: %s", error)
+            self._placement_group = None
+
+    def _close_teams(self) -> bool:
+        """Every worker closes its team (collective on NVSHMEM), bounded by ``teardown_timeout_s``; True if
+        all of them did."""
+        if not self.actors:
+            return False
+        refs = [worker.teardown.remote() for worker in self.actors]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.teardown_timeout_s)
+        closed = len(ready) == len(refs)
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except Exception as error:
+                closed = False
+                _log.warning("closing a team after a fault: %s", _first_line(error))
+        return closed
+
+    def _restart(self, close_teams: bool = False) -> bool | None:
+        """Replace the team: optionally let every worker close its team first (returns whether all did;
+        ``None`` when not asked), then kill the workers and bootstrap a new team on new ones."""
+        closed = self._close_teams() if close_teams else None
+        self._stop_workers()
+        self._start()
+        return closed
+
+    def close(self) -> None:
+        """Tear the team down (each worker leaves its group), stop the workers, and stop Ray if this
+        cluster started it. Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.actors:
+            refs = [worker.teardown.remote() for worker in self.actors]
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=30)
+            for ref in ready:
+                try:
+                    ray.get(ref)
+                except Exception as error:  # a dead or broken worker is killed below anyway
+                    _log.debug("teardown: %s", error)
+        self._stop_workers()
+        if self._owns_ray and ray.is_initialized():
+            ray.shutdown()
+
+    def __enter__(self) -> MoECluster:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    # -- calls with fault detection ----------------------------------------------------------------------
+
+    def _gather(self, refs: list, what: str, ranks: Sequence[int] | None = None) -> list:
+        """Results of one call per rank; classifies failures (see :class:`WorkerFault`)."""
+        ranks = list(range(len(refs))) if ranks is None else list(ranks)
+        pending = dict(zip(refs, ranks))
+        results: dict[int, Any] = {}
+        errors: dict[int, BaseException] = {}
+        deadline = time.monotonic() + self.call_timeout_s
+        first_error_at = 0.0
+        while pending:
+            limit = deadline if not errors else min(deadline, first_error_at + _FAULT_GRACE_S)
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, limit - time.monotonic()))
+            if not ready:
+                break
+            for ref in ready:
+                rank = pending.pop(ref)
+                try:
+                    results[rank] = ray.get(ref)
+                except Exception as error:
+                    if not errors:
+                        first_error_at = time.monotonic()
+                    errors[rank] = error
+        stuck = sorted(pending.values())
+        if not errors and not stuck:
+            return [results[rank] for rank in ranks]
+        reports = sorted([{"rank": rank, "error": _error_name(error), "message": _error_message(error)}
+                          for rank, error in errors.items()]
+                         + [{"rank": rank, "error": "stuck", "message": f"did not finish {what}"} for rank in stuck],
+                         key=lambda report: report["rank"])
+        died = sorted(rank for rank, error in errors.items() if isinstance(error, RayActorError))
+        if died:
+            raise WorkerFault("worker_died", died, f"rank(s) {died} died during {what}: "
+                              f"{_first_line(errors[died[0]])}", reports)
+        for kind, error_type in (("kernel_timeout", KernelTimeout), ("team_failed", TeamFailed)):
+            hit = sorted(rank for rank, error in errors.items() if _is_error(error, error_type))
+            if hit:
+                raise WorkerFault(kind, hit, f"{error_type.__name__} on rank(s) {hit} during {what}: "
+                                  f"{_error_message(errors[hit[0]])}", reports)
+        if not errors:
+            raise WorkerFault("timeout", stuck, f"rank(s) {stuck} did not finish {what} within "
+                              f"{self.call_timeout_s:g}s", reports)
+        # an ordinary error (not retried); if it left other ranks inside a collective the team is unusable
+        self._team_broken = bool(stuck)
+        raise errors[min(errors)]
+
+    def _call(self, method: str, args_per_rank: Sequence[tuple] | None = None) -> list:
+        args_per_rank = args_per_rank or [()] * self.world_size
+        refs = [getattr(worker, method).remote(*args) for worker, args in zip(self.actors, args_per_rank)]
+        return self._gather(refs, method)
+
+    def _with_recovery(self, what: str, attempt_fn: Callable[[int], Any], step: int | None = None) -> Any:
+        """Run ``attempt_fn(attempt)``; on a :class:`WorkerFault` restart the team and retry (bounded)."""
+        if self._closed:
+            raise RuntimeError("MoECluster is closed")
+        attempt = 0
+        fault: dict[str, Any] | None = None  # the fault being recovered from
+        while True:
+            try:
+                if fault is not None:
+                    self._recover(fault)
+                    self.faults.append(fault)
+                    fault = None
+                return attempt_fn(attempt)
+            except WorkerFault as error:
+                if fault is not None:  # the restart itself failed
+                    fault["recovered"] = False
+                    self.faults.append(fault)
+                fault = fault_entry(call=what, step=step, attempt=attempt, kind=error.kind, ranks=error.ranks,
+                                    error=str(error), reports=error.reports)
+                if attempt >= self.max_retries:
+                    fault["recovered"] = False
+                    self.faults.append(fault)
+                    raise
+                _log.warning("%s: %s; restarting the team (retry %d of %d)", what, error, attempt + 1,
+                             self.max_retries)
+                attempt += 1
+            except Exception:
+                if self._team_broken:  # keep the cluster usable after an ordinary error, then report it
+                    self._team_broken = False
+                    self._restart()
+                raise
+
+    def _recover(self, fault: dict[str, Any]) -> None:
+        """A new team on new workers after ``fault`` (updated with the outcome). After a watchdog every
+        rank is alive: each closes its team before the actors are replaced."""
+        started = time.perf_counter()
+        try:
+            fault["teams_closed"] = self._restart(close_teams=fault["kind"] in ("kernel_timeout", "team_failed"))
+        except ClusterTooSmall as error:  # e.g. the dead workers' resources not released in time
+            raise WorkerFault(fault["kind"], fault["ranks"], f"no new team after {fault['error']}: {error}",
+                              fault["reports"]) from error
+        fault.update(recovered=True, recovery_s=time.perf_counter() - started, generation=self.generation)
+
+    # -- the layer -----------------------------------------------------------------------------------------
+
+    def _check_batches(self, name: str, tensors: Sequence[torch.Tensor], rows: Sequence[int] | None = None) -> None:
+        if not isinstance(tensors, (list, tuple)) or len(tensors) != self.world_size:
+            raise ValueError(f"{name}: expected a list of {self.world_size} tensors (one per rank), got "
+                             f"{len(tensors) if isinstance(tensors, (list, tuple)) else type(tensors).__name__}")
+        for rank, tensor in enumerate(tensors):
+            if not isinstance(tensor, torch.Tensor) or tensor.dim() != 2 or tensor.shape[1] != self.config.hidden:
+                shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+                raise ValueError(f"{name}[{rank}]: got {shape}; expected [T, H={self.config.hidden}]")
+            if rows is not None and tensor.shape[0] != rows[rank]:
+                raise ValueError(f"{name}[{rank}]: got {tensor.shape[0]} rows; expected {rows[rank]} (that rank's T)")
+
+    def forward(self, xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Every rank's output.
+
+        Args:
+            xs: ``P`` tensors ``[T_r, H]``, one per rank (``T_r`` may differ, 0 allowed; on the CUDA backend
+                with several ranks at most :attr:`max_tokens`); cast to the config dtype.
+
+        Returns:
+            ``P`` tensors ``y_r [T_r, H]`` (config dtype, CPU).
+        """
+        self._check_batches("xs", xs)
+        if self.backend == "cuda" and self.world_size > 1:
+            for rank, x in enumerate(xs):  # one rank refusing inside a collective would leave the others waiting
+                if x.shape[0] > self.max_tokens:
+                    raise ValueError(f"xs[{rank}]: {x.shape[0]} rows, but the team's buffers were sized for "
+                                     f"max_tokens={self.max_tokens} per rank (MoECluster(max_tokens=...))")
+        xs = [x.detach().cpu() for x in xs]
+        self._last_xs = None
+
+        def attempt(_: int) -> list[torch.Tensor]:
+            return self._call("forward", [(x,) for x in xs])
+
+        ys = self._with_recovery("forward", attempt)
+        self._last_xs = xs
+        return ys
+
+    def backward(self, dys: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], dict[str, Any]]:
+        """Back-propagate ``dys`` (``P`` tensors ``[T_r, H]``) through the last :meth:`forward`.
+
+        Returns:
+            ``(dxs, grads)``: ``dxs`` the ``P`` input gradients ``[T_r, H]``; ``grads`` a dict with
+            ``router_weight`` ``[E, H]`` (summed over ranks: the router is replicated), ``w1`` and ``w2``,
+            lists of the ``P`` shards' gradients ``[L, H, .]`` / ``[L, I, H]``. CPU, config dtype.
+        """
+        if self._last_xs is None:
+            raise RuntimeError("backward() needs a preceding successful forward()")
+        xs = self._last_xs
+        self._check_batches("dys", dys, rows=[x.shape[0] for x in xs])
+        dys = [dy.detach().cpu() for dy in dys]
+
+        def attempt(number: int) -> list[dict[str, Any]]:
+            if number > 0:  # a fresh team holds no graph: replay the forward first
+                self._call("forward", [(x,) for x in xs])
+            return self._call("backward", [(dy,) for dy in dys])
+
+        outputs = self._with_recovery("backward", attempt)
+        self._last_xs = None
+        if outputs[0]["router_grad_summed"]:
+            router_grad = outputs[0]["router_weight"]
+        else:
+            router_grad = torch.stack([output["router_weight"].float() for output in outputs]).sum(0).to(
+                outputs[0]["router_weight"].dtype)
+        grads = {"router_weight": router_grad, "w1": [output["w1"] for output in outputs],
+                 "w2": [output["w2"] for output in outputs]}
+        return [output["dx"] for output in outputs], grads
+
+    def step(self, step: int, *, crash: dict[str, Any] | None = None,
+             silence: dict[str, Any] | None = None) -> dict[str, Any]:
+        """One timed forward + backward on every rank's seeded batch of ``step``
+        (:func:`flashdmoe.job.data.seeded_inputs`), with recovery.
+
+        Args:
+            step: data index.
+            crash: fault injection for tests, ``{"rank": r, "at": point}`` (see
+                :data:`ray_actors.worker.CRASH_POINTS`), on the first attempt only: at ``before_forward`` /
+                ``after_forward`` that worker's process exits; at ``kernel_timeout`` it raises
+                ``KernelTimeout`` before its forward.
+            silence: test knob for "a peer stops answering", ``{"rank": r, "timeout_ms": t}`` (CUDA backend,
+                several ranks), on the first attempt only: every worker sets
+                ``flashdmoe.cuda_backend.debug.silent_rank = r`` and a ``t`` ms watchdog for this step, so
+                every rank raises ``KernelTimeout``; the team is then closed, bootstrapped again and the step
+                retried (needs ``max_retries >= 1`` to succeed).
+
+        Returns:
+            The step record (:func:`flashdmoe.job.results.step_record`; times of the slowest rank, per-rank
+            entries from :meth:`ray_actors.worker.MoEWorker.step`).
+        """
+        if crash is not None:
+            if not isinstance(crash, dict) or crash.get("at") not in CRASH_POINTS or \
+                    crash.get("rank") not in range(self.world_size):
+                raise ValueError(f"crash={crash!r}: expected {{'rank': 0..{self.world_size - 1}, "
+                                 f"'at': one of {CRASH_POINTS}}}")
+        if silence is not None:
+            if self.backend != "cuda" or self.world_size < 2:
+                raise ValueError(f"silence={silence!r}: needs the cuda backend with at least 2 workers (this "
+                                 f"cluster: backend {self.backend!r}, {self.world_size} worker(s))")
+            if not isinstance(silence, dict) or set(silence) != {"rank", "timeout_ms"} \
+                    or silence["rank"] not in range(self.world_size) or isinstance(silence["timeout_ms"], bool) \
+                    or not isinstance(silence["timeout_ms"], int) or silence["timeout_ms"] < 1:
+                raise ValueError(f"silence={silence!r}: expected {{'rank': 0..{self.world_size - 1}, "
+                                 "'timeout_ms': an integer >= 1}")
+        attempts = []
+
+        def attempt(number: int) -> list[dict[str, Any]]:
+            attempts.append(number)
+            args = [(step, crash["at"] if crash and number == 0 and rank == crash["rank"] else None,
+                     silence if number == 0 else None)
+                    for rank in range(self.world_size)]
+            return self._call("step", args)
+
+        per_rank = self._with_recovery("step", attempt, step=step)
+        return step_record(step, per_rank, attempts=len(attempts))
+
+    def forward_backward(self, xs: Sequence[torch.Tensor], output_grads: Sequence[torch.Tensor]) -> StepOutputs:
+        ys = self.forward(xs)
+        dxs, grads = self.backward(output_grads)
+        return StepOutputs(ys=ys, dxs=dxs, d_router_weight=grads["router_weight"], d_w1s=grads["w1"],
+                           d_w2s=grads["w2"])
+
+    def workers(self) -> list[dict[str, Any]]:
+        """Where each rank's actor runs (of the current team): :func:`flashdmoe.job.results.worker_entry`."""
+        return [dict(info) for info in self.node_infos]
+
+    def peak_memory_bytes(self) -> tuple[list[int | None], int | None]:
+        peaks = self._with_recovery("peak_memory_bytes", lambda _: self._call("peak_memory_bytes"))
+        return peaks, max(peaks)
+
+
+# -- errors raised in the workers ---------------------------------------------------------------------------
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[-1] if text else type(error).__name__
+
+
+def _cause(error: BaseException) -> BaseException:
+    """The exception a Ray task raised (``RayTaskError.cause``), else ``error`` itself."""
+    cause = getattr(error, "cause", None)
+    return cause if isinstance(cause, BaseException) else error
+
+
+def _is_error(error: BaseException, error_type: type) -> bool:
+    return isinstance(error, error_type) or isinstance(_cause(error), error_type)
+
+
+def _error_name(error: BaseException) -> str:
+    return type(_cause(error)).__name__ if not isinstance(error, RayActorError) else "ActorDiedError"
+
+
+def _error_message(error: BaseException, limit: int = 1000) -> str:
+    """The raised exception's own text (a ``KernelTimeout``'s names the phase and peer) on one line, at most
+    ``limit`` characters; for a dead actor the first line of Ray's explanation."""
+    if isinstance(error, RayActorError):
+        text = str(error).strip().splitlines()[0] if str(error).strip() else "the actor died"
+    else:
+        cause = _cause(error)
+        text = " ".join(str(cause).split()) if cause is not error else ""
+        text = text or _first_line(error)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
