@@ -35,7 +35,8 @@ import pytest
 import ray
 import torch
 
-from flashdmoe import cli, reference
+from closeness import assert_normwise_close
+from flashdmoe import cli, numerics, reference
 from flashdmoe.config import MoEConfig, make_weights
 from flashdmoe.job import WorkerFault, run_job, tolerance_for
 from flashdmoe.job.data import StepInputs
@@ -49,7 +50,10 @@ REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "tiny.yaml"
 #: The `ray` command of this Python's Ray (a dependency), also where the environment is not activated.
 RAY = shutil.which("ray") or str(Path(sys.executable).with_name("ray"))
-ATOL = RTOL = 1e-5
+# float32 gloo ranks against the single-process reference: summation orders differ (the router gradient
+# is all-reduced over ranks); the problems here reduce over at most 64 terms, three forward and three
+# backward reductions in a row.
+TOLERANCE = numerics.reorder_tolerance(torch.float32, 64, depth=6)
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
@@ -64,8 +68,7 @@ def _config(**changes) -> MoEConfig:
 def _assert_close(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
     assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} vs {tuple(want.shape)}"
     if want.numel():
-        error = (got.double() - want.double()).abs()
-        assert bool((error <= ATOL + RTOL * want.double().abs()).all()), f"{name}: max abs error {error.max():.3e}"
+        assert_normwise_close(got, want, TOLERANCE, name)
 
 
 def _check_against_reference(cluster: MoECluster, tokens: list[int], seed: int) -> None:
@@ -476,7 +479,7 @@ def _check_relative(cluster: MoECluster, tokens: list[int], seed: int) -> dict:
                         w1s=[w1[r * local:(r + 1) * local] for r in range(world)],
                         w2s=[w2[r * local:(r + 1) * local] for r in range(world)])
     record = compare(config, cluster.backend, inputs, got)
-    assert record["tolerance"] == tolerance_for(config.dtype, "cuda")
+    assert record["tolerance"] == tolerance_for(config, "cuda")
     assert record["passed"], record
     return record
 
@@ -502,7 +505,7 @@ def test_cuda_two_workers_share_one_gpu_under_mps(mps_daemon):
         _check_relative(cluster, tokens=[1, 299], seed=13)
         verification = verify_step(cluster, 0)  # what --verify runs
         assert verification["passed"], verification
-        assert verification["tolerance"] == tolerance_for("bfloat16", "cuda")
+        assert verification["tolerance"] == tolerance_for(config, "cuda")
         with pytest.raises(ValueError, match=r"xs\[1\].*max_tokens=300"):
             cluster.forward([torch.randn(3, 256), torch.randn(301, 256)])
         for step in range(3):
