@@ -1,4 +1,4 @@
-"""CUDA MPS for several ranks on one GPU (DESIGN.md §4): start and stop the control daemon, and the
+"""CUDA MPS for several ranks on one GPU (docs/design.md §6): start and stop the control daemon, and the
 environment a client process needs.
 
 Without MPS, NVSHMEM runs several processes per GPU in "limited MPG" mode, where its collectives abort;

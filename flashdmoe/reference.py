@@ -1,4 +1,4 @@
-"""The plain-PyTorch Mixture-of-Experts oracle: DESIGN.md §2, written for clarity, not speed.
+"""The plain-PyTorch Mixture-of-Experts oracle: docs/design.md §2-§3, written for clarity, not speed.
 
 Every backend (the fused CUDA kernel, the Ray/gloo expert-parallel path) is tested against this module.
 

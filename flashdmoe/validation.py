@@ -1,4 +1,4 @@
-"""Input checks for :func:`flashdmoe.moe` (DESIGN.md §2).
+"""Input checks for :func:`flashdmoe.moe` (docs/design.md §2).
 
 Every failure raises ``ValueError`` whose message names the argument, the value that was given
 and what was expected, so a user can fix the call without reading the kernel.

@@ -1,4 +1,4 @@
-"""``MoEWorker``: the Ray actor that is one rank of the expert-parallel MoE (DESIGN.md §6).
+"""``MoEWorker``: the Ray actor that is one rank of the expert-parallel MoE (docs/design.md §11).
 
 One actor per GPU (``num_gpus=1``) or, on a cluster without GPUs, per CPU (``num_cpus=1``); the driver
 (:class:`ray_actors.cluster.MoECluster`) places them in a STRICT_PACK placement group, one bundle each.
@@ -54,7 +54,7 @@ from flashdmoe.team import Team, TeamFailed
 
 __all__ = ["CRASH_POINTS", "GPU_ENVIRONMENT", "MoEWorker", "RemoteMoEWorker", "gpu_env_vars", "mps_share_percentage"]
 
-#: Environment for GPU processes: no NVLink SHARP / multicast objects (DESIGN.md §4).
+#: Environment for GPU processes: no NVLink SHARP / multicast objects (docs/design.md §8).
 GPU_ENVIRONMENT = {"NVSHMEM_DISABLE_NVLS": "1", "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 
 #: Fault-injection points for tests (:meth:`MoEWorker.step`): at ``before_forward`` / ``after_forward``

@@ -1,4 +1,4 @@
-"""Quick device-side timing of the fused forward on DESIGN.md §7's shapes (CUDA events, median of 20
+"""Quick device-side timing of the fused forward on the shapes of docs/design.md §12 (CUDA events, median of 20
 after warm-up, 3 rotated input sets). A development probe; the benchmark of record is `flashdmoe bench`."""
 
 import math
@@ -19,7 +19,7 @@ def main():
         print(f"kernel attributes bf16 {name}:", ext.kernel_attributes(0, code))
     print(f"{'variant':>16} {'T':>6} {'H':>5} {'I':>5} {'E':>4} {'k':>2} {'ms':>8} {'TF/s':>7}")
     wanted = [v for v in os.environ.get("QUICK_VARIANTS", "").split(",") if v] or list(cuda_backend.EXPERT_VARIANTS)
-    # QUICK_SHAPES="T/H/I/E/k,...": other shapes than DESIGN.md's (e.g. to separate per-tile from per-slab cost).
+    # QUICK_SHAPES="T/H/I/E/k,...": shapes besides docs/design.md §12's (e.g. to separate per-tile from per-slab cost).
     shapes = [tuple(int(v) for v in s.split("/")) for s in os.environ.get("QUICK_SHAPES", "").split(",") if s] or SHAPES
     # QUICK_ACTIVATION=relu: how much of a tile's time the GEMM1 epilogue's activation takes.
     activation = os.environ.get("QUICK_ACTIVATION", "gelu")

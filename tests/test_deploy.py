@@ -1,6 +1,6 @@
 """Offline validation of the deployment: Dockerfile, k8s/ manifests and their kustomize overlays.
 
-Nothing here needs a cluster or a Docker engine (DESIGN.md §6, issue 6):
+Nothing here needs a cluster or a Docker engine (docs/design.md §11, issue 6):
 - every YAML file under k8s/ parses;
 - core kinds (PersistentVolumeClaim, batch/v1 Job) validate strictly (unknown fields rejected) with
   kubernetes-validate against the Kubernetes versions in ``KUBERNETES_VERSIONS``;

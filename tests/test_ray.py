@@ -431,7 +431,7 @@ def test_cuda_backend_one_worker_matches_reference(tmp_path):
 
 @pytest.fixture(scope="module")
 def mps_daemon():
-    """The CUDA MPS control daemon (DESIGN.md §4), module-scoped, so several ranks share one GPU as full
+    """The CUDA MPS control daemon (docs/design.md §6), module-scoped, so several ranks share one GPU as full
     NVSHMEM PEs. Its pipe/log directories go into this process's environment before any test here starts
     Ray (the embedded Ray's workers inherit them) and are also handed to the actors explicitly."""
     from flashdmoe.mps import MpsDaemon, mps_available

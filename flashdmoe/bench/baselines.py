@@ -1,6 +1,6 @@
 """Unfused PyTorch MoE forward passes the fused kernel is measured against.
 
-Every baseline computes the DESIGN.md §2 contract, dropless:
+Every baseline computes the docs/design.md §2 contract, dropless:
 ``y[t] = sum_j w[t,j] * act(x[t] @ W1_e) @ W2_e`` with the router in fp32. Signature of each:
 ``f(x, router_weight, w1, w2, *, top_k, activation, normalize_topk) -> y``.
 
@@ -130,7 +130,7 @@ def grouped_mm_pipeline(
 ) -> torch.Tensor:
     """Router, sort choices by expert, two ``torch._grouped_mm`` calls, weighted scatter back.
 
-    The DESIGN.md §7 baseline. On CUDA ``torch._grouped_mm`` wants bf16 and 16-byte aligned strides;
+    The docs/design.md §12 baseline. On CUDA ``torch._grouped_mm`` wants bf16 and 16-byte aligned strides;
     pass weights through ``prepare_grouped_mm_weights`` once (outside any timed region) to get a
     layout it accepts.
     """
@@ -243,7 +243,7 @@ def per_expert_loop(
     activation: str,
     normalize_topk: bool = True,
 ) -> torch.Tensor:
-    """The same routing, then a Python loop over experts with two matmuls each (DESIGN.md §7)."""
+    """The same routing, then a Python loop over experts with two matmuls each (docs/design.md §12)."""
     _check_arguments(x, router_weight, w1, w2, top_k, activation)
     tokens = x.shape[0]
     routing = route_top_k(x, router_weight, top_k, normalize_topk)

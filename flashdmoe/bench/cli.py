@@ -176,7 +176,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = configure_parser(
         argparse.ArgumentParser(
             prog="flashdmoe bench",
-            description="Time the fused MoE kernel beside unfused baselines (DESIGN.md §7).",
+            description="Time the fused MoE kernel beside unfused baselines (docs/design.md §12).",
         )
     )
     args = parser.parse_args(argv)

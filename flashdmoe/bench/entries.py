@@ -114,7 +114,7 @@ class FusedEntry(BenchEntry):
 
 
 class GroupedMMEntry(BenchEntry):
-    """Router + sort + ``torch._grouped_mm`` x 2 + scatter (the DESIGN.md §7 baseline).
+    """Router + sort + ``torch._grouped_mm`` x 2 + scatter (the docs/design.md §12 baseline).
 
     The weight layout is chosen on the first input set (fastest that works) and reused for the rest.
     """
