@@ -25,12 +25,9 @@ from flashdmoe.team import mps_thread_percentage
 ACTIVATION_CODES = {"relu": 0, "gelu": 1, "silu": 2, "swiglu": 3}
 # float32 runs the tensor cores in TF32 (one rank; teams carry bf16 / fp16), on FP32_EXPERT_VARIANT.
 DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
-# Expert GEMM variants compiled into the kernel (csrc/moe/tile_config.cuh): MMA family, cp.async
-# stages, blocks per SM.
-EXPERT_VARIANTS = {"wgmma-128x128-3stage": 0, "wgmma-128x128-4stage": 1, "wgmma-128x256-4stage": 2,
-                   "mma.sync-128x128-3stage": 3, "tma-wgmma-128x256-4stage": 4, "tma-wgmma-128x128-6stage": 5,
-                   "tma-wgmma-128x256-4stage-prefetch": 6, "tma-wgmma-128x256-4stage-gather": 7,
-                   "tma-wgmma-128x256-4stage-cluster2": 8}
+# Expert GEMM variants compiled into the kernel (csrc/moe/tile_config.cuh): MMA family and feed, tile,
+# pipeline stages.
+EXPERT_VARIANTS = {"tma-wgmma-128x256-4stage-prefetch": 0, "mma.sync-128x128-3stage": 1}
 # Fastest on all five shapes of docs/benchmarks.md (H200, 2026-12-03 session-4 variant sweep: the
 # producer streams across tile boundaries, results leave through per-warp staging buffers).
 DEFAULT_EXPERT_VARIANT = "tma-wgmma-128x256-4stage-prefetch"

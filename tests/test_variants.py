@@ -11,12 +11,8 @@ CSRC = Path(__file__).resolve().parent.parent / "csrc"
 
 # ExpertMma enumerator -> (name prefix, name suffix) in cuda_backend.EXPERT_VARIANTS.
 FAMILIES = {
-    "Wgmma": ("wgmma-", ""),
     "MmaSync": ("mma.sync-", ""),
-    "WgmmaTma": ("tma-wgmma-", ""),
     "WgmmaTmaPrefetch": ("tma-wgmma-", "-prefetch"),
-    "WgmmaTmaGather": ("tma-wgmma-", "-gather"),
-    "WgmmaTmaCluster": ("tma-wgmma-", "-cluster2"),
 }
 
 

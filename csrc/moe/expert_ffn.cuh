@@ -2,26 +2,19 @@
 // tile) into the intermediate buffer, GEMM2 per (row tile, hidden column tile) straight into the comb
 // buffer of each row's source rank. Tasks come from a device queue; a GEMM1 tile starts once the peers
 // whose rows it reads have published them, a GEMM2 tile once its row tile's GEMM1 tiles are all done.
+// This file: what every schedule shares, and the schedule of the mma.sync variant (all threads load with
+// cp.async, one task at a time); the TMA variant's schedule is moe/expert_pipeline.cuh.
 #pragma once
-#include <type_traits>
 #include "common/sync.cuh"
 #include "moe/activation.cuh"
 #include "moe/dispatch.cuh"
-#include "moe/epilogue.cuh"
 #include "moe/tile_gemm.cuh"
-#include "moe/tile_gemm_tma.cuh"
-#include "moe/tile_gemm_wgmma.cuh"
 
 namespace flashdmoe {
 
-// Hopper wgmma tiles fed by TMA (warp-specialised) or by cp.async, or the mma.sync tiles (kept as the
-// portable comparison point).
+// The mma.sync variant's tile GEMM: 8 warps as 2 x 4, a cp.async pipeline.
 template <typename Element, typename Variant>
-using ExpertGemm = std::conditional_t<
-    Variant::kUseTma, TmaTileGemm<Element, Variant::kTileN, Variant::kStages>,
-    std::conditional_t<
-        Variant::kUseWgmma, WgmmaTileGemm<Element, Variant::kTileN, Variant::kStages>,
-        TileGemm<Element, kExpertTileM, Variant::kTileN, 2, 4, Variant::kStages, /*B_K_CONTIGUOUS=*/false>>>;
+using ExpertGemm = TileGemm<Element, kExpertTileM, Variant::kTileN, 2, 4, Variant::kStages, /*B_K_CONTIGUOUS=*/false>;
 
 template <typename Variant>
 __host__ __device__ constexpr int expert_scratch_bytes() {
@@ -210,108 +203,6 @@ __device__ bool gemm2_tile(const MoEParams& p, const DestTables& t, const RowTil
   return true;
 }
 
-// ---- TMA variant: a producer warp loads, the workers compute; per-tile control flow is uniform ----
-
-// Whether the calling worker's warpgroup (64 tile rows) holds any of the tile's rows: tiles of at most
-// 64 rows (an expert's last, partial tile) run on one warpgroup at the tensor cores' full rate.
-__device__ __forceinline__ bool warpgroup_has_rows(int rows) { return (threadIdx.x >> 7) * 64 < rows; }
-
-template <typename Variant>
-__device__ __forceinline__ char* warp_staging(char* smem) {
-  return smem + Variant::kWarpStagingOffset + (threadIdx.x >> 5) * kWarpStagingBytes;
-}
-
-// After a TMA tile's K loop (the workers, all of them): the results out from registers, then what they
-// complete. GEMM1: the row tile's count of finished column tiles (GEMM2 tiles wait on it); GEMM2: the
-// source's result rows (its results-done flag once all are in).
-template <typename Element, typename Variant, typename Gemm>
-__device__ __forceinline__ void finish_tile_tma(const MoEParams& p, const DestTables& t, const Gemm& gemm, char* smem,
-                                                bool second, const RowTile& tile, int row_tile, int col_tile) {
-  constexpr int kTileN = Variant::kTileN;
-  if (!second) {
-    gemm1_epilogue_warp<Element, kTileN>(p, gemm, warp_staging<Variant>(smem), tile.packed_row0, tile.rows,
-                                         col_tile * gemm1_output_columns<Variant>(p));
-    tma::fence_proxy_async_global();  // GEMM2's TMA loads (async proxy) read these rows
-    sync_workers();
-    if (threadIdx.x == 0) {
-      __threadfence();
-      ptx::red_release_add_gpu(p.row_tile_done + row_tile, 1);
-    }
-  } else {
-    const int col0 = col_tile * kTileN;
-    gemm2_epilogue_warp<Element, kTileN>(gemm, warp_staging<Variant>(smem),
-                                         comb_row<Element>(p, tile.src, tile.stream_row0), p.hidden, tile.rows, col0);
-    sync_workers();
-    if (threadIdx.x == 0) account_results<Element, Variant>(p, t, tile.src, tile.rows, min(kTileN, p.hidden - col0));
-  }
-}
-
-// The TMA loads of one GEMM1 slab: 128 rows of the source's receive region, and the tile's W1 panels
-// (swiglu: gate panels from col_lo, up panels from col_hi; columns past the tensor are zero-filled,
-// columns past the tile's valid range are computed and dropped by the epilogue).
-template <typename Element, typename Variant>
-__device__ bool gemm1_tile_tma(const MoEParams& p, const DestTables& t, const RowTile& tile, int row_tile, int col_tile,
-                               uint32_t& ready_seen, char* smem, TmaPipelineBarriers<Variant::kStages>& bars,
-                               uint32_t& slab) {
-  using Gemm = TmaTileGemm<Element, Variant::kTileN, Variant::kStages>;
-  constexpr int kTileN = Variant::kTileN;
-  const int H = p.hidden, I = p.ffn, rows = tile.rows, k_tiles = H / 64;
-  const bool swiglu = p.activation == Activation::Swiglu;
-  const int out_cols = gemm1_output_columns<Variant>(p);
-  const int out_col0 = col_tile * out_cols;
-  const int col_lo = out_col0, col_hi = swiglu ? I + out_col0 : out_col0 + kTileN / 2;
-  bool ok = true;
-  if (threadIdx.x >= kThreads) {
-    if (threadIdx.x == kThreads) {
-      ok = wait_rows_ready(p, tile.src, ready_seen);
-      tma::fence_proxy_async_global();
-      const int a_row = tile.src * p.stream_rows + tile.stream_row0;
-      ok = ok && Gemm::produce(smem, bars, slab, k_tiles, p, [&](uint32_t a_dst, uint32_t b_dst, int k0, uint32_t bar) {
-        tma::load_2d(a_dst, &p.maps.recv, bar, k0, a_row);
-#pragma unroll
-        for (int panel = 0; panel < Gemm::kPanels; ++panel) {
-          const int col = panel < Gemm::kPanels / 2 ? col_lo + panel * 64 : col_hi + (panel - Gemm::kPanels / 2) * 64;
-          tma::load_3d(b_dst + panel * Gemm::kPanelBytes, &p.maps.w1, bar, col, k0, tile.local);
-        }
-      });
-    }
-  } else {
-    Gemm gemm;
-    ok = gemm.consume(smem, bars, slab, k_tiles, p, warpgroup_has_rows(rows));
-    if (sync_workers_and(ok)) finish_tile_tma<Element, Variant>(p, t, gemm, smem, false, tile, row_tile, col_tile);
-  }
-  slab += k_tiles;
-  return __syncthreads_and(ok);
-}
-
-template <typename Element, typename Variant>
-__device__ bool gemm2_tile_tma(const MoEParams& p, const DestTables& t, const RowTile& tile, int row_tile, int col_tile,
-                               char* smem, TmaPipelineBarriers<Variant::kStages>& bars, uint32_t& slab) {
-  using Gemm = TmaTileGemm<Element, Variant::kTileN, Variant::kStages>;
-  constexpr int kTileN = Variant::kTileN;
-  const int rows = tile.rows, k_tiles = p.ffn / 64;
-  const int col0 = col_tile * kTileN;
-  bool ok = true;
-  if (threadIdx.x >= kThreads) {
-    if (threadIdx.x == kThreads) {
-      ok = wait_at_least(p.row_tile_done + row_tile, gemm1_column_tiles<Variant>(p), p, kPhaseIntermediate, p.rank);
-      tma::fence_proxy_async_global();
-      ok = ok && Gemm::produce(smem, bars, slab, k_tiles, p, [&](uint32_t a_dst, uint32_t b_dst, int k0, uint32_t bar) {
-        tma::load_2d(a_dst, &p.maps.intermediate, bar, k0, tile.packed_row0);
-#pragma unroll
-        for (int panel = 0; panel < Gemm::kPanels; ++panel)
-          tma::load_3d(b_dst + panel * Gemm::kPanelBytes, &p.maps.w2, bar, col0 + panel * 64, k0, tile.local);
-      });
-    }
-  } else {
-    Gemm gemm;
-    ok = gemm.consume(smem, bars, slab, k_tiles, p, warpgroup_has_rows(rows));
-    if (sync_workers_and(ok)) finish_tile_tma<Element, Variant>(p, t, gemm, smem, true, tile, row_tile, col_tile);
-  }
-  slab += k_tiles;
-  return __syncthreads_and(ok);
-}
-
 // Drain the task queue: every GEMM1 task precedes every GEMM2 task, so a GEMM2 wait never blocks a
 // GEMM1 tile that has not been taken yet (no deadlock with all blocks resident). The next task id is
 // fetched while the current tile runs (off the critical path); a block's prefetched task is always
@@ -319,12 +210,7 @@ __device__ bool gemm2_tile_tma(const MoEParams& p, const DestTables& t, const Ro
 template <typename Element, typename Variant>
 __device__ bool run_expert_tasks(const MoEParams& p, const DestTables& t, char* smem, const Element** a_rows) {
   __shared__ int next_task[2];
-  __shared__ TmaPipelineBarriers<Variant::kStages> bars;
   uint32_t ready_seen = 0;  // meaningful in the thread that does the waits
-  uint32_t slab = 0;        // TMA variant: K slabs this block has pipelined so far (same in every thread)
-  if constexpr (Variant::kUseTma) {
-    if (threadIdx.x == 0) TmaTileGemm<Element, Variant::kTileN, Variant::kStages>::init_barriers(bars);
-  }
   if (threadIdx.x == 0) next_task[0] = static_cast<int>(atomicAdd(p.task_counter, 1u));
   __syncthreads();
   const int row_tiles = t.tile_start[p.world_size * p.local_experts];
@@ -342,14 +228,8 @@ __device__ bool run_expert_tasks(const MoEParams& p, const DestTables& t, char* 
     const int col_tiles = second ? tiles2 : tiles1;
     const int row_tile = index / col_tiles, col_tile = index % col_tiles;
     const RowTile tile = row_tile_of(p, t, row_tile);
-    bool ok;
-    if constexpr (Variant::kUseTma) {
-      ok = second ? gemm2_tile_tma<Element, Variant>(p, t, tile, row_tile, col_tile, smem, bars, slab)
-                  : gemm1_tile_tma<Element, Variant>(p, t, tile, row_tile, col_tile, ready_seen, smem, bars, slab);
-    } else {
-      ok = second ? gemm2_tile<Element, Variant>(p, t, tile, row_tile, col_tile, smem, a_rows)
-                  : gemm1_tile<Element, Variant>(p, tile, row_tile, col_tile, ready_seen, smem, a_rows);
-    }
+    const bool ok = second ? gemm2_tile<Element, Variant>(p, t, tile, row_tile, col_tile, smem, a_rows)
+                           : gemm1_tile<Element, Variant>(p, tile, row_tile, col_tile, ready_seen, smem, a_rows);
     if (!ok) return false;
   }
 }

@@ -1,13 +1,49 @@
-// Expert tasks for the TMA variants with cross-tile prefetch: the producer warp takes tasks from the
+// Expert tasks for the TMA variant, with cross-tile prefetch: the producer warp takes tasks from the
 // queue itself, waits for their inputs (a peer's rows, a GEMM1 row tile), and streams their K slabs
 // through the stage ring without stopping at tile boundaries; it hands each task to the consumer
 // warpgroups through a small ring of task slots (one mbarrier each). The consumers run wgmma and write
 // results from registers through per-warp buffers (moe/epilogue.cuh), so the stages are never needed
 // for the epilogue and the next tile's loads overlap this tile's epilogue.
 #pragma once
+#include "moe/epilogue.cuh"
 #include "moe/expert_ffn.cuh"
+#include "moe/tile_gemm_tma.cuh"
 
 namespace flashdmoe {
+
+// Whether the calling worker's warpgroup (64 tile rows) holds any of the tile's rows: tiles of at most
+// 64 rows (an expert's last, partial tile) run on one warpgroup at the tensor cores' full rate.
+__device__ __forceinline__ bool warpgroup_has_rows(int rows) { return (threadIdx.x >> 7) * 64 < rows; }
+
+template <typename Variant>
+__device__ __forceinline__ char* warp_staging(char* smem) {
+  return smem + Variant::kWarpStagingOffset + (threadIdx.x >> 5) * kWarpStagingBytes;
+}
+
+// After a TMA tile's K loop (the workers, all of them): the results out from registers, then what they
+// complete. GEMM1: the row tile's count of finished column tiles (GEMM2 tiles wait on it); GEMM2: the
+// source's result rows (its results-done flag once all are in).
+template <typename Element, typename Variant, typename Gemm>
+__device__ __forceinline__ void finish_tile_tma(const MoEParams& p, const DestTables& t, const Gemm& gemm, char* smem,
+                                                bool second, const RowTile& tile, int row_tile, int col_tile) {
+  constexpr int kTileN = Variant::kTileN;
+  if (!second) {
+    gemm1_epilogue_warp<Element, kTileN>(p, gemm, warp_staging<Variant>(smem), tile.packed_row0, tile.rows,
+                                         col_tile * gemm1_output_columns<Variant>(p));
+    tma::fence_proxy_async_global();  // GEMM2's TMA loads (async proxy) read these rows
+    sync_workers();
+    if (threadIdx.x == 0) {
+      __threadfence();
+      ptx::red_release_add_gpu(p.row_tile_done + row_tile, 1);
+    }
+  } else {
+    const int col0 = col_tile * kTileN;
+    gemm2_epilogue_warp<Element, kTileN>(gemm, warp_staging<Variant>(smem),
+                                         comb_row<Element>(p, tile.src, tile.stream_row0), p.hidden, tile.rows, col0);
+    sync_workers();
+    if (threadIdx.x == 0) account_results<Element, Variant>(p, t, tile.src, tile.rows, min(kTileN, p.hidden - col0));
+  }
+}
 
 // One task as the producer decoded it.
 struct ExpertTask {
@@ -40,14 +76,14 @@ struct TaskCounts {
   int tasks1, tiles1, tiles2, total;
 };
 
-// The counts over `row_units` units of rows (row tiles; pairs of them in the cluster schedule).
+// The counts over `row_tiles` row tiles.
 template <typename Variant>
-__device__ __forceinline__ TaskCounts task_counts(const MoEParams& p, int row_units) {
+__device__ __forceinline__ TaskCounts task_counts(const MoEParams& p, int row_tiles) {
   TaskCounts c;
   c.tiles1 = gemm1_column_tiles<Variant>(p);
   c.tiles2 = gemm2_column_tiles<Variant>(p);
-  c.tasks1 = row_units * c.tiles1;
-  c.total = c.tasks1 + row_units * c.tiles2;
+  c.tasks1 = row_tiles * c.tiles1;
+  c.total = c.tasks1 + row_tiles * c.tiles2;
   return c;
 }
 
@@ -56,27 +92,24 @@ __device__ __forceinline__ int task_k_tiles(const MoEParams& p, bool second) {
   return second ? p.ffn / 64 : p.hidden / 64;
 }
 
-// Thread 0, once per launch: the stage ring's barriers (released by the consumers of `consumer_ctas`
-// CTAs) and the task ring's.
+// Thread 0, once per launch: the stage ring's barriers and the task ring's.
 template <typename Gemm, typename Ring>
-__device__ __forceinline__ void init_task_pipeline(typename Gemm::Barriers& bars, Ring& ring, int consumer_ctas = 1) {
-  Gemm::init_barriers(bars, consumer_ctas);
+__device__ __forceinline__ void init_task_pipeline(typename Gemm::Barriers& bars, Ring& ring) {
+  Gemm::init_barriers(bars);
   for (int s = 0; s < Ring::kSlots; ++s) tma::mbarrier_init(ptx::smem_addr(&ring.full[s]), 1);
   tma::fence_barrier_init();
 }
 
 // Workers: the task id handed in ring slot n, in order (kTaskAbort when the wait failed).
-// cluster_scope: the hand-over came from the other CTA's producer.
 template <typename Ring>
-__device__ __forceinline__ int take_task(Ring& ring, int n, const MoEParams& p, bool cluster_scope = false) {
+__device__ __forceinline__ int take_task(Ring& ring, int n, const MoEParams& p) {
   const int slot = n % Ring::kSlots;
-  const bool handed = wait_pipeline(ptx::smem_addr(&ring.full[slot]), (n / Ring::kSlots) & 1, p, cluster_scope);
+  const bool handed = wait_pipeline(ptx::smem_addr(&ring.full[slot]), (n / Ring::kSlots) & 1, p);
   return handed ? ring.task[slot] : kTaskAbort;
 }
 
-// Producer warp: lane 0 takes tasks, waits for their inputs and hands them over in order; the slabs
-// are streamed by lane 0 (box loads), or by the whole warp when a GEMM1 tile gathers this rank's own
-// rows from x (gather variant).
+// Producer warp: lane 0 takes tasks, waits for their inputs, hands them over in order and streams their
+// slabs (box loads).
 template <typename Element, typename Variant>
 __device__ bool produce_tasks(const MoEParams& p, const DestTables& t, char* smem,
                               TmaPipelineBarriers<Variant::kStages>& bars, TaskRing<Variant::kStages>& ring,
@@ -131,16 +164,7 @@ __device__ bool produce_tasks(const MoEParams& p, const DestTables& t, char* sme
           tma::load_3d(b_dst + panel * Gemm::kPanelBytes, &p.maps.w1, bar, col, k0, tile.local);
         }
       };
-      if (Variant::kGatherOwnRows && tile.src == p.rank) {
-        int token_of[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int r = lane + 32 * i;
-          token_of[i] = r < tile.rows ? __ldcg(p.row_token + tile.stream_row0 + r) : 0;
-        }
-        produced = Gemm::produce_gathered(smem, bars, slab, k_tiles, p, static_cast<const Element*>(p.x), token_of,
-                                          tile.rows, load_b);
-      } else if (lane == 0) {
+      if (lane == 0) {
         const int a_row = tile.src * p.stream_rows + tile.stream_row0;
         produced = Gemm::produce(smem, bars, slab, k_tiles, p, [&](uint32_t a_dst, uint32_t b_dst, int k0, uint32_t bar) {
           tma::load_2d(a_dst, &p.maps.recv, bar, k0, a_row);
@@ -167,8 +191,7 @@ __device__ bool consume_tasks(const MoEParams& p, const DestTables& t, char* sme
     const RowTile tile = row_tile_of(p, t, job.row_tile);
     const int k_tiles = task_k_tiles(p, job.second);
     Gemm gemm;
-    const bool gathered = Variant::kGatherOwnRows && !job.second && tile.src == p.rank;
-    const bool ok = gemm.consume(smem, bars, slab, k_tiles, p, warpgroup_has_rows(tile.rows), gathered);
+    const bool ok = gemm.consume(smem, bars, slab, k_tiles, p, warpgroup_has_rows(tile.rows));
     slab += k_tiles;
     if (!sync_workers_and(ok)) return false;
     finish_tile_tma<Element, Variant>(p, t, gemm, smem, job.second, tile, job.row_tile, job.col_tile);

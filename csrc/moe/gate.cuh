@@ -2,7 +2,7 @@
 // lower expert index, and the tile's per-expert counts and in-tile ranks (which become slots once the
 // tile offsets are known). Deterministic: no atomics decide an order.
 // The router GEMM's K slabs come through a cp.async pipeline issued by the worker threads, or, in the
-// TMA variants, from the producer warp (two TMA boxes per slab into an mbarrier ring): issuing cp.async
+// TMA variant, from the producer warp (two TMA boxes per slab into an mbarrier ring): issuing cp.async
 // costs the workers more time per slab than the tensor-core work itself (scripts/gate_probe.cu), and the
 // producer runs ahead into the next tile while the workers do softmax and top-k.
 #pragma once

@@ -40,16 +40,9 @@ template <typename Visit>
 static auto with_instance(DType dtype, int variant, Visit&& visit) {
   auto with_variant = [&](auto element) {
     switch (variant) {
-      case 0: return visit(element, Wgmma128ThreeStages{});
-      case 1: return visit(element, Wgmma128FourStages{});
-      case 2: return visit(element, Wgmma256FourStages{});
-      case 3: return visit(element, MmaSync128ThreeStages{});
-      case 4: return visit(element, Tma256FourStages{});
-      case 5: return visit(element, Tma128SixStages{});
-      case 6: return visit(element, TmaPrefetch256FourStages{});
-      case 7: return visit(element, TmaGather256FourStages{});
-      case 8: return visit(element, TmaCluster256FourStages{});
-      default: throw std::invalid_argument("expert_variant must be 0..8, got " + std::to_string(variant));
+      case 0: return visit(element, TmaPrefetch256FourStages{});
+      case 1: return visit(element, MmaSync128ThreeStages{});
+      default: throw std::invalid_argument("expert_variant must be 0..1, got " + std::to_string(variant));
     }
   };
   if (dtype == DType::BFloat16) return with_variant(__nv_bfloat16{});

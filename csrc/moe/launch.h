@@ -45,7 +45,7 @@ struct ForwardArgs {
   uint32_t sequence;
   uint64_t timeout_ns;
   int debug_withhold_phase;
-  int expert_variant;  // tile_config.cuh: 0 wgmma 128x128/3 stages, 1 wgmma 128x128/4, 2 wgmma 128x256/4, 3 mma.sync 128x128/3
+  int expert_variant;  // tile_config.cuh: 0 TMA-fed wgmma 128x256/4 stages, 1 mma.sync 128x128/3
   int max_blocks;      // 0: the whole resident grid; else at most this many blocks
   bool gate_split;     // small batches split gate tiles over blocks (false: one block per tile)
   int grid_percent;    // 1..100: this share of the resident grid (ranks sharing one GPU under MPS)

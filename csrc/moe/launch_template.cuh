@@ -19,23 +19,11 @@ inline void throw_on_cuda_error(cudaError_t status, const char* what) {
 struct ResidentGrid {
   int blocks_per_sm;
   int sms;
-  int clusters;  // clusters of cluster_size blocks resident at once (cluster_size > 1 only, else 0)
 };
 
-inline cudaLaunchAttribute cluster_dimension(int cluster_size) {
-  cudaLaunchAttribute attribute{};
-  attribute.id = cudaLaunchAttributeClusterDimension;
-  attribute.val.clusterDim.x = cluster_size;
-  attribute.val.clusterDim.y = 1;
-  attribute.val.clusterDim.z = 1;
-  return attribute;
-}
-
 // Occupancy of (kernel, device, shared memory bytes), asked once and remembered: these driver queries
-// cost tens of microseconds, too much for every forward. A kernel is always launched with one
-// cluster_size, so it need not be part of the key.
-inline ResidentGrid resident_grid(const void* kernel, int device, int smem_bytes, int block_threads,
-                                  int cluster_size = 1) {
+// cost tens of microseconds, too much for every forward.
+inline ResidentGrid resident_grid(const void* kernel, int device, int smem_bytes, int block_threads) {
   struct Entry {
     const void* kernel;
     int device, smem_bytes;
@@ -77,22 +65,7 @@ inline ResidentGrid resident_grid(const void* kernel, int device, int smem_bytes
   if (blocks_per_sm < 1)
     throw std::runtime_error("the fused kernel cannot be resident on this GPU (0 blocks per SM with " +
                              std::to_string(smem_bytes) + " bytes of shared memory)");
-  int clusters = 0;
-  if (cluster_size > 1) {
-    cudaLaunchConfig_t config{};
-    config.gridDim = dim3(cluster_size);
-    config.blockDim = dim3(block_threads);
-    config.dynamicSmemBytes = smem_bytes;
-    cudaLaunchAttribute attribute = cluster_dimension(cluster_size);
-    config.attrs = &attribute;
-    config.numAttrs = 1;
-    throw_on_cuda_error(cudaOccupancyMaxActiveClusters(&clusters, kernel, &config), "cluster occupancy query");
-    if (clusters < 1)
-      throw std::runtime_error("the fused kernel cannot be resident on this GPU as clusters of " +
-                               std::to_string(cluster_size) + " blocks with " + std::to_string(smem_bytes) +
-                               " bytes of shared memory");
-  }
-  known.push_back({kernel, device, smem_bytes, {blocks_per_sm, sms, clusters}});
+  known.push_back({kernel, device, smem_bytes, {blocks_per_sm, sms}});
   return known.back().grid;
 }
 
@@ -233,17 +206,15 @@ LaunchInfo launch_forward_variant(const ForwardArgs& a, cudaStream_t stream) {
   auto kernel = moe_forward_kernel<Element, Variant>;
   int device = 0;
   throw_on_cuda_error(cudaGetDevice(&device), "cudaGetDevice");
-  constexpr int kCluster = Variant::kClusterSize;
-  const ResidentGrid resident = resident_grid(reinterpret_cast<const void*>(kernel), device, smem.total_bytes,
-                                              Variant::kBlockThreads, kCluster);
-  int grid = kCluster > 1 ? kCluster * resident.clusters : resident.blocks_per_sm * resident.sms;
+  const ResidentGrid resident =
+      resident_grid(reinterpret_cast<const void*>(kernel), device, smem.total_bytes, Variant::kBlockThreads);
+  int grid = resident.blocks_per_sm * resident.sms;
   if (a.grid_percent > 0 && a.grid_percent < 100) grid = std::max(1, grid * a.grid_percent / 100);
   if (a.max_blocks > 0 && a.max_blocks < grid) grid = a.max_blocks;
-  const int blocks_per_rank = grid / a.num_ranks / kCluster * kCluster;  // whole clusters per rank
+  const int blocks_per_rank = grid / a.num_ranks;
   if (blocks_per_rank < 1)
     throw std::invalid_argument("a grid of " + std::to_string(grid) + " blocks cannot hold " +
-                                std::to_string(a.num_ranks) + " ranks" +
-                                (kCluster > 1 ? " in clusters of " + std::to_string(kCluster) + " blocks" : ""));
+                                std::to_string(a.num_ranks) + " ranks");
   grid = blocks_per_rank * a.num_ranks;
   for (int i = 0; i < a.num_ranks; ++i) {
     launch.rank[i].first_block = i * blocks_per_rank;
@@ -263,12 +234,11 @@ LaunchInfo launch_forward_variant(const ForwardArgs& a, cudaStream_t stream) {
   config.blockDim = dim3(Variant::kBlockThreads);
   config.dynamicSmemBytes = smem.total_bytes;
   config.stream = stream;
-  cudaLaunchAttribute attributes[2]{};
-  attributes[0].id = cudaLaunchAttributeCooperative;  // refused if the grid cannot be co-resident
-  attributes[0].val.cooperative = 1;
-  attributes[1] = cluster_dimension(kCluster);
-  config.attrs = attributes;
-  config.numAttrs = kCluster > 1 ? 2 : 1;
+  cudaLaunchAttribute cooperative{};
+  cooperative.id = cudaLaunchAttributeCooperative;  // refused if the grid cannot be co-resident
+  cooperative.val.cooperative = 1;
+  config.attrs = &cooperative;
+  config.numAttrs = 1;
   throw_on_cuda_error(cudaLaunchKernelEx(&config, kernel, launch), "launching moe_forward_kernel");
   return {grid, resident.blocks_per_sm, smem.total_bytes};
 }

@@ -63,7 +63,7 @@ enum StatusFlag : uint32_t { kStatusNonFiniteLogits = 1u };
 // Phase clock slots: 0 start, 1..4 after grid barriers 1..4 (block 0's view), 5 last block's exit.
 constexpr int kPhaseClockSlots = 6;
 
-// TMA descriptors of the expert GEMM operands (TMA variants only; 128-byte swizzled boxes):
+// TMA descriptors of the expert GEMM operands (TMA variant only; 128-byte swizzled boxes):
 // w1 [L][H][w1_cols] and w2 [L][I][H] as 64x64 boxes, recv [P*stream_rows][H] and intermediate
 // [rows_in][I] as 128-row x 64-column boxes.
 // Gate: x as kGateTileM-row boxes, the router [E][H] as kGateTileN-row boxes.
