@@ -119,7 +119,6 @@ inline MoEParams rank_params(const ForwardArgs& a, const RankArgs& r) {
   p.tile_expert_count = reinterpret_cast<int*>(base + ws.tile_expert_count);
   p.tile_expert_offset = reinterpret_cast<int*>(base + ws.tile_expert_offset);
   p.expert_kept = reinterpret_cast<int*>(base + ws.expert_kept);
-  p.row_token = reinterpret_cast<int*>(base + ws.row_token);
   p.intermediate = base + ws.intermediate;
   p.gate_partial = reinterpret_cast<float*>(base + ws.gate_partial);
   p.gate_arrivals = reinterpret_cast<uint32_t*>(base + ws.gate_arrivals);

@@ -117,7 +117,6 @@ struct MoEParams {
   int* tile_expert_count;   // [gate_tiles, E]
   int* tile_expert_offset;  // [gate_tiles, E] exclusive prefix over gate tiles
   int* expert_kept;         // [E] rows kept after capacity (this rank's tokens)
-  int* row_token;           // [T*k] gather variant: row of the stream to this rank itself -> token
   void* intermediate;       // [rows_in, I] activation output of every row this rank's experts take, input dtype
 
   float* gate_partial;       // [gate_tiles * gate_splits, kGateTileM, E] split gate: partial logits
@@ -143,7 +142,7 @@ struct WorkspaceLayout {
   size_t barrier_counter, task_counter, error_word, status_flags, phase_clock, traffic, result_rows_done,
       row_tile_done, gate_arrivals;
   size_t sync_bytes;
-  size_t gate_partial, slot_in_tile, tile_expert_count, tile_expert_offset, expert_kept, row_token;
+  size_t gate_partial, slot_in_tile, tile_expert_count, tile_expert_offset, expert_kept;
   size_t intermediate, own_recv, own_comb, own_signals;
   size_t total_bytes;
   int gate_tiles, max_row_tiles;
@@ -181,7 +180,6 @@ inline WorkspaceLayout make_workspace_layout(int tokens, int hidden, int ffn, in
   l.tile_expert_count = take(4 * static_cast<size_t>(l.gate_tiles) * experts);
   l.tile_expert_offset = take(4 * static_cast<size_t>(l.gate_tiles) * experts);
   l.expert_kept = take(4 * static_cast<size_t>(experts));
-  l.row_token = take(4 * rows);
   l.intermediate = take(static_cast<size_t>(element_bytes) * rows_in * ffn);
   const bool own = world_size == 1;
   l.own_recv = take(own ? static_cast<size_t>(element_bytes) * rows * hidden : 0);
