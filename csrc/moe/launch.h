@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 #include <cstdint>
 #include <string>
+#include <vector>
 #include "moe/params.cuh"
 
 namespace flashdmoe {
@@ -74,7 +75,10 @@ WorkspaceLayout workspace_layout(int tokens, int hidden, int ffn, int experts, i
 LaunchInfo launch_forward(const ForwardArgs& args, cudaStream_t stream);
 KernelAttributes kernel_attributes(DType dtype, int expert_variant);
 
-// One (dtype, expert variant) instance, defined in csrc/moe/instances/.
+// The expert variants' names in id order (the table in flashdmoe/expert_variants.py, as compiled).
+std::vector<std::string> expert_variant_names();
+
+// One (dtype, expert variant) instance, explicitly instantiated in the build folder's generated units.
 template <typename Element, typename Variant>
 LaunchInfo launch_forward_variant(const ForwardArgs& args, cudaStream_t stream);
 template <typename Element, typename Variant>

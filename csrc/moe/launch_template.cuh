@@ -251,19 +251,3 @@ KernelAttributes kernel_attributes_variant() {
 }
 
 }  // namespace flashdmoe
-
-// Explicit instances of one expert variant for both dtypes (csrc/moe/instances/: one file per variant,
-// so the variants compile in parallel).
-#define FLASHDMOE_INSTANTIATE_VARIANT(VARIANT)                                                              \
-  namespace flashdmoe {                                                                                  \
-  template LaunchInfo launch_forward_variant<__nv_bfloat16, VARIANT>(const ForwardArgs&, cudaStream_t); \
-  template LaunchInfo launch_forward_variant<__half, VARIANT>(const ForwardArgs&, cudaStream_t);        \
-  template KernelAttributes kernel_attributes_variant<__nv_bfloat16, VARIANT>();                        \
-  template KernelAttributes kernel_attributes_variant<__half, VARIANT>();                               \
-  }
-// fp32 inputs (TF32 tensor cores): the mma.sync variant only.
-#define FLASHDMOE_INSTANTIATE_FP32(VARIANT)                                                                 \
-  namespace flashdmoe {                                                                                  \
-  template LaunchInfo launch_forward_variant<float, VARIANT>(const ForwardArgs&, cudaStream_t);         \
-  template KernelAttributes kernel_attributes_variant<float, VARIANT>();                                \
-  }

@@ -3,6 +3,7 @@
 // meet at bounded barriers; ranks meet only through signal words (counts, rows ready, results done)
 // that carry this forward's sequence number, so the same code runs across processes and GPUs.
 #pragma once
+#include <type_traits>
 #include "moe/combine.cuh"
 #include "moe/expert_pipeline.cuh"
 #include "moe/gate.cuh"
@@ -17,6 +18,8 @@ __device__ __forceinline__ void stamp_phase(const MoEParams& p, int slot) {
 template <typename Element, typename Variant>
 __global__ void __launch_bounds__(Variant::kBlockThreads, Variant::kMinBlocksPerSm)
     moe_forward_kernel(const __grid_constant__ LaunchParams launch) {
+  static_assert(!std::is_same_v<Element, float> || Variant::kMmaFamily == ExpertMma::MmaSync,
+                "fp32 inputs (TF32) run on the mma.sync tiles only: wgmma's TF32 form needs K-major weights");
   extern __shared__ __align__(16) char raw_smem[];
   // wgmma's 128-byte swizzle is computed from absolute shared addresses: align the base to its atom.
   char* smem = raw_smem + ((1024u - (ptx::smem_addr(raw_smem) & 1023u)) & 1023u);

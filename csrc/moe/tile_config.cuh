@@ -44,7 +44,9 @@ constexpr int kExpertTileM = 128;
 constexpr int kWarpStagingBytes = 16 * 128;
 
 // Expert GEMM variants, chosen at launch: the MMA instruction family and operand feed, the tile width,
-// the pipeline depth, and the blocks per SM the register budget is cut for.
+// the pipeline depth, and the blocks per SM the register budget is cut for. Which ones are compiled, for
+// which dtypes and under which id is flashdmoe/expert_variants.py's table alone: the builder generates
+// their instances and the id -> instance dispatch (generated/expert_variants.h).
 // WgmmaTmaPrefetch (the default): wgmma, operands loaded by TMA from a producer warp (warp-specialised,
 // mbarrier pipeline) that streams across tile boundaries (moe/expert_pipeline.cuh).
 // MmaSync: mma.sync with all threads loading by cp.async (moe/tile_gemm.cuh); the only path for fp32
@@ -52,6 +54,7 @@ constexpr int kWarpStagingBytes = 16 * 128;
 enum class ExpertMma : int { MmaSync = 0, WgmmaTmaPrefetch = 1 };
 template <ExpertMma kMma, int kTileNArg, int kStagesArg, int kBlocksPerSm>
 struct ExpertVariant {
+  static constexpr ExpertMma kMmaFamily = kMma;
   static constexpr bool kUseTma = kMma == ExpertMma::WgmmaTmaPrefetch;
   static constexpr int kTileN = kTileNArg;
   static constexpr int kStages = kStagesArg;
@@ -68,11 +71,6 @@ struct ExpertVariant {
   static constexpr int kScratchBytes = kUseTma ? kPipelineBytes + (kThreads / 32) * kWarpStagingBytes
                                                : (kPipelineBytes > kEpilogueBytes ? kPipelineBytes : kEpilogueBytes);
 };
-// Variant ids as the host passes them (flashdmoe/cuda_backend.py EXPERT_VARIANTS).
-using TmaPrefetch256FourStages = ExpertVariant<ExpertMma::WgmmaTmaPrefetch, 256, 4, 1>;  // 0
-using MmaSync128ThreeStages = ExpertVariant<ExpertMma::MmaSync, 128, 3, 2>;  // 1 (also fp32 inputs, as TF32)
-
-constexpr int kFp32ExpertVariant = 1;
 
 // Shape constraints checked on the host (and named in the error message).
 constexpr int kHiddenMultiple = 64;
