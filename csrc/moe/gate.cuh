@@ -9,6 +9,7 @@
 #include <climits>
 #include "common/sync.cuh"
 #include "moe/smem_layout.cuh"
+#include "moe/tma_boxes.cuh"
 #include "moe/tile_gemm.cuh"
 #include "moe/tile_gemm_tma.cuh"
 
@@ -101,13 +102,17 @@ __device__ void router_gemm(const MoEParams& p, int tile, int k_begin, int k_end
 template <typename Element, int STAGES>
 __device__ bool router_loads(const MoEParams& p, int tile, int k_begin, int k_end, char* smem, GateFeed<STAGES>& feed) {
   using Gemm = GateGemm<Element, STAGES>;
+  static_assert(kGateTokenBox.dims[1] == kGateTileM && kGateTokenBox.bytes() == Gemm::kStageBytesA,
+                "a gate A stage is one token box");
+  static_assert(gate_router_box(kMaxExperts).dims[1] == kGateTileN &&
+                gate_router_box(kMaxExperts).bytes() == Gemm::kStageBytesB, "a gate B stage holds a router box");
   const uint32_t base = ptx::smem_addr(smem);
   for (int e0 = 0; e0 < p.experts; e0 += kGateTileN) {
     for (int kt = k_begin; kt < k_end; ++kt, ++feed.slab) {
       const uint32_t s = feed.slab % STAGES, use = feed.slab / STAGES;
       if (use > 0 && !wait_pipeline(ptx::smem_addr(&feed.bars->empty[s]), (use - 1) & 1, p)) return false;
       const uint32_t full = ptx::smem_addr(&feed.bars->full[s]);
-      tma::arrive_expect_tx(full, Gemm::kStageBytesA + gate_router_rows(p.experts) * 128);
+      tma::arrive_expect_tx(full, kGateTokenBox.bytes() + gate_router_box_bytes(p.experts));
       tma::load_2d(base + s * Gemm::kStageBytesA, &p.maps.gate_x, full, kt * 64, tile * kGateTileM);
       tma::load_2d(base + STAGES * Gemm::kStageBytesA + s * Gemm::kStageBytesB, &p.maps.router, full, kt * 64, e0);
     }

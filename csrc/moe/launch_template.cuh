@@ -9,6 +9,7 @@
 #include <cudaTypedefs.h>
 #include "moe/launch.h"
 #include "moe/moe_forward.cuh"
+#include "moe/tma_boxes.cuh"
 
 namespace flashdmoe {
 
@@ -144,12 +145,13 @@ inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   return encode;
 }
 
-// A row-major tensor of `rank` dims (innermost first), 2-byte elements, read in 128-byte-swizzled boxes.
-inline CUtensorMap make_tensor_map(const void* base, int rank, const uint64_t* dims, const uint32_t* box,
-                                   DType dtype, const char* what) {
+// A row-major tensor of box.rank dims (innermost first), 2-byte elements, read in 128-byte-swizzled boxes.
+inline CUtensorMap make_tensor_map(const void* base, const uint64_t* dims, const TmaBox& box, DType dtype,
+                                   const char* what) {
   CUtensorMap map{};
+  const int rank = box.rank;
   uint64_t strides[4];
-  uint64_t stride = 2;
+  uint64_t stride = kTmaElementBytes;
   for (int d = 0; d + 1 < rank; ++d) {
     stride *= dims[d];
     strides[d] = stride;
@@ -157,7 +159,7 @@ inline CUtensorMap make_tensor_map(const void* base, int rank, const uint64_t* d
   const uint32_t element_strides[4] = {1, 1, 1, 1};
   const CUresult status = tensor_map_encoder()(
       &map, dtype == DType::BFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, rank,
-      const_cast<void*>(base), dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+      const_cast<void*>(base), dims, strides, box.dims, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
       CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (status != CUDA_SUCCESS)
     throw std::runtime_error(std::string("cuTensorMapEncodeTiled failed for ") + what + " (CUresult " +
@@ -167,26 +169,22 @@ inline CUtensorMap make_tensor_map(const void* base, int rank, const uint64_t* d
 
 inline void make_expert_tensor_maps(const ForwardArgs& a, MoEParams& p) {
   const uint64_t L = p.local_experts, H = p.hidden, I = p.ffn, cols = p.w1_cols;
+  // Rows of the receive and the intermediate buffer: every row this rank's experts can take.
   const uint64_t rows_in = p.world_size == 1 ? static_cast<uint64_t>(p.tokens) * p.top_k
                                              : static_cast<uint64_t>(p.world_size) * p.stream_rows;
-  const uint64_t recv_rows = p.world_size == 1 ? static_cast<uint64_t>(p.tokens) * p.top_k
-                                               : static_cast<uint64_t>(p.world_size) * p.stream_rows;
-  const uint32_t weight_box[3] = {64, 64, 1}, row_box[2] = {64, kExpertTileM};
   const uint64_t w1_dims[3] = {cols, H, L}, w2_dims[3] = {H, I, L};
-  const uint64_t recv_dims[2] = {H, recv_rows > 0 ? recv_rows : 1};
+  const uint64_t recv_dims[2] = {H, rows_in > 0 ? rows_in : 1};
   const uint64_t mid_dims[2] = {I, rows_in > 0 ? rows_in : 1};
-  p.maps.w1 = make_tensor_map(p.w1, 3, w1_dims, weight_box, a.dtype, "w1");
-  p.maps.w2 = make_tensor_map(p.w2, 3, w2_dims, weight_box, a.dtype, "w2");
-  p.maps.recv = make_tensor_map(p.peers[p.rank].recv, 2, recv_dims, row_box, a.dtype, "the receive buffer");
-  p.maps.intermediate = make_tensor_map(p.intermediate, 2, mid_dims, row_box, a.dtype, "the intermediate buffer");
+  p.maps.w1 = make_tensor_map(p.w1, w1_dims, kWeightPanelBox, a.dtype, "w1");
+  p.maps.w2 = make_tensor_map(p.w2, w2_dims, kWeightPanelBox, a.dtype, "w2");
+  p.maps.recv = make_tensor_map(p.peers[p.rank].recv, recv_dims, kExpertRowBox, a.dtype, "the receive buffer");
+  p.maps.intermediate = make_tensor_map(p.intermediate, mid_dims, kExpertRowBox, a.dtype, "the intermediate buffer");
   // With no tokens the map is never read; it still needs a valid base.
   const uint64_t x_dims[2] = {H, p.tokens > 0 ? static_cast<uint64_t>(p.tokens) : 1};
   // The router box holds only the experts there are (E < 128 would otherwise load zero-filled rows).
-  const uint32_t gate_x_box[2] = {64, kGateTileM},
-                 router_box[2] = {64, static_cast<uint32_t>(gate_router_rows(p.experts))};
   const uint64_t router_dims[2] = {H, static_cast<uint64_t>(p.experts)};
-  p.maps.gate_x = make_tensor_map(p.tokens > 0 ? p.x : p.intermediate, 2, x_dims, gate_x_box, a.dtype, "x (gate)");
-  p.maps.router = make_tensor_map(p.router, 2, router_dims, router_box, a.dtype, "the router");
+  p.maps.gate_x = make_tensor_map(p.tokens > 0 ? p.x : p.intermediate, x_dims, kGateTokenBox, a.dtype, "x (gate)");
+  p.maps.router = make_tensor_map(p.router, router_dims, gate_router_box(p.experts), a.dtype, "the router");
 }
 
 template <typename Element, typename Variant>

@@ -63,10 +63,10 @@ enum StatusFlag : uint32_t { kStatusNonFiniteLogits = 1u };
 // Phase clock slots: 0 start, 1..4 after grid barriers 1..4 (block 0's view), 5 last block's exit.
 constexpr int kPhaseClockSlots = 6;
 
-// TMA descriptors of the expert GEMM operands (TMA variant only; 128-byte swizzled boxes):
-// w1 [L][H][w1_cols] and w2 [L][I][H] as 64x64 boxes, recv [P*stream_rows][H] and intermediate
-// [rows_in][I] as 128-row x 64-column boxes.
-// Gate: x as kGateTileM-row boxes, the router [E][H] as kGateTileN-row boxes.
+// TMA descriptors of the expert GEMM operands (TMA variant only; 128-byte swizzled boxes, moe/tma_boxes.cuh):
+// w1 [L][H][w1_cols] and w2 [L][I][H] in weight panel boxes, recv [P*stream_rows][H] and intermediate
+// [rows_in][I] in 128-row boxes. Gate: x in kGateTileM-row boxes, the router [E][H] in boxes of up to
+// kGateTileN rows.
 struct ExpertTensorMaps {
   CUtensorMap w1, w2, recv, intermediate, gate_x, router;
 };

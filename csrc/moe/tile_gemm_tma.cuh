@@ -11,6 +11,7 @@
 #include "common/sync.cuh"
 #include "common/tma.cuh"
 #include "common/wgmma.cuh"
+#include "moe/tma_boxes.cuh"
 
 namespace flashdmoe {
 
@@ -48,6 +49,13 @@ struct TmaTileGemm {
   static constexpr int kPanelBytes = kBlockK * 64 * 2;  // one 64-column B panel: 64 K rows x 128 bytes
   static constexpr int kPipelineBytes = STAGES * (kStageBytesA + kStageBytesB);
   static constexpr uint32_t kAtomBytes = 1024;  // 8 rows x 128 bytes: the swizzle repeat
+  // A stage is filled by one A box and kPanels weight panel boxes: its expect_tx byte count.
+  static constexpr uint32_t kStageTxBytes = kExpertRowBox.bytes() + kPanels * kWeightPanelBox.bytes();
+  static_assert(kExpertRowBox.dims[0] == kBlockK && kExpertRowBox.dims[1] == kBlockM &&
+                kExpertRowBox.bytes() == kStageBytesA, "an A stage is one row box");
+  static_assert(kWeightPanelBox.dims[0] * kPanels == kBlockN && kWeightPanelBox.dims[1] == kBlockK &&
+                kWeightPanelBox.bytes() == kPanelBytes && kPanels * kPanelBytes == kStageBytesB,
+                "a B stage is kPanels weight panel boxes");
 
   // Accumulator j*4+v of a thread: warpgroup rows 64*wg + 16*(warp%4) + lane/4 (+8 for v >= 2),
   // column 8*j + 2*(lane%4) + (v & 1).
@@ -93,7 +101,7 @@ struct TmaTileGemm {
       const uint32_t it = slab + kt, s = it % STAGES, use = it / STAGES;
       if (use > 0 && !wait_pipeline(ptx::smem_addr(&bars.empty[s]), (use - 1) & 1, p)) return false;
       const uint32_t full = ptx::smem_addr(&bars.full[s]);
-      tma::arrive_expect_tx(full, kStageBytesA + kStageBytesB);
+      tma::arrive_expect_tx(full, kStageTxBytes);
       load(a_stage(base, s), b_stage(base, s), kt * kBlockK, full);
     }
     return true;
