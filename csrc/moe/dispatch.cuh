@@ -96,10 +96,10 @@ __device__ __forceinline__ void publish_results_done(const MoEParams& p, int src
 }
 
 // Rank-block 0, once the tables exist: sources that sent this rank nothing are done already.
-__device__ inline void publish_empty_results(const MoEParams& p, const DestTables& t) {
+__device__ inline void publish_empty_results(const MoEParams& p, const DestTables& tables) {
   if (block_in_rank(p) != 0 || threadIdx.x != 0) return;
   for (int src = 0; src < p.world_size; ++src)
-    if (src != p.rank && t.stream_start[src * (p.local_experts + 1) + p.local_experts] == 0)
+    if (src != p.rank && tables.stream_start[src * (p.local_experts + 1) + p.local_experts] == 0)
       publish_results_done(p, src);
 }
 

@@ -24,10 +24,10 @@ __device__ __forceinline__ char* warp_staging(char* smem) {
 // complete. GEMM1: the row tile's count of finished column tiles (GEMM2 tiles wait on it); GEMM2: the
 // source's result rows (its results-done flag once all are in).
 template <typename Element, typename Variant, typename Gemm>
-__device__ __forceinline__ void finish_tile_tma(const MoEParams& p, const DestTables& t, const Gemm& gemm, char* smem,
-                                                bool second, const RowTile& tile, int row_tile, int col_tile) {
+__device__ __forceinline__ void finish_tile_tma(const MoEParams& p, const DestTables& tables, const Gemm& gemm, char* smem,
+                                                FfnGemm which, const RowTile& tile, int row_tile, int col_tile) {
   constexpr int kTileN = Variant::kTileN;
-  if (!second) {
+  if (which == FfnGemm::Gemm1) {
     gemm1_epilogue_warp<Element, kTileN>(p, gemm, warp_staging<Variant>(smem), tile.packed_row0, tile.rows,
                                          col_tile * gemm1_output_columns<Variant>(p));
     tma::fence_proxy_async_global();  // GEMM2's TMA loads (async proxy) read these rows
@@ -41,17 +41,11 @@ __device__ __forceinline__ void finish_tile_tma(const MoEParams& p, const DestTa
     gemm2_epilogue_warp<Element, kTileN>(gemm, warp_staging<Variant>(smem),
                                          comb_row<Element>(p, tile.src, tile.stream_row0), p.hidden, tile.rows, col0);
     sync_workers();
-    if (threadIdx.x == 0) account_results<Element, Variant>(p, t, tile.src, tile.rows, min(kTileN, p.hidden - col0));
+    if (threadIdx.x == 0) account_results<Element, Variant>(p, tables, tile.src, tile.rows, min(kTileN, p.hidden - col0));
   }
 }
 
-// One task as the producer decoded it.
-struct ExpertTask {
-  int task;  // >= 0: index in the queue; kTaskEnd: queue drained; kTaskAbort: a wait timed out
-  bool second;
-  int row_tile, col_tile;
-};
-constexpr int kTaskEnd = -1, kTaskAbort = -2;
+constexpr int kTaskEnd = -1, kTaskAbort = -2;  // task ring entries that are not tasks
 
 template <int STAGES>
 struct TaskRing {
@@ -60,36 +54,27 @@ struct TaskRing {
   uint64_t full[kSlots];
 };
 
-__device__ __forceinline__ ExpertTask decode_task(int task, int tasks1, int tiles1, int tiles2) {
-  ExpertTask t;
-  t.task = task;
-  t.second = task >= tasks1;
-  const int index = t.second ? task - tasks1 : task;
-  const int col_tiles = t.second ? tiles2 : tiles1;
-  t.row_tile = index / col_tiles;
-  t.col_tile = index % col_tiles;
-  return t;
-}
-
-// Counts shared by producer and consumers.
-struct TaskCounts {
-  int tasks1, tiles1, tiles2, total;
-};
-
-// The counts over `row_tiles` row tiles.
-template <typename Variant>
-__device__ __forceinline__ TaskCounts task_counts(const MoEParams& p, int row_tiles) {
-  TaskCounts c;
-  c.tiles1 = gemm1_column_tiles<Variant>(p);
-  c.tiles2 = gemm2_column_tiles<Variant>(p);
-  c.tasks1 = row_tiles * c.tiles1;
-  c.total = c.tasks1 + row_tiles * c.tiles2;
-  return c;
-}
-
 // K slabs of a task's GEMM (GEMM1 runs over H, GEMM2 over I).
-__device__ __forceinline__ int task_k_tiles(const MoEParams& p, bool second) {
-  return second ? p.ffn / 64 : p.hidden / 64;
+__device__ __forceinline__ int task_k_tiles(const MoEParams& p, FfnGemm gemm) {
+  return (gemm == FfnGemm::Gemm2 ? p.ffn : p.hidden) / static_cast<int>(kTmaSlabK);
+}
+
+// The TMA loads of one K slab of a task, one loader per operand. A: the task's 128 rows.
+__device__ __forceinline__ void load_a_slab(uint32_t dst, const MoEParams& p, FfnGemm gemm, int a_row, int k0,
+                                            uint32_t bar) {
+  tma::load_2d(dst, gemm == FfnGemm::Gemm1 ? &p.maps.recv : &p.maps.intermediate, bar, k0, a_row);
+}
+// B: the task's kPanels weight panels of its local expert, the first half from cols.lo, the second from cols.hi.
+template <int kPanels>
+__device__ __forceinline__ void load_b_slab(uint32_t dst, const MoEParams& p, FfnGemm gemm, const WeightColumns& cols,
+                                            int local, int k0, uint32_t bar) {
+  const CUtensorMap* weights = gemm == FfnGemm::Gemm1 ? &p.maps.w1 : &p.maps.w2;
+  constexpr int kPanelColumns = static_cast<int>(kWeightPanelColumns);
+#pragma unroll
+  for (int panel = 0; panel < kPanels; ++panel) {
+    const int col = panel < kPanels / 2 ? cols.lo + panel * kPanelColumns : cols.hi + (panel - kPanels / 2) * kPanelColumns;
+    tma::load_3d(dst + panel * kWeightPanelBox.bytes(), weights, bar, col, k0, local);
+  }
 }
 
 // Thread 0, once per launch: the stage ring's barriers and the task ring's.
@@ -108,111 +93,79 @@ __device__ __forceinline__ int take_task(Ring& ring, int n, const MoEParams& p) 
   return handed ? ring.task[slot] : kTaskAbort;
 }
 
-// Producer warp: lane 0 takes tasks, waits for their inputs, hands them over in order and streams their
-// slabs (box loads).
+// The producer warp's lane 0: takes tasks from the queue, waits for their inputs, hands them to the
+// consumers in order and streams their K slabs.
 template <typename Element, typename Variant>
-__device__ bool produce_tasks(const MoEParams& p, const DestTables& t, char* smem,
+__device__ bool produce_tasks(const MoEParams& p, const DestTables& tables, char* smem,
                               TmaPipelineBarriers<Variant::kStages>& bars, TaskRing<Variant::kStages>& ring,
-                              const TaskCounts& c) {
+                              const TaskCounts& counts) {
   using Gemm = TmaTileGemm<Element, Variant::kTileN, Variant::kStages>;
   using Ring = TaskRing<Variant::kStages>;
-  constexpr int kTileN = Variant::kTileN;
-  const bool swiglu = p.activation == Activation::Swiglu;
-  const int out_cols1 = swiglu ? kTileN / 2 : kTileN;
-  const int lane = threadIdx.x & 31;
   uint32_t slab = 0, ready_seen = 0;
   for (int n = 0;; ++n) {
-    int handed = kTaskAbort;
-    if (lane == 0) {
-      const int slot = n % Ring::kSlots;
-      const int task = static_cast<int>(atomicAdd(p.task_counter, 1u));
-      handed = task < c.total ? task : kTaskEnd;
-      if (handed >= 0) {
-        const ExpertTask job = decode_task(task, c.tasks1, c.tiles1, c.tiles2);
-        const RowTile tile = row_tile_of(p, t, job.row_tile);
-        const bool ready = job.second
-            ? wait_at_least(p.row_tile_done + job.row_tile, c.tiles1, p, kPhaseIntermediate, p.rank)
-            : wait_rows_ready(p, tile.src, ready_seen);
-        tma::fence_proxy_async_global();
-        if (!ready) handed = kTaskAbort;
-      }
-      ring.task[slot] = handed;
-      tma::arrive(ptx::smem_addr(&ring.full[slot]));  // release: the slot's task id is visible to waiters
+    const int slot = n % Ring::kSlots;
+    const int task = static_cast<int>(atomicAdd(p.task_counter, 1u));
+    if (task >= counts.total) {
+      ring.task[slot] = kTaskEnd;
+      tma::arrive(ptx::smem_addr(&ring.full[slot]));
+      return true;
     }
-    handed = __shfl_sync(0xffffffffu, handed, 0);
-    if (handed < 0) return handed == kTaskEnd;
-    const ExpertTask job = decode_task(handed, c.tasks1, c.tiles1, c.tiles2);
-    const RowTile tile = row_tile_of(p, t, job.row_tile);
-    const int k_tiles = task_k_tiles(p, job.second);
-    bool produced = true;
-    if (job.second) {
-      const int col0 = job.col_tile * kTileN;
-      if (lane == 0)
-        produced = Gemm::produce(smem, bars, slab, k_tiles, p, [&](uint32_t a_dst, uint32_t b_dst, int k0, uint32_t bar) {
-          tma::load_2d(a_dst, &p.maps.intermediate, bar, k0, tile.packed_row0);
-#pragma unroll
-          for (int panel = 0; panel < Gemm::kPanels; ++panel)
-            tma::load_3d(b_dst + panel * Gemm::kPanelBytes, &p.maps.w2, bar, col0 + panel * 64, k0, tile.local);
-        });
-    } else {
-      const int out_col0 = job.col_tile * out_cols1;
-      const int col_lo = out_col0, col_hi = swiglu ? p.ffn + out_col0 : out_col0 + kTileN / 2;
-      auto load_b = [&](uint32_t b_dst, int k0, uint32_t bar) {
-#pragma unroll
-        for (int panel = 0; panel < Gemm::kPanels; ++panel) {
-          const int col = panel < Gemm::kPanels / 2 ? col_lo + panel * 64 : col_hi + (panel - Gemm::kPanels / 2) * 64;
-          tma::load_3d(b_dst + panel * Gemm::kPanelBytes, &p.maps.w1, bar, col, k0, tile.local);
-        }
-      };
-      if (lane == 0) {
-        const int a_row = tile.src * p.stream_rows + tile.stream_row0;
-        produced = Gemm::produce(smem, bars, slab, k_tiles, p, [&](uint32_t a_dst, uint32_t b_dst, int k0, uint32_t bar) {
-          tma::load_2d(a_dst, &p.maps.recv, bar, k0, a_row);
-          load_b(b_dst, k0, bar);
-        });
-      }
-    }
-    if (!__shfl_sync(0xffffffffu, produced, 0)) return false;  // consumers see the error word in their waits
+    const ExpertTask job = decode_task(task, counts);
+    const RowTile tile = row_tile_of(p, tables, job.row_tile);
+    const bool ready = job.gemm == FfnGemm::Gemm2
+        ? wait_at_least(p.row_tile_done + job.row_tile, counts.tiles1, p, kPhaseIntermediate, p.rank)
+        : wait_rows_ready(p, tile.src, ready_seen);
+    tma::fence_proxy_async_global();
+    ring.task[slot] = ready ? task : kTaskAbort;
+    tma::arrive(ptx::smem_addr(&ring.full[slot]));  // release: the slot's task id is visible to waiters
+    if (!ready) return false;
+    const int k_tiles = task_k_tiles(p, job.gemm);
+    const int a_row = a_first_row(p, tile, job.gemm);
+    const WeightColumns cols = weight_columns<Variant>(p, job.gemm, job.col_tile);
+    auto load_slab = [&](uint32_t a_dst, uint32_t b_dst, int k0, uint32_t bar) {
+      load_a_slab(a_dst, p, job.gemm, a_row, k0, bar);
+      load_b_slab<Gemm::kPanels>(b_dst, p, job.gemm, cols, tile.local, k0, bar);
+    };
+    if (!Gemm::produce(smem, bars, slab, k_tiles, p, load_slab)) return false;  // the error word stops the consumers
     slab += k_tiles;
   }
 }
 
 // Consumer warpgroups (the workers): take the handed tasks in order, compute, write from registers.
 template <typename Element, typename Variant>
-__device__ bool consume_tasks(const MoEParams& p, const DestTables& t, char* smem,
+__device__ bool consume_tasks(const MoEParams& p, const DestTables& tables, char* smem,
                               TmaPipelineBarriers<Variant::kStages>& bars, TaskRing<Variant::kStages>& ring,
-                              const TaskCounts& c) {
+                              const TaskCounts& counts) {
   using Gemm = TmaTileGemm<Element, Variant::kTileN, Variant::kStages>;
   uint32_t slab = 0;
   for (int n = 0;; ++n) {
     const int task = take_task(ring, n, p);
     if (task < 0) return task == kTaskEnd;
-    const ExpertTask job = decode_task(task, c.tasks1, c.tiles1, c.tiles2);
-    const RowTile tile = row_tile_of(p, t, job.row_tile);
-    const int k_tiles = task_k_tiles(p, job.second);
+    const ExpertTask job = decode_task(task, counts);
+    const RowTile tile = row_tile_of(p, tables, job.row_tile);
+    const int k_tiles = task_k_tiles(p, job.gemm);
     Gemm gemm;
     const bool ok = gemm.consume(smem, bars, slab, k_tiles, p, warpgroup_has_rows(tile.rows));
     slab += k_tiles;
     if (!sync_workers_and(ok)) return false;
-    finish_tile_tma<Element, Variant>(p, t, gemm, smem, job.second, tile, job.row_tile, job.col_tile);
+    finish_tile_tma<Element, Variant>(p, tables, gemm, smem, job.gemm, tile, job.row_tile, job.col_tile);
   }
 }
 
 template <typename Element, typename Variant>
-__device__ bool run_expert_tasks_prefetch(const MoEParams& p, const DestTables& t, char* smem) {
+__device__ bool run_expert_tasks_prefetch(const MoEParams& p, const DestTables& tables, char* smem) {
   using Gemm = TmaTileGemm<Element, Variant::kTileN, Variant::kStages>;
   using Ring = TaskRing<Variant::kStages>;
   __shared__ TmaPipelineBarriers<Variant::kStages> bars;
   __shared__ Ring ring;
-  const TaskCounts c = task_counts<Variant>(p, t.tile_start[p.world_size * p.local_experts]);
+  const TaskCounts counts = task_counts<Variant>(p, tables.tile_start[p.world_size * p.local_experts]);
   if (threadIdx.x == 0) init_task_pipeline<Gemm>(bars, ring);
   __syncthreads();
   bool ok = true;
-  if (threadIdx.x >= kThreads) {
-    ok = produce_tasks<Element, Variant>(p, t, smem, bars, ring, c);
-  } else if (threadIdx.x < kThreads) {
-    ok = consume_tasks<Element, Variant>(p, t, smem, bars, ring, c);
-  }
+  if (threadIdx.x < kThreads)
+    ok = consume_tasks<Element, Variant>(p, tables, smem, bars, ring, counts);
+  else if (threadIdx.x == kThreads)
+    ok = produce_tasks<Element, Variant>(p, tables, smem, bars, ring, counts);
   return __syncthreads_and(ok);  // a uniform answer: the whole block leaves together
 }
 
