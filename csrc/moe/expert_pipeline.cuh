@@ -47,11 +47,29 @@ __device__ __forceinline__ void finish_tile_tma(const MoEParams& p, const DestTa
 
 constexpr int kTaskEnd = -1, kTaskAbort = -2;  // task ring entries that are not tasks
 
+// Tasks handed from the producer to the consumers in order, one slot each; a slot's barrier completes
+// with the producer's arrival after it wrote the task id. No "empty" barriers: the producer runs at most
+// STAGES slabs (>= 1 per task) ahead of the consumers, so it never laps a slot still to be read.
 template <int STAGES>
 struct TaskRing {
-  static constexpr int kSlots = STAGES + 2;  // the producer runs at most STAGES slabs (>= 1 per tile) ahead
+  static constexpr int kSlots = STAGES + 2;
+  using State = PipelineState<kSlots>;
   int task[kSlots];
   uint64_t full[kSlots];
+
+  // Thread 0, once per launch (with the stage pipeline's init: a fence and a block barrier follow).
+  __device__ void init() {
+    for (int s = 0; s < kSlots; ++s) tma::mbarrier_init(ptx::smem_addr(&full[s]), 1);
+  }
+  // Producer: task id `id` (or kTaskEnd / kTaskAbort) into slot `at`; the arrival releases it to the waiters.
+  __device__ __forceinline__ void hand_over(const State& at, int id) {
+    task[at.index()] = id;
+    tma::arrive(ptx::smem_addr(&full[at.index()]));
+  }
+  // Consumers: the id handed in slot `at` (kTaskAbort when the wait failed).
+  __device__ __forceinline__ int take(const State& at, const MoEParams& p) {
+    return wait_pipeline(ptx::smem_addr(&full[at.index()]), at.phase(), p) ? task[at.index()] : kTaskAbort;
+  }
 };
 
 // K slabs of a task's GEMM (GEMM1 runs over H, GEMM2 over I).
@@ -77,37 +95,20 @@ __device__ __forceinline__ void load_b_slab(uint32_t dst, const MoEParams& p, Ff
   }
 }
 
-// Thread 0, once per launch: the stage ring's barriers and the task ring's.
-template <typename Gemm, typename Ring>
-__device__ __forceinline__ void init_task_pipeline(typename Gemm::Barriers& bars, Ring& ring) {
-  Gemm::init_barriers(bars);
-  for (int s = 0; s < Ring::kSlots; ++s) tma::mbarrier_init(ptx::smem_addr(&ring.full[s]), 1);
-  tma::fence_barrier_init();
-}
-
-// Workers: the task id handed in ring slot n, in order (kTaskAbort when the wait failed).
-template <typename Ring>
-__device__ __forceinline__ int take_task(Ring& ring, int n, const MoEParams& p) {
-  const int slot = n % Ring::kSlots;
-  const bool handed = wait_pipeline(ptx::smem_addr(&ring.full[slot]), (n / Ring::kSlots) & 1, p);
-  return handed ? ring.task[slot] : kTaskAbort;
-}
-
 // The producer warp's lane 0: takes tasks from the queue, waits for their inputs, hands them to the
 // consumers in order and streams their K slabs.
 template <typename Element, typename Variant>
 __device__ bool produce_tasks(const MoEParams& p, const DestTables& tables, char* smem,
-                              TmaPipelineBarriers<Variant::kStages>& bars, TaskRing<Variant::kStages>& ring,
+                              StagePipeline<Variant::kStages>& stages, TaskRing<Variant::kStages>& ring,
                               const TaskCounts& counts) {
   using Gemm = TmaTileGemm<Element, Variant::kTileN, Variant::kStages>;
-  using Ring = TaskRing<Variant::kStages>;
-  uint32_t slab = 0, ready_seen = 0;
-  for (int n = 0;; ++n) {
-    const int slot = n % Ring::kSlots;
+  typename Gemm::State stage{};
+  typename TaskRing<Variant::kStages>::State slot{};
+  uint32_t ready_seen = 0;
+  for (;; slot.advance()) {
     const int task = static_cast<int>(atomicAdd(p.task_counter, 1u));
     if (task >= counts.total) {
-      ring.task[slot] = kTaskEnd;
-      tma::arrive(ptx::smem_addr(&ring.full[slot]));
+      ring.hand_over(slot, kTaskEnd);
       return true;
     }
     const ExpertTask job = decode_task(task, counts);
@@ -116,8 +117,7 @@ __device__ bool produce_tasks(const MoEParams& p, const DestTables& tables, char
         ? wait_at_least(p.row_tile_done + job.row_tile, counts.tiles1, p, kPhaseIntermediate, p.rank)
         : wait_rows_ready(p, tile.src, ready_seen);
     tma::fence_proxy_async_global();
-    ring.task[slot] = ready ? task : kTaskAbort;
-    tma::arrive(ptx::smem_addr(&ring.full[slot]));  // release: the slot's task id is visible to waiters
+    ring.hand_over(slot, ready ? task : kTaskAbort);
     if (!ready) return false;
     const int k_tiles = task_k_tiles(p, job.gemm);
     const int a_row = a_first_row(p, tile, job.gemm);
@@ -126,27 +126,25 @@ __device__ bool produce_tasks(const MoEParams& p, const DestTables& tables, char
       load_a_slab(a_dst, p, job.gemm, a_row, k0, bar);
       load_b_slab<Gemm::kPanels>(b_dst, p, job.gemm, cols, tile.local, k0, bar);
     };
-    if (!Gemm::produce(smem, bars, slab, k_tiles, p, load_slab)) return false;  // the error word stops the consumers
-    slab += k_tiles;
+    if (!Gemm::produce(smem, stages, stage, k_tiles, p, load_slab)) return false;  // the error word stops the consumers
   }
 }
 
 // Consumer warpgroups (the workers): take the handed tasks in order, compute, write from registers.
 template <typename Element, typename Variant>
 __device__ bool consume_tasks(const MoEParams& p, const DestTables& tables, char* smem,
-                              TmaPipelineBarriers<Variant::kStages>& bars, TaskRing<Variant::kStages>& ring,
+                              StagePipeline<Variant::kStages>& stages, TaskRing<Variant::kStages>& ring,
                               const TaskCounts& counts) {
   using Gemm = TmaTileGemm<Element, Variant::kTileN, Variant::kStages>;
-  uint32_t slab = 0;
-  for (int n = 0;; ++n) {
-    const int task = take_task(ring, n, p);
+  typename Gemm::State stage{};
+  for (typename TaskRing<Variant::kStages>::State slot{};; slot.advance()) {
+    const int task = ring.take(slot, p);
     if (task < 0) return task == kTaskEnd;
     const ExpertTask job = decode_task(task, counts);
     const RowTile tile = row_tile_of(p, tables, job.row_tile);
     const int k_tiles = task_k_tiles(p, job.gemm);
     Gemm gemm;
-    const bool ok = gemm.consume(smem, bars, slab, k_tiles, p, warpgroup_has_rows(tile.rows));
-    slab += k_tiles;
+    const bool ok = gemm.consume(smem, stages, stage, k_tiles, p, warpgroup_has_rows(tile.rows));
     if (!sync_workers_and(ok)) return false;
     finish_tile_tma<Element, Variant>(p, tables, gemm, smem, job.gemm, tile, job.row_tile, job.col_tile);
   }
@@ -154,18 +152,19 @@ __device__ bool consume_tasks(const MoEParams& p, const DestTables& tables, char
 
 template <typename Element, typename Variant>
 __device__ bool run_expert_tasks_prefetch(const MoEParams& p, const DestTables& tables, char* smem) {
-  using Gemm = TmaTileGemm<Element, Variant::kTileN, Variant::kStages>;
-  using Ring = TaskRing<Variant::kStages>;
-  __shared__ TmaPipelineBarriers<Variant::kStages> bars;
-  __shared__ Ring ring;
+  __shared__ StagePipeline<Variant::kStages> stages;
+  __shared__ TaskRing<Variant::kStages> ring;
   const TaskCounts counts = task_counts<Variant>(p, tables.tile_start[p.world_size * p.local_experts]);
-  if (threadIdx.x == 0) init_task_pipeline<Gemm>(bars, ring);
+  if (threadIdx.x == 0) {
+    ring.init();
+    stages.init(kThreads / 32);  // released by every consumer warp
+  }
   __syncthreads();
   bool ok = true;
   if (threadIdx.x < kThreads)
-    ok = consume_tasks<Element, Variant>(p, tables, smem, bars, ring, counts);
+    ok = consume_tasks<Element, Variant>(p, tables, smem, stages, ring, counts);
   else if (threadIdx.x == kThreads)
-    ok = produce_tasks<Element, Variant>(p, tables, smem, bars, ring, counts);
+    ok = produce_tasks<Element, Variant>(p, tables, smem, stages, ring, counts);
   return __syncthreads_and(ok);  // a uniform answer: the whole block leaves together
 }
 

@@ -7,6 +7,7 @@
 // loop, so loads run up to STAGES slabs ahead. TMA's 128-byte swizzle is the one wgmma's descriptors
 // expect.
 #pragma once
+#include "common/pipeline.cuh"
 #include "common/ptx.cuh"
 #include "common/sync.cuh"
 #include "common/tma.cuh"
@@ -15,32 +16,10 @@
 
 namespace flashdmoe {
 
-template <int STAGES>
-struct TmaPipelineBarriers {
-  uint64_t full[STAGES];
-  uint64_t empty[STAGES];
-};
-
-// Bounded mbarrier wait (the watchdog covers the pipeline too).
-__device__ __forceinline__ bool wait_pipeline(uint32_t bar, uint32_t parity, const MoEParams& p) {
-  auto ready = [&] { return tma::try_wait_parity(bar, parity); };
-  if (ready()) return true;
-  const uint64_t start = ptx::global_timer_ns();
-  for (uint32_t spin = 1;; ++spin) {
-    if (ready()) return true;
-    if ((spin & 15) == 0) {
-      if (ptx::load_relaxed_u64(p.error_word) != 0) return false;
-      if (ptx::global_timer_ns() - start > p.timeout_ns) {
-        report_timeout(p, kPhaseTilePipeline, p.rank);
-        return false;
-      }
-    }
-  }
-}
-
 template <typename Element, int BN, int STAGES>
 struct TmaTileGemm {
-  using Barriers = TmaPipelineBarriers<STAGES>;
+  using Pipeline = StagePipeline<STAGES>;
+  using State = PipelineState<STAGES>;
   static constexpr int kBlockM = 128, kBlockN = BN, kBlockK = 64;
   static constexpr int kPanels = BN / 64;  // MN-major B is stored as 64-column panels
   static constexpr int kAccumulators = BN / 2;
@@ -64,15 +43,6 @@ struct TmaTileGemm {
   __device__ static uint32_t a_stage(uint32_t base, int s) { return base + s * kStageBytesA; }
   __device__ static uint32_t b_stage(uint32_t base, int s) { return base + STAGES * kStageBytesA + s * kStageBytesB; }
 
-  // Thread 0 of the block, once per launch, before any use (followed by a block-wide barrier).
-  __device__ static void init_barriers(Barriers& bars) {
-    for (int s = 0; s < STAGES; ++s) {
-      tma::mbarrier_init(ptx::smem_addr(&bars.full[s]), 1);  // the producer's arrive + bytes
-      tma::mbarrier_init(ptx::smem_addr(&bars.empty[s]), kThreads / 32);  // per consumer warp
-    }
-    tma::fence_barrier_init();
-  }
-
   // Issue one 64-deep K slab (4 wgmma) as one commit group; does not wait for it.
   __device__ void issue_stage(uint32_t a_base, uint32_t b_base) {
     const int warpgroup = threadIdx.x >> 7;
@@ -90,58 +60,55 @@ struct TmaTileGemm {
     wgmma::commit_group();
   }
 
-  // Producer lane: slab `slab + kt` goes to stage (slab + kt) % STAGES once the consumers released that
-  // stage's previous use. load(a_dst, b_dst, k0, bar) issues the slab's TMA loads. `slab` counts the
-  // block's slabs across tiles, identically in every thread.
+  // Producer lane: the tile's k_tiles slabs into the ring from position `at` on (advanced past them),
+  // each once the consumers released the stage. load(a_dst, b_dst, k0, bar) issues a slab's TMA loads.
   template <typename Load>
-  __device__ static bool produce(char* smem, Barriers& bars, uint32_t slab, int k_tiles, const MoEParams& p,
-                                 Load&& load) {
+  __device__ static bool produce(char* smem, Pipeline& pipe, State& at, int k_tiles, const MoEParams& p, Load&& load) {
     const uint32_t base = ptx::smem_addr(smem);
-    for (int kt = 0; kt < k_tiles; ++kt) {
-      const uint32_t it = slab + kt, s = it % STAGES, use = it / STAGES;
-      if (use > 0 && !wait_pipeline(ptx::smem_addr(&bars.empty[s]), (use - 1) & 1, p)) return false;
-      const uint32_t full = ptx::smem_addr(&bars.full[s]);
-      tma::arrive_expect_tx(full, kStageTxBytes);
-      load(a_stage(base, s), b_stage(base, s), kt * kBlockK, full);
+    for (int kt = 0; kt < k_tiles; ++kt, at.advance()) {
+      if (!pipe.producer_acquire(at, p)) return false;
+      const uint32_t full = pipe.producer_commit(at, kStageTxBytes);
+      load(a_stage(base, at.index()), b_stage(base, at.index()), kt * kBlockK, full);
     }
     return true;
   }
 
-  // Consumer warpgroups: wgmma on each stage as it fills; a stage is released once the next slab's
-  // wgmma were issued and the previous ones retired (wait_group 1). After a failed wait (watchdog) the
-  // loop still runs to the end on whatever the stages hold, without waiting: no early exit between
-  // wgmma issue and retirement, which would make the compiler serialise the pipeline.
+  // Consumer warpgroups: the tile's k_tiles slabs from ring position `at` on (advanced past them);
+  // wgmma on each stage as it fills, and a stage is released once the next slab's wgmma were issued and
+  // the previous ones retired (wait_group 1). After a failed wait (watchdog) the loop still runs to the
+  // end on whatever the stages hold, without waiting: no early exit between wgmma issue and retirement,
+  // which would make the compiler serialise the pipeline.
   // A warpgroup whose 64 rows are all past the tile's rows (`active` false) only paces the ring: it waits
   // for each stage and releases it at once, leaving the tensor cores to the other warpgroup.
-  __device__ bool consume(char* smem, Barriers& bars, uint32_t slab, int k_tiles, const MoEParams& p,
-                          bool active = true) {
+  __device__ bool consume(char* smem, Pipeline& pipe, State& at, int k_tiles, const MoEParams& p, bool active = true) {
     const uint32_t base = ptx::smem_addr(smem);
     const bool lane0 = (threadIdx.x & 31) == 0;
     bool ok = true;
-    auto release = [&](uint32_t s) { tma::arrive(ptx::smem_addr(&bars.empty[s])); };
 #pragma unroll
     for (int i = 0; i < kAccumulators; ++i) acc[i] = 0.f;
     if (!active) {
-      for (int kt = 0; kt < k_tiles; ++kt) {
-        const uint32_t it = slab + kt, s = it % STAGES, use = it / STAGES;
-        ok = ok && wait_pipeline(ptx::smem_addr(&bars.full[s]), use & 1, p);
+      for (int kt = 0; kt < k_tiles; ++kt, at.advance()) {
+        ok = ok && pipe.consumer_wait(at, p);
         __syncwarp();
-        if (lane0) release(s);
+        if (lane0) pipe.consumer_release(at);
       }
       return ok;
     }
-    for (int kt = 0; kt < k_tiles; ++kt) {
-      const uint32_t it = slab + kt, s = it % STAGES, use = it / STAGES;
-      ok = ok && wait_pipeline(ptx::smem_addr(&bars.full[s]), use & 1, p);
-      issue_stage(a_stage(base, s), b_stage(base, s));
+    State retiring = at;  // the stage whose wgmma retire next: one slab behind
+    for (int kt = 0; kt < k_tiles; ++kt, at.advance()) {
+      ok = ok && pipe.consumer_wait(at, p);
+      issue_stage(a_stage(base, at.index()), b_stage(base, at.index()));
       wgmma::wait_group<1>();
       __syncwarp();
-      if (kt > 0 && lane0) release((it - 1) % STAGES);
+      if (kt > 0) {
+        if (lane0) pipe.consumer_release(retiring);
+        retiring.advance();
+      }
     }
     wgmma::wait_group<0>();
     wgmma::fence_operands(acc);
     __syncwarp();
-    if (k_tiles > 0 && lane0) release((slab + k_tiles - 1) % STAGES);
+    if (k_tiles > 0 && lane0) pipe.consumer_release(retiring);
     return ok;
   }
 };
