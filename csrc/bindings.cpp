@@ -122,4 +122,9 @@ PYBIND11_MODULE(flashdmoe_cuda, m) {
         py::arg("top_k"), py::arg("world_size") = 1);
   m.attr("max_ranks") = kMaxRanks;
   m.def("kernel_attributes", &attributes, py::arg("dtype"), py::arg("expert_variant") = 0);
+  m.def("expert_variants", [] {
+    py::list names;
+    for (const std::string& name : expert_variant_names()) names.append(name);
+    return names;
+  }, "The expert variants' names in id order, as compiled (flashdmoe/expert_variants.py).");
 }

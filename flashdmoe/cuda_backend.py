@@ -20,24 +20,14 @@ import torch
 
 from flashdmoe import reference
 from flashdmoe.errors import KernelTimeout
+# Expert GEMM variants (name -> id), the default, and the one fp32 inputs run on whatever
+# debug.expert_variant says: the table in flashdmoe/expert_variants.py.
+from flashdmoe.expert_variants import DEFAULT_EXPERT_VARIANT, EXPERT_VARIANTS, FP32_EXPERT_VARIANT, variant_id
 from flashdmoe.team import mps_thread_percentage
 
 ACTIVATION_CODES = {"relu": 0, "gelu": 1, "silu": 2, "swiglu": 3}
 # float32 runs the tensor cores in TF32 (one rank; teams carry bf16 / fp16), on FP32_EXPERT_VARIANT.
 DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
-# Expert GEMM variants compiled into the kernel (csrc/moe/tile_config.cuh): MMA family, cp.async
-# stages, blocks per SM.
-EXPERT_VARIANTS = {"wgmma-128x128-3stage": 0, "wgmma-128x128-4stage": 1, "wgmma-128x256-4stage": 2,
-                   "mma.sync-128x128-3stage": 3, "tma-wgmma-128x256-4stage": 4, "tma-wgmma-128x128-6stage": 5,
-                   "tma-wgmma-128x256-4stage-prefetch": 6, "tma-wgmma-128x256-4stage-gather": 7,
-                   "tma-wgmma-128x256-4stage-cluster2": 8}
-# Fastest on all five shapes of docs/benchmarks.md (H200, 2026-12-03 session-4 variant sweep: the
-# producer streams across tile boundaries, results leave through per-warp staging buffers).
-DEFAULT_EXPERT_VARIANT = "tma-wgmma-128x256-4stage-prefetch"
-# fp32 inputs: wgmma's TF32 form needs K-major B, and the [K, N] expert weights are N-major, so the TF32
-# path is the mma.sync variant (csrc/moe/tile_gemm.cuh), whatever debug.expert_variant says.
-FP32_EXPERT_VARIANT = "mma.sync-128x128-3stage"
-
 # Phase ids written by the kernel's watchdog (csrc/moe/params.cuh, enum Phase).
 PHASE_NAMES = {
     1: "grid barrier after the gate",
@@ -335,7 +325,7 @@ def run_forward(xs, router_weight, w1s, w2s, *, top_k, activation, normalize_top
         "activation": ACTIVATION_CODES[activation], "normalize_topk": bool(normalize_topk),
         "sequence": 1 if kind == "single" else team.next_sequence(),
         "timeout_ns": timeout_ns(), "debug_withhold_phase": int(debug.withhold_phase),
-        "expert_variant": EXPERT_VARIANTS[FP32_EXPERT_VARIANT if xs[0].dtype == torch.float32 else debug.expert_variant],
+        "expert_variant": variant_id(FP32_EXPERT_VARIANT if xs[0].dtype == torch.float32 else debug.expert_variant),
         "max_blocks": int(debug.max_blocks), "gate_split": bool(debug.gate_split),
         "grid_percent": 100 if percent is None else percent,
     }

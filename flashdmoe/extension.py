@@ -2,12 +2,16 @@
 
 The extension is a pybind11 module compiled from every ``*.cu`` and ``*.cpp`` file under ``csrc/``
 with ``nvcc``, driven by a generated ``build.ninja`` (one object per source, then ``nvcc -shared``).
+A tree with ``moe/launch.cu`` (the real kernel) also gets the expert-variant sources generated from
+:mod:`flashdmoe.expert_variants` (the kernel instances, one unit per variant, and the dispatch header),
+written into the build folder and compiled with the rest.
 It links neither libtorch nor libcuda: the bindings take raw device pointers, shapes and the stream
 handle, so the module imports on a machine without a GPU driver and works across torch versions.
 
 Builds are cached under ``$FLASHDMOE_CACHE_DIR`` (default ``~/.cache/flashdmoe``) in a folder named
 after a SHA-256 key of everything that changes the binary: source and header contents with their
-relative paths, nvcc flags and include folders, target arch, the nvcc version, the Python version and
+relative paths, the generated sources,
+nvcc flags and include folders, target arch, the nvcc version, the Python version and
 the CUTLASS / pybind11 / NVSHMEM versions. The first use builds (under a file lock, so concurrent
 processes build once), later uses import the cached shared object.
 
@@ -39,6 +43,8 @@ import types
 from pathlib import Path
 from typing import NamedTuple
 
+from flashdmoe import expert_variants
+
 MODULE_NAME = "flashdmoe_cuda"
 DEFAULT_ARCH = "sm_90a"
 # The kernel uses Hopper-only instructions (wgmma, TMA), so sm_90a is the one arch it can target.
@@ -47,6 +53,9 @@ _ARCH_BY_CAPABILITY = {(9, 0): "sm_90a"}
 
 COMPILE_UNIT_SUFFIXES = (".cu", ".cpp")
 HEADER_SUFFIXES = (".cuh", ".h", ".hpp")
+# The file of the real kernel tree that includes the generated expert-variant dispatch: a tree that has
+# it gets flashdmoe.expert_variants' generated sources (other trees, e.g. tests' tiny ones, do not).
+VARIANT_DISPATCH_UNIT = "moe/launch.cu"
 
 # Flags shared by every compile unit. -Xptxas=-v puts ptxas' register/spill report into the build
 # log (see build_log_path / parse_ptxas_report); -fvisibility=hidden is what pybind11 expects.
@@ -79,11 +88,17 @@ class BuildError(RuntimeError):
 
 class SourceTree(NamedTuple):
     """The files of a CUDA source tree: ``root`` (absolute), ``compile_units`` (``*.cu``,
-    ``*.cpp``) and ``headers`` (``*.cuh``, ``*.h``, ``*.hpp``), both sorted absolute paths."""
+    ``*.cpp``) and ``headers`` (``*.cuh``, ``*.h``, ``*.hpp``), both sorted absolute paths, and
+    ``generated``: (build-folder relative path, contents) of the files the builder writes for it."""
 
     root: Path
     compile_units: tuple[Path, ...]
     headers: tuple[Path, ...]
+    generated: tuple[tuple[str, str], ...] = ()
+
+    def generated_units(self) -> list[str]:
+        """Build-folder relative paths of the generated compile units."""
+        return [path for path, _ in self.generated if Path(path).suffix in COMPILE_UNIT_SUFFIXES]
 
 
 class Toolchain(NamedTuple):
@@ -135,7 +150,10 @@ def collect_sources(source_dir: str | os.PathLike | None = None) -> SourceTree:
     headers = tuple(path for path in files if path.suffix in HEADER_SUFFIXES)
     if not compile_units:
         raise BuildError(f"no CUDA sources ({', '.join('*' + s for s in COMPILE_UNIT_SUFFIXES)}) under {root}")
-    return SourceTree(root, compile_units, headers)
+    generated = ()
+    if (root / VARIANT_DISPATCH_UNIT).is_file():
+        generated = tuple(expert_variants.generated_sources().items())
+    return SourceTree(root, compile_units, headers, generated)
 
 
 def _cuda_home_candidates() -> list[Path]:
@@ -367,6 +385,7 @@ def _key_inputs(tree: SourceTree, arch: str, toolchain: Toolchain) -> dict:
         "pybind11": _distribution_version("pybind11"),
         "nvshmem": _distribution_version("nvidia-nvshmem-cu13"),
         "sources": [[path.relative_to(tree.root).as_posix(), _file_digest(path)] for path in files],
+        "generated": [[path, hashlib.sha256(text.encode()).hexdigest()] for path, text in tree.generated],
     }
 
 
@@ -392,6 +411,15 @@ def build_log_path(arch: str | None = None, source_dir: str | os.PathLike | None
 # Building
 
 
+def _write_generated(out_dir: Path, tree: SourceTree) -> None:
+    # Rewritten only when different, so that ninja sees an unchanged file as up to date.
+    for relative, text in tree.generated:
+        path = out_dir / relative
+        if not path.is_file() or path.read_text() != text:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+
+
 def _write_build_ninja(out_dir: Path, tree: SourceTree, arch: str, toolchain: Toolchain) -> Path:
     from ninja import ninja_syntax
 
@@ -399,7 +427,10 @@ def _write_build_ninja(out_dir: Path, tree: SourceTree, arch: str, toolchain: To
         # Shell-quote for /bin/sh, then escape '$' for ninja's own variable syntax.
         return ninja_syntax.escape(" ".join(shlex.quote(arg) for arg in args))
 
+    _write_generated(out_dir, tree)
     include_flags = [f"-I{directory}" for directory in include_dirs(tree.root)]
+    if tree.generated:
+        include_flags.append(f"-I{out_dir}")  # #include "generated/..."
     object_paths = []
     ninja_file = out_dir / "build.ninja"
     with ninja_file.open("w") as handle:
@@ -426,6 +457,10 @@ def _write_build_ninja(out_dir: Path, tree: SourceTree, arch: str, toolchain: To
         for source in tree.compile_units:
             object_path = f"objects/{source.relative_to(tree.root).as_posix()}.o"
             writer.build(object_path, "cuda_compile", str(source))
+            object_paths.append(object_path)
+        for relative in tree.generated_units():
+            object_path = f"objects/{relative}.o"
+            writer.build(object_path, "cuda_compile", str(out_dir / relative))
             object_paths.append(object_path)
         writer.build(extension_filename(), "cuda_link", object_paths)
         writer.default(extension_filename())
@@ -478,7 +513,7 @@ def _build_into(out_dir: Path, tree: SourceTree, arch: str, toolchain: Toolchain
             if key_inputs is not None:
                 (out_dir / _KEY_FILE_NAME).write_text(json.dumps(key_inputs, indent=2, sort_keys=True))
             _write_build_ninja(out_dir, tree, arch, toolchain)
-            count = len(tree.compile_units)
+            count = len(tree.compile_units) + len(tree.generated_units())
             print(f"building {MODULE_NAME} ({count} source{'s' if count != 1 else ''}) ...", file=sys.stderr,
                   flush=True)
             started = time.perf_counter()

@@ -2,7 +2,8 @@
 # The full device check of record: build, the gate routing check (scripts/gate_check.py: if the split
 # gate, when turned on, misroutes where the unsplit one does not, everything after runs with it off),
 # the multi-process (MPS) tests in their own pytest process first, every other GPU test, the fused tests
-# with the split gate on, the fused/emulated tests again on $OTHER_VARIANTS, the Ray GPU tests, a
+# with the split gate on, the fused/emulated tests again with $OTHER_VARIANTS as the default (e.g.
+# mma.sync-128x128-3stage; the fused tests run every variant anyway), the Ray GPU tests, a
 # variant sweep ($QUICK_VARIANTS), and the benchmarks (SKIP_TESTS=1 / SKIP_BENCH=1 / SKIP_EP_BENCH=1
 # leave parts out). Logs in $OUT. Usage: bash scripts/h200_full.sh
 set -uo pipefail

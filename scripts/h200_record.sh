@@ -9,7 +9,7 @@ echo "== ray gpu tests ($(date -u +%T))"
 timeout 200 python3 -m pytest -m gpu -q -rs --tb=short -p no:cacheprovider --durations=4 tests/test_ray.py ${RAY_K:+-k "$RAY_K"} > "$OUT/pytest_ray.log" 2>&1
 echo "rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_ray.log" | head
 echo "== sweep ($(date -u +%T))"
-QUICK_VARIANTS=${QUICK_VARIANTS:-tma-wgmma-128x256-4stage} timeout 120 python3 scripts/quick_time.py 2>&1 | grep -E "^ *(tma|wgmma|mma)"
+QUICK_VARIANTS=${QUICK_VARIANTS:-tma-wgmma-128x256-4stage-prefetch} timeout 120 python3 scripts/quick_time.py 2>&1 | grep -E "^ *(tma|wgmma|mma)"
 echo "== bench single-gpu ($(date -u +%T))"
 timeout 200 python3 -m flashdmoe bench --suite single-gpu --entries fused,grouped_mm --output "$OUT/bench" > /tmp/bench.log 2>&1
 echo "rc=$?"; grep -E "^\|" "$OUT/bench/single-gpu.md" | head -16

@@ -8,6 +8,7 @@ import statistics
 import torch
 
 from flashdmoe import cuda_backend, extension
+from flashdmoe.expert_variants import EXPERT_VARIANTS, variant_id
 
 SHAPES = [(8192, 2048, 2048, 32, 2), (16384, 2048, 2048, 64, 2), (16384, 4096, 1024, 128, 2),
           (4096, 2048, 2048, 64, 2), (128, 4096, 1408, 64, 6)]
@@ -15,10 +16,12 @@ SHAPES = [(8192, 2048, 2048, 32, 2), (16384, 2048, 2048, 64, 2), (16384, 4096, 1
 
 def main():
     ext = extension.load()
-    for name, code in cuda_backend.EXPERT_VARIANTS.items():
+    for name, code in EXPERT_VARIANTS.items():
         print(f"kernel attributes bf16 {name}:", ext.kernel_attributes(0, code))
     print(f"{'variant':>16} {'T':>6} {'H':>5} {'I':>5} {'E':>4} {'k':>2} {'ms':>8} {'TF/s':>7}")
-    wanted = [v for v in os.environ.get("QUICK_VARIANTS", "").split(",") if v] or list(cuda_backend.EXPERT_VARIANTS)
+    wanted = [v for v in os.environ.get("QUICK_VARIANTS", "").split(",") if v] or list(EXPERT_VARIANTS)
+    for name in wanted:
+        variant_id(name)  # an unknown name fails here, before any timing
     # QUICK_SHAPES="T/H/I/E/k,...": shapes besides docs/design.md §12's (e.g. to separate per-tile from per-slab cost).
     shapes = [tuple(int(v) for v in s.split("/")) for s in os.environ.get("QUICK_SHAPES", "").split(",") if s] or SHAPES
     # QUICK_ACTIVATION=relu: how much of a tile's time the GEMM1 epilogue's activation takes.

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flashdmoe import extension
+from flashdmoe import expert_variants, extension
 
 try:
     from flashdmoe.errors import BackendUnavailable
@@ -154,6 +154,36 @@ def test_build_ninja_has_one_object_per_source_and_the_required_flags(tiny_build
         assert flag in ninja_text, flag
     assert f"-I{tiny_tree}" in ninja_text
     assert "-lcuda" not in ninja_text and "-ltorch" not in ninja_text and "libtorch" not in ninja_text
+
+
+def test_tiny_tree_gets_no_generated_sources(tiny_build):
+    so_path, _ = tiny_build
+    assert "generated/" not in (so_path.parent / "build.ninja").read_text()
+    assert not (so_path.parent / "generated").exists()
+
+
+def test_kernel_tree_compiles_the_generated_variant_sources(toolchain, cache_dir, tmp_path, monkeypatch):
+    """A tree with moe/launch.cu gets expert_variants' sources written into the build folder and compiled,
+    and the variant table is part of the cache key."""
+    tree = _write_tiny_tree(tmp_path / "tree", answer=5)
+    (tree / "moe").mkdir()
+    (tree / "moe" / "launch.cu").write_text(f'#include "{expert_variants.GENERATED_HEADER}"\n')
+    sources = extension.collect_sources(tree)
+    assert dict(sources.generated) == expert_variants.generated_sources()
+    assert sources.generated_units() == [expert_variants.instance_unit(v) for v in expert_variants.VARIANTS]
+
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    ninja_text = extension._write_build_ninja(out_dir, sources, ARCH, toolchain).read_text()
+    for relative, text in sources.generated:
+        assert (out_dir / relative).read_text() == text
+    for unit in sources.generated_units():
+        assert f"build objects/{unit}.o: cuda_compile {out_dir / unit}" in ninja_text
+    assert f"-I{out_dir}" in ninja_text
+
+    key = extension.cache_key(ARCH, tree)
+    monkeypatch.setattr(expert_variants, "VARIANTS", expert_variants.VARIANTS[1:])
+    assert extension.cache_key(ARCH, tree) != key
 
 
 def test_second_build_is_a_cache_hit(tiny_build, tiny_tree, capfd):
@@ -347,9 +377,17 @@ def test_real_csrc_compiles_for_sm_90a(toolchain, tmp_path, capsys, record_prope
     assert not [lib for lib in needed if lib.startswith(("libcuda.", "libtorch", "libc10"))], needed
 
     # Importing must need no driver. In a child process: this one may already hold the tiny build.
-    assert _run_in_fresh_process("print(import_extension(argv[0]).__name__)", so_path) == "flashdmoe_cuda"
+    # The module's variants are the table's, in id order (the single source reached the binary).
+    printed = _run_in_fresh_process("module = import_extension(argv[0])\nprint(repr((module.__name__, module.expert_variants())))",
+                                    so_path)
+    assert printed == repr(("flashdmoe_cuda", list(expert_variants.EXPERT_VARIANTS)))
+    # One kernel per (variant, dtype) of the table, nothing else.
+    kernels = [entry.name for entry in report if "moe_forward_kernel" in entry.name]
+    assert len(kernels) == sum(len(variant.dtypes) for variant in expert_variants.VARIANTS), kernels
 
-    lines = [f"real csrc/ ({len(units)} sources) compiled for sm_90a in {seconds:.1f} s; ptxas report:"]
+    generated = len(extension.collect_sources(source_dir).generated_units())
+    lines = [f"real csrc/ ({len(units)} sources + {generated} generated) compiled for sm_90a in {seconds:.1f} s; "
+             "ptxas report:"]
     lines += [f"  {entry.name}: {entry.registers} registers, spill stores {entry.spill_store_bytes} B, "
               f"spill loads {entry.spill_load_bytes} B, stack {entry.stack_frame_bytes} B" for entry in report]
     _report(capsys, "\n".join(lines))

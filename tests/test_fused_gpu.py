@@ -18,6 +18,7 @@ import torch
 
 import flashdmoe
 from flashdmoe import reference
+from flashdmoe.expert_variants import VARIANTS
 
 pytestmark = pytest.mark.gpu
 
@@ -123,17 +124,21 @@ def test_random_configurations(backend, T, H, I, E, k, activation, dtype, normal
                             capacity_factor=capacity_factor)
 
 
-@pytest.mark.parametrize("T,H,I,E,k,activation,dtype,normalize,capacity_factor", random_configs(12, seed=99))
-def test_other_expert_variants(backend, T, H, I, E, k, activation, dtype, normalize, capacity_factor):
-    """The other expert GEMM variants (the benchmarks compare them) stay correct too."""
-    variants = [v for v in backend.EXPERT_VARIANTS if v != backend.DEFAULT_EXPERT_VARIANT]
-    backend.debug.expert_variant = variants[hash((T, H, I, E)) % len(variants)]
-    try:
-        x, router, w1, w2 = make_inputs(T, H, I, E, k, activation, dtype)
-        check_against_reference(backend, x, router, w1, w2, top_k=k, activation=activation, normalize=normalize,
-                                capacity_factor=capacity_factor)
-    finally:
-        backend.debug.expert_variant = backend.DEFAULT_EXPERT_VARIANT
+# Every compiled kernel instance (expert variant x dtype of flashdmoe/expert_variants.py), each on the
+# same four shapes (one per activation): no variant is left to the default's tests.
+INSTANCES = [(variant.name, dtype) for variant in VARIANTS for dtype in variant.dtypes]
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+VARIANT_SHAPES = [case[:6] + case[7:] for case in random_configs(4, seed=99)]  # the instance sets the dtype
+
+
+@pytest.mark.parametrize("variant,dtype_name", INSTANCES)
+@pytest.mark.parametrize("T,H,I,E,k,activation,normalize,capacity_factor", VARIANT_SHAPES)
+def test_every_expert_variant(backend, monkeypatch, variant, dtype_name, T, H, I, E, k, activation, normalize,
+                              capacity_factor):
+    monkeypatch.setattr(backend.debug, "expert_variant", variant)
+    x, router, w1, w2 = make_inputs(T, H, I, E, k, activation, DTYPES[dtype_name])
+    check_against_reference(backend, x, router, w1, w2, top_k=k, activation=activation, normalize=normalize,
+                            capacity_factor=capacity_factor)
 
 
 @pytest.mark.parametrize("capacity_factor", [None, 1.0])

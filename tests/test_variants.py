@@ -1,57 +1,95 @@
-"""The expert-variant names Python passes to the kernel agree with the C++ side (CPU only: reads the
-sources). A variant added in one place only, or a name whose tile / stage count is not the one compiled,
-fails here instead of silently launching another kernel."""
+"""The expert-variant table (flashdmoe/expert_variants.py) is the one source of the variants: the C++ it
+generates dispatches exactly its variants, ids and dtypes, and csrc/ names none of its own (CPU only).
+The built module's list is checked against the table by tests/test_extension.py's compile check."""
 
+import dataclasses
 import re
 from pathlib import Path
 
-from flashdmoe import cuda_backend
+import pytest
+
+from flashdmoe import cuda_backend, expert_variants
+from flashdmoe.expert_variants import EXPERT_VARIANTS, VARIANTS, ExpertVariant
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
-
-# ExpertMma enumerator -> (name prefix, name suffix) in cuda_backend.EXPERT_VARIANTS.
-FAMILIES = {
-    "Wgmma": ("wgmma-", ""),
-    "MmaSync": ("mma.sync-", ""),
-    "WgmmaTma": ("tma-wgmma-", ""),
-    "WgmmaTmaPrefetch": ("tma-wgmma-", "-prefetch"),
-    "WgmmaTmaGather": ("tma-wgmma-", "-gather"),
-    "WgmmaTmaCluster": ("tma-wgmma-", "-cluster2"),
-}
+ELEMENTS = {"__nv_bfloat16": "bf16", "__half": "fp16", "float": "fp32"}
+DTYPE_CODES = {"DType::BFloat16": "bf16", "DType::Float16": "fp16", "DType::Float32": "fp32"}
+CPP_VARIANT = r"ExpertVariant<ExpertMma::(\w+), (\d+), (\d+), (\d+)>"
 
 
-def _dispatch_cases():
-    """Variant id -> C++ alias, from launch.cu's with_instance switch."""
-    text = (CSRC / "moe" / "launch.cu").read_text()
-    return {int(i): alias for i, alias in re.findall(r"case (\d+): return visit\(element, (\w+)\{\}\);", text)}
+def _fields(variant: ExpertVariant):
+    return variant.mma, variant.tile_n, variant.stages, variant.blocks_per_sm
 
 
-def _aliases():
-    """C++ alias -> (ExpertMma, tile N, stages, id in the trailing comment), from tile_config.cuh."""
-    text = (CSRC / "moe" / "tile_config.cuh").read_text()
-    pattern = r"using (\w+) = ExpertVariant<ExpertMma::(\w+), (\d+), (\d+), \d+>;\s*// (\d+)"
-    return {alias: (mma, int(n), int(stages), int(i)) for alias, mma, n, stages, i in re.findall(pattern, text)}
+def _cpp_fields(match):
+    mma, tile_n, stages, blocks = match
+    return mma, int(tile_n), int(stages), int(blocks)
 
 
-def test_every_python_variant_has_a_kernel_instance_and_back():
-    cases = _dispatch_cases()
-    assert cases, "no dispatch cases found in csrc/moe/launch.cu"
-    assert sorted(cases) == sorted(cuda_backend.EXPERT_VARIANTS.values())
-    instances = {p.read_text() for p in (CSRC / "moe" / "instances").glob("*.cu")}
-    for alias in cases.values():
-        assert any(f"FLASHDMOE_INSTANTIATE_VARIANT({alias})" in text for text in instances), alias
+def test_generated_dispatch_reaches_exactly_the_table():
+    header = expert_variants.generated_sources()[expert_variants.GENERATED_HEADER]
+    cases = re.findall(r"case (\d+):  // (\S+)\n((?:      if .*\n)+)      break;", header)
+    assert [(int(index), name) for index, name, _ in cases] == [(i, v.name) for i, v in enumerate(VARIANTS)]
+    for (_, _, body), variant in zip(cases, VARIANTS):
+        visits = re.findall(r"if \(dtype == (DType::\w+)\) return visit\((\w+)\{\}, " + CPP_VARIANT + r"\{\}\);", body)
+        assert [(DTYPE_CODES[code], ELEMENTS[element]) for code, element, *_ in visits] == [
+            (dtype, dtype) for dtype in variant.dtypes]
+        assert {_cpp_fields(v[2:]) for v in visits} == {_fields(variant)}
+    names = re.search(r"kExpertVariantNames\[kExpertVariantCount\] = \{(.*)\};", header).group(1)
+    assert re.findall(r'"([^"]+)"', names) == list(EXPERT_VARIANTS)
+    assert f"kExpertVariantCount = {len(VARIANTS)};" in header
+    fp32 = int(re.search(r"kFp32ExpertVariant = (\d+);", header).group(1))
+    assert VARIANTS[fp32].name == expert_variants.FP32_EXPERT_VARIANT
 
 
-def test_variant_names_match_the_compiled_tile_and_stages():
-    cases, aliases = _dispatch_cases(), _aliases()
-    for name, variant_id in cuda_backend.EXPERT_VARIANTS.items():
-        mma, tile_n, stages, comment_id = aliases[cases[variant_id]]
-        assert comment_id == variant_id, f"{cases[variant_id]} is commented as id {comment_id}, dispatched as {variant_id}"
-        prefix, suffix = FAMILIES[mma]
-        assert name == f"{prefix}128x{tile_n}-{stages}stage{suffix}", (name, mma, tile_n, stages)
+def test_one_generated_unit_per_variant_instantiates_exactly_its_dtypes():
+    sources = expert_variants.generated_sources()
+    units = {path: text for path, text in sources.items() if path.endswith(".cu")}
+    assert sorted(units) == sorted(expert_variants.instance_unit(v) for v in VARIANTS)
+    for variant in VARIANTS:
+        text = units[expert_variants.instance_unit(variant)]
+        for function in ("launch_forward_variant", "kernel_attributes_variant"):
+            found = re.findall(rf"template \w+ {function}<(\w+), {CPP_VARIANT}>", text)
+            assert [ELEMENTS[element] for element, *_ in found] == list(variant.dtypes), (variant.name, function)
+            assert {_cpp_fields(f[1:]) for f in found} == {_fields(variant)}
 
 
-def test_default_and_fp32_variants_are_known():
-    assert cuda_backend.DEFAULT_EXPERT_VARIANT in cuda_backend.EXPERT_VARIANTS
-    fp32_id = int(re.search(r"kFp32ExpertVariant = (\d+);", (CSRC / "moe" / "tile_config.cuh").read_text()).group(1))
-    assert cuda_backend.EXPERT_VARIANTS[cuda_backend.FP32_EXPERT_VARIANT] == fp32_id
+def test_csrc_names_no_variant_of_its_own():
+    """No instance files, aliases or dispatch cases in csrc/: launch.cu dispatches through the generated
+    header only."""
+    assert not (CSRC / "moe" / "instances").exists()
+    for path in sorted(CSRC.rglob("*")):
+        if path.suffix not in (".cu", ".cuh", ".h", ".cpp"):
+            continue
+        text = path.read_text()
+        assert not re.search(r"template \w+ (launch_forward|kernel_attributes)_variant<", text), path
+        assert not re.search(r"ExpertVariant<ExpertMma::\w+, \d+", text), path
+    launch = (CSRC / "moe" / "launch.cu").read_text()
+    assert f'#include "{expert_variants.GENERATED_HEADER}"' in launch
+    assert launch.count("visit_expert_instance(") == 2 and "switch" not in launch
+
+
+def test_names_ids_default_and_fp32():
+    assert len(set(EXPERT_VARIANTS)) == len(VARIANTS)
+    assert list(EXPERT_VARIANTS.values()) == list(range(len(VARIANTS)))
+    assert expert_variants.DEFAULT_EXPERT_VARIANT == "tma-wgmma-128x256-4stage-prefetch"
+    assert expert_variants.FP32_EXPERT_VARIANT == "mma.sync-128x128-3stage"
+    # The backend launches with the table's ids.
+    assert cuda_backend.variant_id is expert_variants.variant_id
+    assert cuda_backend.DEFAULT_EXPERT_VARIANT == expert_variants.DEFAULT_EXPERT_VARIANT
+
+
+def test_variant_id_rejects_an_unknown_name():
+    assert expert_variants.variant_id("mma.sync-128x128-3stage") == EXPERT_VARIANTS["mma.sync-128x128-3stage"]
+    with pytest.raises(ValueError, match=r"expert_variant='tma-wgmma-128x256-4stage-cluster2' is not compiled"):
+        expert_variants.variant_id("tma-wgmma-128x256-4stage-cluster2")
+
+
+def test_the_table_refuses_variants_the_kernel_cannot_compile():
+    tma = VARIANTS[0]
+    with pytest.raises(ValueError, match=r"fp32 \(TF32\) inputs run on the MmaSync tiles only"):
+        dataclasses.replace(tma, dtypes=("bf16", "fp32"))
+    with pytest.raises(ValueError, match=r"mma='Wgmma' is not an ExpertMma enumerator"):
+        dataclasses.replace(tma, mma="Wgmma")
+    with pytest.raises(ValueError, match=r"dtypes=\('int8',\)"):
+        dataclasses.replace(tma, dtypes=("int8",))

@@ -21,24 +21,11 @@ __device__ __forceinline__ void arrive(uint32_t bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
 // True once the barrier's phase with this parity has completed (the hardware may return early false).
-// kClusterScope: the phase was completed by arrivals from other CTAs of the cluster, releasing data this
-// thread reads (acquire at cluster scope instead of the CTA).
-template <bool kClusterScope = false>
 __device__ __forceinline__ bool try_wait_parity(uint32_t bar, uint32_t parity) {
   uint32_t done;
-  if constexpr (kClusterScope)
-    asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
-                 " selp.u32 %0, 1, 0, p;\n}\n" : "=r"(done) : "r"(bar), "r"(parity) : "memory");
-  else
-    asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-                 " selp.u32 %0, 1, 0, p;\n}\n" : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+  asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+               " selp.u32 %0, 1, 0, p;\n}\n" : "=r"(done) : "r"(bar), "r"(parity) : "memory");
   return done != 0;
-}
-
-// The mbarrier tracks this thread's earlier cp.async copies: its pending count rises by one now and
-// falls by one when they have all landed (no net arrival: the phase still needs its counted arrivals).
-__device__ __forceinline__ void cp_async_arrive(uint32_t bar) {
-  asm volatile("cp.async.mbarrier.arrive.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
 }
 // Generic-proxy global writes (st.global, peers' stores) must be fenced before TMA (async proxy) reads them.
 __device__ __forceinline__ void fence_proxy_async_global() {
@@ -54,16 +41,6 @@ __device__ __forceinline__ void load_3d(uint32_t dst, const CUtensorMap* map, ui
   asm volatile(
       "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], [%2];\n"
       ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2) : "memory");
-}
-// The same box into the same shared-memory offset of every CTA in `cta_mask` (cluster), completing
-// bytes on each destination CTA's mbarrier at `bar`'s offset.
-__device__ __forceinline__ void load_3d_multicast(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0, int c1,
-                                                  int c2, uint16_t cta_mask) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
-      " [%0], [%1, {%3, %4, %5}], [%2], %6;\n"
-      ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "h"(cta_mask)
-      : "memory");
 }
 
 }  // namespace flashdmoe::tma

@@ -23,10 +23,6 @@ template <int N>
 __device__ __forceinline__ void wait_group() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 }
-// Generic-proxy writes (cp.async, st.shared) must be fenced before the async proxy (wgmma) reads them.
-__device__ __forceinline__ void fence_proxy_async_shared() {
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
 // Keeps the compiler from moving accumulator accesses across wgmma issue/wait points.
 template <int N>
 __device__ __forceinline__ void fence_operands(float (&d)[N]) {

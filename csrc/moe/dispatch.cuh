@@ -30,8 +30,7 @@ __device__ inline void publish_counts(const MoEParams& p) {
 // One warp per token: its k rows. The row is read once, 8 x 16 bytes per lane at a time (4 KB in flight
 // per warp), and each piece is written to every destination before the next is read. Bytes written to
 // peers are counted. Worker threads only.
-// kGatherOwn: rows for this rank's own experts are not copied, only their tokens noted (row_token).
-template <typename Element, bool kGatherOwn>
+template <typename Element>
 __device__ inline void dispatch_rows(const MoEParams& p, const int* stream_offset) {
   constexpr int kUnroll = 8;
   const int lane = threadIdx.x & 31, H = p.hidden, k = p.top_k, L = p.local_experts;
@@ -47,9 +46,8 @@ __device__ inline void dispatch_rows(const MoEParams& p, const int* stream_offse
       my_row = stream_row_of(p, stream_offset, first + lane, my_expert);
       p.topk_row[first + lane] = my_row;
     }
-    // Lane j's choice is copied unless dropped (counted on the host from expert_counts) or gathered.
-    const bool copy_mine = my_row >= 0 && !(kGatherOwn && my_expert / L == p.rank);
-    if (kGatherOwn && lane < k && my_row >= 0 && !copy_mine) p.row_token[my_row] = token;
+    // Lane j's choice is copied unless dropped (counted on the host from expert_counts).
+    const bool copy_mine = my_row >= 0;
     const uint32_t copies = __ballot_sync(0xffffffffu, copy_mine);
     if (copies == 0) continue;
     const int4* src = reinterpret_cast<const int4*>(x + static_cast<size_t>(token) * H);
@@ -98,10 +96,10 @@ __device__ __forceinline__ void publish_results_done(const MoEParams& p, int src
 }
 
 // Rank-block 0, once the tables exist: sources that sent this rank nothing are done already.
-__device__ inline void publish_empty_results(const MoEParams& p, const DestTables& t) {
+__device__ inline void publish_empty_results(const MoEParams& p, const DestTables& tables) {
   if (block_in_rank(p) != 0 || threadIdx.x != 0) return;
   for (int src = 0; src < p.world_size; ++src)
-    if (src != p.rank && t.stream_start[src * (p.local_experts + 1) + p.local_experts] == 0)
+    if (src != p.rank && tables.stream_start[src * (p.local_experts + 1) + p.local_experts] == 0)
       publish_results_done(p, src);
 }
 

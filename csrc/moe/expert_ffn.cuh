@@ -2,26 +2,19 @@
 // tile) into the intermediate buffer, GEMM2 per (row tile, hidden column tile) straight into the comb
 // buffer of each row's source rank. Tasks come from a device queue; a GEMM1 tile starts once the peers
 // whose rows it reads have published them, a GEMM2 tile once its row tile's GEMM1 tiles are all done.
+// This file: what every schedule shares, and the schedule of the mma.sync variant (all threads load with
+// cp.async, one task at a time); the TMA variant's schedule is moe/expert_pipeline.cuh.
 #pragma once
-#include <type_traits>
 #include "common/sync.cuh"
 #include "moe/activation.cuh"
 #include "moe/dispatch.cuh"
-#include "moe/epilogue.cuh"
 #include "moe/tile_gemm.cuh"
-#include "moe/tile_gemm_tma.cuh"
-#include "moe/tile_gemm_wgmma.cuh"
 
 namespace flashdmoe {
 
-// Hopper wgmma tiles fed by TMA (warp-specialised) or by cp.async, or the mma.sync tiles (kept as the
-// portable comparison point).
+// The mma.sync variant's tile GEMM: 8 warps as 2 x 4, a cp.async pipeline.
 template <typename Element, typename Variant>
-using ExpertGemm = std::conditional_t<
-    Variant::kUseTma, TmaTileGemm<Element, Variant::kTileN, Variant::kStages>,
-    std::conditional_t<
-        Variant::kUseWgmma, WgmmaTileGemm<Element, Variant::kTileN, Variant::kStages>,
-        TileGemm<Element, kExpertTileM, Variant::kTileN, 2, 4, Variant::kStages, /*B_K_CONTIGUOUS=*/false>>>;
+using ExpertGemm = TileGemm<Element, kExpertTileM, Variant::kTileN, 2, 4, Variant::kStages, /*B_K_CONTIGUOUS=*/false>;
 
 template <typename Variant>
 __host__ __device__ constexpr int expert_scratch_bytes() {
@@ -56,6 +49,65 @@ __device__ __forceinline__ int gemm1_column_tiles(const MoEParams& p) {
 template <typename Variant>
 __device__ __forceinline__ int gemm2_column_tiles(const MoEParams& p) {
   return (p.hidden + Variant::kTileN - 1) / Variant::kTileN;
+}
+
+// The two GEMMs of an expert FFN: Gemm1 = rows x W1 (+ activation) into the intermediate buffer,
+// Gemm2 = intermediate rows x W2 into the rows' source's comb buffer.
+enum class FfnGemm : int { Gemm1, Gemm2 };
+
+// A task of the queue: every GEMM1 task (row tile x intermediate column tile) comes before every GEMM2
+// task (row tile x hidden column tile).
+struct ExpertTask {
+  FfnGemm gemm;
+  int row_tile, col_tile;
+};
+// The queue's shape for a number of row tiles.
+struct TaskCounts {
+  int tasks1;  // GEMM1 tasks (they come first)
+  int tiles1;  // GEMM1 column tiles per row tile (a GEMM2 tile waits for all of them)
+  int tiles2;  // GEMM2 column tiles per row tile
+  int total;   // all tasks
+};
+template <typename Variant>
+__device__ __forceinline__ TaskCounts task_counts(const MoEParams& p, int row_tiles) {
+  TaskCounts counts;
+  counts.tiles1 = gemm1_column_tiles<Variant>(p);
+  counts.tiles2 = gemm2_column_tiles<Variant>(p);
+  counts.tasks1 = row_tiles * counts.tiles1;
+  counts.total = counts.tasks1 + row_tiles * counts.tiles2;
+  return counts;
+}
+__device__ __forceinline__ ExpertTask decode_task(int task, const TaskCounts& counts) {
+  ExpertTask job;
+  job.gemm = task >= counts.tasks1 ? FfnGemm::Gemm2 : FfnGemm::Gemm1;
+  const int index = job.gemm == FfnGemm::Gemm2 ? task - counts.tasks1 : task;
+  const int col_tiles = job.gemm == FfnGemm::Gemm2 ? counts.tiles2 : counts.tiles1;
+  job.row_tile = index / col_tiles;
+  job.col_tile = index % col_tiles;
+  return job;
+}
+
+// A task's B tile, as two halves of kTileN / 2 weight columns: the swiglu GEMM1's gate columns from `lo`
+// and its up columns from `hi`, else consecutive columns (hi = lo + kTileN / 2). Columns at or past a
+// half's end are zero (cp.async) or past the tensor (TMA zero-fills) or computed and dropped by the
+// epilogue (a swiglu gate half running into the up columns).
+struct WeightColumns {
+  int lo, lo_end, hi, hi_end;
+};
+template <typename Variant>
+__device__ __forceinline__ WeightColumns weight_columns(const MoEParams& p, FfnGemm gemm, int col_tile) {
+  constexpr int kHalf = Variant::kTileN / 2;
+  if (gemm == FfnGemm::Gemm2) {
+    const int col0 = col_tile * Variant::kTileN;
+    return {col0, p.hidden, col0 + kHalf, p.hidden};
+  }
+  const bool swiglu = p.activation == Activation::Swiglu;
+  const int I = p.ffn, out_col0 = col_tile * gemm1_output_columns<Variant>(p);
+  return {out_col0, I, swiglu ? I + out_col0 : out_col0 + kHalf, swiglu ? 2 * I : I};
+}
+// A task's first A row: in the receive buffer (GEMM1, the source's region) or the intermediate (GEMM2).
+__device__ __forceinline__ int a_first_row(const MoEParams& p, const RowTile& tile, FfnGemm gemm) {
+  return gemm == FfnGemm::Gemm1 ? tile.src * p.stream_rows + tile.stream_row0 : tile.packed_row0;
 }
 
 // Stage the accumulators as fp32 rows in shared memory so the epilogue can pair columns and store
@@ -112,11 +164,11 @@ __device__ __forceinline__ void store_gemm2_rows(const float* staged, Element* o
 // `cols` columns for source `src`; the tile that completes a source's rows over all column tiles
 // publishes its results-done flag. Rows for this rank itself need no flag (its own barrier orders them).
 template <typename Element, typename Variant>
-__device__ __forceinline__ void account_results(const MoEParams& p, const DestTables& t, int src, int rows, int cols) {
+__device__ __forceinline__ void account_results(const MoEParams& p, const DestTables& tables, int src, int rows, int cols) {
   if (src == p.rank) return;
   __threadfence_system();
   atomicAdd(p.traffic + 1, static_cast<unsigned long long>(rows) * cols * sizeof(Element));
-  const uint32_t expected = static_cast<uint32_t>(t.stream_start[src * (p.local_experts + 1) + p.local_experts]) *
+  const uint32_t expected = static_cast<uint32_t>(tables.stream_start[src * (p.local_experts + 1) + p.local_experts]) *
                             static_cast<uint32_t>(gemm2_column_tiles<Variant>(p));
   if (atomicAdd(p.result_rows_done + src, static_cast<uint32_t>(rows)) + rows == expected) publish_results_done(p, src);
 }
@@ -150,13 +202,9 @@ __device__ bool gemm1_tile(const MoEParams& p, const RowTile& tile, int row_tile
     a_rows[threadIdx.x] = threadIdx.x < rows ? recv_row<Element>(p, tile.src, tile.stream_row0 + threadIdx.x) : nullptr;
   __syncthreads();
   if (!inputs_ready) return false;
-  constexpr int kTileN = Variant::kTileN;
   const bool swiglu = p.activation == Activation::Swiglu;
   const int out_cols = gemm1_output_columns<Variant>(p);
-  const int out_col0 = col_tile * out_cols;
-  const int col_lo = out_col0;
-  const int col_hi = swiglu ? I + out_col0 : out_col0 + kTileN / 2;
-  const int lo_end = I, hi_end = swiglu ? 2 * I : I;
+  const WeightColumns cols = weight_columns<Variant>(p, FfnGemm::Gemm1, col_tile);
   const Element* w1 = static_cast<const Element*>(p.w1) + static_cast<size_t>(tile.local) * H * p.w1_cols;
   const Element* fallback = static_cast<const Element*>(p.x);
 
@@ -164,11 +212,11 @@ __device__ bool gemm1_tile(const MoEParams& p, const RowTile& tile, int row_tile
   Gemm gemm;
   gemm.run(smem, H / Gemm::kBlockK, [&](uint32_t a_dst, uint32_t b_dst, int k0) {
     Gemm::template load_rows<kExpertTileM>(a_dst, a_rows, k0, fallback);
-    Gemm::load_b_n_major(b_dst, w1, p.w1_cols, k0, col_lo, lo_end, col_hi, hi_end);
+    Gemm::load_b_n_major(b_dst, w1, p.w1_cols, k0, cols.lo, cols.lo_end, cols.hi, cols.hi_end);
   });
   const float* staged = stage_accumulators<Variant>(gemm, smem);
 
-  store_gemm1_rows<Element, Variant>(p, staged, tile.packed_row0, rows, out_col0, out_cols, swiglu, I);
+  store_gemm1_rows<Element, Variant>(p, staged, tile.packed_row0, rows, cols.lo, out_cols, swiglu, I);
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence();
@@ -179,7 +227,7 @@ __device__ bool gemm1_tile(const MoEParams& p, const RowTile& tile, int row_tile
 
 // Result rows go straight to their source's comb buffer, region [this rank].
 template <typename Element, typename Variant>
-__device__ bool gemm2_tile(const MoEParams& p, const DestTables& t, const RowTile& tile, int row_tile, int col_tile,
+__device__ bool gemm2_tile(const MoEParams& p, const DestTables& tables, const RowTile& tile, int row_tile, int col_tile,
                            char* smem, const Element** a_rows) {
   __shared__ int inputs_ready;
   const int H = p.hidden, I = p.ffn, rows = tile.rows;
@@ -191,125 +239,22 @@ __device__ bool gemm2_tile(const MoEParams& p, const DestTables& t, const RowTil
     a_rows[threadIdx.x] = threadIdx.x < rows ? hidden + static_cast<size_t>(tile.packed_row0 + threadIdx.x) * I : nullptr;
   __syncthreads();
   if (!inputs_ready) return false;
-  constexpr int kTileN = Variant::kTileN;
-  const int col0 = col_tile * kTileN;
+  const WeightColumns cols = weight_columns<Variant>(p, FfnGemm::Gemm2, col_tile);
   const Element* w2 = static_cast<const Element*>(p.w2) + static_cast<size_t>(tile.local) * I * H;
 
   using Gemm = ExpertGemm<Element, Variant>;
   Gemm gemm;
   gemm.run(smem, I / Gemm::kBlockK, [&](uint32_t a_dst, uint32_t b_dst, int k0) {
     Gemm::template load_rows<kExpertTileM>(a_dst, a_rows, k0, hidden);
-    Gemm::load_b_n_major(b_dst, w2, H, k0, col0, H, col0 + kTileN / 2, H);
+    Gemm::load_b_n_major(b_dst, w2, H, k0, cols.lo, cols.lo_end, cols.hi, cols.hi_end);
   });
   const float* staged = stage_accumulators<Variant>(gemm, smem);
 
   Element* out = comb_row<Element>(p, tile.src, tile.stream_row0);
-  store_gemm2_rows<Element, Variant>(staged, out, rows, col0, H);
+  store_gemm2_rows<Element, Variant>(staged, out, rows, cols.lo, H);
   __syncthreads();
-  if (threadIdx.x == 0) account_results<Element, Variant>(p, t, tile.src, rows, min(kTileN, H - col0));
+  if (threadIdx.x == 0) account_results<Element, Variant>(p, tables, tile.src, rows, min(Variant::kTileN, H - cols.lo));
   return true;
-}
-
-// ---- TMA variant: a producer warp loads, the workers compute; per-tile control flow is uniform ----
-
-// Whether the calling worker's warpgroup (64 tile rows) holds any of the tile's rows: tiles of at most
-// 64 rows (an expert's last, partial tile) run on one warpgroup at the tensor cores' full rate.
-__device__ __forceinline__ bool warpgroup_has_rows(int rows) { return (threadIdx.x >> 7) * 64 < rows; }
-
-template <typename Variant>
-__device__ __forceinline__ char* warp_staging(char* smem) {
-  return smem + Variant::kWarpStagingOffset + (threadIdx.x >> 5) * kWarpStagingBytes;
-}
-
-// After a TMA tile's K loop (the workers, all of them): the results out from registers, then what they
-// complete. GEMM1: the row tile's count of finished column tiles (GEMM2 tiles wait on it); GEMM2: the
-// source's result rows (its results-done flag once all are in).
-template <typename Element, typename Variant, typename Gemm>
-__device__ __forceinline__ void finish_tile_tma(const MoEParams& p, const DestTables& t, const Gemm& gemm, char* smem,
-                                                bool second, const RowTile& tile, int row_tile, int col_tile) {
-  constexpr int kTileN = Variant::kTileN;
-  if (!second) {
-    gemm1_epilogue_warp<Element, kTileN>(p, gemm, warp_staging<Variant>(smem), tile.packed_row0, tile.rows,
-                                         col_tile * gemm1_output_columns<Variant>(p));
-    tma::fence_proxy_async_global();  // GEMM2's TMA loads (async proxy) read these rows
-    sync_workers();
-    if (threadIdx.x == 0) {
-      __threadfence();
-      ptx::red_release_add_gpu(p.row_tile_done + row_tile, 1);
-    }
-  } else {
-    const int col0 = col_tile * kTileN;
-    gemm2_epilogue_warp<Element, kTileN>(gemm, warp_staging<Variant>(smem),
-                                         comb_row<Element>(p, tile.src, tile.stream_row0), p.hidden, tile.rows, col0);
-    sync_workers();
-    if (threadIdx.x == 0) account_results<Element, Variant>(p, t, tile.src, tile.rows, min(kTileN, p.hidden - col0));
-  }
-}
-
-// The TMA loads of one GEMM1 slab: 128 rows of the source's receive region, and the tile's W1 panels
-// (swiglu: gate panels from col_lo, up panels from col_hi; columns past the tensor are zero-filled,
-// columns past the tile's valid range are computed and dropped by the epilogue).
-template <typename Element, typename Variant>
-__device__ bool gemm1_tile_tma(const MoEParams& p, const DestTables& t, const RowTile& tile, int row_tile, int col_tile,
-                               uint32_t& ready_seen, char* smem, TmaPipelineBarriers<Variant::kStages>& bars,
-                               uint32_t& slab) {
-  using Gemm = TmaTileGemm<Element, Variant::kTileN, Variant::kStages>;
-  constexpr int kTileN = Variant::kTileN;
-  const int H = p.hidden, I = p.ffn, rows = tile.rows, k_tiles = H / 64;
-  const bool swiglu = p.activation == Activation::Swiglu;
-  const int out_cols = gemm1_output_columns<Variant>(p);
-  const int out_col0 = col_tile * out_cols;
-  const int col_lo = out_col0, col_hi = swiglu ? I + out_col0 : out_col0 + kTileN / 2;
-  bool ok = true;
-  if (threadIdx.x >= kThreads) {
-    if (threadIdx.x == kThreads) {
-      ok = wait_rows_ready(p, tile.src, ready_seen);
-      tma::fence_proxy_async_global();
-      const int a_row = tile.src * p.stream_rows + tile.stream_row0;
-      ok = ok && Gemm::produce(smem, bars, slab, k_tiles, p, [&](uint32_t a_dst, uint32_t b_dst, int k0, uint32_t bar) {
-        tma::load_2d(a_dst, &p.maps.recv, bar, k0, a_row);
-#pragma unroll
-        for (int panel = 0; panel < Gemm::kPanels; ++panel) {
-          const int col = panel < Gemm::kPanels / 2 ? col_lo + panel * 64 : col_hi + (panel - Gemm::kPanels / 2) * 64;
-          tma::load_3d(b_dst + panel * Gemm::kPanelBytes, &p.maps.w1, bar, col, k0, tile.local);
-        }
-      });
-    }
-  } else {
-    Gemm gemm;
-    ok = gemm.consume(smem, bars, slab, k_tiles, p, warpgroup_has_rows(rows));
-    if (sync_workers_and(ok)) finish_tile_tma<Element, Variant>(p, t, gemm, smem, false, tile, row_tile, col_tile);
-  }
-  slab += k_tiles;
-  return __syncthreads_and(ok);
-}
-
-template <typename Element, typename Variant>
-__device__ bool gemm2_tile_tma(const MoEParams& p, const DestTables& t, const RowTile& tile, int row_tile, int col_tile,
-                               char* smem, TmaPipelineBarriers<Variant::kStages>& bars, uint32_t& slab) {
-  using Gemm = TmaTileGemm<Element, Variant::kTileN, Variant::kStages>;
-  constexpr int kTileN = Variant::kTileN;
-  const int rows = tile.rows, k_tiles = p.ffn / 64;
-  const int col0 = col_tile * kTileN;
-  bool ok = true;
-  if (threadIdx.x >= kThreads) {
-    if (threadIdx.x == kThreads) {
-      ok = wait_at_least(p.row_tile_done + row_tile, gemm1_column_tiles<Variant>(p), p, kPhaseIntermediate, p.rank);
-      tma::fence_proxy_async_global();
-      ok = ok && Gemm::produce(smem, bars, slab, k_tiles, p, [&](uint32_t a_dst, uint32_t b_dst, int k0, uint32_t bar) {
-        tma::load_2d(a_dst, &p.maps.intermediate, bar, k0, tile.packed_row0);
-#pragma unroll
-        for (int panel = 0; panel < Gemm::kPanels; ++panel)
-          tma::load_3d(b_dst + panel * Gemm::kPanelBytes, &p.maps.w2, bar, col0 + panel * 64, k0, tile.local);
-      });
-    }
-  } else {
-    Gemm gemm;
-    ok = gemm.consume(smem, bars, slab, k_tiles, p, warpgroup_has_rows(rows));
-    if (sync_workers_and(ok)) finish_tile_tma<Element, Variant>(p, t, gemm, smem, true, tile, row_tile, col_tile);
-  }
-  slab += k_tiles;
-  return __syncthreads_and(ok);
 }
 
 // Drain the task queue: every GEMM1 task precedes every GEMM2 task, so a GEMM2 wait never blocks a
@@ -317,39 +262,23 @@ __device__ bool gemm2_tile_tma(const MoEParams& p, const DestTables& t, const Ro
 // fetched while the current tile runs (off the critical path); a block's prefetched task is always
 // later in queue order than its current one, so the oldest unfinished task is always being run.
 template <typename Element, typename Variant>
-__device__ bool run_expert_tasks(const MoEParams& p, const DestTables& t, char* smem, const Element** a_rows) {
+__device__ bool run_expert_tasks(const MoEParams& p, const DestTables& tables, char* smem, const Element** a_rows) {
   __shared__ int next_task[2];
-  __shared__ TmaPipelineBarriers<Variant::kStages> bars;
   uint32_t ready_seen = 0;  // meaningful in the thread that does the waits
-  uint32_t slab = 0;        // TMA variant: K slabs this block has pipelined so far (same in every thread)
-  if constexpr (Variant::kUseTma) {
-    if (threadIdx.x == 0) TmaTileGemm<Element, Variant::kTileN, Variant::kStages>::init_barriers(bars);
-  }
   if (threadIdx.x == 0) next_task[0] = static_cast<int>(atomicAdd(p.task_counter, 1u));
   __syncthreads();
-  const int row_tiles = t.tile_start[p.world_size * p.local_experts];
-  const int tiles1 = gemm1_column_tiles<Variant>(p), tiles2 = gemm2_column_tiles<Variant>(p);
-  const int tasks1 = row_tiles * tiles1;
-  const int total = tasks1 + row_tiles * tiles2;
+  const TaskCounts counts = task_counts<Variant>(p, tables.tile_start[p.world_size * p.local_experts]);
   for (int n = 0;; ++n) {
     const int task = next_task[n & 1];
-    if (task >= total) return true;
+    if (task >= counts.total) return true;
     // Written here, read after the tile's closing block barrier; slot n & 1 is rewritten only after
     // the next tile's barrier, when every thread has read it.
     if (threadIdx.x == 0) next_task[(n + 1) & 1] = static_cast<int>(atomicAdd(p.task_counter, 1u));
-    const bool second = task >= tasks1;
-    const int index = second ? task - tasks1 : task;
-    const int col_tiles = second ? tiles2 : tiles1;
-    const int row_tile = index / col_tiles, col_tile = index % col_tiles;
-    const RowTile tile = row_tile_of(p, t, row_tile);
-    bool ok;
-    if constexpr (Variant::kUseTma) {
-      ok = second ? gemm2_tile_tma<Element, Variant>(p, t, tile, row_tile, col_tile, smem, bars, slab)
-                  : gemm1_tile_tma<Element, Variant>(p, t, tile, row_tile, col_tile, ready_seen, smem, bars, slab);
-    } else {
-      ok = second ? gemm2_tile<Element, Variant>(p, t, tile, row_tile, col_tile, smem, a_rows)
-                  : gemm1_tile<Element, Variant>(p, tile, row_tile, col_tile, ready_seen, smem, a_rows);
-    }
+    const ExpertTask job = decode_task(task, counts);
+    const RowTile tile = row_tile_of(p, tables, job.row_tile);
+    const bool ok = job.gemm == FfnGemm::Gemm2
+        ? gemm2_tile<Element, Variant>(p, tables, tile, job.row_tile, job.col_tile, smem, a_rows)
+        : gemm1_tile<Element, Variant>(p, tile, job.row_tile, job.col_tile, ready_seen, smem, a_rows);
     if (!ok) return false;
   }
 }

@@ -1,195 +1,170 @@
-// Expert tasks for the TMA variants with cross-tile prefetch: the producer warp takes tasks from the
+// Expert tasks for the TMA variant, with cross-tile prefetch: the producer warp takes tasks from the
 // queue itself, waits for their inputs (a peer's rows, a GEMM1 row tile), and streams their K slabs
 // through the stage ring without stopping at tile boundaries; it hands each task to the consumer
 // warpgroups through a small ring of task slots (one mbarrier each). The consumers run wgmma and write
 // results from registers through per-warp buffers (moe/epilogue.cuh), so the stages are never needed
 // for the epilogue and the next tile's loads overlap this tile's epilogue.
 #pragma once
+#include "moe/epilogue.cuh"
 #include "moe/expert_ffn.cuh"
+#include "moe/tile_gemm_tma.cuh"
 
 namespace flashdmoe {
 
-// One task as the producer decoded it.
-struct ExpertTask {
-  int task;  // >= 0: index in the queue; kTaskEnd: queue drained; kTaskAbort: a wait timed out
-  bool second;
-  int row_tile, col_tile;
-};
-constexpr int kTaskEnd = -1, kTaskAbort = -2;
+// Whether the calling worker's warpgroup (64 tile rows) holds any of the tile's rows: tiles of at most
+// 64 rows (an expert's last, partial tile) run on one warpgroup at the tensor cores' full rate.
+__device__ __forceinline__ bool warpgroup_has_rows(int rows) { return (threadIdx.x >> 7) * 64 < rows; }
 
+template <typename Variant>
+__device__ __forceinline__ char* warp_staging(char* smem) {
+  return smem + Variant::kWarpStagingOffset + (threadIdx.x >> 5) * kWarpStagingBytes;
+}
+
+// After a TMA tile's K loop (the workers, all of them): the results out from registers, then what they
+// complete. GEMM1: the row tile's count of finished column tiles (GEMM2 tiles wait on it); GEMM2: the
+// source's result rows (its results-done flag once all are in).
+template <typename Element, typename Variant, typename Gemm>
+__device__ __forceinline__ void finish_tile_tma(const MoEParams& p, const DestTables& tables, const Gemm& gemm, char* smem,
+                                                FfnGemm which, const RowTile& tile, int row_tile, int col_tile) {
+  constexpr int kTileN = Variant::kTileN;
+  if (which == FfnGemm::Gemm1) {
+    gemm1_epilogue_warp<Element, kTileN>(p, gemm, warp_staging<Variant>(smem), tile.packed_row0, tile.rows,
+                                         col_tile * gemm1_output_columns<Variant>(p));
+    tma::fence_proxy_async_global();  // GEMM2's TMA loads (async proxy) read these rows
+    sync_workers();
+    if (threadIdx.x == 0) {
+      __threadfence();
+      ptx::red_release_add_gpu(p.row_tile_done + row_tile, 1);
+    }
+  } else {
+    const int col0 = col_tile * kTileN;
+    gemm2_epilogue_warp<Element, kTileN>(gemm, warp_staging<Variant>(smem),
+                                         comb_row<Element>(p, tile.src, tile.stream_row0), p.hidden, tile.rows, col0);
+    sync_workers();
+    if (threadIdx.x == 0) account_results<Element, Variant>(p, tables, tile.src, tile.rows, min(kTileN, p.hidden - col0));
+  }
+}
+
+constexpr int kTaskEnd = -1, kTaskAbort = -2;  // task ring entries that are not tasks
+
+// Tasks handed from the producer to the consumers in order, one slot each; a slot's barrier completes
+// with the producer's arrival after it wrote the task id. No "empty" barriers: the producer runs at most
+// STAGES slabs (>= 1 per task) ahead of the consumers, so it never laps a slot still to be read.
 template <int STAGES>
 struct TaskRing {
-  static constexpr int kSlots = STAGES + 2;  // the producer runs at most STAGES slabs (>= 1 per tile) ahead
+  static constexpr int kSlots = STAGES + 2;
+  using State = PipelineState<kSlots>;
   int task[kSlots];
   uint64_t full[kSlots];
+
+  // Thread 0, once per launch (with the stage pipeline's init: a fence and a block barrier follow).
+  __device__ void init() {
+    for (int s = 0; s < kSlots; ++s) tma::mbarrier_init(ptx::smem_addr(&full[s]), 1);
+  }
+  // Producer: task id `id` (or kTaskEnd / kTaskAbort) into slot `at`; the arrival releases it to the waiters.
+  __device__ __forceinline__ void hand_over(const State& at, int id) {
+    task[at.index()] = id;
+    tma::arrive(ptx::smem_addr(&full[at.index()]));
+  }
+  // Consumers: the id handed in slot `at` (kTaskAbort when the wait failed).
+  __device__ __forceinline__ int take(const State& at, const MoEParams& p) {
+    return wait_pipeline(ptx::smem_addr(&full[at.index()]), at.phase(), p) ? task[at.index()] : kTaskAbort;
+  }
 };
-
-__device__ __forceinline__ ExpertTask decode_task(int task, int tasks1, int tiles1, int tiles2) {
-  ExpertTask t;
-  t.task = task;
-  t.second = task >= tasks1;
-  const int index = t.second ? task - tasks1 : task;
-  const int col_tiles = t.second ? tiles2 : tiles1;
-  t.row_tile = index / col_tiles;
-  t.col_tile = index % col_tiles;
-  return t;
-}
-
-// Counts shared by producer and consumers.
-struct TaskCounts {
-  int tasks1, tiles1, tiles2, total;
-};
-
-// The counts over `row_units` units of rows (row tiles; pairs of them in the cluster schedule).
-template <typename Variant>
-__device__ __forceinline__ TaskCounts task_counts(const MoEParams& p, int row_units) {
-  TaskCounts c;
-  c.tiles1 = gemm1_column_tiles<Variant>(p);
-  c.tiles2 = gemm2_column_tiles<Variant>(p);
-  c.tasks1 = row_units * c.tiles1;
-  c.total = c.tasks1 + row_units * c.tiles2;
-  return c;
-}
 
 // K slabs of a task's GEMM (GEMM1 runs over H, GEMM2 over I).
-__device__ __forceinline__ int task_k_tiles(const MoEParams& p, bool second) {
-  return second ? p.ffn / 64 : p.hidden / 64;
+__device__ __forceinline__ int task_k_tiles(const MoEParams& p, FfnGemm gemm) {
+  return (gemm == FfnGemm::Gemm2 ? p.ffn : p.hidden) / static_cast<int>(kTmaSlabK);
 }
 
-// Thread 0, once per launch: the stage ring's barriers (released by the consumers of `consumer_ctas`
-// CTAs) and the task ring's.
-template <typename Gemm, typename Ring>
-__device__ __forceinline__ void init_task_pipeline(typename Gemm::Barriers& bars, Ring& ring, int consumer_ctas = 1) {
-  Gemm::init_barriers(bars, consumer_ctas);
-  for (int s = 0; s < Ring::kSlots; ++s) tma::mbarrier_init(ptx::smem_addr(&ring.full[s]), 1);
-  tma::fence_barrier_init();
+// The TMA loads of one K slab of a task, one loader per operand. A: the task's 128 rows.
+__device__ __forceinline__ void load_a_slab(uint32_t dst, const MoEParams& p, FfnGemm gemm, int a_row, int k0,
+                                            uint32_t bar) {
+  tma::load_2d(dst, gemm == FfnGemm::Gemm1 ? &p.maps.recv : &p.maps.intermediate, bar, k0, a_row);
+}
+// B: the task's kPanels weight panels of its local expert, the first half from cols.lo, the second from cols.hi.
+template <int kPanels>
+__device__ __forceinline__ void load_b_slab(uint32_t dst, const MoEParams& p, FfnGemm gemm, const WeightColumns& cols,
+                                            int local, int k0, uint32_t bar) {
+  const CUtensorMap* weights = gemm == FfnGemm::Gemm1 ? &p.maps.w1 : &p.maps.w2;
+  constexpr int kPanelColumns = static_cast<int>(kWeightPanelColumns);
+#pragma unroll
+  for (int panel = 0; panel < kPanels; ++panel) {
+    const int col = panel < kPanels / 2 ? cols.lo + panel * kPanelColumns : cols.hi + (panel - kPanels / 2) * kPanelColumns;
+    tma::load_3d(dst + panel * kWeightPanelBox.bytes(), weights, bar, col, k0, local);
+  }
 }
 
-// Workers: the task id handed in ring slot n, in order (kTaskAbort when the wait failed).
-// cluster_scope: the hand-over came from the other CTA's producer.
-template <typename Ring>
-__device__ __forceinline__ int take_task(Ring& ring, int n, const MoEParams& p, bool cluster_scope = false) {
-  const int slot = n % Ring::kSlots;
-  const bool handed = wait_pipeline(ptx::smem_addr(&ring.full[slot]), (n / Ring::kSlots) & 1, p, cluster_scope);
-  return handed ? ring.task[slot] : kTaskAbort;
-}
-
-// Producer warp: lane 0 takes tasks, waits for their inputs and hands them over in order; the slabs
-// are streamed by lane 0 (box loads), or by the whole warp when a GEMM1 tile gathers this rank's own
-// rows from x (gather variant).
+// The producer warp's lane 0: takes tasks from the queue, waits for their inputs, hands them to the
+// consumers in order and streams their K slabs.
 template <typename Element, typename Variant>
-__device__ bool produce_tasks(const MoEParams& p, const DestTables& t, char* smem,
-                              TmaPipelineBarriers<Variant::kStages>& bars, TaskRing<Variant::kStages>& ring,
-                              const TaskCounts& c) {
+__device__ bool produce_tasks(const MoEParams& p, const DestTables& tables, char* smem,
+                              StagePipeline<Variant::kStages>& stages, TaskRing<Variant::kStages>& ring,
+                              const TaskCounts& counts) {
   using Gemm = TmaTileGemm<Element, Variant::kTileN, Variant::kStages>;
-  using Ring = TaskRing<Variant::kStages>;
-  constexpr int kTileN = Variant::kTileN;
-  const bool swiglu = p.activation == Activation::Swiglu;
-  const int out_cols1 = swiglu ? kTileN / 2 : kTileN;
-  const int lane = threadIdx.x & 31;
-  uint32_t slab = 0, ready_seen = 0;
-  for (int n = 0;; ++n) {
-    int handed = kTaskAbort;
-    if (lane == 0) {
-      const int slot = n % Ring::kSlots;
-      const int task = static_cast<int>(atomicAdd(p.task_counter, 1u));
-      handed = task < c.total ? task : kTaskEnd;
-      if (handed >= 0) {
-        const ExpertTask job = decode_task(task, c.tasks1, c.tiles1, c.tiles2);
-        const RowTile tile = row_tile_of(p, t, job.row_tile);
-        const bool ready = job.second
-            ? wait_at_least(p.row_tile_done + job.row_tile, c.tiles1, p, kPhaseIntermediate, p.rank)
-            : wait_rows_ready(p, tile.src, ready_seen);
-        tma::fence_proxy_async_global();
-        if (!ready) handed = kTaskAbort;
-      }
-      ring.task[slot] = handed;
-      tma::arrive(ptx::smem_addr(&ring.full[slot]));  // release: the slot's task id is visible to waiters
+  typename Gemm::State stage{};
+  typename TaskRing<Variant::kStages>::State slot{};
+  uint32_t ready_seen = 0;
+  for (;; slot.advance()) {
+    const int task = static_cast<int>(atomicAdd(p.task_counter, 1u));
+    if (task >= counts.total) {
+      ring.hand_over(slot, kTaskEnd);
+      return true;
     }
-    handed = __shfl_sync(0xffffffffu, handed, 0);
-    if (handed < 0) return handed == kTaskEnd;
-    const ExpertTask job = decode_task(handed, c.tasks1, c.tiles1, c.tiles2);
-    const RowTile tile = row_tile_of(p, t, job.row_tile);
-    const int k_tiles = task_k_tiles(p, job.second);
-    bool produced = true;
-    if (job.second) {
-      const int col0 = job.col_tile * kTileN;
-      if (lane == 0)
-        produced = Gemm::produce(smem, bars, slab, k_tiles, p, [&](uint32_t a_dst, uint32_t b_dst, int k0, uint32_t bar) {
-          tma::load_2d(a_dst, &p.maps.intermediate, bar, k0, tile.packed_row0);
-#pragma unroll
-          for (int panel = 0; panel < Gemm::kPanels; ++panel)
-            tma::load_3d(b_dst + panel * Gemm::kPanelBytes, &p.maps.w2, bar, col0 + panel * 64, k0, tile.local);
-        });
-    } else {
-      const int out_col0 = job.col_tile * out_cols1;
-      const int col_lo = out_col0, col_hi = swiglu ? p.ffn + out_col0 : out_col0 + kTileN / 2;
-      auto load_b = [&](uint32_t b_dst, int k0, uint32_t bar) {
-#pragma unroll
-        for (int panel = 0; panel < Gemm::kPanels; ++panel) {
-          const int col = panel < Gemm::kPanels / 2 ? col_lo + panel * 64 : col_hi + (panel - Gemm::kPanels / 2) * 64;
-          tma::load_3d(b_dst + panel * Gemm::kPanelBytes, &p.maps.w1, bar, col, k0, tile.local);
-        }
-      };
-      if (Variant::kGatherOwnRows && tile.src == p.rank) {
-        int token_of[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int r = lane + 32 * i;
-          token_of[i] = r < tile.rows ? __ldcg(p.row_token + tile.stream_row0 + r) : 0;
-        }
-        produced = Gemm::produce_gathered(smem, bars, slab, k_tiles, p, static_cast<const Element*>(p.x), token_of,
-                                          tile.rows, load_b);
-      } else if (lane == 0) {
-        const int a_row = tile.src * p.stream_rows + tile.stream_row0;
-        produced = Gemm::produce(smem, bars, slab, k_tiles, p, [&](uint32_t a_dst, uint32_t b_dst, int k0, uint32_t bar) {
-          tma::load_2d(a_dst, &p.maps.recv, bar, k0, a_row);
-          load_b(b_dst, k0, bar);
-        });
-      }
-    }
-    if (!__shfl_sync(0xffffffffu, produced, 0)) return false;  // consumers see the error word in their waits
-    slab += k_tiles;
+    const ExpertTask job = decode_task(task, counts);
+    const RowTile tile = row_tile_of(p, tables, job.row_tile);
+    const bool ready = job.gemm == FfnGemm::Gemm2
+        ? wait_at_least(p.row_tile_done + job.row_tile, counts.tiles1, p, kPhaseIntermediate, p.rank)
+        : wait_rows_ready(p, tile.src, ready_seen);
+    tma::fence_proxy_async_global();
+    ring.hand_over(slot, ready ? task : kTaskAbort);
+    if (!ready) return false;
+    const int k_tiles = task_k_tiles(p, job.gemm);
+    const int a_row = a_first_row(p, tile, job.gemm);
+    const WeightColumns cols = weight_columns<Variant>(p, job.gemm, job.col_tile);
+    auto load_slab = [&](uint32_t a_dst, uint32_t b_dst, int k0, uint32_t bar) {
+      load_a_slab(a_dst, p, job.gemm, a_row, k0, bar);
+      load_b_slab<Gemm::kPanels>(b_dst, p, job.gemm, cols, tile.local, k0, bar);
+    };
+    if (!Gemm::produce(smem, stages, stage, k_tiles, p, load_slab)) return false;  // the error word stops the consumers
   }
 }
 
 // Consumer warpgroups (the workers): take the handed tasks in order, compute, write from registers.
 template <typename Element, typename Variant>
-__device__ bool consume_tasks(const MoEParams& p, const DestTables& t, char* smem,
-                              TmaPipelineBarriers<Variant::kStages>& bars, TaskRing<Variant::kStages>& ring,
-                              const TaskCounts& c) {
+__device__ bool consume_tasks(const MoEParams& p, const DestTables& tables, char* smem,
+                              StagePipeline<Variant::kStages>& stages, TaskRing<Variant::kStages>& ring,
+                              const TaskCounts& counts) {
   using Gemm = TmaTileGemm<Element, Variant::kTileN, Variant::kStages>;
-  uint32_t slab = 0;
-  for (int n = 0;; ++n) {
-    const int task = take_task(ring, n, p);
+  typename Gemm::State stage{};
+  for (typename TaskRing<Variant::kStages>::State slot{};; slot.advance()) {
+    const int task = ring.take(slot, p);
     if (task < 0) return task == kTaskEnd;
-    const ExpertTask job = decode_task(task, c.tasks1, c.tiles1, c.tiles2);
-    const RowTile tile = row_tile_of(p, t, job.row_tile);
-    const int k_tiles = task_k_tiles(p, job.second);
+    const ExpertTask job = decode_task(task, counts);
+    const RowTile tile = row_tile_of(p, tables, job.row_tile);
+    const int k_tiles = task_k_tiles(p, job.gemm);
     Gemm gemm;
-    const bool gathered = Variant::kGatherOwnRows && !job.second && tile.src == p.rank;
-    const bool ok = gemm.consume(smem, bars, slab, k_tiles, p, warpgroup_has_rows(tile.rows), gathered);
-    slab += k_tiles;
+    const bool ok = gemm.consume(smem, stages, stage, k_tiles, p, warpgroup_has_rows(tile.rows));
     if (!sync_workers_and(ok)) return false;
-    finish_tile_tma<Element, Variant>(p, t, gemm, smem, job.second, tile, job.row_tile, job.col_tile);
+    finish_tile_tma<Element, Variant>(p, tables, gemm, smem, job.gemm, tile, job.row_tile, job.col_tile);
   }
 }
 
 template <typename Element, typename Variant>
-__device__ bool run_expert_tasks_prefetch(const MoEParams& p, const DestTables& t, char* smem) {
-  using Gemm = TmaTileGemm<Element, Variant::kTileN, Variant::kStages>;
-  using Ring = TaskRing<Variant::kStages>;
-  __shared__ TmaPipelineBarriers<Variant::kStages> bars;
-  __shared__ Ring ring;
-  const TaskCounts c = task_counts<Variant>(p, t.tile_start[p.world_size * p.local_experts]);
-  if (threadIdx.x == 0) init_task_pipeline<Gemm>(bars, ring);
+__device__ bool run_expert_tasks_prefetch(const MoEParams& p, const DestTables& tables, char* smem) {
+  __shared__ StagePipeline<Variant::kStages> stages;
+  __shared__ TaskRing<Variant::kStages> ring;
+  const TaskCounts counts = task_counts<Variant>(p, tables.tile_start[p.world_size * p.local_experts]);
+  if (threadIdx.x == 0) {
+    ring.init();
+    stages.init(kThreads / 32);  // released by every consumer warp
+  }
   __syncthreads();
   bool ok = true;
-  if (threadIdx.x >= kThreads) {
-    ok = produce_tasks<Element, Variant>(p, t, smem, bars, ring, c);
-  } else if (threadIdx.x < kThreads) {
-    ok = consume_tasks<Element, Variant>(p, t, smem, bars, ring, c);
-  }
+  if (threadIdx.x < kThreads)
+    ok = consume_tasks<Element, Variant>(p, tables, smem, stages, ring, counts);
+  else if (threadIdx.x == kThreads)
+    ok = produce_tasks<Element, Variant>(p, tables, smem, stages, ring, counts);
   return __syncthreads_and(ok);  // a uniform answer: the whole block leaves together
 }
 

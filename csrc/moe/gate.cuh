@@ -2,15 +2,16 @@
 // lower expert index, and the tile's per-expert counts and in-tile ranks (which become slots once the
 // tile offsets are known). Deterministic: no atomics decide an order.
 // The router GEMM's K slabs come through a cp.async pipeline issued by the worker threads, or, in the
-// TMA variants, from the producer warp (two TMA boxes per slab into an mbarrier ring): issuing cp.async
+// TMA variant, from the producer warp (two TMA boxes per slab into an mbarrier ring): issuing cp.async
 // costs the workers more time per slab than the tensor-core work itself (scripts/gate_probe.cu), and the
 // producer runs ahead into the next tile while the workers do softmax and top-k.
 #pragma once
 #include <climits>
+#include "common/pipeline.cuh"
 #include "common/sync.cuh"
 #include "moe/smem_layout.cuh"
 #include "moe/tile_gemm.cuh"
-#include "moe/tile_gemm_tma.cuh"
+#include "moe/tma_boxes.cuh"
 
 namespace flashdmoe {
 
@@ -38,11 +39,11 @@ __device__ __forceinline__ void warp_argmax(float& value, int& index) {
 }
 
 // Where the gate's K slabs come from: the workers' own cp.async copies, or the producer warp's TMA boxes
-// (ring position `slab` counts the block's gate slabs, identically in producer and workers).
+// through a stage pipeline (TMA feed only; `at` is this thread's position in it, kept across tiles).
 template <int STAGES>
 struct GateFeed {
-  TmaPipelineBarriers<STAGES>* bars;  // TMA feed only
-  uint32_t slab;
+  StagePipeline<STAGES>* pipe;
+  PipelineState<STAGES> at;
 };
 
 // Router GEMM of one gate tile over K slabs [k_begin, k_end): store(row, expert, partial logit) for
@@ -70,13 +71,13 @@ __device__ void router_gemm(const MoEParams& p, int tile, int k_begin, int k_end
       // ldmatrix traffic and MMAs would be for columns that are never stored.
       const bool has_experts = e0 + (threadIdx.x >> 5) * Gemm::kWarpN < E;
       gemm.zero_acc();
-      for (int kt = k_begin; kt < k_end; ++kt, ++feed.slab) {
-        const uint32_t s = feed.slab % STAGES, use = feed.slab / STAGES;
-        wait_pipeline(ptx::smem_addr(&feed.bars->full[s]), use & 1, p);  // a failure is in the error word
+      for (int kt = k_begin; kt < k_end; ++kt, feed.at.advance()) {
+        feed.pipe->consumer_wait(feed.at, p);  // a failure is in the error word
+        const uint32_t s = feed.at.index();
         if (has_experts)
           gemm.mma_stage(base + s * Gemm::kStageBytesA, base + STAGES * Gemm::kStageBytesA + s * Gemm::kStageBytesB);
         __syncwarp();
-        if (lane0) tma::arrive(ptx::smem_addr(&feed.bars->empty[s]));
+        if (lane0) feed.pipe->consumer_release(feed.at);
       }
     } else {
       if (threadIdx.x < kGateTileN)
@@ -101,13 +102,16 @@ __device__ void router_gemm(const MoEParams& p, int tile, int k_begin, int k_end
 template <typename Element, int STAGES>
 __device__ bool router_loads(const MoEParams& p, int tile, int k_begin, int k_end, char* smem, GateFeed<STAGES>& feed) {
   using Gemm = GateGemm<Element, STAGES>;
+  static_assert(kGateTokenBox.dims[1] == kGateTileM && kGateTokenBox.bytes() == Gemm::kStageBytesA,
+                "a gate A stage is one token box");
+  static_assert(gate_router_box(kMaxExperts).dims[1] == kGateTileN &&
+                gate_router_box(kMaxExperts).bytes() == Gemm::kStageBytesB, "a gate B stage holds a router box");
   const uint32_t base = ptx::smem_addr(smem);
   for (int e0 = 0; e0 < p.experts; e0 += kGateTileN) {
-    for (int kt = k_begin; kt < k_end; ++kt, ++feed.slab) {
-      const uint32_t s = feed.slab % STAGES, use = feed.slab / STAGES;
-      if (use > 0 && !wait_pipeline(ptx::smem_addr(&feed.bars->empty[s]), (use - 1) & 1, p)) return false;
-      const uint32_t full = ptx::smem_addr(&feed.bars->full[s]);
-      tma::arrive_expect_tx(full, Gemm::kStageBytesA + gate_router_rows(p.experts) * 128);
+    for (int kt = k_begin; kt < k_end; ++kt, feed.at.advance()) {
+      if (!feed.pipe->producer_acquire(feed.at, p)) return false;
+      const uint32_t s = feed.at.index();
+      const uint32_t full = feed.pipe->producer_commit(feed.at, kGateTokenBox.bytes() + gate_router_box_bytes(p.experts));
       tma::load_2d(base + s * Gemm::kStageBytesA, &p.maps.gate_x, full, kt * 64, tile * kGateTileM);
       tma::load_2d(base + STAGES * Gemm::kStageBytesA + s * Gemm::kStageBytesB, &p.maps.router, full, kt * 64, e0);
     }
@@ -246,18 +250,13 @@ __device__ void gate_split_item(const MoEParams& p, int item, char* smem, const 
 // producer warp walks the same list issuing the loads; the workers compute.
 template <typename Element, int STAGES, bool kTma>
 __device__ void gate_all_tiles(const MoEParams& p, char* smem, const SmemLayout& layout) {
-  __shared__ TmaPipelineBarriers<STAGES> bars;
-  GateFeed<STAGES> feed{kTma ? &bars : nullptr, 0};
+  __shared__ StagePipeline<STAGES> pipe;
+  const bool producer = threadIdx.x >= kThreads;
+  GateFeed<STAGES> feed{kTma ? &pipe : nullptr, {}};
   if constexpr (kTma) {
-    if (threadIdx.x == 0) {
-      for (int s = 0; s < STAGES; ++s) {
-        tma::mbarrier_init(ptx::smem_addr(&bars.full[s]), 1);
-        tma::mbarrier_init(ptx::smem_addr(&bars.empty[s]), kThreads / 32);
-      }
-      tma::fence_barrier_init();
-    }
+    if (threadIdx.x == 0) pipe.init(kThreads / 32);  // released by every worker warp
     __syncthreads();
-    if (threadIdx.x >= kThreads) {
+    if (producer) {
       if (threadIdx.x != kThreads) return;
       if (p.gate_splits > 1) {
         for (int item = block_in_rank(p); item < p.gate_tiles * p.gate_splits; item += p.blocks) {

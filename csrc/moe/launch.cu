@@ -1,7 +1,6 @@
-// Dtype dispatch and the shape rules of the fused forward.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
+// (dtype, expert variant) dispatch and the shape rules of the fused forward.
 #include <stdexcept>
+#include "generated/expert_variants.h"  // written by the builder from flashdmoe/expert_variants.py
 #include "moe/launch.h"
 #include "moe/tile_config.cuh"
 
@@ -35,41 +34,34 @@ WorkspaceLayout workspace_layout(int tokens, int hidden, int ffn, int experts, i
                                stream_rows);
 }
 
-// Calls visit(Element{}, Variant{}) for the instance a (dtype, variant id) names.
-template <typename Visit>
-static auto with_instance(DType dtype, int variant, Visit&& visit) {
-  auto with_variant = [&](auto element) {
-    switch (variant) {
-      case 0: return visit(element, Wgmma128ThreeStages{});
-      case 1: return visit(element, Wgmma128FourStages{});
-      case 2: return visit(element, Wgmma256FourStages{});
-      case 3: return visit(element, MmaSync128ThreeStages{});
-      case 4: return visit(element, Tma256FourStages{});
-      case 5: return visit(element, Tma128SixStages{});
-      case 6: return visit(element, TmaPrefetch256FourStages{});
-      case 7: return visit(element, TmaGather256FourStages{});
-      case 8: return visit(element, TmaCluster256FourStages{});
-      default: throw std::invalid_argument("expert_variant must be 0..8, got " + std::to_string(variant));
-    }
-  };
-  if (dtype == DType::BFloat16) return with_variant(__nv_bfloat16{});
-  if (dtype == DType::Float16) return with_variant(__half{});
-  if (dtype != DType::Float32) throw std::invalid_argument("dtype code must be 0 (bf16), 1 (fp16) or 2 (fp32)");
+void throw_no_instance(DType dtype, int variant) {
+  if (dtype != DType::BFloat16 && dtype != DType::Float16 && dtype != DType::Float32)
+    throw std::invalid_argument("dtype code must be 0 (bf16), 1 (fp16) or 2 (fp32), got " +
+                                std::to_string(static_cast<int>(dtype)));
+  if (variant < 0 || variant >= kExpertVariantCount)
+    throw std::invalid_argument("expert_variant must be 0.." + std::to_string(kExpertVariantCount - 1) + ", got " +
+                                std::to_string(variant));
   // fp32 inputs: TF32 mma.sync tiles (wgmma's TF32 form needs K-major weights, which [K, N] weights are not).
-  if (variant != kFp32ExpertVariant)
-    throw std::invalid_argument("fp32 inputs run on expert variant " + std::to_string(kFp32ExpertVariant) +
-                                " (mma.sync, TF32) only, got " + std::to_string(variant));
-  return visit(float{}, MmaSync128ThreeStages{});
+  if (dtype == DType::Float32)
+    throw std::invalid_argument(std::string("fp32 inputs run on expert variant ") + std::to_string(kFp32ExpertVariant) +
+                                " (" + kExpertVariantNames[kFp32ExpertVariant] + ", TF32) only, got " +
+                                std::to_string(variant) + " (" + kExpertVariantNames[variant] + ")");
+  throw std::invalid_argument(std::string("expert variant ") + kExpertVariantNames[variant] +
+                              " has no kernel for dtype code " + std::to_string(static_cast<int>(dtype)));
+}
+
+std::vector<std::string> expert_variant_names() {
+  return std::vector<std::string>(kExpertVariantNames, kExpertVariantNames + kExpertVariantCount);
 }
 
 LaunchInfo launch_forward(const ForwardArgs& args, cudaStream_t stream) {
-  return with_instance(args.dtype, args.expert_variant, [&](auto element, auto variant) {
+  return visit_expert_instance(args.dtype, args.expert_variant, [&](auto element, auto variant) {
     return launch_forward_variant<decltype(element), decltype(variant)>(args, stream);
   });
 }
 
 KernelAttributes kernel_attributes(DType dtype, int expert_variant) {
-  return with_instance(dtype, expert_variant, [](auto element, auto variant) {
+  return visit_expert_instance(dtype, expert_variant, [](auto element, auto variant) {
     return kernel_attributes_variant<decltype(element), decltype(variant)>();
   });
 }

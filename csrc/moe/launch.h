@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 #include <cstdint>
 #include <string>
+#include <vector>
 #include "moe/params.cuh"
 
 namespace flashdmoe {
@@ -45,7 +46,7 @@ struct ForwardArgs {
   uint32_t sequence;
   uint64_t timeout_ns;
   int debug_withhold_phase;
-  int expert_variant;  // tile_config.cuh: 0 wgmma 128x128/3 stages, 1 wgmma 128x128/4, 2 wgmma 128x256/4, 3 mma.sync 128x128/3
+  int expert_variant;  // tile_config.cuh: 0 TMA-fed wgmma 128x256/4 stages, 1 mma.sync 128x128/3
   int max_blocks;      // 0: the whole resident grid; else at most this many blocks
   bool gate_split;     // small batches split gate tiles over blocks (false: one block per tile)
   int grid_percent;    // 1..100: this share of the resident grid (ranks sharing one GPU under MPS)
@@ -74,7 +75,10 @@ WorkspaceLayout workspace_layout(int tokens, int hidden, int ffn, int experts, i
 LaunchInfo launch_forward(const ForwardArgs& args, cudaStream_t stream);
 KernelAttributes kernel_attributes(DType dtype, int expert_variant);
 
-// One (dtype, expert variant) instance, defined in csrc/moe/instances/.
+// The expert variants' names in id order (the table in flashdmoe/expert_variants.py, as compiled).
+std::vector<std::string> expert_variant_names();
+
+// One (dtype, expert variant) instance, explicitly instantiated in the build folder's generated units.
 template <typename Element, typename Variant>
 LaunchInfo launch_forward_variant(const ForwardArgs& args, cudaStream_t stream);
 template <typename Element, typename Variant>

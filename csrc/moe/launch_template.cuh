@@ -9,6 +9,7 @@
 #include <cudaTypedefs.h>
 #include "moe/launch.h"
 #include "moe/moe_forward.cuh"
+#include "moe/tma_boxes.cuh"
 
 namespace flashdmoe {
 
@@ -19,23 +20,11 @@ inline void throw_on_cuda_error(cudaError_t status, const char* what) {
 struct ResidentGrid {
   int blocks_per_sm;
   int sms;
-  int clusters;  // clusters of cluster_size blocks resident at once (cluster_size > 1 only, else 0)
 };
 
-inline cudaLaunchAttribute cluster_dimension(int cluster_size) {
-  cudaLaunchAttribute attribute{};
-  attribute.id = cudaLaunchAttributeClusterDimension;
-  attribute.val.clusterDim.x = cluster_size;
-  attribute.val.clusterDim.y = 1;
-  attribute.val.clusterDim.z = 1;
-  return attribute;
-}
-
 // Occupancy of (kernel, device, shared memory bytes), asked once and remembered: these driver queries
-// cost tens of microseconds, too much for every forward. A kernel is always launched with one
-// cluster_size, so it need not be part of the key.
-inline ResidentGrid resident_grid(const void* kernel, int device, int smem_bytes, int block_threads,
-                                  int cluster_size = 1) {
+// cost tens of microseconds, too much for every forward.
+inline ResidentGrid resident_grid(const void* kernel, int device, int smem_bytes, int block_threads) {
   struct Entry {
     const void* kernel;
     int device, smem_bytes;
@@ -77,22 +66,7 @@ inline ResidentGrid resident_grid(const void* kernel, int device, int smem_bytes
   if (blocks_per_sm < 1)
     throw std::runtime_error("the fused kernel cannot be resident on this GPU (0 blocks per SM with " +
                              std::to_string(smem_bytes) + " bytes of shared memory)");
-  int clusters = 0;
-  if (cluster_size > 1) {
-    cudaLaunchConfig_t config{};
-    config.gridDim = dim3(cluster_size);
-    config.blockDim = dim3(block_threads);
-    config.dynamicSmemBytes = smem_bytes;
-    cudaLaunchAttribute attribute = cluster_dimension(cluster_size);
-    config.attrs = &attribute;
-    config.numAttrs = 1;
-    throw_on_cuda_error(cudaOccupancyMaxActiveClusters(&clusters, kernel, &config), "cluster occupancy query");
-    if (clusters < 1)
-      throw std::runtime_error("the fused kernel cannot be resident on this GPU as clusters of " +
-                               std::to_string(cluster_size) + " blocks with " + std::to_string(smem_bytes) +
-                               " bytes of shared memory");
-  }
-  known.push_back({kernel, device, smem_bytes, {blocks_per_sm, sms, clusters}});
+  known.push_back({kernel, device, smem_bytes, {blocks_per_sm, sms}});
   return known.back().grid;
 }
 
@@ -146,7 +120,6 @@ inline MoEParams rank_params(const ForwardArgs& a, const RankArgs& r) {
   p.tile_expert_count = reinterpret_cast<int*>(base + ws.tile_expert_count);
   p.tile_expert_offset = reinterpret_cast<int*>(base + ws.tile_expert_offset);
   p.expert_kept = reinterpret_cast<int*>(base + ws.expert_kept);
-  p.row_token = reinterpret_cast<int*>(base + ws.row_token);
   p.intermediate = base + ws.intermediate;
   p.gate_partial = reinterpret_cast<float*>(base + ws.gate_partial);
   p.gate_arrivals = reinterpret_cast<uint32_t*>(base + ws.gate_arrivals);
@@ -172,12 +145,13 @@ inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   return encode;
 }
 
-// A row-major tensor of `rank` dims (innermost first), 2-byte elements, read in 128-byte-swizzled boxes.
-inline CUtensorMap make_tensor_map(const void* base, int rank, const uint64_t* dims, const uint32_t* box,
-                                   DType dtype, const char* what) {
+// A row-major tensor of box.rank dims (innermost first), 2-byte elements, read in 128-byte-swizzled boxes.
+inline CUtensorMap make_tensor_map(const void* base, const uint64_t* dims, const TmaBox& box, DType dtype,
+                                   const char* what) {
   CUtensorMap map{};
+  const int rank = box.rank;
   uint64_t strides[4];
-  uint64_t stride = 2;
+  uint64_t stride = kTmaElementBytes;
   for (int d = 0; d + 1 < rank; ++d) {
     stride *= dims[d];
     strides[d] = stride;
@@ -185,7 +159,7 @@ inline CUtensorMap make_tensor_map(const void* base, int rank, const uint64_t* d
   const uint32_t element_strides[4] = {1, 1, 1, 1};
   const CUresult status = tensor_map_encoder()(
       &map, dtype == DType::BFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, rank,
-      const_cast<void*>(base), dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+      const_cast<void*>(base), dims, strides, box.dims, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
       CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (status != CUDA_SUCCESS)
     throw std::runtime_error(std::string("cuTensorMapEncodeTiled failed for ") + what + " (CUresult " +
@@ -195,26 +169,22 @@ inline CUtensorMap make_tensor_map(const void* base, int rank, const uint64_t* d
 
 inline void make_expert_tensor_maps(const ForwardArgs& a, MoEParams& p) {
   const uint64_t L = p.local_experts, H = p.hidden, I = p.ffn, cols = p.w1_cols;
+  // Rows of the receive and the intermediate buffer: every row this rank's experts can take.
   const uint64_t rows_in = p.world_size == 1 ? static_cast<uint64_t>(p.tokens) * p.top_k
                                              : static_cast<uint64_t>(p.world_size) * p.stream_rows;
-  const uint64_t recv_rows = p.world_size == 1 ? static_cast<uint64_t>(p.tokens) * p.top_k
-                                               : static_cast<uint64_t>(p.world_size) * p.stream_rows;
-  const uint32_t weight_box[3] = {64, 64, 1}, row_box[2] = {64, kExpertTileM};
   const uint64_t w1_dims[3] = {cols, H, L}, w2_dims[3] = {H, I, L};
-  const uint64_t recv_dims[2] = {H, recv_rows > 0 ? recv_rows : 1};
+  const uint64_t recv_dims[2] = {H, rows_in > 0 ? rows_in : 1};
   const uint64_t mid_dims[2] = {I, rows_in > 0 ? rows_in : 1};
-  p.maps.w1 = make_tensor_map(p.w1, 3, w1_dims, weight_box, a.dtype, "w1");
-  p.maps.w2 = make_tensor_map(p.w2, 3, w2_dims, weight_box, a.dtype, "w2");
-  p.maps.recv = make_tensor_map(p.peers[p.rank].recv, 2, recv_dims, row_box, a.dtype, "the receive buffer");
-  p.maps.intermediate = make_tensor_map(p.intermediate, 2, mid_dims, row_box, a.dtype, "the intermediate buffer");
+  p.maps.w1 = make_tensor_map(p.w1, w1_dims, kWeightPanelBox, a.dtype, "w1");
+  p.maps.w2 = make_tensor_map(p.w2, w2_dims, kWeightPanelBox, a.dtype, "w2");
+  p.maps.recv = make_tensor_map(p.peers[p.rank].recv, recv_dims, kExpertRowBox, a.dtype, "the receive buffer");
+  p.maps.intermediate = make_tensor_map(p.intermediate, mid_dims, kExpertRowBox, a.dtype, "the intermediate buffer");
   // With no tokens the map is never read; it still needs a valid base.
   const uint64_t x_dims[2] = {H, p.tokens > 0 ? static_cast<uint64_t>(p.tokens) : 1};
   // The router box holds only the experts there are (E < 128 would otherwise load zero-filled rows).
-  const uint32_t gate_x_box[2] = {64, kGateTileM},
-                 router_box[2] = {64, static_cast<uint32_t>(gate_router_rows(p.experts))};
   const uint64_t router_dims[2] = {H, static_cast<uint64_t>(p.experts)};
-  p.maps.gate_x = make_tensor_map(p.tokens > 0 ? p.x : p.intermediate, 2, x_dims, gate_x_box, a.dtype, "x (gate)");
-  p.maps.router = make_tensor_map(p.router, 2, router_dims, router_box, a.dtype, "the router");
+  p.maps.gate_x = make_tensor_map(p.tokens > 0 ? p.x : p.intermediate, x_dims, kGateTokenBox, a.dtype, "x (gate)");
+  p.maps.router = make_tensor_map(p.router, router_dims, gate_router_box(p.experts), a.dtype, "the router");
 }
 
 template <typename Element, typename Variant>
@@ -233,17 +203,15 @@ LaunchInfo launch_forward_variant(const ForwardArgs& a, cudaStream_t stream) {
   auto kernel = moe_forward_kernel<Element, Variant>;
   int device = 0;
   throw_on_cuda_error(cudaGetDevice(&device), "cudaGetDevice");
-  constexpr int kCluster = Variant::kClusterSize;
-  const ResidentGrid resident = resident_grid(reinterpret_cast<const void*>(kernel), device, smem.total_bytes,
-                                              Variant::kBlockThreads, kCluster);
-  int grid = kCluster > 1 ? kCluster * resident.clusters : resident.blocks_per_sm * resident.sms;
+  const ResidentGrid resident =
+      resident_grid(reinterpret_cast<const void*>(kernel), device, smem.total_bytes, Variant::kBlockThreads);
+  int grid = resident.blocks_per_sm * resident.sms;
   if (a.grid_percent > 0 && a.grid_percent < 100) grid = std::max(1, grid * a.grid_percent / 100);
   if (a.max_blocks > 0 && a.max_blocks < grid) grid = a.max_blocks;
-  const int blocks_per_rank = grid / a.num_ranks / kCluster * kCluster;  // whole clusters per rank
+  const int blocks_per_rank = grid / a.num_ranks;
   if (blocks_per_rank < 1)
     throw std::invalid_argument("a grid of " + std::to_string(grid) + " blocks cannot hold " +
-                                std::to_string(a.num_ranks) + " ranks" +
-                                (kCluster > 1 ? " in clusters of " + std::to_string(kCluster) + " blocks" : ""));
+                                std::to_string(a.num_ranks) + " ranks");
   grid = blocks_per_rank * a.num_ranks;
   for (int i = 0; i < a.num_ranks; ++i) {
     launch.rank[i].first_block = i * blocks_per_rank;
@@ -263,12 +231,11 @@ LaunchInfo launch_forward_variant(const ForwardArgs& a, cudaStream_t stream) {
   config.blockDim = dim3(Variant::kBlockThreads);
   config.dynamicSmemBytes = smem.total_bytes;
   config.stream = stream;
-  cudaLaunchAttribute attributes[2]{};
-  attributes[0].id = cudaLaunchAttributeCooperative;  // refused if the grid cannot be co-resident
-  attributes[0].val.cooperative = 1;
-  attributes[1] = cluster_dimension(kCluster);
-  config.attrs = attributes;
-  config.numAttrs = kCluster > 1 ? 2 : 1;
+  cudaLaunchAttribute cooperative{};
+  cooperative.id = cudaLaunchAttributeCooperative;  // refused if the grid cannot be co-resident
+  cooperative.val.cooperative = 1;
+  config.attrs = &cooperative;
+  config.numAttrs = 1;
   throw_on_cuda_error(cudaLaunchKernelEx(&config, kernel, launch), "launching moe_forward_kernel");
   return {grid, resident.blocks_per_sm, smem.total_bytes};
 }
@@ -282,19 +249,3 @@ KernelAttributes kernel_attributes_variant() {
 }
 
 }  // namespace flashdmoe
-
-// Explicit instances of one expert variant for both dtypes (csrc/moe/instances/: one file per variant,
-// so the variants compile in parallel).
-#define FLASHDMOE_INSTANTIATE_VARIANT(VARIANT)                                                              \
-  namespace flashdmoe {                                                                                  \
-  template LaunchInfo launch_forward_variant<__nv_bfloat16, VARIANT>(const ForwardArgs&, cudaStream_t); \
-  template LaunchInfo launch_forward_variant<__half, VARIANT>(const ForwardArgs&, cudaStream_t);        \
-  template KernelAttributes kernel_attributes_variant<__nv_bfloat16, VARIANT>();                        \
-  template KernelAttributes kernel_attributes_variant<__half, VARIANT>();                               \
-  }
-// fp32 inputs (TF32 tensor cores): the mma.sync variant only.
-#define FLASHDMOE_INSTANTIATE_FP32(VARIANT)                                                                 \
-  namespace flashdmoe {                                                                                  \
-  template LaunchInfo launch_forward_variant<float, VARIANT>(const ForwardArgs&, cudaStream_t);         \
-  template KernelAttributes kernel_attributes_variant<float, VARIANT>();                                \
-  }

@@ -3,8 +3,8 @@
 // meet at bounded barriers; ranks meet only through signal words (counts, rows ready, results done)
 // that carry this forward's sequence number, so the same code runs across processes and GPUs.
 #pragma once
+#include <type_traits>
 #include "moe/combine.cuh"
-#include "moe/expert_cluster.cuh"
 #include "moe/expert_pipeline.cuh"
 #include "moe/gate.cuh"
 
@@ -18,12 +18,14 @@ __device__ __forceinline__ void stamp_phase(const MoEParams& p, int slot) {
 template <typename Element, typename Variant>
 __global__ void __launch_bounds__(Variant::kBlockThreads, Variant::kMinBlocksPerSm)
     moe_forward_kernel(const __grid_constant__ LaunchParams launch) {
+  static_assert(!std::is_same_v<Element, float> || Variant::kMmaFamily == ExpertMma::MmaSync,
+                "fp32 inputs (TF32) run on the mma.sync tiles only: wgmma's TF32 form needs K-major weights");
   extern __shared__ __align__(16) char raw_smem[];
   // wgmma's 128-byte swizzle is computed from absolute shared addresses: align the base to its atom.
   char* smem = raw_smem + ((1024u - (ptx::smem_addr(raw_smem) & 1023u)) & 1023u);
   const MoEParams& p = launch.rank[blockIdx.x / launch.rank[0].blocks];
   const SmemLayout layout = make_smem_layout(p.experts, p.top_k, expert_scratch_bytes<Variant>(), p.world_size);
-  // Worker threads run every phase; a TMA variant's producer warp joins only the expert GEMMs.
+  // Worker threads run every phase; the TMA variant's producer warp joins only the gate and the expert GEMMs.
   const bool worker = threadIdx.x < kThreads;
   stamp_phase(p, 0);
 
@@ -42,7 +44,7 @@ __global__ void __launch_bounds__(Variant::kBlockThreads, Variant::kMinBlocksPer
   if (worker) {
     int* stream_offset = reinterpret_cast<int*>(smem);  // [E], in the scratch area (free until the experts)
     build_stream_offsets(p, stream_offset);
-    dispatch_rows<Element, Variant::kGatherOwnRows>(p, stream_offset);
+    dispatch_rows<Element>(p, stream_offset);
   }
   if (!grid_barrier(p, kPhaseDispatchDone, 3)) return;
   publish_rows_ready(p);
@@ -53,9 +55,7 @@ __global__ void __launch_bounds__(Variant::kBlockThreads, Variant::kMinBlocksPer
   if (!build_dest_tables(p, tables)) return;
   publish_empty_results(p, tables);
   const Element** a_rows = reinterpret_cast<const Element**>(smem + layout.row_ptrs_offset);
-  if constexpr (Variant::kClusterSize > 1) {
-    if (!run_expert_pair_tasks<Element, Variant>(p, tables, smem)) return;
-  } else if constexpr (Variant::kUseTmaPrefetch) {
+  if constexpr (Variant::kUseTma) {
     if (!run_expert_tasks_prefetch<Element, Variant>(p, tables, smem)) return;
   } else {
     if (!run_expert_tasks<Element, Variant>(p, tables, smem, a_rows)) return;

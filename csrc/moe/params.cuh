@@ -63,10 +63,10 @@ enum StatusFlag : uint32_t { kStatusNonFiniteLogits = 1u };
 // Phase clock slots: 0 start, 1..4 after grid barriers 1..4 (block 0's view), 5 last block's exit.
 constexpr int kPhaseClockSlots = 6;
 
-// TMA descriptors of the expert GEMM operands (TMA variants only; 128-byte swizzled boxes):
-// w1 [L][H][w1_cols] and w2 [L][I][H] as 64x64 boxes, recv [P*stream_rows][H] and intermediate
-// [rows_in][I] as 128-row x 64-column boxes.
-// Gate: x as kGateTileM-row boxes, the router [E][H] as kGateTileN-row boxes.
+// TMA descriptors of the expert GEMM operands (TMA variant only; 128-byte swizzled boxes, moe/tma_boxes.cuh):
+// w1 [L][H][w1_cols] and w2 [L][I][H] in weight panel boxes, recv [P*stream_rows][H] and intermediate
+// [rows_in][I] in 128-row boxes. Gate: x in kGateTileM-row boxes, the router [E][H] in boxes of up to
+// kGateTileN rows.
 struct ExpertTensorMaps {
   CUtensorMap w1, w2, recv, intermediate, gate_x, router;
 };
@@ -117,7 +117,6 @@ struct MoEParams {
   int* tile_expert_count;   // [gate_tiles, E]
   int* tile_expert_offset;  // [gate_tiles, E] exclusive prefix over gate tiles
   int* expert_kept;         // [E] rows kept after capacity (this rank's tokens)
-  int* row_token;           // [T*k] gather variant: row of the stream to this rank itself -> token
   void* intermediate;       // [rows_in, I] activation output of every row this rank's experts take, input dtype
 
   float* gate_partial;       // [gate_tiles * gate_splits, kGateTileM, E] split gate: partial logits
@@ -143,7 +142,7 @@ struct WorkspaceLayout {
   size_t barrier_counter, task_counter, error_word, status_flags, phase_clock, traffic, result_rows_done,
       row_tile_done, gate_arrivals;
   size_t sync_bytes;
-  size_t gate_partial, slot_in_tile, tile_expert_count, tile_expert_offset, expert_kept, row_token;
+  size_t gate_partial, slot_in_tile, tile_expert_count, tile_expert_offset, expert_kept;
   size_t intermediate, own_recv, own_comb, own_signals;
   size_t total_bytes;
   int gate_tiles, max_row_tiles;
@@ -181,7 +180,6 @@ inline WorkspaceLayout make_workspace_layout(int tokens, int hidden, int ffn, in
   l.tile_expert_count = take(4 * static_cast<size_t>(l.gate_tiles) * experts);
   l.tile_expert_offset = take(4 * static_cast<size_t>(l.gate_tiles) * experts);
   l.expert_kept = take(4 * static_cast<size_t>(experts));
-  l.row_token = take(4 * rows);
   l.intermediate = take(static_cast<size_t>(element_bytes) * rows_in * ffn);
   const bool own = world_size == 1;
   l.own_recv = take(own ? static_cast<size_t>(element_bytes) * rows * hidden : 0);

@@ -91,8 +91,8 @@ __device__ inline DestTables dest_tables(char* smem, const SmemLayout& layout, c
   return {base, base + streams, base + streams + segments};
 }
 
-__device__ __forceinline__ int rows_from(const MoEParams& p, const DestTables& t, int src, int local) {
-  const int* s = t.stream_start + src * (p.local_experts + 1);
+__device__ __forceinline__ int rows_from(const MoEParams& p, const DestTables& tables, int src, int local) {
+  const int* s = tables.stream_start + src * (p.local_experts + 1);
   return s[local + 1] - s[local];
 }
 
@@ -104,7 +104,7 @@ __device__ __forceinline__ int incoming_count(const MoEParams& p, int src, int l
 }
 
 // Waits (bounded) for every peer's counts, then builds the tables. Every thread of the block calls it.
-__device__ inline bool build_dest_tables(const MoEParams& p, const DestTables& t) {
+__device__ inline bool build_dest_tables(const MoEParams& p, const DestTables& tables) {
   const int P = p.world_size, L = p.local_experts, stride = L + 1;
   bool ok = true;
   if (threadIdx.x < P && static_cast<int>(threadIdx.x) != p.rank) {
@@ -120,10 +120,10 @@ __device__ inline bool build_dest_tables(const MoEParams& p, const DestTables& t
       const int local = base + lane;
       const int count = local < L ? incoming_count(p, src, local) : 0;
       const int inclusive = warp_inclusive_scan(count);
-      if (local < L) t.stream_start[src * stride + local] = before + inclusive - count;
+      if (local < L) tables.stream_start[src * stride + local] = before + inclusive - count;
       before += __shfl_sync(0xffffffffu, inclusive, 31);
     }
-    if (lane == 0) t.stream_start[src * stride + L] = before;
+    if (lane == 0) tables.stream_start[src * stride + L] = before;
   }
   __syncthreads();
   if (warp == 0) {
@@ -131,20 +131,20 @@ __device__ inline bool build_dest_tables(const MoEParams& p, const DestTables& t
     int rows_before = 0, tiles_before = 0;
     for (int base = 0; base < segments; base += 32) {
       const int q = base + lane;
-      const int rows = q < segments ? rows_from(p, t, q % P, q / P) : 0;
+      const int rows = q < segments ? rows_from(p, tables, q % P, q / P) : 0;
       const int tiles = (rows + kExpertTileM - 1) / kExpertTileM;
       const int rows_incl = warp_inclusive_scan(rows);
       const int tiles_incl = warp_inclusive_scan(tiles);
       if (q < segments) {
-        t.seg_start[q] = rows_before + rows_incl - rows;
-        t.tile_start[q] = tiles_before + tiles_incl - tiles;
+        tables.seg_start[q] = rows_before + rows_incl - rows;
+        tables.tile_start[q] = tiles_before + tiles_incl - tiles;
       }
       rows_before += __shfl_sync(0xffffffffu, rows_incl, 31);
       tiles_before += __shfl_sync(0xffffffffu, tiles_incl, 31);
     }
     if (lane == 0) {
-      t.seg_start[segments] = rows_before;
-      t.tile_start[segments] = tiles_before;
+      tables.seg_start[segments] = rows_before;
+      tables.tile_start[segments] = tiles_before;
     }
   }
   __syncthreads();
@@ -159,19 +159,19 @@ struct RowTile {
   int stream_row0;  // first row in source src's stream (its region of recv / comb)
 };
 
-__device__ __forceinline__ RowTile row_tile_of(const MoEParams& p, const DestTables& t, int row_tile) {
+__device__ __forceinline__ RowTile row_tile_of(const MoEParams& p, const DestTables& tables, int row_tile) {
   int lo = 0, hi = p.world_size * p.local_experts;  // invariant: tile_start[lo] <= row_tile < tile_start[hi]
   while (hi - lo > 1) {
     const int mid = (lo + hi) >> 1;
-    if (t.tile_start[mid] <= row_tile) lo = mid; else hi = mid;
+    if (tables.tile_start[mid] <= row_tile) lo = mid; else hi = mid;
   }
   RowTile tile;
   tile.local = lo / p.world_size;
   tile.src = lo % p.world_size;
-  const int m0 = (row_tile - t.tile_start[lo]) * kExpertTileM;
-  tile.rows = min(kExpertTileM, t.seg_start[lo + 1] - t.seg_start[lo] - m0);
-  tile.packed_row0 = t.seg_start[lo] + m0;
-  tile.stream_row0 = t.stream_start[tile.src * (p.local_experts + 1) + tile.local] + m0;
+  const int m0 = (row_tile - tables.tile_start[lo]) * kExpertTileM;
+  tile.rows = min(kExpertTileM, tables.seg_start[lo + 1] - tables.seg_start[lo] - m0);
+  tile.packed_row0 = tables.seg_start[lo] + m0;
+  tile.stream_row0 = tables.stream_start[tile.src * (p.local_experts + 1) + tile.local] + m0;
   return tile;
 }
 

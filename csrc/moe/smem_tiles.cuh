@@ -1,6 +1,7 @@
-// The shared-memory tile layout both GEMM paths use for K-major operands: 64-element (128-byte) rows
-// whose 16-byte chunks are XOR-swizzled by the row index. ldmatrix reads of 8 rows hit 8 bank groups,
-// and the layout is exactly wgmma's 128-byte-swizzle K-major canonical layout (on a 1024-byte base).
+// The shared-memory tile layout of K-major operands, whether cp.async or TMA fills it: 64-element
+// (128-byte) rows whose 16-byte chunks are XOR-swizzled by the row index. ldmatrix reads of 8 rows hit
+// 8 bank groups, and the layout is exactly wgmma's 128-byte-swizzle K-major canonical layout (on a
+// 1024-byte base), which TMA's 128-byte swizzle writes.
 #pragma once
 #include "common/ptx.cuh"
 

@@ -10,7 +10,7 @@ constexpr int kGateTileM = 32;
 constexpr int kGateTileN = 128;
 // Gate pipeline depth: deeper when the experts' fp32 logits leave room (E <= 256). With cp.async feeding
 // the depth made no difference (0.78 vs 0.77 us per K slab, scripts/gate_probe.cu: issuing the copies is
-// the cost); the TMA variants' producer warp uses it to run ahead into the next tile.
+// the cost); the TMA variant's producer warp uses it to run ahead into the next tile.
 constexpr int kGateStagesDeep = 8, kGateStagesShallow = 4;
 constexpr int kDeepGateMaxExperts = 256;
 __host__ __device__ constexpr int gate_stages(int experts) {
@@ -40,56 +40,37 @@ __host__ __device__ constexpr int gate_pipeline_bytes(int stages) { return stage
 
 // Expert FFN GEMMs: 128-row tiles, 128 or 256 columns (per variant), K slabs of 64.
 constexpr int kExpertTileM = 128;
-// Results staging per worker warp in the TMA variants: 16 rows x 64 two-byte columns (moe/epilogue.cuh).
+// Results staging per worker warp in the TMA variant: 16 rows x 64 two-byte columns (moe/epilogue.cuh).
 constexpr int kWarpStagingBytes = 16 * 128;
 
-// Expert GEMM variants, chosen at launch (benchmarks compare them): the MMA instruction family, the
-// cp.async pipeline depth, and the blocks per SM the register budget is cut for.
-// WgmmaTma: operands loaded by TMA from a producer warp (warp-specialised, mbarrier pipeline);
-// Wgmma / MmaSync: all threads load with cp.async.
-// WgmmaTmaPrefetch: the same, and the producer streams across tile boundaries (the default).
-// WgmmaTmaGather: the same, and a rank's rows for its own experts are not copied: the producer warp
-// gathers them straight from x with 16-byte cp.async.
-// WgmmaTmaCluster: the prefetch schedule on clusters of two blocks that take pairs of row tiles; when
-// both tiles belong to one expert, each block's producer loads half of the weight panels and multicasts
-// them to both blocks (half the weight traffic out of L2 per block).
-enum class ExpertMma : int {
-  Wgmma = 0, MmaSync = 1, WgmmaTma = 2, WgmmaTmaPrefetch = 3, WgmmaTmaGather = 4, WgmmaTmaCluster = 5
-};
+// Expert GEMM variants, chosen at launch: the MMA instruction family and operand feed, the tile width,
+// the pipeline depth, and the blocks per SM the register budget is cut for. Which ones are compiled, for
+// which dtypes and under which id is flashdmoe/expert_variants.py's table alone: the builder generates
+// their instances and the id -> instance dispatch (generated/expert_variants.h).
+// WgmmaTmaPrefetch (the default): wgmma, operands loaded by TMA from a producer warp (warp-specialised,
+// mbarrier pipeline) that streams across tile boundaries (moe/expert_pipeline.cuh).
+// MmaSync: mma.sync with all threads loading by cp.async (moe/tile_gemm.cuh); the only path for fp32
+// inputs (TF32), and the portable comparison point.
+enum class ExpertMma : int { MmaSync = 0, WgmmaTmaPrefetch = 1 };
 template <ExpertMma kMma, int kTileNArg, int kStagesArg, int kBlocksPerSm>
 struct ExpertVariant {
-  static constexpr bool kGatherOwnRows = kMma == ExpertMma::WgmmaTmaGather;
-  static constexpr int kClusterSize = kMma == ExpertMma::WgmmaTmaCluster ? 2 : 1;
-  static constexpr bool kUseTmaPrefetch = kMma == ExpertMma::WgmmaTmaPrefetch || kGatherOwnRows || kClusterSize > 1;
-  static constexpr bool kUseWgmma = kMma != ExpertMma::MmaSync;
+  static constexpr ExpertMma kMmaFamily = kMma;
+  static constexpr bool kUseTma = kMma == ExpertMma::WgmmaTmaPrefetch;
   static constexpr int kTileN = kTileNArg;
   static constexpr int kStages = kStagesArg;
   static constexpr int kMinBlocksPerSm = kBlocksPerSm;
-  static constexpr bool kUseTma = kMma == ExpertMma::WgmmaTma || kUseTmaPrefetch;
   static constexpr int kBlockThreads = kUseTma ? kThreads + 32 : kThreads;  // + the producer warp
   static constexpr int kPipelineBytes = kStages * (kExpertTileM + kTileN) * 64 * 2;
   // fp32 staging row, padded so that a warp's 8-byte fragment stores (8 rows x 4 column pairs, two
   // phases of 16 lanes) hit every bank once.
   static constexpr int kEpilogueStride = kTileN + 8;
   static constexpr int kEpilogueBytes = kExpertTileM * kEpilogueStride * 4;
-  // TMA variants write results from registers through a 2 KB buffer per worker warp (moe/epilogue.cuh),
+  // The TMA variant writes results from registers through a 2 KB buffer per worker warp (moe/epilogue.cuh),
   // placed after the stages so that the next tile's loads need not wait for the epilogue.
   static constexpr int kWarpStagingOffset = kPipelineBytes;
   static constexpr int kScratchBytes = kUseTma ? kPipelineBytes + (kThreads / 32) * kWarpStagingBytes
                                                : (kPipelineBytes > kEpilogueBytes ? kPipelineBytes : kEpilogueBytes);
 };
-// Variant ids as the host passes them (flashdmoe/cuda_backend.py EXPERT_VARIANTS).
-using Wgmma128ThreeStages = ExpertVariant<ExpertMma::Wgmma, 128, 3, 2>;    // 0
-using Wgmma128FourStages = ExpertVariant<ExpertMma::Wgmma, 128, 4, 1>;     // 1
-using Wgmma256FourStages = ExpertVariant<ExpertMma::Wgmma, 256, 4, 1>;     // 2
-using MmaSync128ThreeStages = ExpertVariant<ExpertMma::MmaSync, 128, 3, 2>;  // 3 (also fp32 inputs, as TF32)
-using Tma256FourStages = ExpertVariant<ExpertMma::WgmmaTma, 256, 4, 1>;       // 4
-using Tma128SixStages = ExpertVariant<ExpertMma::WgmmaTma, 128, 6, 1>;        // 5
-using TmaPrefetch256FourStages = ExpertVariant<ExpertMma::WgmmaTmaPrefetch, 256, 4, 1>;  // 6
-using TmaGather256FourStages = ExpertVariant<ExpertMma::WgmmaTmaGather, 256, 4, 1>;      // 7
-using TmaCluster256FourStages = ExpertVariant<ExpertMma::WgmmaTmaCluster, 256, 4, 1>;    // 8
-
-constexpr int kFp32ExpertVariant = 3;
 
 // Shape constraints checked on the host (and named in the error message).
 constexpr int kHiddenMultiple = 64;

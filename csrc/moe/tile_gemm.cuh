@@ -3,6 +3,7 @@
 // pointers (token rows of x, or rows of the intermediate); B is either N-contiguous ([K, N] expert
 // weights) or K-contiguous ([N, K] router). Every K slab is 128 bytes deep: 64 or 32 elements.
 #pragma once
+#include "common/pipeline.cuh"
 #include "common/ptx.cuh"
 #include "common/sync.cuh"
 #include "moe/smem_tiles.cuh"
@@ -151,6 +152,7 @@ struct TileGemm {
   }
 
   // The pipelined main loop over k_tiles slabs. load_stage(a_dst, b_dst, k0) issues one slab's copies.
+  // The stages form a ring that is read at `read` and refilled STAGES - 1 slabs ahead of it at `fill`.
   template <typename LoadStage>
   __device__ void run(char* smem, int k_tiles, LoadStage&& load_stage) {
     const uint32_t base = ptx::smem_addr(smem);
@@ -162,13 +164,14 @@ struct TileGemm {
       if (s < k_tiles) load_stage(a_stage(s), b_stage(s), s * kBlockK);
       ptx::cp_async_commit();
     }
-    for (int kt = 0; kt < k_tiles; ++kt) {
+    PipelineState<STAGES> read{}, fill{STAGES - 1};
+    for (int kt = 0; kt < k_tiles; ++kt, read.advance(), fill.advance()) {
       ptx::cp_async_wait<STAGES - 2>();
       sync_workers();  // slab kt visible to all; slab kt-1's buffer is free to overwrite
       const int next = kt + STAGES - 1;
-      if (next < k_tiles) load_stage(a_stage(next % STAGES), b_stage(next % STAGES), next * kBlockK);
+      if (next < k_tiles) load_stage(a_stage(fill.index()), b_stage(fill.index()), next * kBlockK);
       ptx::cp_async_commit();
-      mma_stage(a_stage(kt % STAGES), b_stage(kt % STAGES));
+      mma_stage(a_stage(read.index()), b_stage(read.index()));
     }
     ptx::cp_async_wait<0>();
     sync_workers();  // pipeline buffers may now be reused by the epilogue

@@ -1,0 +1,80 @@
+// Rings of shared-memory stages handed between a producer and consumers through mbarriers, and a
+// position in such a ring (in the spirit of CUTLASS's PipelineState): the stage index and the parity
+// of the phase its barriers are in on the current pass over the ring. Each side keeps its own position
+// and advances it once per stage it fills or drains, so producer and consumers agree without sharing
+// anything but the barriers. Every wait is bounded (the watchdog covers the pipelines too).
+#pragma once
+#include <cstdint>
+#include "common/ptx.cuh"
+#include "common/sync.cuh"
+#include "common/tma.cuh"
+
+namespace flashdmoe {
+
+// Held as the number of stages passed (one register: the TMA consumers run at the register limit with
+// their accumulators live, and a separate index and phase cost them spills); a value-initialised
+// position ({}) is the start of the ring for producer and consumers alike.
+template <int kStages>
+struct PipelineState {
+  uint32_t passed = 0;
+
+  __device__ __forceinline__ uint32_t index() const { return passed % kStages; }
+  __device__ __forceinline__ uint32_t phase() const { return (passed / kStages) & 1u; }
+  __device__ __forceinline__ void advance() { ++passed; }
+};
+
+// Bounded wait for the completion of the barrier's phase of this parity.
+__device__ __forceinline__ bool wait_pipeline(uint32_t bar, uint32_t parity, const MoEParams& p) {
+  auto ready = [&] { return tma::try_wait_parity(bar, parity); };
+  if (ready()) return true;
+  const uint64_t start = ptx::global_timer_ns();
+  for (uint32_t spin = 1;; ++spin) {
+    if (ready()) return true;
+    if ((spin & 15) == 0) {
+      if (ptx::load_relaxed_u64(p.error_word) != 0) return false;
+      if (ptx::global_timer_ns() - start > p.timeout_ns) {
+        report_timeout(p, kPhaseTilePipeline, p.rank);
+        return false;
+      }
+    }
+  }
+}
+
+// A ring of kStages stages filled by TMA: "full" completes when the producer arrived and the stage's
+// bytes landed, "empty" when every consumer warp released the stage.
+template <int kStages>
+struct StagePipeline {
+  using State = PipelineState<kStages>;
+  uint64_t full[kStages];
+  uint64_t empty[kStages];
+
+  // Thread 0, once per launch, followed by a block-wide barrier before any use.
+  __device__ void init(uint32_t consumer_warps) {
+    for (int s = 0; s < kStages; ++s) {
+      tma::mbarrier_init(ptx::smem_addr(&full[s]), 1);
+      tma::mbarrier_init(ptx::smem_addr(&empty[s]), consumer_warps);
+    }
+    tma::fence_barrier_init();
+  }
+  // Producer: wait until the consumers released the stage's fill of the previous pass. That is the
+  // opposite parity: on the first pass it names the phase before a fresh barrier's first, which counts
+  // as complete, so the first pass does not wait.
+  __device__ __forceinline__ bool producer_acquire(const State& at, const MoEParams& p) {
+    return wait_pipeline(ptx::smem_addr(&empty[at.index()]), at.phase() ^ 1u, p);
+  }
+  // Producer: arrive on the stage's "full" barrier expecting tx_bytes; the returned barrier is the one
+  // the stage's TMA loads complete their bytes on.
+  __device__ __forceinline__ uint32_t producer_commit(const State& at, uint32_t tx_bytes) {
+    const uint32_t bar = ptx::smem_addr(&full[at.index()]);
+    tma::arrive_expect_tx(bar, tx_bytes);
+    return bar;
+  }
+  // Consumers: wait until the stage is filled.
+  __device__ __forceinline__ bool consumer_wait(const State& at, const MoEParams& p) {
+    return wait_pipeline(ptx::smem_addr(&full[at.index()]), at.phase(), p);
+  }
+  // One lane per consumer warp, once the warp is done reading the stage.
+  __device__ __forceinline__ void consumer_release(const State& at) { tma::arrive(ptx::smem_addr(&empty[at.index()])); }
+};
+
+}  // namespace flashdmoe
