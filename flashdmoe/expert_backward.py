@@ -1,0 +1,347 @@
+"""The MoE layer's backward on one rank from the routing its forward saved, in vectorised torch ops.
+
+:func:`expert_backward` computes the gradients of ``<dy, y>`` with ``y`` the layer of
+:func:`flashdmoe.reference.moe_fixed_routing` (routing fixed, router probabilities differentiated through
+softmax and the top-k renormalisation) with respect to ``x``, ``router_weight``, ``w1`` and ``w2``.
+Expert work runs as grouped GEMMs over all experts at once; nothing loops over experts in Python, nothing
+waits on the host, every shape is fixed by the input shapes, so a call can be captured in a CUDA graph.
+It is deterministic: no atomics; each reduction (GEMMs, the sum of a token's ``k`` choices, the router's
+sums) runs in a fixed order.
+
+Per kept choice ``(t, j)`` of expert ``e`` with combine weight ``w`` (``pre`` recomputed, see below)::
+
+    pre = x_t @ W1_e,  h = act(pre),  g = dy_t @ W2_e^T
+    dweight_tj = <g, h>                         (gradient of the combine weight)
+    dW2_e += (w h)^T dy_t
+    dpre = w g * act'(pre),  dW1_e += x_t^T dpre,  dx_t += dpre @ W1_e^T
+
+then the router: ``dweight`` through the renormalisation (when ``normalize_topk``), the gather of the
+chosen probabilities and the softmax gives ``dlogits [T, E]``; ``d_router = dlogits^T x`` and
+``dx += dlogits @ router_weight``, in the compute dtype.
+
+GEMM back ends (``gemm=``):
+
+* ``"grouped_mm"``: ``torch._grouped_mm`` on the rows packed by expert (``offs`` = each expert's end row,
+  derived on the device): 2D x 3D for the row GEMMs, 2D x 2D for the weight gradients. It takes float32,
+  bfloat16 and float16 and returns its input dtype (a float32 ``out_dtype`` for half inputs is refused).
+  On CUDA only bfloat16 on compute capability 9.x / 10.x runs the CUTLASS kernel; every other CUDA case
+  falls back to a per-group loop that copies ``offs`` to the host (a synchronisation, not capturable),
+  so it is never chosen there. It is used on 9.x (Hopper) only: on 10.x, weight gradients of empty
+  groups have been reported non-zero (pytorch/pytorch#172439). On CPU it takes all three dtypes. Row
+  strides must be multiples of 16 bytes (``H`` and ``I`` multiples of ``16 / element size``). It has no
+  float64.
+* ``"padded_bmm"``: ``torch.bmm`` over ``[E, M, .]`` blocks, expert ``e``'s rows at ``[e * M, e * M + n_e)``,
+  the rest zero. ``M = max_rows_per_expert`` (default ``T``: a token picks an expert at most once; pass
+  the capacity when there is one), so it costs ``E * M / (T * k)`` times the grouped GEMMs' work and
+  memory: a fallback for float16 / float32 on CUDA, float64, shapes that break the stride rule, and
+  torch without ``_grouped_mm``.
+* ``"auto"`` (default): ``"grouped_mm"`` where it runs without a host synchronisation, else ``"padded_bmm"``.
+
+Recompute, not saved pre-activations: ``pre`` is recomputed with one more grouped GEMM (+25% of the
+backward's GEMM FLOPs for gelu/relu/silu, +33% for swiglu). Saving it would cost ``T * k * I`` (``2I`` for
+swiglu) elements per layer for the whole of the backward's wait (Qwen3-30B-A3B's layer: 200 MB in bf16,
+Mixtral 8x7B's: 470 MB); the fused forward writes only ``act(pre)``, to a workspace the next forward
+reuses, and ``act(pre)`` does not give back ``act'(pre)`` for gelu, silu or swiglu.
+
+Precision: GEMMs accumulate in float32 (float64 for float64 inputs) and write the input dtype (what
+``torch._grouped_mm`` allows), so ``pre``, ``g``, ``w h``, ``dpre`` and the per-row ``dx`` are each
+rounded once to the storage format; activations, their derivatives, the ``k``-sum and the router run in
+the compute dtype (:func:`flashdmoe.reference.compute_dtype`). ``x`` and ``router_weight`` are upcast
+for the router (activation- and router-sized, not the expert weights). float32 GEMMs on CUDA follow
+``torch.backends.cuda.matmul.allow_tf32`` (off by default).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from flashdmoe.reference import ACTIVATIONS, compute_dtype
+
+__all__ = ["expert_backward", "GEMM_BACKENDS", "grouped_mm_supported"]
+
+GEMM_BACKENDS = ("auto", "grouped_mm", "padded_bmm")
+_STORAGE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def grouped_mm_supported(dtype: torch.dtype, device: torch.device, hidden: int, intermediate: int) -> str:
+    """'' when ``torch._grouped_mm`` runs this backward without a host synchronisation, else why not."""
+    if not hasattr(torch, "_grouped_mm"):
+        return f"torch {torch.__version__} has no torch._grouped_mm"
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return f"torch._grouped_mm takes float32, bfloat16 and float16, not {dtype}"
+    if device.type == "cuda":
+        major = torch.cuda.get_device_capability(device)[0]
+        if dtype != torch.bfloat16 or major != 9:
+            # Only bf16 on sm90 / sm100 reaches the CUTLASS kernel; the rest loops over offs.cpu().
+            # sm100 is left out: empty groups' weight gradients reported wrong there (pytorch#172439).
+            return (f"torch._grouped_mm on CUDA is used for bfloat16 on compute capability 9.x only "
+                    f"(got {dtype}, {major}.x)")
+    elif device.type != "cpu":
+        return f"device {device.type} is not CPU or CUDA"
+    align = 16 // torch.empty((), dtype=dtype).element_size()
+    if hidden % align or intermediate % align:
+        return (f"torch._grouped_mm needs H and I to be multiples of {align} for {dtype} "
+                f"(got H={hidden}, I={intermediate})")
+    return ""
+
+
+def _check(x, router_weight, w1, w2, expert, weight, row, dy, activation, needs, gemm, max_rows_per_expert):
+    """Shapes, dtypes and devices (host-side metadata only, nothing read from the device)."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation={activation!r} is not supported; expected one of {ACTIVATIONS}")
+    if gemm not in GEMM_BACKENDS:
+        raise ValueError(f"gemm={gemm!r}: expected one of {GEMM_BACKENDS}")
+    if len(needs) != 4 or not all(isinstance(n, bool) for n in needs):
+        raise ValueError(f"needs={needs!r}: expected 4 bools (dx, d_router, dw1, dw2)")
+    if x.dim() != 2:
+        raise ValueError(f"x has shape {tuple(x.shape)}; expected [T, H]")
+    if x.dtype not in _STORAGE_DTYPES:
+        raise ValueError(f"x has dtype {x.dtype}; expected one of {_STORAGE_DTYPES}")
+    tokens, hidden = x.shape
+    if router_weight.dim() != 2 or router_weight.shape[1] != hidden:
+        raise ValueError(f"router_weight has shape {tuple(router_weight.shape)}; expected [E, H={hidden}]")
+    experts = router_weight.shape[0]
+    if w2.dim() != 3 or w2.shape[0] != experts or w2.shape[2] != hidden:
+        raise ValueError(f"w2 has shape {tuple(w2.shape)}; expected [E={experts}, I, H={hidden}]")
+    intermediate = w2.shape[1]
+    w1_cols = 2 * intermediate if activation == "swiglu" else intermediate
+    if tuple(w1.shape) != (experts, hidden, w1_cols):
+        raise ValueError(f"w1 has shape {tuple(w1.shape)}; expected [{experts}, {hidden}, {w1_cols}] "
+                         f"(I={intermediate}, activation={activation!r})")
+    if tuple(dy.shape) != (tokens, hidden):
+        raise ValueError(f"dy has shape {tuple(dy.shape)}; expected [T={tokens}, H={hidden}]")
+    for name, tensor in (("router_weight", router_weight), ("w1", w1), ("w2", w2), ("dy", dy)):
+        if tensor.dtype != x.dtype:
+            raise ValueError(f"{name} has dtype {tensor.dtype}; expected x's dtype {x.dtype}")
+    if expert.dim() != 2 or expert.shape[0] != tokens or not 1 <= expert.shape[1] <= experts:
+        raise ValueError(f"expert has shape {tuple(expert.shape)}; expected [T={tokens}, k] with 1 <= k <= E={experts}")
+    for name, tensor in (("weight", weight), ("row", row)):
+        if tensor.shape != expert.shape:
+            raise ValueError(f"{name} has shape {tuple(tensor.shape)}; expected expert's shape {tuple(expert.shape)}")
+    for name, tensor in (("expert", expert), ("row", row)):
+        if tensor.dtype not in _INDEX_DTYPES:
+            raise ValueError(f"{name} has dtype {tensor.dtype}; expected int32 or int64")
+    if not weight.dtype.is_floating_point:
+        raise ValueError(f"weight has dtype {weight.dtype}; expected a float dtype (float32 from the kernel)")
+    for name, tensor in (("router_weight", router_weight), ("w1", w1), ("w2", w2), ("expert", expert),
+                         ("weight", weight), ("row", row), ("dy", dy)):
+        if tensor.device != x.device:
+            raise ValueError(f"{name} is on {tensor.device}; expected x's device {x.device}")
+    if max_rows_per_expert is not None and (not isinstance(max_rows_per_expert, int)
+                                            or isinstance(max_rows_per_expert, bool) or max_rows_per_expert < 0):
+        raise ValueError(f"max_rows_per_expert={max_rows_per_expert!r}: expected None or an int >= 0")
+    if gemm == "grouped_mm":
+        why = grouped_mm_supported(x.dtype, x.device, hidden, intermediate)
+        if why:
+            raise ValueError(f"gemm='grouped_mm' cannot run here: {why}")
+    return tokens, hidden, intermediate, experts
+
+
+class _Rows:
+    """Where each kept choice's row lives and the grouped GEMMs over those rows.
+
+    ``rows`` rows in all (``T * k`` packed, or ``E * M`` padded). ``choice_of_row [rows]`` int64: the flat
+    choice ``t * k + j`` of each row (any valid choice for a row holding none); ``row_of_choice [T * k]``
+    int64: the row of each choice (0 for a dropped one, which is masked); ``live [rows]`` bool or None:
+    rows holding a choice (None when the GEMMs never read the others: the packed tail past ``offs[-1]``).
+    """
+
+    def __init__(self, expert, row, experts, padded_rows):
+        tokens, top_k = expert.shape
+        choices = tokens * top_k
+        device = expert.device
+        flat_expert = expert.reshape(-1).long()
+        flat_row = row.reshape(-1).long()
+        self.kept = flat_row >= 0
+        choice_ids = torch.arange(choices, device=device)
+        # Dropped choices write to their own slots past the end (never the same index twice, so the
+        # scatters are deterministic) and those slots are cut off.
+        target = torch.where(self.kept, flat_row, choices + choice_ids)
+        # Packed rows are ordered by expert, so expert_of_row is sorted (unused tail rows: E, also sorted).
+        expert_of_row = flat_expert.new_full((2 * choices,), experts).scatter_(0, target, flat_expert)[:choices]
+        expert_ids = torch.arange(experts, device=device)
+        self.offs = torch.searchsorted(expert_of_row, expert_ids, right=True, out_int32=True)
+        self.experts = experts
+        self.padded_rows = padded_rows
+        if padded_rows is None:
+            self.rows = choices
+            self.row_of_choice = torch.where(self.kept, flat_row, 0)
+            self.choice_of_row = choice_ids.new_zeros(2 * choices).scatter_(0, target, choice_ids)[:choices]
+            self.live = None
+        else:
+            start = torch.searchsorted(expert_of_row, expert_ids, right=False)
+            slot = flat_row - start.index_select(0, flat_expert)
+            # A device-side assert, not a host read: too small an M must not silently mix two experts' rows.
+            torch._assert_async(torch.where(self.kept, slot < padded_rows, True).all(),
+                                "max_rows_per_expert is smaller than an expert's kept rows")
+            padded = flat_expert * padded_rows + slot
+            self.rows = experts * padded_rows
+            padded_target = torch.where(self.kept, padded, self.rows + choice_ids)
+            self.row_of_choice = torch.where(self.kept, padded, 0)
+            self.choice_of_row = choice_ids.new_zeros(self.rows + choices).scatter_(
+                0, padded_target, choice_ids)[:self.rows]
+            self.live = torch.zeros(self.rows + choices, dtype=torch.bool, device=device).scatter_(
+                0, padded_target, True)[:self.rows]
+
+    def rows_times(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """Row ``r`` of expert ``e``: ``a[r] @ b[e]``. a: ``[rows, K]``; b: ``[E, K, N]`` -> ``[rows, N]``."""
+        if self.padded_rows is None:
+            return torch._grouped_mm(a, b, offs=self.offs)
+        out = torch.bmm(a.view(self.experts, self.padded_rows, a.shape[1]), b)
+        return out.view(self.rows, b.shape[2])
+
+    def per_expert_outer(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """``sum over expert e's rows r of a[r]^T b[r]``. a: ``[rows, K1]``; b: ``[rows, K2]`` -> ``[E, K1, K2]``
+        (zero for an expert with no rows)."""
+        if self.padded_rows is None:
+            return torch._grouped_mm(a.t(), b, offs=self.offs)
+        shape = (self.experts, self.padded_rows)
+        return torch.bmm(a.view(*shape, a.shape[1]).transpose(1, 2), b.view(*shape, b.shape[1]))
+
+
+def _activation_and_derivative(pre: torch.Tensor, activation: str, intermediate: int):
+    """``h = act(pre)`` and a function ``dh -> dpre``; all in ``pre``'s (compute) dtype.
+    pre: ``[rows, I]`` (``[rows, 2I]`` for swiglu, gate half first)."""
+    if activation == "swiglu":
+        gate, up = pre[:, :intermediate], pre[:, intermediate:]
+        sig = torch.sigmoid(gate)
+        silu = gate * sig
+        silu_slope = sig * (1 + gate * (1 - sig))
+        return silu * up, lambda dh: torch.cat((dh * up * silu_slope, dh * silu), dim=1)
+    if activation == "relu":
+        return F.relu(pre), lambda dh: torch.where(pre > 0, dh, 0)
+    if activation == "silu":
+        sig = torch.sigmoid(pre)
+        return pre * sig, lambda dh: dh * (sig * (1 + pre * (1 - sig)))
+    # exact (erf) gelu: z * Phi(z); derivative Phi(z) + z * phi(z)
+    cdf = 0.5 * (1 + torch.erf(pre * (1 / math.sqrt(2))))
+    pdf = torch.exp(-0.5 * pre * pre) * (1 / math.sqrt(2 * math.pi))
+    return pre * cdf, lambda dh: dh * (cdf + pre * pdf)
+
+
+def expert_backward(
+    x: torch.Tensor,
+    router_weight: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    expert: torch.Tensor,
+    weight: torch.Tensor,
+    row: torch.Tensor,
+    dy: torch.Tensor,
+    *,
+    activation: str,
+    normalize_topk: bool,
+    needs: Sequence[bool] = (True, True, True, True),
+    gemm: str = "auto",
+    max_rows_per_expert: int | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """Gradients of the MoE layer on one rank, from what the forward saved. See the module docstring.
+
+    Inputs (``T`` tokens, ``H`` hidden, ``I`` intermediate, ``E`` experts, ``k`` choices per token), all on
+    one device:
+
+    x:             ``[T, H]`` bfloat16 / float16 / float32 (float64 accepted: the padded back end).
+    router_weight: ``[E, H]``, x's dtype.
+    w1:            ``[E, H, I]`` (``[E, H, 2I]`` for swiglu: gate half first, then up half), x's dtype.
+    w2:            ``[E, I, H]``, x's dtype.
+    expert:        ``[T, k]`` int32 (or int64): the chosen experts, distinct within a token.
+    weight:        ``[T, k]`` float32 (any float): the combine weights the forward used (after the top-k
+                   renormalisation when ``normalize_topk``).
+    row:           ``[T, k]`` int32 (or int64): the choice's row in the packed per-expert buffer of one rank:
+                   expert 0's rows first, then expert 1's, ... (rows ``0 .. kept - 1``, no gaps);
+                   ``-1``: dropped by capacity (no expert gradient; the choice's probability still sits in
+                   the renormalisation's sum, as in :func:`flashdmoe.reference.moe_fixed_routing`).
+    dy:            ``[T, H]``, x's dtype: the gradient of the layer's output.
+
+    activation: one of ``relu``, ``gelu`` (exact), ``silu``, ``swiglu``; normalize_topk: as in the forward.
+    needs: which of ``(dx, d_router, dw1, dw2)`` to compute (the others come back as None).
+    gemm: ``"auto"``, ``"grouped_mm"`` or ``"padded_bmm"`` (module docstring).
+    max_rows_per_expert: ``M`` of the padded back end (default ``T``); it must bound every expert's kept
+    rows (the capacity, when there is one), else a device-side assert fires.
+
+    Returns ``(dx [T, H], d_router [E, H], dw1 like w1, dw2 like w2)`` in the inputs' dtype, None where
+    ``needs`` says so. ``ValueError`` names the argument that has a wrong shape, dtype or device.
+    """
+    tokens, hidden, intermediate, experts = _check(x, router_weight, w1, w2, expert, weight, row, dy, activation,
+                                                   needs, gemm, max_rows_per_expert)
+    need_dx, need_router, need_dw1, need_dw2 = needs
+    dtype = x.dtype
+    if tokens == 0:
+        zeros = [x.new_zeros(0, hidden), torch.zeros_like(router_weight), torch.zeros_like(w1), torch.zeros_like(w2)]
+        return tuple(z if need else None for z, need in zip(zeros, needs))
+    if not any(needs):
+        return (None, None, None, None)
+    if gemm == "auto":
+        gemm = "padded_bmm" if grouped_mm_supported(dtype, x.device, hidden, intermediate) else "grouped_mm"
+    padded_rows = None
+    if gemm == "padded_bmm":
+        padded_rows = tokens if max_rows_per_expert is None else min(max_rows_per_expert, tokens)
+    cdtype = compute_dtype(dtype)
+    top_k = expert.shape[1]
+    w1, w2 = w1.contiguous(), w2.contiguous()  # no-ops for parameters; _grouped_mm needs aligned strides
+    layout = _Rows(expert, row, experts, padded_rows)
+
+    token_of_row = layout.choice_of_row // top_k
+    w_row = weight.reshape(-1).index_select(0, layout.choice_of_row).to(cdtype)
+    if layout.live is not None:
+        w_row = torch.where(layout.live, w_row, 0)  # padding rows add nothing to the weight gradients
+    x_rows = x.index_select(0, token_of_row)
+
+    need_weight_grad = need_dx or need_router  # the combine weights' gradient feeds the router
+    need_g = need_weight_grad or need_dw1
+
+    pre = layout.rows_times(x_rows, w1).to(cdtype)
+    h, dpre_of = _activation_and_derivative(pre, activation, intermediate)
+    dw2 = None
+    if need_dw2:
+        dw2 = layout.per_expert_outer((h * w_row[:, None]).to(dtype), dy.index_select(0, token_of_row))
+    dw1 = dx = d_router = None
+    if need_g:
+        g = layout.rows_times(dy.index_select(0, token_of_row), w2.transpose(1, 2)).to(cdtype)
+        dpre = None
+        if need_dx or need_dw1:
+            dpre = dpre_of(g * w_row[:, None]).to(dtype)
+        if need_dw1:
+            dw1 = layout.per_expert_outer(x_rows, dpre)
+        kept = layout.kept.view(tokens, top_k)
+        if need_dx:
+            dx_rows = layout.rows_times(dpre, w1.transpose(1, 2))
+            # where, not a multiply: rows past the packed ones are uninitialised (0 * NaN is NaN)
+            per_choice = dx_rows.index_select(0, layout.row_of_choice).view(tokens, top_k, hidden)
+            dx = torch.where(kept[:, :, None], per_choice, 0).to(cdtype).sum(dim=1)
+        if need_weight_grad:
+            dweight_row = (g * h).sum(dim=1)
+            dweight = torch.where(kept, dweight_row.index_select(0, layout.row_of_choice).view(tokens, top_k), 0)
+            x_compute = x.to(cdtype)
+            dlogits = _router_logit_grad(x_compute, router_weight, expert.long(), dweight, normalize_topk)
+            if need_router:
+                d_router = (dlogits.t() @ x_compute).to(router_weight.dtype)
+            if need_dx:
+                dx = dx + dlogits @ router_weight.to(cdtype)
+        if dx is not None:
+            dx = dx.to(dtype)
+    return dx, d_router, dw1, dw2
+
+
+def _router_logit_grad(x_compute, router_weight, expert, dweight, normalize_topk):
+    """``dlogits [T, E]`` (x_compute's dtype) from ``dweight [T, k]``, the gradient of the combine weights.
+
+    The probabilities are recomputed as the reference does (``softmax(x @ router_weight^T)`` in the compute
+    dtype). Renormalised weights ``w_j = p_j / S`` (``S`` = the sum of all ``k`` chosen ``p``, dropped ones
+    included) give ``dp_j = (dweight_j - sum_i dweight_i w_i) / S``; softmax gives
+    ``dlogits = p * (dP - sum_e p_e dP_e)`` with ``dP`` the ``dp`` scattered to the chosen experts.
+    """
+    probs = torch.softmax(x_compute @ router_weight.to(x_compute.dtype).t(), dim=-1)
+    chosen = probs.gather(1, expert)
+    if normalize_topk:
+        total = chosen.sum(dim=1, keepdim=True)
+        dchosen = (dweight - (dweight * (chosen / total)).sum(dim=1, keepdim=True)) / total
+    else:
+        dchosen = dweight
+    dprobs = torch.zeros_like(probs).scatter_(1, expert, dchosen)  # a token's experts are distinct
+    return probs * (dprobs - (chosen * dchosen).sum(dim=1, keepdim=True))

@@ -1,0 +1,427 @@
+"""Tests of flashdmoe.expert_backward: gradients against autograd through reference.moe_fixed_routing in
+float64, both GEMM back ends, determinism, argument checks; on a GPU also no host sync and CUDA graphs."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from flashdmoe import numerics, reference
+from flashdmoe.expert_backward import expert_backward, grouped_mm_supported
+
+GRAD_NAMES = ("dx", "d_router", "dw1", "dw2")
+
+# The backward rounds to the storage format (at most u/2 relative each time) on the way to a gradient:
+# dx passes through 5 roundings (pre recomputed, g = dy W2^T, dpre, the per-row dx, the returned dx),
+# dW1 through 4 (pre, g, dpre, dW1), dW2 and d_router through 3 (pre, w*h or g, the result). float32
+# accumulation is negligible beside these (see numerics.kernel_tolerance). As kernel_tolerance does, the
+# bound is four times the worst sum n*u/2, for the statistical steps (the GEMMs carrying an operand's
+# error into their result, the activation's slope): 2*n*u with n = 5.
+BACKWARD_ROUNDINGS = 5
+
+
+def backward_tolerance(dtype: torch.dtype) -> float:
+    return 2.0 * BACKWARD_ROUNDINGS * numerics.precision(dtype).unit_roundoff
+
+
+def oracle_tolerance(dtype: torch.dtype, case: "Case") -> float:
+    """float32 / float64 against the float64 oracle: the oracle is exact to ~1e-16, so the difference is
+    one evaluation's rounding error, within reorder_tolerance (which bounds two orders). Reductions run
+    over H (pre, g), I or 2I (per-row dx, dweight), T (weight gradients, d_router) and k; chained four
+    deep (pre -> g, dweight -> dpre -> dx / dW1)."""
+    longest = max(case.H, case.w1_cols, case.T, case.E)
+    return numerics.reorder_tolerance(dtype, longest, depth=4)
+
+
+@dataclass(frozen=True)
+class Case:
+    T: int
+    H: int
+    I: int
+    E: int
+    k: int
+    activation: str
+    normalize: bool = True
+    capacity_factor: float | None = None
+    skew: float = 0.0            # > 0: a few experts get most tokens
+    gemm: str = "auto"
+    cap_rows: bool = False       # padded back end with max_rows_per_expert = the capacity
+    expect: str = ""             # "dropped" / "empty": a property of the routing the case exists to cover
+
+    @property
+    def w1_cols(self) -> int:
+        return 2 * self.I if self.activation == "swiglu" else self.I
+
+    def __str__(self) -> str:
+        cap = "dropless" if self.capacity_factor is None else f"cf{self.capacity_factor}"
+        return (f"T{self.T}-H{self.H}-I{self.I}-E{self.E}-k{self.k}-{self.activation}-"
+                f"{'norm' if self.normalize else 'raw'}-{cap}{'-skew' if self.skew else ''}-{self.gemm}"
+                f"{'-caprows' if self.cap_rows else ''}")
+
+
+CASES = [
+    Case(16, 8, 12, 4, 2, "gelu"),
+    Case(16, 8, 12, 4, 2, "relu", normalize=False),
+    Case(16, 8, 12, 4, 2, "silu", capacity_factor=1.0),
+    Case(16, 8, 12, 4, 2, "swiglu", normalize=False, capacity_factor=0.5, expect="dropped"),
+    Case(1, 8, 8, 4, 1, "gelu"),
+    Case(1, 4, 4, 3, 3, "swiglu"),                                        # k = E
+    Case(0, 8, 8, 4, 2, "silu"),
+    Case(3, 8, 8, 8, 1, "relu", expect="empty"),
+    Case(33, 16, 20, 8, 4, "gelu", capacity_factor=0.75, skew=3.0, expect="dropped"),
+    Case(33, 16, 20, 8, 4, "swiglu", normalize=False, skew=3.0),
+    Case(50, 12, 16, 6, 3, "silu", capacity_factor=0.5, skew=2.0, expect="dropped"),
+    Case(24, 6, 10, 5, 2, "relu"),                                        # H, I off 16 bytes: padded
+    Case(20, 8, 8, 5, 2, "gelu", gemm="padded_bmm"),
+    Case(30, 8, 12, 6, 2, "swiglu", capacity_factor=0.8, skew=2.0, gemm="padded_bmm", cap_rows=True,
+         expect="dropped"),
+    Case(64, 32, 24, 16, 4, "gelu", capacity_factor=1.25),
+    Case(64, 32, 24, 16, 2, "swiglu", skew=4.0, expect="empty"),
+    Case(7, 4, 4, 2, 1, "silu", normalize=False, capacity_factor=0.5, expect="dropped"),
+    Case(9, 8, 4, 4, 4, "relu", capacity_factor=0.5, expect="dropped"),  # k = E, renormalised over dropped
+    Case(40, 16, 16, 4, 2, "relu", capacity_factor=1.0, skew=6.0, expect="dropped"),
+    Case(100, 8, 16, 32, 3, "gelu", normalize=False, expect="empty"),
+    Case(5, 8, 8, 4, 2, "swiglu", gemm="padded_bmm"),
+    Case(12, 4, 8, 3, 2, "gelu", capacity_factor=2.0),
+    Case(1, 16, 16, 16, 4, "silu", gemm="padded_bmm", expect="empty"),
+    Case(10, 8, 8, 1, 1, "gelu"),                                         # one expert: no router gradient
+    Case(17, 12, 8, 6, 3, "relu", normalize=False, capacity_factor=0.5, gemm="padded_bmm", cap_rows=True,
+         expect="dropped"),
+]
+
+
+def pack_rows(experts: torch.Tensor, keep: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """The row of each kept choice in one rank's packed expert buffer, as the fused kernel numbers them:
+    expert 0's kept choices first, then expert 1's, ..., each expert's in token order (a token picks an
+    expert at most once, so flat choice order t * k + j is token order); rows 0 .. kept - 1 without gaps;
+    -1 for a dropped choice. experts [T, k] int64, keep [T, k] bool -> [T, k] int32."""
+    flat = experts.reshape(-1)
+    key = torch.where(keep.reshape(-1), flat, num_experts)  # dropped choices sort last
+    order = torch.sort(key, stable=True).indices
+    kept = int(keep.sum())
+    row = torch.full_like(flat, -1)
+    row[order[:kept]] = torch.arange(kept, device=flat.device)
+    return row.view(experts.shape).to(torch.int32)
+
+
+def make_problem(case: Case, seed: int, dtype: torch.dtype, device: str = "cpu"):
+    """Random inputs (O(1) outputs), the reference's routing and capacity, the packed rows and dy."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def randn(*shape, scale=1.0):
+        return torch.randn(*shape, generator=generator, dtype=torch.float64) * scale
+
+    x = randn(case.T, case.H)
+    router_weight = randn(case.E, case.H, scale=1 / math.sqrt(case.H))
+    direction = randn(case.H)
+    direction /= direction.norm()
+    if case.skew:
+        # A shared direction in every token and a descending bias along it in the router rows: expert 0
+        # gets the most tokens, the last experts few.
+        x += 2.0 * direction
+        router_weight += case.skew * torch.linspace(1, -1, case.E, dtype=torch.float64)[:, None] * direction
+    if case.expect == "empty" and case.T * case.k >= case.E:
+        # Every token gets a component >= 1 along the direction and the last expert's router row points
+        # 30 against it: its logit is <= -30, below the other experts' O(1) logits, so with k < E it is
+        # never chosen (check_case_covers confirms).
+        along = x @ direction
+        x += (along.abs() + 1 - along)[:, None] * direction
+        router_weight[-1] = -30.0 * direction
+    w1 = randn(case.E, case.H, case.w1_cols, scale=1 / math.sqrt(case.H))
+    w2 = randn(case.E, case.I, case.H, scale=1 / math.sqrt(case.I))
+    dy = randn(case.T, case.H)
+    x, router_weight, w1, w2, dy = (t.to(dtype=dtype, device=device) for t in (x, router_weight, w1, w2, dy))
+    routing = reference.route(x, router_weight, case.k, case.normalize)
+    capacity = reference.expert_capacity(case.T, case.k, case.E, case.capacity_factor)
+    keep = reference.keep_mask(routing.experts, case.E, capacity)
+    row = pack_rows(routing.experts, keep, case.E)
+    # weights: float32 as the kernel saves them (float64 for float64 x)
+    inputs = (x, router_weight, w1, w2, routing.experts.to(torch.int32), routing.weights, row, dy)
+    return inputs, keep, capacity
+
+
+def oracle_grads(inputs, keep, case: Case):
+    """Autograd through reference.moe_fixed_routing in float64 on the same (dtype-rounded) inputs."""
+    x, router_weight, w1, w2, experts, _, _, dy = inputs
+    leaves = [t.detach().to(torch.float64).requires_grad_() for t in (x, router_weight, w1, w2)]
+    y = reference.moe_fixed_routing(*leaves, experts.long(), keep, activation=case.activation,
+                                    normalize_topk=case.normalize)
+    return torch.autograd.grad(y, leaves, dy.to(torch.float64), allow_unused=True)
+
+
+def run(inputs, case: Case, capacity, **overrides):
+    options = dict(activation=case.activation, normalize_topk=case.normalize, gemm=case.gemm)
+    if case.cap_rows:
+        options["max_rows_per_expert"] = capacity
+    options.update(overrides)
+    return expert_backward(*inputs, **options)
+
+
+def check_case_covers(case: Case, inputs, keep):
+    """The routing really has what the case claims to cover (a case that drops nothing tests no drops)."""
+    experts = inputs[4].long()
+    if case.expect == "dropped":
+        assert (~keep).any(), f"{case}: no choice was dropped"
+    if case.expect == "empty":
+        kept_counts = torch.bincount(experts[keep], minlength=case.E)
+        assert (kept_counts == 0).any(), f"{case}: every expert got rows"
+
+
+def router_gradient_magnitude(inputs, keep, case: Case) -> torch.Tensor:
+    """d_router evaluated in float64 with every subtraction turned into an addition of magnitudes.
+
+    The router's gradient cancels: a renormalised choice's dp_j = (dweight_j - sum_i w_i dweight_i) / S and
+    the softmax's dP - sum p dP. With few tokens (T = 1) the difference can be a small part of its terms,
+    so an error relative to ||d_router|| measures the problem's conditioning, not the code. Rounding errors
+    are bounded relative to the terms' magnitudes (Higham's running error bound: |fl(e) - e| <= c u |e|_abs
+    with |e|_abs the expression on absolute values), which is this [E, H] tensor."""
+    x, router_weight, w1, w2, experts, _, _, dy = (t.to(torch.float64) if t.is_floating_point() else t.long()
+                                                   for t in inputs)
+    top_k = experts.shape[1]
+    dweight = torch.zeros(experts.numel(), dtype=torch.float64, device=x.device)
+    for e in range(case.E):
+        choices = reference.routed_choices(experts, keep, e)
+        outputs = reference.expert_ffn(x[choices // top_k], w1[e], w2[e], case.activation)
+        dweight[choices] = (outputs * dy[choices // top_k]).sum(dim=1)
+    dweight = dweight.view(experts.shape).abs()
+    probs = reference.router_probs(x, router_weight)
+    chosen = probs.gather(1, experts)
+    if case.normalize:
+        total = chosen.sum(dim=1, keepdim=True)
+        dweight = (dweight + (dweight * chosen / total).sum(dim=1, keepdim=True)) / total
+    dprobs = torch.zeros_like(probs).scatter_(1, experts, dweight)
+    dlogits = probs * (dprobs + (chosen * dweight).sum(dim=1, keepdim=True))
+    return dlogits.t() @ x.abs()
+
+
+def assert_close(got, want, tolerance, case, dtype, *, inputs, keep):
+    """Normwise relative errors within ``tolerance``; d_router's relative to its magnitude bound."""
+    for name, g, w in zip(GRAD_NAMES, got, want):
+        assert g is not None and g.shape == w.shape, f"{case}: {name} missing or misshapen"
+        assert g.dtype == dtype, f"{case}: {name} is {g.dtype}, expected {dtype}"
+        if name == "d_router":
+            scale = float(router_gradient_magnitude(inputs, keep, case).norm())
+            error = float((g.to(torch.float64) - w).norm()) / scale if scale else float(g.abs().max())
+        else:
+            error = numerics.normwise_error(g, w)
+        assert error <= tolerance, f"{case} {dtype}: {name} normwise error {error:.3g} > {tolerance:.3g}"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# CPU
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_float32_against_float64_oracle(case, seed):
+    inputs, keep, capacity = make_problem(case, seed, torch.float32)
+    check_case_covers(case, inputs, keep)
+    got = run(inputs, case, capacity)
+    assert_close(got, oracle_grads(inputs, keep, case), oracle_tolerance(torch.float32, case), case, torch.float32,
+                 inputs=inputs, keep=keep)
+    again = run(inputs, case, capacity)
+    for name, first, second in zip(GRAD_NAMES, got, again):
+        assert torch.equal(first, second), f"{case}: {name} differs between two runs"
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.T > 0][::3], ids=str)
+def test_float64_against_float64_oracle(case, seed):
+    """float64 runs the padded back end; agreement to float64 rounding checks the formulas themselves."""
+    inputs, keep, capacity = make_problem(case, seed, torch.float64)
+    got = run(inputs, case, capacity)
+    assert_close(got, oracle_grads(inputs, keep, case), oracle_tolerance(torch.float64, case), case, torch.float64,
+                 inputs=inputs, keep=keep)
+
+
+HALF_CASES = [CASES[3], CASES[8], CASES[9], CASES[14], CASES[15], CASES[18]]
+
+
+@pytest.mark.parametrize("gemm", ["auto", "padded_bmm"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", HALF_CASES, ids=str)
+def test_half_precision_on_cpu(case, dtype, gemm, seed):
+    """The CPU runs the same half-precision code (torch._grouped_mm takes bf16 / fp16 here)."""
+    case = Case(**{**case.__dict__, "gemm": gemm})
+    inputs, keep, capacity = make_problem(case, seed, dtype)
+    got = run(inputs, case, capacity)
+    assert_close(got, oracle_grads(inputs, keep, case), backward_tolerance(dtype), case, dtype,
+                 inputs=inputs, keep=keep)
+
+
+def test_auto_picks_grouped_mm_where_it_runs_on_cpu():
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip(f"torch {torch.__version__} has no torch._grouped_mm")
+    cpu = torch.device("cpu")
+    assert grouped_mm_supported(torch.float32, cpu, 8, 12) == ""
+    assert grouped_mm_supported(torch.bfloat16, cpu, 16, 24) == ""
+    assert "multiples of 4" in grouped_mm_supported(torch.float32, cpu, 6, 12)
+    assert "float64" in grouped_mm_supported(torch.float64, cpu, 8, 8)
+
+
+@pytest.mark.parametrize("needs", [(True, False, False, False), (False, True, False, False),
+                                   (False, False, True, False), (False, False, False, True),
+                                   (False, True, False, True), (False, False, False, False)], ids=str)
+def test_needs_selects_gradients_and_changes_none(needs, seed):
+    case = Case(24, 8, 12, 6, 3, "swiglu", capacity_factor=0.75, skew=2.0)
+    inputs, _, capacity = make_problem(case, seed, torch.float32)
+    full = run(inputs, case, capacity)
+    partial = run(inputs, case, capacity, needs=needs)
+    for name, need, whole, part in zip(GRAD_NAMES, needs, full, partial):
+        if need:
+            assert torch.equal(whole, part), f"{name} differs when computed alone"
+        else:
+            assert part is None, f"{name} was not asked for"
+
+
+@pytest.mark.parametrize("gemm", ["grouped_mm", "padded_bmm"])
+def test_unwritten_rows_are_never_read(gemm, seed):
+    """torch._grouped_mm leaves rows past the last group unwritten; deterministic mode fills fresh memory
+    with NaN, so a read of any of them would show. Same bits as without it: nothing else changes either."""
+    if gemm == "grouped_mm" and not hasattr(torch, "_grouped_mm"):
+        pytest.skip(f"torch {torch.__version__} has no torch._grouped_mm")
+    case = Case(40, 8, 12, 6, 3, "swiglu", capacity_factor=0.5, skew=2.0, gemm=gemm, expect="dropped")
+    inputs, keep, capacity = make_problem(case, seed, torch.float32)
+    check_case_covers(case, inputs, keep)
+    plain = run(inputs, case, capacity)
+    was_on = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        poisoned = run(inputs, case, capacity)
+    finally:
+        torch.use_deterministic_algorithms(was_on)
+    for name, want, got in zip(GRAD_NAMES, plain, poisoned):
+        assert torch.equal(got, want), f"{name} changed when unwritten memory holds NaN"
+
+
+def test_zero_tokens_gives_zero_weight_gradients():
+    case = Case(0, 8, 8, 4, 2, "gelu")
+    inputs, _, capacity = make_problem(case, 0, torch.float32)
+    dx, d_router, dw1, dw2 = run(inputs, case, capacity)
+    assert dx.shape == (0, 8)
+    for grad, like in ((d_router, inputs[1]), (dw1, inputs[2]), (dw2, inputs[3])):
+        assert grad.shape == like.shape and not grad.any()
+
+
+def test_too_few_padded_rows_is_caught_on_the_device():
+    case = Case(16, 8, 8, 2, 1, "relu", gemm="padded_bmm")
+    inputs, keep, capacity = make_problem(case, 1, torch.float32)
+    rows_of_busiest = int(torch.bincount(inputs[4].long()[keep], minlength=2).max())
+    run(inputs, case, capacity, max_rows_per_expert=rows_of_busiest)  # exactly enough is fine
+    with pytest.raises(RuntimeError, match="max_rows_per_expert"):
+        run(inputs, case, capacity, max_rows_per_expert=rows_of_busiest - 1)
+
+
+def _bad_arguments():
+    case = Case(4, 8, 8, 3, 2, "gelu")
+    inputs, _, _ = make_problem(case, 0, torch.float32)
+    x, router_weight, w1, w2, expert, weight, row, dy = inputs
+    good = dict(x=x, router_weight=router_weight, w1=w1, w2=w2, expert=expert, weight=weight, row=row, dy=dy)
+    return [
+        ("x", dict(good, x=x[:, None]), {}),
+        ("x", dict(good, x=x.to(torch.int32)), {}),
+        ("router_weight", dict(good, router_weight=router_weight[:, :4]), {}),
+        ("router_weight", dict(good, router_weight=router_weight.double()), {}),
+        ("w1", dict(good, w1=w1[:, :, :4]), {}),
+        ("w2", dict(good, w2=w2[:2]), {}),
+        ("dy", dict(good, dy=dy[:2]), {}),
+        ("expert", dict(good, expert=expert.float()), {}),
+        ("expert", dict(good, expert=expert[:2]), {}),
+        ("weight", dict(good, weight=weight[:, :1]), {}),
+        ("weight", dict(good, weight=weight.int()), {}),
+        ("row", dict(good, row=row.to(torch.int16)), {}),
+        ("activation", good, dict(activation="tanh")),
+        ("gemm", good, dict(gemm="cublas")),
+        ("needs", good, dict(needs=(True, True))),
+        ("max_rows_per_expert", good, dict(max_rows_per_expert=-1)),
+        ("grouped_mm", dict(good, **{k: v.double() for k, v in good.items()
+                                     if k in ("x", "router_weight", "w1", "w2", "dy")}), dict(gemm="grouped_mm")),
+    ]
+
+
+@pytest.mark.parametrize("argument,arguments,options", _bad_arguments(),
+                         ids=[f"{name}-{i}" for i, (name, _, _) in enumerate(_bad_arguments())])
+def test_bad_arguments_raise_value_error_naming_them(argument, arguments, options):
+    kwargs = dict(activation="gelu", normalize_topk=True)
+    kwargs.update(options)
+    with pytest.raises(ValueError, match=argument):
+        expert_backward(*arguments.values(), **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# GPU
+# ---------------------------------------------------------------------------------------------------------
+
+GPU_CASES = [
+    Case(512, 256, 512, 16, 4, "gelu", capacity_factor=1.25, skew=2.0),
+    Case(777, 128, 384, 8, 2, "swiglu", normalize=False),
+    Case(300, 128, 256, 32, 8, "silu", capacity_factor=0.5, expect="dropped"),
+    Case(64, 256, 128, 64, 6, "relu", expect="empty"),
+    Case(1, 128, 128, 8, 2, "swiglu"),
+    Case(2048, 512, 256, 16, 2, "swiglu", capacity_factor=1.0, skew=3.0, expect="dropped"),
+]
+
+
+def _gpu_problem(case, seed, dtype):
+    return make_problem(case, seed, dtype, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gemm", ["auto", "padded_bmm"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", GPU_CASES, ids=str)
+def test_gpu_against_float64_oracle(case, dtype, gemm, seed):
+    case = Case(**{**case.__dict__, "gemm": gemm})
+    inputs, keep, capacity = _gpu_problem(case, seed, dtype)
+    check_case_covers(case, inputs, keep)
+    got = run(inputs, case, capacity)
+    assert_close(got, oracle_grads(inputs, keep, case), backward_tolerance(dtype), case, dtype,
+                 inputs=inputs, keep=keep)
+    again = run(inputs, case, capacity)
+    for name, first, second in zip(GRAD_NAMES, got, again):
+        assert torch.equal(first, second), f"{case} {dtype}: {name} differs between two runs"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_gpu_no_host_synchronisation(dtype, seed):
+    case = Case(1024, 256, 512, 16, 4, "swiglu", capacity_factor=1.0, skew=2.0)
+    inputs, _, capacity = _gpu_problem(case, seed, dtype)
+    if dtype == torch.bfloat16 and torch.cuda.get_device_capability()[0] == 9:
+        # Hopper bf16 must take the CUTLASS grouped GEMMs, the path whose lack of sync this checks.
+        assert grouped_mm_supported(dtype, inputs[0].device, case.H, case.I) == ""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        grads = run(inputs, case, capacity)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert all(g is not None for g in grads)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_gpu_cuda_graph_replay_equals_eager(dtype, seed):
+    case = Case(1024, 256, 384, 16, 4, "gelu", capacity_factor=1.25, skew=2.0)
+    static_inputs, _, capacity = _gpu_problem(case, seed, dtype)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capture (library handles, allocator pools)
+        for _ in range(2):
+            run(static_inputs, case, capacity)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_grads = run(static_inputs, case, capacity)
+    # New values (and new routing) in the same tensors: a replay must use them, not the captured ones.
+    fresh_inputs, _, _ = _gpu_problem(case, seed + 1, dtype)
+    for static, fresh in zip(static_inputs, fresh_inputs):
+        static.copy_(fresh)
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = run(fresh_inputs, case, capacity)
+    for name, replayed, want in zip(GRAD_NAMES, static_grads, eager):
+        assert torch.equal(replayed, want), f"{dtype}: {name} from the graph differs from eager"
