@@ -1,7 +1,14 @@
 // pybind11 entry point: raw device pointers, shapes and the stream handle in; no libtorch linkage, so
 // the module works with any torch build. Tensor checks live in flashdmoe/cuda_backend.py.
+//
+// A forward is two calls: `prepare_forward` parses the launch's options once per (shapes, options,
+// team) into a PreparedForward the Python side caches; `launch` then takes only the per-call addresses,
+// the sequence number and the stream, so a forward parses no dicts.
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+#include <climits>
 #include <cstdint>
+#include <vector>
 #include "moe/launch.h"
 
 namespace py = pybind11;
@@ -20,10 +27,21 @@ T get(const py::dict& d, const char* key) {
   return d[key].cast<T>();
 }
 
-// shared: the launch's common arguments; ranks: one dict per rank in the launch (see RankArgs).
-py::dict forward(const py::dict& shared, const py::list& ranks, uintptr_t stream) {
-  ForwardArgs a{};
-  a.router = as_ptr<const void>(get<uintptr_t>(shared, "router"));
+// Everything a launch needs but the per-call addresses (x, weights, outputs, workspace), the sequence
+// number and the stream.
+struct PreparedForward {
+  ForwardArgs args;
+};
+
+// Per-call addresses, in this order after the router: per rank x, w1, w2, y, topk_expert, topk_weight,
+// topk_row, expert_counts, workspace.
+constexpr int kAddressesPerRank = 9;
+
+// shared: the launch's common options; ranks: one dict per rank in the launch (tokens, capacity, rank,
+// silent, workspace_bytes, peer_recv / peer_comb / peer_signals).
+PreparedForward prepare_forward(const py::dict& shared, const py::list& ranks) {
+  PreparedForward prepared{};
+  ForwardArgs& a = prepared.args;
   a.hidden = get<int>(shared, "hidden");
   a.ffn = get<int>(shared, "ffn");
   a.experts = get<int>(shared, "experts");
@@ -33,7 +51,6 @@ py::dict forward(const py::dict& shared, const py::list& ranks, uintptr_t stream
   a.dtype = static_cast<DType>(get<int>(shared, "dtype"));
   a.activation = static_cast<Activation>(get<int>(shared, "activation"));
   a.normalize_topk = get<bool>(shared, "normalize_topk");
-  a.sequence = get<uint32_t>(shared, "sequence");
   a.timeout_ns = get<uint64_t>(shared, "timeout_ns");
   a.debug_withhold_phase = get<int>(shared, "debug_withhold_phase");
   a.expert_variant = get<int>(shared, "expert_variant");
@@ -46,15 +63,6 @@ py::dict forward(const py::dict& shared, const py::list& ranks, uintptr_t stream
   for (int i = 0; i < a.num_ranks; ++i) {
     const py::dict d = ranks[i].cast<py::dict>();
     RankArgs& r = a.ranks[i];
-    r.x = as_ptr<const void>(get<uintptr_t>(d, "x"));
-    r.w1 = as_ptr<const void>(get<uintptr_t>(d, "w1"));
-    r.w2 = as_ptr<const void>(get<uintptr_t>(d, "w2"));
-    r.y = as_ptr<void>(get<uintptr_t>(d, "y"));
-    r.topk_expert = as_ptr<int>(get<uintptr_t>(d, "topk_expert"));
-    r.topk_weight = as_ptr<float>(get<uintptr_t>(d, "topk_weight"));
-    r.topk_row = as_ptr<int>(get<uintptr_t>(d, "topk_row"));
-    r.expert_counts = as_ptr<int>(get<uintptr_t>(d, "expert_counts"));
-    r.workspace = as_ptr<void>(get<uintptr_t>(d, "workspace"));
     r.workspace_bytes = get<size_t>(d, "workspace_bytes");
     r.tokens = get<int>(d, "tokens");
     r.capacity = get<int>(d, "capacity");
@@ -71,16 +79,97 @@ py::dict forward(const py::dict& shared, const py::list& ranks, uintptr_t stream
       r.peer_signals[q] = as_ptr<uint32_t>(signals[q].cast<uintptr_t>());
     }
   }
+  return prepared;
+}
+
+// Every rank's status block (the first kStatusBytes of its workspace) into `host` (pinned, num_ranks *
+// kStatusBytes), asynchronously on `stream`: one strided copy when the workspaces sit at one pitch.
+void copy_status_back(const ForwardArgs& a, void* host, cudaStream_t stream) {
+  const char* first = static_cast<const char*>(a.ranks[0].workspace);
+  ptrdiff_t pitch = static_cast<ptrdiff_t>(kStatusBytes);
+  bool strided = true;
+  if (a.num_ranks > 1) {
+    pitch = static_cast<const char*>(a.ranks[1].workspace) - first;
+    for (int i = 2; i < a.num_ranks; ++i)
+      strided = strided && static_cast<const char*>(a.ranks[i].workspace) - first == pitch * i;
+    strided = strided && pitch >= static_cast<ptrdiff_t>(kStatusBytes) && pitch <= INT_MAX;
+  }
+  cudaError_t status = cudaSuccess;
+  if (strided) {
+    status = cudaMemcpy2DAsync(host, kStatusBytes, first, static_cast<size_t>(pitch), kStatusBytes, a.num_ranks,
+                               cudaMemcpyDeviceToHost, stream);
+  } else {
+    for (int i = 0; i < a.num_ranks && status == cudaSuccess; ++i)
+      status = cudaMemcpyAsync(static_cast<char*>(host) + i * kStatusBytes, a.ranks[i].workspace, kStatusBytes,
+                               cudaMemcpyDeviceToHost, stream);
+  }
+  if (status != cudaSuccess)
+    throw std::runtime_error(std::string("copying the status words back: ") + cudaGetErrorString(status));
+}
+
+// One forward: zero the sync words, launch the kernel and, when `status_host` is not 0, copy every
+// rank's status block into it (pinned memory) and record `status_event` (when not 0) behind the copy;
+// nothing waits. Returns (grid, blocks per SM, shared memory bytes per block).
+py::tuple launch(const PreparedForward& prepared, const std::vector<uintptr_t>& addresses, uint32_t sequence,
+                 uintptr_t stream, uintptr_t status_host, uintptr_t status_event) {
+  ForwardArgs a = prepared.args;
+  if (addresses.size() != static_cast<size_t>(1 + kAddressesPerRank * a.num_ranks))
+    throw std::invalid_argument("addresses: expected the router and " + std::to_string(kAddressesPerRank) +
+                                " addresses per rank for " + std::to_string(a.num_ranks) + " ranks, got " +
+                                std::to_string(addresses.size()));
+  a.router = as_ptr<const void>(addresses[0]);
+  a.sequence = sequence;
+  for (int i = 0; i < a.num_ranks; ++i) {
+    const uintptr_t* p = addresses.data() + 1 + kAddressesPerRank * i;
+    RankArgs& r = a.ranks[i];
+    r.x = as_ptr<const void>(p[0]);
+    r.w1 = as_ptr<const void>(p[1]);
+    r.w2 = as_ptr<const void>(p[2]);
+    r.y = as_ptr<void>(p[3]);
+    r.topk_expert = as_ptr<int>(p[4]);
+    r.topk_weight = as_ptr<float>(p[5]);
+    r.topk_row = as_ptr<int>(p[6]);
+    r.expert_counts = as_ptr<int>(p[7]);
+    r.workspace = as_ptr<void>(p[8]);
+  }
+  const auto cuda_stream = reinterpret_cast<cudaStream_t>(stream);
   LaunchInfo info;
   {
     py::gil_scoped_release release;
-    info = launch_forward(a, reinterpret_cast<cudaStream_t>(stream));
+    info = launch_forward(a, cuda_stream);
+    if (status_host != 0) copy_status_back(a, as_ptr<void>(status_host), cuda_stream);
+    if (status_event != 0) {
+      const cudaError_t status = cudaEventRecord(reinterpret_cast<cudaEvent_t>(status_event), cuda_stream);
+      if (status != cudaSuccess)
+        throw std::runtime_error(std::string("recording the status event: ") + cudaGetErrorString(status));
+    }
   }
-  py::dict out;
-  out["grid"] = info.grid;
-  out["blocks_per_sm"] = info.blocks_per_sm;
-  out["smem_bytes"] = info.smem_bytes;
-  return out;
+  return py::make_tuple(info.grid, info.blocks_per_sm, info.smem_bytes);
+}
+
+// Completion events of the status copies, owned by the Python side's slots (one per slot, for the
+// process's lifetime), created on the current device.
+uintptr_t event_create() {
+  cudaEvent_t event = nullptr;
+  const cudaError_t status = cudaEventCreateWithFlags(&event, cudaEventDisableTiming);
+  if (status != cudaSuccess) throw std::runtime_error(std::string("cudaEventCreate: ") + cudaGetErrorString(status));
+  return reinterpret_cast<uintptr_t>(event);
+}
+
+bool event_query(uintptr_t event) {
+  const cudaError_t status = cudaEventQuery(reinterpret_cast<cudaEvent_t>(event));
+  if (status == cudaSuccess) return true;
+  if (status == cudaErrorNotReady) return false;
+  throw std::runtime_error(std::string("cudaEventQuery: ") + cudaGetErrorString(status));
+}
+
+void event_synchronize(uintptr_t event) {
+  cudaError_t status;
+  {
+    py::gil_scoped_release release;
+    status = cudaEventSynchronize(reinterpret_cast<cudaEvent_t>(event));
+  }
+  if (status != cudaSuccess) throw std::runtime_error(std::string("cudaEventSynchronize: ") + cudaGetErrorString(status));
 }
 
 py::dict layout(int tokens, int hidden, int ffn, int experts, int top_k, int dtype, int world_size, int stream_rows) {
@@ -99,6 +188,18 @@ py::dict layout(int tokens, int hidden, int ffn, int experts, int top_k, int dty
   return out;
 }
 
+// Byte offsets inside one rank's status block (params.cuh).
+py::dict status_layout() {
+  py::dict out;
+  out["bytes"] = kStatusBytes;
+  out["error_word"] = kStatusErrorWord;
+  out["phase_clock"] = kStatusPhaseClock;
+  out["phase_clock_slots"] = kPhaseClockSlots;
+  out["traffic"] = kStatusTraffic;
+  out["status_flags"] = kStatusFlags;
+  return out;
+}
+
 py::dict attributes(int dtype, int expert_variant) {
   const KernelAttributes k = kernel_attributes(static_cast<DType>(dtype), expert_variant);
   py::dict out;
@@ -113,11 +214,24 @@ py::dict attributes(int dtype, int expert_variant) {
 
 PYBIND11_MODULE(flashdmoe_cuda, m) {
   m.doc() = "FlashDMoE fused persistent MoE kernel (raw-pointer bindings)";
-  m.def("forward", &forward,
-        "Launch the fused MoE forward for the ranks in `ranks` (memset of sync words + one kernel).",
-        py::arg("shared"), py::arg("ranks"), py::arg("stream"));
+  py::class_<PreparedForward>(m, "PreparedForward",
+                              "A launch's options parsed once (shapes, dtype, knobs, peer tables); see launch().")
+      .def_property_readonly("num_ranks", [](const PreparedForward& p) { return p.args.num_ranks; });
+  m.def("prepare_forward", &prepare_forward, "Parse a launch's options once (no CUDA call).", py::arg("shared"),
+        py::arg("ranks"));
+  m.def("launch", &launch,
+        "Zero the sync words, launch the fused forward, copy the status blocks into `status_host` (pinned; "
+        "0: no copy) and record `status_event` (0: none), all asynchronously on `stream`. Returns (grid, "
+        "blocks_per_sm, smem_bytes).",
+        py::arg("prepared"), py::arg("addresses"), py::arg("sequence"), py::arg("stream"), py::arg("status_host"),
+        py::arg("status_event"));
+  m.def("event_create", &event_create, "A timing-free CUDA event on the current device (its handle).");
+  m.def("event_query", &event_query, "Whether the event completed (never blocks).", py::arg("event"));
+  m.def("event_synchronize", &event_synchronize, "Wait for the event (the GIL is released).", py::arg("event"));
+  m.attr("addresses_per_rank") = kAddressesPerRank;
   m.def("workspace_layout", &layout, py::arg("tokens"), py::arg("hidden"), py::arg("ffn"), py::arg("experts"),
         py::arg("top_k"), py::arg("dtype"), py::arg("world_size") = 1, py::arg("stream_rows") = 0);
+  m.def("status_layout", &status_layout);
   m.def("check_shapes", &check_shapes, py::arg("tokens"), py::arg("hidden"), py::arg("ffn"), py::arg("experts"),
         py::arg("top_k"), py::arg("world_size") = 1);
   m.attr("max_ranks") = kMaxRanks;

@@ -7,6 +7,11 @@ Public API::
     layer = flashdmoe.MoELayer(flashdmoe.MoEConfig.from_yaml("configs/tiny.yaml").replace(world_size=1))
 
 ``flashdmoe.reference`` is the plain-PyTorch oracle; ``flashdmoe.Team`` describes the ranks.
+
+A fused (CUDA) forward does not wait for its kernel: its errors surface later, at the points
+``flashdmoe.check_errors`` lists (``flashdmoe.synchronize()`` waits and checks everything;
+``flashdmoe.set_sync_checks(True)`` raises at the call). ``flashdmoe.last_report()`` is the latest
+launch's report (per-phase times, traffic, status).
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ from flashdmoe.api import moe, moe_expert_parallel
 from flashdmoe.config import MoEConfig, make_tokens, make_weights
 from flashdmoe.errors import BackendUnavailable, KernelTimeout
 from flashdmoe.layer import MoELayer
+from flashdmoe.launch_report import LaunchReport
+from flashdmoe.status_checks import check_errors, last_report, set_sync_checks, synchronize
 
 try:
     __version__ = metadata.version("flashdmoe")
@@ -27,15 +34,20 @@ except metadata.PackageNotFoundError:  # running from a source tree that is not 
 __all__ = [
     "BackendUnavailable",
     "KernelTimeout",
+    "LaunchReport",
     "MoEConfig",
     "MoELayer",
     "Team",
     "__version__",
+    "check_errors",
+    "last_report",
     "make_tokens",
     "make_weights",
     "moe",
     "moe_expert_parallel",
     "reference",
+    "set_sync_checks",
+    "synchronize",
 ]
 
 # Imported on first use: the reference and the team module are heavier or come from other parts.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 from typing import Any
 
@@ -29,6 +30,39 @@ def _team_world_size(team: Any) -> int:
     return world_size
 
 
+_validated: dict = {}
+_VALIDATED_LIMIT = 1024
+
+
+def _validate(x, router_weight, w1, w2, *, top_k, activation, capacity_factor, world_size):
+    """:func:`validate_moe_inputs`, remembered per call signature for tensors off the CPU.
+
+    The checks read only shapes, dtypes, devices and layouts, so a signature that passed once passes
+    again; CPU tensors are also scanned for NaN (a cheap host read there, a device synchronisation on a
+    GPU), so they are checked every call. Types are part of the key: ``top_k=True`` equals ``1`` but is
+    refused.
+    """
+    if x.device.type == "cpu":
+        return validate_moe_inputs(x, router_weight, w1, w2, top_k=top_k, activation=activation,
+                                   capacity_factor=capacity_factor, world_size=world_size)
+    try:
+        key = (x.shape, router_weight.shape, w1.shape, w2.shape, x.dtype, router_weight.dtype, w1.dtype, w2.dtype,
+               x.device, router_weight.device, w1.device, w2.device, x.is_contiguous(), router_weight.is_contiguous(),
+               w1.is_contiguous(), w2.is_contiguous(), top_k, type(top_k), activation, capacity_factor,
+               type(capacity_factor), world_size, type(world_size))
+        sizes = _validated.get(key)
+    except (AttributeError, TypeError):  # not tensors, or an unhashable option: the full checks say why
+        key, sizes = None, None
+    if sizes is None:
+        sizes = validate_moe_inputs(x, router_weight, w1, w2, top_k=top_k, activation=activation,
+                                    capacity_factor=capacity_factor, world_size=world_size)
+        if key is not None:
+            if len(_validated) >= _VALIDATED_LIMIT:
+                _validated.clear()
+            _validated[key] = sizes
+    return sizes
+
+
 def cuda_unavailable_reason(x: torch.Tensor) -> str | None:
     """Why the fused CUDA backend cannot run on ``x`` here, or ``None`` if it can.
 
@@ -38,20 +72,26 @@ def cuda_unavailable_reason(x: torch.Tensor) -> str | None:
     if not x.is_cuda:
         return f"tensors are on {x.device.type}; the fused kernel needs CUDA tensors"
     try:
-        cuda_backend = importlib.import_module("flashdmoe.cuda_backend")
+        cuda_backend = _module("flashdmoe.cuda_backend")
     except ImportError as error:
         return f"flashdmoe.cuda_backend cannot be imported: {error}"
-    supported = tuple(getattr(cuda_backend, "DTYPE_CODES", CUDA_DTYPES))
+    supported = getattr(cuda_backend, "DTYPE_CODES", CUDA_DTYPES)
     if x.dtype not in supported:
         names = ", ".join(str(dtype).removeprefix("torch.") for dtype in supported)
         return f"dtype {x.dtype} is not supported by the fused kernel (it runs {names})"
     try:
-        extension = importlib.import_module("flashdmoe.extension")
+        extension = _module("flashdmoe.extension")
     except ImportError as error:
         return f"flashdmoe.extension cannot be imported: {error}"
     if not extension.available():
         return extension.unavailable_reason() or "the CUDA extension is not available"
     return None
+
+
+@functools.lru_cache(maxsize=None)
+def _module(name: str):
+    """A module imported once (this runs on every forward; a failed import is retried)."""
+    return importlib.import_module(name)
 
 
 def resolve_backend(x: torch.Tensor, backend: str, team: Any = None) -> str:
@@ -123,15 +163,19 @@ def moe(
     Raises:
         ValueError: bad input, naming the argument (see :func:`flashdmoe.validation.validate_moe_inputs`).
         BackendUnavailable: ``backend="cuda"`` cannot run here.
-        KernelTimeout: the fused kernel's watchdog fired.
+        KernelTimeout: a fused kernel's watchdog fired. The fused forward does not wait for its kernel,
+            so this (and ``ValueError`` for NaN / Inf in ``x`` or ``router_weight``) is raised by a later
+            call: see :func:`flashdmoe.check_errors` for exactly when.
     """
     world_size = _team_world_size(team)
     if not isinstance(normalize_topk, bool):
         raise ValueError(f"normalize_topk={normalize_topk!r}: expected True or False")
     if not isinstance(return_aux, bool):
         raise ValueError(f"return_aux={return_aux!r}: expected True or False")
-    validate_moe_inputs(x, router_weight, w1, w2, top_k=top_k, activation=activation,
-                        capacity_factor=capacity_factor, world_size=world_size)
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"x: expected a torch.Tensor, got {type(x).__name__}")
+    _validate(x, router_weight, w1, w2, top_k=top_k, activation=activation, capacity_factor=capacity_factor,
+              world_size=world_size)
     chosen = resolve_backend(x, backend, team)
     if chosen == "cuda":
         from flashdmoe import cuda_backend
@@ -189,8 +233,10 @@ def moe_expert_parallel(
     if not isinstance(backend, str) or backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}: expected one of {', '.join(BACKENDS)}")
     for rank in range(world_size):
-        validate_moe_inputs(xs[rank], router_weight, w1s[rank], w2s[rank], top_k=top_k, activation=activation,
-                            capacity_factor=capacity_factor, world_size=world_size)
+        if not isinstance(xs[rank], torch.Tensor):
+            raise ValueError(f"xs[{rank}]: expected a torch.Tensor, got {type(xs[rank]).__name__}")
+        _validate(xs[rank], router_weight, w1s[rank], w2s[rank], top_k=top_k, activation=activation,
+                  capacity_factor=capacity_factor, world_size=world_size)
         if xs[rank].dtype != xs[0].dtype or xs[rank].device != xs[0].device:
             raise ValueError(f"xs[{rank}]: {xs[rank].dtype} on {xs[rank].device}; expected {xs[0].dtype} on "
                              f"{xs[0].device} like xs[0]")

@@ -1,47 +1,45 @@
-"""The fused CUDA backend: one persistent kernel launch per forward (plus a memset of its sync words).
+"""The fused CUDA backend: one persistent kernel launch per forward (plus a memset of its sync words and
+an asynchronous copy of its status words to pinned host memory).
 
 Forward runs ``csrc/`` through the ``flashdmoe_cuda`` extension, for one rank, for the ``P`` virtual
-ranks of an emulated team (one launch), or for this process's rank of an NVSHMEM team. Backward is
-unfused for now: it recomputes the layer with torch ops on the routing the forward saved
+ranks of an emulated team (one launch), or for this process's rank of an NVSHMEM team. A forward never
+waits for the GPU: each launch returns a :class:`flashdmoe.launch_report.LaunchReport`
+(:func:`flashdmoe.last_report`) whose status is checked later, at the points
+:mod:`flashdmoe.status_checks` lists. Nothing in a forward reads device memory from the host, so a
+single-rank forward and an emulated team's forward can be captured in a CUDA graph.
+
+Per call the host does: the cached plan of the launch (shape rules, workspace layout and the parsed
+launch options, once per shape and options), output allocation, the pooled workspace
+(:mod:`flashdmoe.workspace_pool`), one extension call with the addresses, one event record.
+
+Backward is unfused for now: it recomputes the layer with torch ops on the routing the forward saved
 (:func:`flashdmoe.reference.moe_fixed_routing`; across processes
 :func:`flashdmoe.ep_peer.expert_parallel_backward`), so gradients match the reference semantics.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 from dataclasses import dataclass
 
-from typing import Any
-
 import torch
 
-from flashdmoe import reference
-from flashdmoe.errors import KernelTimeout
+from flashdmoe import reference, status_checks
 # Expert GEMM variants (name -> id), the default, and the one fp32 inputs run on whatever
 # debug.expert_variant says: the table in flashdmoe/expert_variants.py.
 from flashdmoe.expert_variants import DEFAULT_EXPERT_VARIANT, EXPERT_VARIANTS, FP32_EXPERT_VARIANT, variant_id
+from flashdmoe.launch_report import LaunchReport, LaunchShape, StatusLayout
 from flashdmoe.team import mps_thread_percentage
+from flashdmoe.workspace_pool import WorkspacePool
 
 ACTIVATION_CODES = {"relu": 0, "gelu": 1, "silu": 2, "swiglu": 3}
 # float32 runs the tensor cores in TF32 (one rank; teams carry bf16 / fp16), on FP32_EXPERT_VARIANT.
 DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
-# Phase ids written by the kernel's watchdog (csrc/moe/params.cuh, enum Phase).
-PHASE_NAMES = {
-    1: "grid barrier after the gate",
-    2: "grid barrier after the per-expert offsets",
-    3: "grid barrier after dispatch",
-    4: "expert GEMM2 tile waiting for its GEMM1 row tile",
-    5: "grid barrier before the combine",
-    6: "wait for a peer's per-expert row counts",
-    7: "expert GEMM1 tile waiting for a peer's dispatched rows",
-    8: "combine waiting for a peer's expert results",
-    9: "expert tile pipeline (a TMA stage that never filled or was never released)",
-}
 
 DEFAULT_TIMEOUT_MS = 10_000
+# Read once: a forward must not consult the environment.
+_ENV_TIMEOUT_MS = int(os.environ.get("FLASHDMOE_TIMEOUT_MS", DEFAULT_TIMEOUT_MS))
 
 
 @dataclass
@@ -64,9 +62,13 @@ class DebugKnobs:
     # Expert GEMM variant (EXPERT_VARIANTS); FLASHDMOE_EXPERT_VARIANT overrides the default.
     expert_variant: str = os.environ.get("FLASHDMOE_EXPERT_VARIANT", DEFAULT_EXPERT_VARIANT)
 
+    def key(self) -> tuple:
+        """Every knob a prepared launch depends on."""
+        return (self.withhold_phase, self.silent_rank, self.max_blocks, self.timeout_ms, self.gate_split,
+                self.expert_variant)
+
 
 debug = DebugKnobs()
-_deferred: list | None = None  # status words awaiting a check inside deferred_status_checks()
 
 
 @dataclass
@@ -114,134 +116,32 @@ def _workspace_layout(ext, T, H, I, E, k, dtype_code, world_size=1, stream_rows=
     return ext.workspace_layout(T, H, I, E, k, dtype_code, world_size, stream_rows or T * k)
 
 
-def timeout_ns() -> int:
-    ms = debug.timeout_ms if debug.timeout_ms is not None else int(os.environ.get("FLASHDMOE_TIMEOUT_MS", DEFAULT_TIMEOUT_MS))
-    return int(ms) * 1_000_000
+@functools.lru_cache(maxsize=1)
+def status_layout() -> StatusLayout:
+    """Offsets inside a rank's status block, from the extension (csrc/moe/params.cuh)."""
+    return StatusLayout.from_mapping(_extension().status_layout())
 
 
-PHASE_CLOCK_NAMES = ("gate", "offsets", "dispatch", "experts", "combine")
-last_phase_ms: dict[str, float] = {}  # per-phase breakdown of the most recently checked launch (first rank)
+def timeout_ms() -> int:
+    """The watchdog's limit: ``debug.timeout_ms``, else ``FLASHDMOE_TIMEOUT_MS`` as it was at import."""
+    return debug.timeout_ms if debug.timeout_ms is not None else _ENV_TIMEOUT_MS
 
 
-@dataclass
-class _RankStatus:
-    """One rank's status bytes (error word .. traffic counters), copied to the host after a launch."""
-
-    rank: int
-    status: torch.Tensor
-    offsets: tuple[int, int, int, int]  # status flags, phase clock, clock slots, traffic (from the error word)
-    routing: "FusedRouting"
-    local_experts: int
-    row_bytes: int
+_pool = WorkspacePool()
 
 
-@dataclass
-class _Launch:
-    ranks: list[_RankStatus]
-    team: Any = None
+def release_workspaces() -> None:
+    """Drop the pooled workspaces (one per device and stream, each as large as its largest launch)."""
+    _pool.release()
 
 
-_last_traffic_source: list[_RankStatus] = []
+def workspace_bytes_held() -> int:
+    return _pool.held_bytes()
 
 
-def traffic_report() -> list[dict]:
-    """Bytes each rank of the last checked launch wrote into its peers, against what was routed remote.
-
-    One dict per rank this process drove: ``rank``, ``dispatch_bytes`` (token rows written into peers'
-    receive buffers), ``combine_bytes`` (result rows written into peers' combine buffers),
-    ``rows_routed_remote`` (kept choices whose expert lives on another rank) and ``payload_efficiency``
-    (``dispatch_bytes / (rows_routed_remote * H * element size)``; 1.0 means no byte beyond the routed
-    rows; ``None`` when nothing was routed remote). Computed on request (it reduces the routing on the GPU).
-    """
-    report = []
-    for entry in _last_traffic_source:
-        raw = entry.status.numpy().tobytes()
-        traffic_at = entry.offsets[3]
-        dispatch = int.from_bytes(raw[traffic_at:traffic_at + 8], "little")
-        combine = int.from_bytes(raw[traffic_at + 8:traffic_at + 16], "little")
-        routing = entry.routing
-        owner = routing.expert.long() // entry.local_experts
-        remote = int(((routing.row >= 0) & (owner != entry.rank)).sum().item())
-        payload = remote * entry.row_bytes
-        report.append({
-            "rank": entry.rank, "dispatch_bytes": dispatch, "combine_bytes": combine,
-            "rows_routed_remote": remote,
-            "payload_efficiency": (dispatch / payload) if payload else None,
-        })
-    return report
-
-
-def __getattr__(name: str):
-    if name == "last_traffic":
-        return traffic_report()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def _check_launch(launch: _Launch) -> None:
-    """Decode every rank's status bytes (already on the host). Raises KernelTimeout / ValueError."""
-    global _last_traffic_source
-    failures, nonfinite = [], []
-    for index, entry in enumerate(launch.ranks):
-        flags_at, clock_at, slots, _ = entry.offsets
-        raw = entry.status.numpy().tobytes()
-        error = int.from_bytes(raw[0:8], "little")
-        flags = int.from_bytes(raw[flags_at:flags_at + 4], "little")
-        clock = [int.from_bytes(raw[clock_at + 8 * i:clock_at + 8 * i + 8], "little") for i in range(slots)]
-        if index == 0 and not error and all(clock):
-            last_phase_ms.clear()
-            last_phase_ms.update({n: (clock[i + 1] - clock[i]) / 1e6 for i, n in enumerate(PHASE_CLOCK_NAMES)})
-        if error:
-            kind, phase, peer, block = error & 0xFF, (error >> 8) & 0xFF, (error >> 16) & 0xFFFF, error >> 32
-            what = PHASE_NAMES.get(phase, f"phase {phase}")
-            if kind == 1:
-                failures.append(f"rank {entry.rank} timed out in the {what} (waiting on rank {peer}; first seen by "
-                                f"block {block})")
-            else:
-                failures.append(f"rank {entry.rank} reported error word {error:#x}")
-        if flags & 1:
-            nonfinite.append(entry.rank)
-    _last_traffic_source = list(launch.ranks)
-    if failures:
-        message = "flashdmoe kernel: " + "; ".join(failures) + (
-            f"; timeout {timeout_ns() // 1_000_000} ms (FLASHDMOE_TIMEOUT_MS)")
-        if launch.team is not None and getattr(launch.team, "transport", "single") != "single":
-            launch.team.mark_failed(message)
-        raise KernelTimeout(message) if any("timed out" in f for f in failures) else RuntimeError(message)
-    if nonfinite:
-        where = "" if len(launch.ranks) == 1 else f" (rank {', '.join(map(str, nonfinite))})"
-        raise ValueError(f"x or router_weight{where}: expected finite values, the router logits contain NaN or Inf")
-
-
-@contextlib.contextmanager
-def deferred_status_checks():
-    """Inside this block launches do not synchronise to read the kernel's status words; they are copied
-    asynchronously and checked (after a device synchronise) when the block exits. Used by benchmarks."""
-    global _deferred
-    outer, _deferred = _deferred, []
-    try:
-        yield
-    finally:
-        pending, _deferred = _deferred, outer
-        if pending:
-            torch.cuda.synchronize()
-            for launch in pending:
-                _check_launch(launch)
-
-
-def _empty_outputs(x: torch.Tensor, top_k: int, experts: int):
-    T = x.shape[0]
-    device = x.device
-    y = torch.empty_like(x)
-    expert = torch.empty((T, top_k), dtype=torch.int32, device=device)
-    weight = torch.empty((T, top_k), dtype=torch.float32, device=device)
-    row = torch.empty((T, top_k), dtype=torch.int32, device=device)
-    counts = torch.empty((experts,), dtype=torch.int32, device=device)
-    if debug.poison_outputs:
-        y.fill_(float("nan"))
-        weight.fill_(float("nan"))
-        for t in (expert, row, counts):
-            t.fill_(-7)
-    return y, FusedRouting(expert, weight, row, counts)
+def _current_stream_handle(device_index: int) -> int:
+    """The raw ``cudaStream_t`` of the device's current stream (without a torch.cuda.Stream per call)."""
+    return torch._C._cuda_getCurrentRawStream(device_index)
 
 
 def _team_kind(team) -> str:
@@ -256,107 +156,184 @@ def _check_dtype(x: torch.Tensor, name: str = "x") -> None:
         )
 
 
-def run_forward(xs, router_weight, w1s, w2s, *, top_k, activation, normalize_topk, capacity_factor, team=None):
-    """Launch the fused kernel for the ranks this process drives.
+class _Plan:
+    """A launch prepared once per (ranks' token counts, shapes, options, debug knobs) and team."""
 
-    xs: list of ``[T_r, H]`` (one per rank driven here: ``P`` for an emulated team, else one); w1s / w2s:
-    each rank's experts ``[L, H, I or 2I]`` / ``[L, I, H]``; router_weight ``[E, H]``. All bf16 or fp16 (fp32 for one rank),
-    contiguous, on one CUDA device. Returns a list of ``(y [T_r, H], FusedRouting)``.
-    """
-    kind = _team_kind(team)
-    if kind != "single":
-        team.require_usable()
-    for i, x in enumerate(xs):
-        _check_dtype(x, "x" if len(xs) == 1 else f"xs[{i}]")
-    ext = _extension()
-    H = router_weight.shape[1]
-    E = router_weight.shape[0]
-    I = w2s[0].shape[1]
+    __slots__ = ("prepared", "stride", "workspace_bytes", "shape", "status_bytes", "skip")
+
+    def __init__(self, prepared, stride: int, shape: LaunchShape, skip: bool) -> None:
+        self.prepared = prepared
+        self.stride = stride  # bytes between consecutive ranks' workspaces
+        self.workspace_bytes = stride * len(shape.ranks)
+        self.shape = shape
+        self.status_bytes = status_layout().bytes * len(shape.ranks)
+        self.skip = skip  # one rank with no tokens: nothing to launch
+
+
+_single_plans: dict = {}
+_PLAN_CACHE_LIMIT = 512
+
+
+def _make_plan(ext, kind, team, tokens, H, I, E, top_k, dtype, activation, normalize_topk, capacity_factor) -> _Plan:
+    """Check the launch against the kernel's rules and the team's buffers, and parse its options."""
     P = 1 if kind == "single" else team.world_size
     L = E // P
-    dtype_code = DTYPE_CODES[xs[0].dtype]
-    for i, x in enumerate(xs):
-        shape_error = _check_shapes(ext, x.shape[0], H, I, E, top_k, P)
+    dtype_code = DTYPE_CODES[dtype]
+    for T in tokens:
+        shape_error = _check_shapes(ext, T, H, I, E, top_k, P)
         if shape_error:
             raise ValueError(f"shapes unsupported by the fused kernel: {shape_error} (backend='reference' covers them)")
     if kind == "single":
-        ranks = [0]
-        stream_rows = xs[0].shape[0] * top_k
-        buffers = [None]
-    elif kind == "emulated":
-        ranks = list(range(P))
-        stream_rows = team.plan.stream_rows
-        buffers = team.buffers
+        ranks, stream_rows, buffers = (0,), tokens[0] * top_k, [None]
     else:
-        ranks = [team.rank]
-        stream_rows = team.plan.stream_rows
-        buffers = team.buffers
-    if kind != "single":
-        for rank, x in zip(ranks, xs):
-            team.plan.check_batch(x.shape[0], H, top_k, L, x.dtype, rank=rank)
-
-    outputs = [_empty_outputs(x, top_k, E) for x in xs]
-    if kind == "single" and xs[0].shape[0] == 0:
-        outputs[0][1].counts.zero_()
-        return outputs
-
-    rank_args, workspaces = [], []
-    for rank, x, w1, w2, buf, (y, routing) in zip(ranks, xs, w1s, w2s, buffers, outputs):
-        T = x.shape[0]
-        layout = _workspace_layout(ext, T, H, I, E, top_k, dtype_code, P, stream_rows)
-        workspace = torch.empty((layout["total_bytes"],), dtype=torch.uint8, device=x.device)
-        workspaces.append((workspace, layout))
+        ranks = tuple(range(P)) if kind == "emulated" else (team.rank,)
+        stream_rows, buffers = team.plan.stream_rows, team.buffers
+        for rank, T in zip(ranks, tokens):
+            team.plan.check_batch(T, H, top_k, L, dtype, rank=rank)
+    layouts = [_workspace_layout(ext, T, H, I, E, top_k, dtype_code, P, stream_rows) for T in tokens]
+    stride = -(-max(layout["total_bytes"] for layout in layouts) // 256) * 256
+    percent = mps_thread_percentage() if kind == "nvshmem" else None
+    variant = variant_id(FP32_EXPERT_VARIANT if dtype == torch.float32 else debug.expert_variant)
+    timeout = timeout_ms()
+    shared = {
+        "hidden": H, "ffn": I, "experts": E, "top_k": top_k, "world_size": P, "stream_rows": stream_rows,
+        "dtype": dtype_code, "activation": ACTIVATION_CODES[activation], "normalize_topk": bool(normalize_topk),
+        "timeout_ns": timeout * 1_000_000, "debug_withhold_phase": int(debug.withhold_phase),
+        "expert_variant": variant, "max_blocks": int(debug.max_blocks),
+        "gate_split": bool(debug.gate_split), "grid_percent": 100 if percent is None else percent,
+    }
+    rank_args = []
+    for rank, T, buf in zip(ranks, tokens, buffers):
         cap = reference.expert_capacity(T, top_k, E, capacity_factor)
         rank_args.append({
-            "x": x.data_ptr(), "w1": w1.data_ptr(), "w2": w2.data_ptr(), "y": y.data_ptr(),
-            "topk_expert": routing.expert.data_ptr(), "topk_weight": routing.weight.data_ptr(),
-            "topk_row": routing.row.data_ptr(), "expert_counts": routing.counts.data_ptr(),
-            "workspace": workspace.data_ptr(), "workspace_bytes": layout["total_bytes"],
-            "tokens": T, "capacity": T if cap is None else cap, "rank": rank,
+            "workspace_bytes": stride, "tokens": T, "capacity": T if cap is None else cap, "rank": rank,
             "silent": rank == debug.silent_rank,
             "peer_recv": [] if buf is None else buf.peer_recv,
             "peer_comb": [] if buf is None else buf.peer_comb,
             "peer_signals": [] if buf is None else buf.peer_signals,
         })
-    percent = mps_thread_percentage() if kind == "nvshmem" else None
-    shared = {
-        "router": router_weight.data_ptr(), "hidden": H, "ffn": I, "experts": E, "top_k": top_k,
-        "world_size": P, "stream_rows": stream_rows, "dtype": dtype_code,
-        "activation": ACTIVATION_CODES[activation], "normalize_topk": bool(normalize_topk),
-        "sequence": 1 if kind == "single" else team.next_sequence(),
-        "timeout_ns": timeout_ns(), "debug_withhold_phase": int(debug.withhold_phase),
-        "expert_variant": variant_id(FP32_EXPERT_VARIANT if xs[0].dtype == torch.float32 else debug.expert_variant),
-        "max_blocks": int(debug.max_blocks), "gate_split": bool(debug.gate_split),
-        "grid_percent": 100 if percent is None else percent,
-    }
+    prepared = ext.prepare_forward(shared, rank_args)
+    shape = LaunchShape(ranks=ranks, tokens=tokens, local_experts=L,
+                        row_bytes=H * torch.empty((), dtype=dtype).element_size(), timeout_ms=timeout)
+    return _Plan(prepared, stride, shape, kind == "single" and tokens[0] == 0)
+
+
+def _plan(ext, kind, team, xs, router_weight, w2s, top_k, activation, normalize_topk, capacity_factor) -> _Plan:
+    tokens = tuple(x.shape[0] for x in xs)
+    E, H = router_weight.shape
+    I = w2s[0].shape[1]
+    key = (tokens, H, I, E, top_k, xs[0].dtype, activation, normalize_topk, capacity_factor, debug.key())
+    cache = _single_plans if kind == "single" else team.launch_plans
+    plan = cache.get(key)
+    if plan is None:
+        plan = _make_plan(ext, kind, team, tokens, H, I, E, top_k, xs[0].dtype, activation, normalize_topk,
+                          capacity_factor)
+        if len(cache) >= _PLAN_CACHE_LIMIT:
+            cache.clear()
+        cache[key] = plan
+    return plan
+
+
+def _empty_outputs(x: torch.Tensor, top_k: int, experts: int):
+    T = x.shape[0]
+    device = x.device
+    y = torch.empty_like(x)
+    # expert, weight (as float32) and row share one allocation.
+    expert, weight, row = torch.empty((3, T, top_k), dtype=torch.int32, device=device).unbind(0)
+    weight = weight.view(torch.float32)
+    counts = torch.empty((experts,), dtype=torch.int32, device=device)
+    if debug.poison_outputs:
+        y.fill_(float("nan"))
+        weight.fill_(float("nan"))
+        for t in (expert, row, counts):
+            t.fill_(-7)
+    return y, FusedRouting(expert, weight, row, counts)
+
+
+def run_forward(xs, router_weight, w1s, w2s, *, top_k, activation, normalize_topk, capacity_factor, team=None):
+    """Launch the fused kernel for the ranks this process drives; does not wait for it.
+
+    xs: list of ``[T_r, H]`` (one per rank driven here: ``P`` for an emulated team, else one); w1s / w2s:
+    each rank's experts ``[L, H, I or 2I]`` / ``[L, I, H]``; router_weight ``[E, H]``. All bf16 or fp16
+    (fp32 for one rank), contiguous, on one CUDA device. Returns a list of ``(y [T_r, H], FusedRouting)``;
+    the launch's report is :func:`flashdmoe.last_report`.
+
+    Raises ``ValueError`` for shapes the kernel or the team's buffers do not take, and the errors of
+    earlier launches checked now (see :mod:`flashdmoe.status_checks`).
+    """
+    kind = _team_kind(team)
+    x0 = xs[0]
+    device = x0.device
+    capturing = torch.cuda.is_current_stream_capturing()
+    if kind != "single":
+        team.require_usable()
+        if capturing and kind == "nvshmem":
+            raise RuntimeError(
+                "CUDA-graph capture of a Team.nvshmem forward is not supported: the kernel's flags carry the "
+                "sequence number the host passes at launch, which a graph would freeze, and a rank cannot clear "
+                "its peers' flags in stream order; run NVSHMEM teams eagerly"
+            )
+    # An NVSHMEM rank that raised an earlier launch's error instead of launching would leave its peers
+    # waiting for this forward's signals: unless the team itself failed, launch first, then raise.
+    deferred = None
     try:
-        info = ext.forward(shared=shared, ranks=rank_args,
-                           stream=torch.cuda.current_stream(xs[0].device).cuda_stream)
+        status_checks.before_launch(device.index, None if kind == "single" else team, capturing)
     except Exception as error:
+        if kind != "nvshmem" or team.failed:
+            raise
+        deferred = error
+    for i, x in enumerate(xs):
+        _check_dtype(x, "x" if len(xs) == 1 else f"xs[{i}]")
+    ext = _extension()
+    plan = _plan(ext, kind, team, xs, router_weight, w2s, top_k, activation, normalize_topk, capacity_factor)
+    E = router_weight.shape[0]
+    outputs = [_empty_outputs(x, top_k, E) for x in xs]
+    if plan.skip:
+        outputs[0][1].counts.zero_()
+        return outputs
+
+    handle = _current_stream_handle(device.index)
+    if capturing:
+        workspace = torch.empty(plan.workspace_bytes, dtype=torch.uint8, device=device)
+        if kind == "emulated":
+            team.clear_signals()
+    else:
+        workspace = _pool.get(device, handle, plan.workspace_bytes)
+    base, stride = workspace.data_ptr(), plan.stride
+    addresses = [router_weight.data_ptr()]
+    for i, (x, w1, w2, (y, routing)) in enumerate(zip(xs, w1s, w2s, outputs)):
+        addresses += (x.data_ptr(), w1.data_ptr(), w2.data_ptr(), y.data_ptr(), routing.expert.data_ptr(),
+                      routing.weight.data_ptr(), routing.row.data_ptr(), routing.counts.data_ptr(), base + i * stride)
+    # The slot first: claiming it may raise an earlier launch's error, and a team's sequence number must
+    # advance only for a launch that happens (every rank advances in step).
+    try:
+        slot = status_checks.claim_slot(device.index, capturing)
+    except Exception as error:
+        if kind != "nvshmem" or team.failed:
+            raise
+        deferred = deferred or error
+        slot = status_checks.claim_slot(device.index, capturing)  # the launch that raised gave its slot back
+    sequence = 1 if kind == "single" else team.next_sequence()
+    try:
+        info = ext.launch(plan.prepared, addresses, sequence, handle, slot.address,
+                          0 if capturing else slot.event.handle)
+    except Exception as error:
+        slot.give_back()
         if kind != "single":
             team.mark_failed(f"launch failed: {error}")
         raise
-    global last_launch
-    last_launch = dict(info)
-
-    # One device-to-host copy of each rank's status bytes (no extra kernels: a forward is one launch).
-    statuses = []
-    for rank, x, (workspace, layout), (y, routing) in zip(ranks, xs, workspaces, outputs):
-        err_at = layout["error_word"]
-        end = layout["traffic"] + 16
-        status = workspace[err_at:end]
-        offsets = (layout["status_flags"] - err_at, layout["phase_clock"] - err_at, layout["phase_clock_slots"],
-                   layout["traffic"] - err_at)
-        statuses.append((rank, status, offsets, routing, x.element_size() * H))
-    if _deferred is not None:
-        _deferred.append(_Launch([_RankStatus(r, st.to("cpu", non_blocking=True), off, rt, L, rb)
-                                  for r, st, off, rt, rb in statuses], team))
+    team = None if kind == "single" else team
+    source = slot.view[:plan.status_bytes]
+    if capturing:
+        report = LaunchReport(plan.shape, status_checks.next_launch_id(), device.index, info, status_layout(),
+                              source, None, None, True, team, [r for _, r in outputs])
     else:
-        _check_launch(_Launch([_RankStatus(r, st.cpu(), off, rt, L, rb) for r, st, off, rt, rb in statuses], team))
+        report = LaunchReport(plan.shape, status_checks.next_launch_id(), device.index, info, status_layout(),
+                              source, slot.event, slot.give_back, False, team, [r for _, r in outputs])
+    status_checks.launched(report, slot, team)
+    if deferred is not None:
+        raise deferred
     return outputs
-
-
-last_launch: dict = {}  # grid / blocks_per_sm / smem_bytes of the most recent launch
 
 
 def fused_forward(x, router_weight, w1, w2, *, top_k, activation, normalize_topk, capacity_factor):
@@ -375,6 +352,10 @@ def _fixed_routing_grads(inputs, expert, keep, dy, activation, normalize_topk):
         wanted = [t for t in inputs if t.requires_grad]
         grads = iter(torch.autograd.grad(y, wanted, dy)) if wanted else iter(())
     return [next(grads) if t.requires_grad else None for t in inputs]
+
+
+def _needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 class _FusedMoE(torch.autograd.Function):
@@ -412,12 +393,15 @@ class _FusedMoEEmulated(torch.autograd.Function):
         results = run_forward(list(xs), router_weight, list(w1s), list(w2s), team=team, **options)
         routing_out.extend(routing for _, routing in results)
         ctx.world_size = P
+        ctx.team = team
         ctx.options = (options["activation"], options["normalize_topk"])
         ctx.save_for_backward(router_weight, *tensors, *[r.expert for _, r in results], *[r.row for _, r in results])
         return tuple(y for y, _ in results)
 
     @staticmethod
     def backward(ctx, *dys):
+        # The saved routing is only meaningful if the launch succeeded: check it first (waits for it).
+        status_checks.settle_team(ctx.team)
         P = ctx.world_size
         saved = ctx.saved_tensors
         router_weight, tensors = saved[0], saved[1:1 + 3 * P]
@@ -465,6 +449,10 @@ class _FusedMoETeam(torch.autograd.Function):
     def backward(ctx, dy):
         from flashdmoe import ep_peer
 
+        # A collective on a team whose forward timed out could wait forever: check the forward first, so
+        # every rank raises KernelTimeout here instead.
+        status_checks.settle_team(ctx.team)
+        ctx.team.require_usable()
         x, router_weight, w1, w2, expert, row = ctx.saved_tensors
         activation, normalize_topk = ctx.options
         grads = ep_peer.expert_parallel_backward(
@@ -494,14 +482,21 @@ def moe_cuda(x, router_weight, w1, w2, *, top_k, activation="gelu", normalize_to
     """flashdmoe.moe on the fused kernel: one rank, or this process's rank of an NVSHMEM team.
     Shapes and semantics as flashdmoe.moe."""
     kind = _team_kind(team)
-    routing_out: list[FusedRouting] = []
     if kind == "single":
-        y = _FusedMoE.apply(x, router_weight, w1, w2, top_k, activation, normalize_topk, capacity_factor,
-                            routing_out)
+        if _needs_grad(x, router_weight, w1, w2):
+            routing_out: list[FusedRouting] = []
+            y = _FusedMoE.apply(x, router_weight, w1, w2, top_k, activation, normalize_topk, capacity_factor,
+                                routing_out)
+            routing = routing_out[0]
+        else:  # no autograd node to build: the launch alone
+            y, routing = fused_forward(x, router_weight, w1, w2, top_k=top_k, activation=activation,
+                                       normalize_topk=normalize_topk, capacity_factor=capacity_factor)
     elif kind == "nvshmem":
         options = dict(top_k=top_k, activation=activation, normalize_topk=normalize_topk,
                        capacity_factor=capacity_factor)
+        routing_out = []
         y = _FusedMoETeam.apply(team, options, routing_out, x, router_weight, w1, w2)
+        routing = routing_out[0]
     else:
         raise ValueError(
             f"team: a {kind!r} team holds every rank in this process; call "
@@ -509,7 +504,6 @@ def moe_cuda(x, router_weight, w1, w2, *, top_k, activation="gelu", normalize_to
         )
     if not return_aux:
         return y
-    routing = routing_out[0]
     return y, _aux(x, router_weight, top_k, routing.counts, routing.row)
 
 
@@ -519,8 +513,12 @@ def moe_emulated(xs, router_weight, w1s, w2s, *, top_k, activation="gelu", norma
     ``y_r`` (plus the list of per-rank MoEAux when ``return_aux``)."""
     options = dict(top_k=top_k, activation=activation, normalize_topk=normalize_topk,
                    capacity_factor=capacity_factor)
-    routing_out: list[FusedRouting] = []
-    ys = list(_FusedMoEEmulated.apply(team, options, routing_out, router_weight, *xs, *w1s, *w2s))
+    if _needs_grad(router_weight, *xs, *w1s, *w2s):
+        routing_out: list[FusedRouting] = []
+        ys = list(_FusedMoEEmulated.apply(team, options, routing_out, router_weight, *xs, *w1s, *w2s))
+    else:
+        results = run_forward(list(xs), router_weight, list(w1s), list(w2s), team=team, **options)
+        ys, routing_out = [y for y, _ in results], [r for _, r in results]
     if not return_aux:
         return ys
     return ys, [_aux(x, router_weight, top_k, r.counts, r.row) for x, r in zip(xs, routing_out)]

@@ -16,15 +16,25 @@ larger batch raises ``ValueError``.
 
 Transports:
 
-* :meth:`Team.single` -- one rank; the kernel's buffers come from a per-call workspace.
+* :meth:`Team.single` -- one rank; the kernel's buffers come from its (pooled) workspace.
 * :meth:`Team.emulated` -- ``P`` virtual ranks on one GPU, in one process and one kernel launch; the
   "peer pointers" are the other virtual ranks' buffers. Tests the whole device protocol on one GPU.
 * :meth:`Team.nvshmem` -- one process per rank; nvshmem4py unique-id init, buffers from
   ``nvshmem.core.tensor``, peer pointers from ``nvshmem.core.get_peer_tensor`` (NVLink / same-GPU
   load-store). Several processes may share one GPU under MPS (DESIGN.md §4).
 
+A team runs one forward at a time, in stream order: its buffers are shared by all its launches.
+
 A team that saw a kernel failure (timeout) is *failed*: its signal words are in an unknown state, so
-every later use raises; tear it down and make a new one.
+every later use raises; tear it down and make a new one. A forward does not wait for its kernel: the
+team's last launch is checked (waiting for it if needed) before the team's next use -- a forward, the
+backward, :meth:`Team.barrier` -- so a timeout still reaches every rank (flashdmoe/status_checks.py).
+
+CUDA graphs: a graph replays the sequence number it captured, so a stale flag from the previous replay
+would already satisfy the waits. An emulated team's launch (every rank in one launch) zeroes all ranks'
+signal words inside the graph before the kernel, which makes a replay correct; an NVSHMEM team cannot
+do that (a peer may already have signalled this forward when this rank's zeroing runs) and its capture
+is refused.
 """
 
 from __future__ import annotations
@@ -154,16 +164,22 @@ class Team:
     """
 
     def __init__(self, transport: str, rank: int, world_size: int, plan: BufferPlan | None,
-                 buffers: list[RankBuffers], device: torch.device | None) -> None:
+                 buffers: list[RankBuffers], device: torch.device | None,
+                 signal_block: torch.Tensor | None = None) -> None:
         self.transport = transport
         self.rank = rank
         self.world_size = world_size
         self.plan = plan
         self.buffers = buffers  # one entry per rank this process drives (P for emulated, 1 otherwise)
         self.device = device
+        self._signal_block = signal_block  # emulated: every rank's signal words, one allocation
         self._sequence = 0
         self._failure: str | None = None
         self._closed = False
+        # The backend's state for this team: its last launch not checked yet (a LaunchReport), and the
+        # launches it prepared (per batch shape and options).
+        self.unchecked_launch = None
+        self.launch_plans: dict = {}
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("failed" if self._failure else "ok")
@@ -185,18 +201,21 @@ class Team:
         """
         plan = BufferPlan(world_size, max_tokens, hidden, top_k, local_experts, dtype)
         device = _torch_device(device)
+        # All ranks' signal words in one allocation (128-byte aligned per rank), so one memset clears them.
+        stride = -(-plan.signal_words // 32) * 32
+        signal_block = torch.zeros(world_size * stride, dtype=torch.int32, device=device)
         buffers = []
-        for _ in range(world_size):
+        for r in range(world_size):
             buffers.append(RankBuffers(
                 recv=torch.empty(plan.data_bytes, dtype=torch.uint8, device=device),
                 comb=torch.empty(plan.data_bytes, dtype=torch.uint8, device=device),
-                signals=torch.zeros(plan.signal_words, dtype=torch.int32, device=device),
+                signals=signal_block[r * stride:r * stride + plan.signal_words],
             ))
         for own in buffers:
             own.peer_recv = [b.recv.data_ptr() for b in buffers]
             own.peer_comb = [b.comb.data_ptr() for b in buffers]
             own.peer_signals = [b.signals.data_ptr() for b in buffers]
-        return cls("emulated", 0, world_size, plan, buffers, device)
+        return cls("emulated", 0, world_size, plan, buffers, device, signal_block)
 
     @staticmethod
     def make_unique_id() -> bytes:
@@ -285,6 +304,13 @@ class Team:
         if self._failure is None:
             self._failure = reason
 
+    def clear_signals(self) -> None:
+        """Zero every rank's signal words on the current stream (emulated teams: before a captured
+        launch, whose replays all carry the sequence number of the capture)."""
+        if self._signal_block is None:
+            raise RuntimeError(f"{self!r}: only an emulated team holds every rank's signal words")
+        self._signal_block.zero_()
+
     def next_sequence(self) -> int:
         """Sequence number of the next forward: the value its signals carry (1, 2, ...)."""
         self._sequence += 1
@@ -302,8 +328,13 @@ class Team:
         }
 
     def barrier(self) -> None:
-        """Host-side barrier of all ranks on the current stream (nvshmem teams; a no-op otherwise)."""
+        """Host-side barrier of all ranks on the current stream (nvshmem teams; a no-op otherwise).
+        Checks the team's last forward first (waiting for it), like every use of the team."""
         self.require_usable()
+        if self.unchecked_launch is not None:
+            from flashdmoe import status_checks
+
+            status_checks.settle_team(self)
         if self.transport == "nvshmem":
             _nvshmem().barrier_all(torch.cuda.current_stream(self.device))
 
@@ -312,6 +343,7 @@ class Team:
         if self._closed:
             return
         self._closed = True
+        self.launch_plans = {}
         if self.transport == "nvshmem":
             nvshmem = _nvshmem()
             try:
@@ -323,6 +355,7 @@ class Team:
                 self.buffers = []
                 nvshmem.finalize()
         self.buffers = []
+        self._signal_block = None
 
     def __enter__(self) -> "Team":
         return self

@@ -44,15 +44,17 @@ def main():
                 team = Team.emulated(P, max_tokens=T // P, hidden=H, top_k=k, local_experts=E // P)
                 fn = lambda: cuda_backend.run_forward(xs, router, w1s, w2s, top_k=k, activation="gelu",
                                                       normalize_topk=True, capacity_factor=None, team=team)
-            with cuda_backend.deferred_status_checks():
-                ms = median_ms(fn)
+            ms = median_ms(fn)
             fn()
-            rep = cuda_backend.traffic_report()
+            report = flashdmoe.last_report()
+            flashdmoe.synchronize()
+            rep = report.traffic()
             sent = sum(e["dispatch_bytes"] + e["combine_bytes"] for e in rep) / len(rep) / 1e6
             eff = [e["payload_efficiency"] for e in rep if e["payload_efficiency"] is not None]
             base = base or ms
             print(f"{T:>6} {H:>5} {I:>5} {E:>4} {k:>2} {P:>2} {ms:>8.3f} {ms / base:>7.2f} {sent:>12.1f} "
-                  f"{(min(eff) if eff else float('nan')):>8.3f}  phases={ {n: round(v, 3) for n, v in cuda_backend.last_phase_ms.items()} } grid={cuda_backend.last_launch}")
+                  f"{(min(eff) if eff else float('nan')):>8.3f}  phases={ {n: round(v, 3) for n, v in (report.phase_ms or {}).items()} } "
+                  f"grid={report.grid} blocks/SM={report.blocks_per_sm} smem={report.smem_bytes}")
             sys.stdout.flush()
 
 

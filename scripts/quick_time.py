@@ -7,6 +7,7 @@ import statistics
 
 import torch
 
+import flashdmoe
 from flashdmoe import cuda_backend, extension
 from flashdmoe.expert_variants import EXPERT_VARIANTS, variant_id
 
@@ -37,48 +38,47 @@ def main():
             sets.append((x, r, w1, w2))
         run = lambda s: cuda_backend.fused_forward(*s, top_k=k, activation=activation, normalize_topk=True,
                                                    capacity_factor=None)
-        # Events around each forward, no synchronisation in between: the host runs ahead, so "ms" is the
-        # GPU's time per forward (memset + kernel + status copy), not the host's Python time as well.
-        with cuda_backend.deferred_status_checks():
-            for i in range(5):
-                run(sets[i % 3])
-            events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(21)]
-            for i, (a, b) in enumerate(events):
-                a.record()
-                run(sets[i % 3])
-                b.record()
-            torch.cuda.synchronize()
+        # Events around each forward, no synchronisation in between (a forward never waits): the host runs
+        # ahead, so "ms" is the GPU's time per forward (memset + kernel + status copy), not the host's too.
+        for i in range(5):
+            run(sets[i % 3])
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(21)]
+        for i, (a, b) in enumerate(events):
+            a.record()
+            run(sets[i % 3])
+            b.record()
+        flashdmoe.synchronize()
         times = [a.elapsed_time(b) for a, b in events]
         from torch.profiler import ProfilerActivity, profile
 
-        with cuda_backend.deferred_status_checks(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for i in range(6):
                 run(sets[i % 3])
             torch.cuda.synchronize()
+        flashdmoe.synchronize()
         kern = [e.device_time for e in prof.events() if "moe_forward_kernel" in e.name]
         kernel_ms = statistics.median(kern) / 1000 if kern else float("nan")
         import time as _t
 
-        torch.cuda.synchronize()
         h0 = _t.perf_counter()
-        with cuda_backend.deferred_status_checks():
-            for i in range(10):
-                run(sets[i % 3])
-            h1 = _t.perf_counter()
+        for i in range(10):
+            run(sets[i % 3])
+        h1 = _t.perf_counter()
+        flashdmoe.synchronize()
         host_us = (h1 - h0) / 10 * 1e6
         ms = statistics.median(times)
         flops = 2 * T * k * H * I * 2 + 2 * T * H * E
-        phases = " ".join(f"{k}={v:.3f}" for k, v in cuda_backend.last_phase_ms.items())
+        phases = " ".join(f"{k}={v:.3f}" for k, v in (flashdmoe.last_report().phase_ms or {}).items())
         if os.environ.get("QUICK_PROFILE") == str(T):  # where the host time of a call goes (QUICK_PROFILE=T)
             import cProfile
             import pstats
 
             profiler = cProfile.Profile()
-            with cuda_backend.deferred_status_checks():
-                profiler.enable()
-                for i in range(20):
-                    run(sets[i % 3])
-                profiler.disable()
+            profiler.enable()
+            for i in range(20):
+                run(sets[i % 3])
+            profiler.disable()
+            flashdmoe.synchronize()
             pstats.Stats(profiler).sort_stats("tottime").print_stats(12)
         print(f"{variant:>16} {T:>6} {H:>5} {I:>5} {E:>4} {k:>2} {ms:>8.3f} {flops / ms / 1e9:>7.1f}  kernel {kernel_ms:.3f} ms"
               f" ({flops / kernel_ms / 1e9:.0f} TF/s)  host {host_us:.0f} us/call  phases(ms) {phases}")

@@ -94,19 +94,22 @@ def run_and_check(backend, team, xs, router, w1s, w2s, *, top_k, activation, nor
     P = len(xs)
     ys = flashdmoe.moe_expert_parallel(xs, router, w1s, w2s, top_k=top_k, activation=activation,
                                        normalize_topk=normalize, capacity_factor=capacity_factor, team=team)
-    torch.cuda.synchronize()
-    routings = backend._last_traffic_source
+    report = flashdmoe.last_report()
+    flashdmoe.synchronize()  # waits, and raises the launch's error if it had one
+    assert report.checked and report.ranks == tuple(range(P)) and report.error is None
+    routings = report.routing
     assert len(routings) == P
     w1_all, w2_all = torch.cat(w1s), torch.cat(w2s)
     for r in range(P):
-        check_rank(xs[r], router, w1_all, w2_all, ys[r], routings[r].routing, rank=r, P=P, top_k=top_k,
+        check_rank(xs[r], router, w1_all, w2_all, ys[r], routings[r], rank=r, P=P, top_k=top_k,
                    activation=activation, normalize=normalize, capacity_factor=capacity_factor)
     # Payload: exactly the routed rows travel, and exactly their results come back.
     H, elt = xs[0].shape[1], xs[0].element_size()
-    for entry in backend.traffic_report():
+    traffic = report.traffic()
+    for entry in traffic:
         assert entry["dispatch_bytes"] == entry["rows_routed_remote"] * H * elt, entry
-    total_sent = sum(e["dispatch_bytes"] for e in backend.traffic_report())
-    total_back = sum(e["combine_bytes"] for e in backend.traffic_report())
+    total_sent = sum(e["dispatch_bytes"] for e in traffic)
+    total_back = sum(e["combine_bytes"] for e in traffic)
     assert total_sent == total_back, "every remote row's result returns to its source"
     return ys
 
@@ -185,15 +188,19 @@ def test_one_kernel_launch_per_forward(backend):
 
 @pytest.mark.parametrize("silent", [0, 2])
 def test_silent_rank_times_out_every_rank(backend, silent):
+    """Debug mode (set_sync_checks): the forward itself raises. tests/test_async_errors_gpu.py covers the
+    default, where the same error surfaces at the team's next use or at flashdmoe.synchronize()."""
     P, H, I, E, k = 3 if silent == 2 else 2, 128, 128, 12, 2
     xs, router, w1s, w2s = make_inputs([256] * P, H, I, E, P, "gelu", torch.bfloat16)
     team = Team.emulated(P, max_tokens=256, hidden=H, top_k=k, local_experts=E // P, dtype=torch.bfloat16)
     backend.debug.silent_rank = silent
     backend.debug.timeout_ms = 300
+    previous = flashdmoe.set_sync_checks(True)
     try:
         with pytest.raises(flashdmoe.KernelTimeout) as caught:
             flashdmoe.moe_expert_parallel(xs, router, w1s, w2s, top_k=k, team=team)
     finally:
+        flashdmoe.set_sync_checks(previous)
         backend.debug.silent_rank = -1
         backend.debug.timeout_ms = None
     message = str(caught.value)

@@ -64,7 +64,7 @@ def check_against_reference(backend, x, router, w1, w2, *, top_k, activation, no
         x, router, w1, w2, top_k=top_k, activation=activation, normalize_topk=normalize,
         capacity_factor=capacity_factor,
     )
-    torch.cuda.synchronize()
+    flashdmoe.synchronize()  # waits, and raises the launch's error if it had one
     assert not torch.isnan(y).any(), "unwritten (NaN-poisoned) or NaN output elements"
     ref_route = reference.route(x.double(), router.double(), top_k, normalize)
     kernel_experts = routing.expert.long()
@@ -201,13 +201,17 @@ def test_one_kernel_launch_per_forward(backend):
 
 
 def test_watchdog_timeout_raises_and_gpu_recovers(backend):
+    """Debug mode (set_sync_checks): the call raises. The default (raised later) is in
+    tests/test_async_errors_gpu.py."""
     x, router, w1, w2 = make_inputs(4096, 256, 256, 16, 2, "gelu", torch.bfloat16)
     backend.debug.withhold_phase = 2
     backend.debug.timeout_ms = 300
+    previous = flashdmoe.set_sync_checks(True)
     try:
         with pytest.raises(flashdmoe.KernelTimeout, match="per-expert offsets"):
             flashdmoe.moe(x, router, w1, w2, top_k=2, backend="cuda")
     finally:
+        flashdmoe.set_sync_checks(previous)
         backend.debug.withhold_phase = 0
         backend.debug.timeout_ms = None
     check_against_reference(backend, x, router, w1, w2, top_k=2, activation="gelu", normalize=True,
@@ -217,8 +221,12 @@ def test_watchdog_timeout_raises_and_gpu_recovers(backend):
 def test_non_finite_input_is_rejected(backend):
     x, router, w1, w2 = make_inputs(256, 128, 128, 8, 2, "gelu", torch.bfloat16)
     x[17, 5] = float("nan")
-    with pytest.raises(ValueError, match="NaN or Inf"):
-        flashdmoe.moe(x, router, w1, w2, top_k=2, backend="cuda")
+    previous = flashdmoe.set_sync_checks(True)
+    try:
+        with pytest.raises(ValueError, match="NaN or Inf"):
+            flashdmoe.moe(x, router, w1, w2, top_k=2, backend="cuda")
+    finally:
+        flashdmoe.set_sync_checks(previous)
 
 
 def test_unsupported_shape_names_constraint(backend):

@@ -63,6 +63,17 @@ enum StatusFlag : uint32_t { kStatusNonFiniteLogits = 1u };
 // Phase clock slots: 0 start, 1..4 after grid barriers 1..4 (block 0's view), 5 last block's exit.
 constexpr int kPhaseClockSlots = 6;
 
+// A rank's status words (error word, phase clock, traffic counters, status flags) lead its workspace in
+// one kStatusBytes block, zeroed with the sync words before every launch: the host copies every rank's
+// block back with one strided copy (rank workspaces at a fixed pitch) and decodes it by these offsets
+// (flashdmoe/launch_report.py reads them from the extension).
+constexpr size_t kStatusBytes = 128;
+constexpr size_t kStatusErrorWord = 0;                                        // u64
+constexpr size_t kStatusPhaseClock = 8;                                       // u64 [kPhaseClockSlots]
+constexpr size_t kStatusTraffic = kStatusPhaseClock + 8 * kPhaseClockSlots;   // u64 [2]
+constexpr size_t kStatusFlags = kStatusTraffic + 8 * 2;                       // u32
+static_assert(kStatusFlags + 4 <= kStatusBytes, "the status words outgrow their block");
+
 // TMA descriptors of the expert GEMM operands (TMA variant only; 128-byte swizzled boxes, moe/tma_boxes.cuh):
 // w1 [L][H][w1_cols] and w2 [L][I][H] in weight panel boxes, recv [P*stream_rows][H] and intermediate
 // [rows_in][I] in 128-row boxes. Gate: x in kGateTileM-row boxes, the router [E][H] in boxes of up to
@@ -135,7 +146,8 @@ struct LaunchParams {
   MoEParams rank[kMaxRanks];
 };
 
-// One allocation holds a rank's local scratch; the first `sync_bytes` are zeroed before every launch.
+// One allocation holds a rank's local scratch; the first `sync_bytes` (the status block included) are
+// zeroed before every launch.
 // A single-rank team also keeps its recv / comb regions and (unused) signal words here (`own_*`, else
 // 0 bytes).
 struct WorkspaceLayout {
@@ -161,14 +173,14 @@ inline WorkspaceLayout make_workspace_layout(int tokens, int hidden, int ffn, in
   l.gate_tiles = (tokens + gate_tile_rows - 1) / gate_tile_rows;
   // Each local expert's segment rounds up to whole row tiles: at most rows_in/tile + L tiles in all.
   l.max_row_tiles = static_cast<int>((rows_in + row_tile_rows - 1) / row_tile_rows) + local_experts;
-  size_t at = 0;
+  l.error_word = kStatusErrorWord;
+  l.phase_clock = kStatusPhaseClock;
+  l.traffic = kStatusTraffic;
+  l.status_flags = kStatusFlags;
+  size_t at = kStatusBytes;
   auto take = [&](size_t bytes) { size_t here = at; at = align_up(at + bytes, 128); return here; };
   l.barrier_counter = take(4);
   l.task_counter = take(4);
-  l.error_word = take(8);
-  l.status_flags = take(4);
-  l.phase_clock = take(8 * kPhaseClockSlots);
-  l.traffic = take(8 * 2);
   l.result_rows_done = take(4 * kMaxRanks);
   l.row_tile_done = take(4 * static_cast<size_t>(l.max_row_tiles));
   l.gate_arrivals = take(4 * kGateSplitMaxTiles);

@@ -1,0 +1,389 @@
+"""When the fused kernel's errors reach the caller: a forward never waits for the GPU.
+
+After every launch the extension copies each rank's status block into a pinned host slot and this module
+records a CUDA event behind the copy; nothing waits. A launch is *checked* (its status decoded, its error
+raised) at the first of these points:
+
+* the next fused forward in this process (any shape, any team), if the launch's event has completed:
+  finished launches are checked oldest first before the new one is launched;
+* before the next use of the launch's team (a forward, the backward of this forward, ``Team.barrier``):
+  this one waits for the launch, so a team never runs on top of a failed launch;
+* :func:`check_errors` (launches that have finished, never blocks) and :func:`synchronize` (waits for
+  the device, then checks every launch, CUDA-graph replays included);
+* when the 64 status slots of a device are all taken by unchecked launches (a deep queue), the oldest
+  is waited for;
+* at the launch itself in debug mode (``FLASHDMOE_SYNC_CHECKS=1`` or :func:`set_sync_checks`), which
+  waits for every launch and raises its error from the call that made it.
+
+A launch's watchdog timeout raises :class:`flashdmoe.KernelTimeout` and marks its team failed (the team
+then raises ``TeamFailed``); non-finite router logits (NaN / Inf in ``x`` or ``router_weight``) raise
+``ValueError``. Each error is raised once; the message names the launch it came from.
+
+Inside a CUDA-graph capture nothing is checked (CUDA forbids event queries while a capture is under way):
+a captured launch copies its status into a slot of its own at every replay, and :func:`synchronize`
+checks those slots after the device is idle. The first forward on a device must run outside a capture
+(it allocates the pinned slots), as torch's own warm-up rule asks.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import os
+import threading
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from flashdmoe.launch_report import LaunchReport, StatusLayout
+
+__all__ = ["check_errors", "last_report", "set_sync_checks", "sync_checks", "synchronize"]
+
+#: Ranks per status slot (a launch holds at most this many: the kernel's peer table).
+SLOT_RANKS = 8
+#: Status slots of eager launches per device: launches in flight before the oldest is waited for.
+EAGER_SLOTS = 64
+#: Status slots for captured launches, allocated this many at a time (outside captures) ...
+GRAPH_CHUNK = 512
+#: ... whenever fewer than this many are left at an eager forward.
+GRAPH_LOW_WATER = 128
+
+
+class _Slot:
+    """One launch's pinned status bytes (``SLOT_RANKS`` blocks) and, for eager launches, its event;
+    ``home`` is the free list it goes back to."""
+
+    __slots__ = ("address", "view", "event", "home")
+
+    def __init__(self, address: int, view: memoryview, event: Any, home: list) -> None:
+        self.address = address
+        self.view = view
+        self.event = event
+        self.home = home
+
+    def give_back(self) -> None:
+        self.home.append(self)  # list.append is atomic under the GIL
+
+
+class _Event:
+    """A CUDA event of the extension's (recorded by its launch right after the status copy)."""
+
+    __slots__ = ("handle", "_ext")
+
+    def __init__(self, ext: Any) -> None:
+        self._ext = ext
+        self.handle = ext.event_create()
+
+    def query(self) -> bool:
+        return self._ext.event_query(self.handle)
+
+    def synchronize(self) -> None:
+        self._ext.event_synchronize(self.handle)
+
+
+def _allocate_pinned(nbytes: int) -> torch.Tensor:
+    return torch.zeros(nbytes, dtype=torch.uint8, pin_memory=True)
+
+
+def _make_event() -> Any:
+    from flashdmoe import cuda_backend
+
+    return _Event(cuda_backend._extension())
+
+
+def _synchronize_device(device: int) -> None:
+    torch.cuda.synchronize(device)
+
+
+class _DeviceSlots:
+    """The pinned status slots of one device: a fixed ring for eager launches and a growing set for
+    captured ones (a graph may replay for as long as the process lives, so its slot is never reused)."""
+
+    def __init__(self, device: int, slot_bytes: int) -> None:
+        self.device = device
+        self.slot_bytes = slot_bytes
+        self.chunks: list[torch.Tensor] = []  # keeps the pinned memory alive
+        self.eager_free: list[_Slot] = []
+        with torch.cuda.device(device):  # events belong to the device whose streams record them
+            self.eager_free.extend(self._carve(EAGER_SLOTS, self.eager_free, events=True))
+        self.graph_free: list[_Slot] = []
+        self.graph_chunks: list[tuple[torch.Tensor, int]] = []  # (chunk, first graph slot number)
+        self.graph_reports: dict[int, LaunchReport] = {}  # graph slot number -> the captured launch
+        self.grow_graph_slots()
+
+    def _carve(self, count: int, home: list, events: bool) -> list[_Slot]:
+        chunk = _allocate_pinned(count * self.slot_bytes)
+        self.chunks.append(chunk)
+        view = memoryview(chunk.numpy())
+        base = chunk.data_ptr()
+        slots = [_Slot(base + i * self.slot_bytes, view[i * self.slot_bytes:(i + 1) * self.slot_bytes],
+                       _make_event() if events else None, home) for i in range(count)]
+        slots.reverse()  # pop() hands out the lowest address first
+        return slots
+
+    def grow_graph_slots(self) -> None:
+        first = len(self.graph_chunks) * GRAPH_CHUNK
+        self.graph_free[:0] = self._carve(GRAPH_CHUNK, self.graph_free, events=False)
+        self.graph_chunks.append((self.chunks[-1], first))
+
+    def graph_slot_number(self, slot: _Slot) -> int:
+        for chunk, first in self.graph_chunks:
+            offset = slot.address - chunk.data_ptr()
+            if 0 <= offset < chunk.numel():
+                return first + offset // self.slot_bytes
+        raise AssertionError("the slot is not a graph slot of this device")
+
+
+class _State:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.pending: collections.deque[LaunchReport] = collections.deque()  # eager launches, oldest first
+        self.devices: dict[int, _DeviceSlots] = {}
+        self.launch_ids = itertools.count(1)  # next() is atomic under the GIL
+        self.sync_checks = os.environ.get("FLASHDMOE_SYNC_CHECKS", "0") == "1"
+        self.local = threading.local()
+
+
+_state = _State()
+
+
+# ---- public ----
+def set_sync_checks(enabled: bool) -> bool:
+    """Debug mode: every fused forward waits for its kernel and raises its error from that call
+    (``FLASHDMOE_SYNC_CHECKS=1`` sets it at import). Returns the previous setting. Costs a host
+    synchronisation per forward; CUDA-graph captures are never checked at the call."""
+    if not isinstance(enabled, bool):
+        raise ValueError(f"enabled={enabled!r}: expected True or False")
+    previous, _state.sync_checks = _state.sync_checks, enabled
+    return previous
+
+
+def sync_checks() -> bool:
+    """Whether the debug mode of :func:`set_sync_checks` is on."""
+    return _state.sync_checks
+
+
+def last_report() -> LaunchReport | None:
+    """The :class:`flashdmoe.launch_report.LaunchReport` of the latest fused forward this thread ran
+    (``None`` before the first). Cheap: decoding happens when its fields are read."""
+    return getattr(_state.local, "report", None)
+
+
+def check_errors() -> None:
+    """Raise the error of any fused launch that has finished and was not checked yet; never blocks.
+
+    Checks, oldest first, every eager launch of this process whose completion event has fired, and raises
+    the first error found (:class:`flashdmoe.KernelTimeout` for a watchdog timeout, which also marks the
+    launch's team failed; ``ValueError`` for non-finite router logits; ``RuntimeError`` for another error
+    word). Launches still running are left for later; CUDA-graph replays are checked by
+    :func:`synchronize` only. Outside this function, errors surface at the next fused forward (launches
+    that have finished by then), before a team's next use (waiting for its last launch), and at the call
+    itself in debug mode (:func:`set_sync_checks`); see :mod:`flashdmoe.status_checks`.
+    """
+    _poll()
+
+
+def synchronize(device: int | torch.device | None = None) -> None:
+    """Wait for the GPU, then raise the first error of any fused launch not checked yet.
+
+    ``device``: a CUDA device (index or ``torch.device``); ``None`` waits for every device that ran a
+    fused launch. Checks every eager launch (oldest first), then every CUDA-graph-captured launch (the
+    status its latest replay left; each error is raised once). Errors as :func:`check_errors`.
+    """
+    if device is None:
+        devices = sorted(_state.devices)
+    else:
+        devices = [torch.device("cuda", device).index if isinstance(device, int) else torch.device(device).index]
+        if devices == [None]:
+            devices = [torch.cuda.current_device()]
+    for index in devices:
+        _synchronize_device(index)
+    wanted = set(devices)
+    while (report := _take(lambda r: r.device in wanted or r.ready())) is not None:
+        _raise_if_failed(report)
+    for index in devices:
+        slots = _state.devices.get(index)
+        if slots is not None:
+            _check_graph_slots(slots)
+
+
+# ---- used by the backend around a launch ----
+def before_launch(device: int, team: Any, capturing: bool) -> None:
+    """Surface finished launches' errors and settle ``team``'s last launch (waiting for it) before a new
+    launch; inside a capture only refuse a team whose last launch is unchecked."""
+    unchecked = None if team is None else getattr(team, "unchecked_launch", None)
+    if capturing:
+        if device not in _state.devices:
+            raise RuntimeError(
+                f"the first flashdmoe forward on cuda:{device} ran inside a CUDA-graph capture; run one forward "
+                "eagerly first (warm-up), which also allocates the pinned status slots the graph writes into"
+            )
+        if unchecked is not None:
+            raise RuntimeError(
+                f"team {team!r}: its last forward (launch {unchecked.launch_id}) was not checked yet and CUDA forbids "
+                "waiting for it inside a graph capture; call flashdmoe.synchronize() before capturing"
+            )
+        return
+    slots = _state.devices.get(device)
+    if slots is None:
+        with _state.lock:
+            slots = _state.devices.get(device)
+            if slots is None:
+                slots = _state.devices[device] = _DeviceSlots(device, SLOT_RANKS * _status_bytes())
+    elif len(slots.graph_free) < GRAPH_LOW_WATER:
+        with _state.lock:
+            if len(slots.graph_free) < GRAPH_LOW_WATER:
+                slots.grow_graph_slots()
+    if unchecked is not None:
+        settle(unchecked)
+    if _state.pending:
+        _poll()
+
+
+def claim_slot(device: int, capturing: bool) -> _Slot:
+    """A free status slot for a launch on ``device`` (eager: waits for the oldest launch when all are
+    taken, which may raise its error)."""
+    slots = _state.devices[device]
+    if capturing:
+        with _state.lock:
+            if not slots.graph_free:
+                raise RuntimeError(
+                    f"no pinned status slot left for another captured flashdmoe launch on cuda:{device} ({GRAPH_CHUNK} "
+                    "are added at each eager forward when fewer than "
+                    f"{GRAPH_LOW_WATER} remain); run an eager forward between large captures"
+                )
+            return slots.graph_free.pop()
+    while True:
+        with _state.lock:
+            if slots.eager_free:
+                return slots.eager_free.pop()
+            oldest = next((r for r in _state.pending if not r.checked and r.device == device), None)
+        if oldest is None:
+            raise RuntimeError(f"no status slot free on cuda:{device} and no unchecked launch holds one")
+        settle(oldest)
+
+
+def next_launch_id() -> int:
+    return next(_state.launch_ids)
+
+
+def launched(report: LaunchReport, slot: _Slot, team: Any) -> None:
+    """Record a started launch (the extension recorded the slot's event behind the status copy), or a
+    captured launch's graph slot; then, in debug mode, check it at once."""
+    _state.local.report = report
+    if report.captured:
+        slots = _state.devices[report.device]
+        with _state.lock:
+            slots.graph_reports[slots.graph_slot_number(slot)] = report
+        return
+    with _state.lock:
+        _state.pending.append(report)
+    if team is not None:
+        team.unchecked_launch = report
+    if _state.sync_checks:
+        settle(report)
+        _poll()
+
+
+def settle(report: LaunchReport) -> None:
+    """Wait for ``report``'s launch and check it (raises its error) unless it was checked already."""
+    with _state.lock:
+        if report.checked:
+            return
+        report.checked = True  # stays in the queue; _take drops checked entries
+    _raise_if_failed(report)  # keeping the status waits for it
+
+
+def settle_team(team: Any) -> None:
+    """Before another use of ``team``: wait for and check its last launch, if unchecked."""
+    unchecked = getattr(team, "unchecked_launch", None)
+    if unchecked is not None:
+        settle(unchecked)
+
+
+# ---- internals ----
+def _status_layout() -> StatusLayout:
+    from flashdmoe import cuda_backend
+
+    return cuda_backend.status_layout()
+
+
+def _status_bytes() -> int:
+    return _status_layout().bytes
+
+
+def _take(accept: Callable[[LaunchReport], bool] = lambda report: report.ready()) -> LaunchReport | None:
+    """Pop the oldest unchecked launch if ``accept`` takes it (default: finished), marking it checked."""
+    pending = _state.pending
+    with _state.lock:
+        while pending:
+            head = pending[0]
+            if head.checked:
+                pending.popleft()
+                continue
+            if not accept(head):
+                return None
+            pending.popleft()
+            head.checked = True
+            return head
+    return None
+
+
+def _poll() -> None:
+    while (report := _take()) is not None:
+        _raise_if_failed(report)
+
+
+def _raise_if_failed(report: LaunchReport) -> None:
+    report.keep_status()
+    team = report.team
+    if team is not None and getattr(team, "unchecked_launch", None) is report:
+        team.unchecked_launch = None
+    error = report.exception()
+    if error is None:
+        return
+    _fail_team(team, error)
+    raise error
+
+
+def _fail_team(team: Any, error: Exception) -> None:
+    # Non-finite input leaves the team's signals consistent; a kernel error does not.
+    if team is not None and not isinstance(error, ValueError) and getattr(team, "transport", "single") != "single":
+        team.mark_failed(str(error))
+
+
+def _dirty_graph_slots(slots: _DeviceSlots) -> list[int]:
+    """Numbers of the graph slots whose error word or status flags are not zero (one pass per chunk, so
+    a process with thousands of captured launches checks them in microseconds)."""
+    if not slots.graph_reports:
+        return []
+    layout = _status_layout()
+    words = [(layout.error_word, layout.error_word + 8), (layout.status_flags, layout.status_flags + 4)]
+    last = max(slots.graph_reports)
+    dirty = []
+    for chunk, first in slots.graph_chunks:
+        if first > last:
+            break
+        used = min(GRAPH_CHUNK, last - first + 1) * SLOT_RANKS  # blocks up to the last slot handed out
+        blocks = chunk.numpy().reshape(-1, layout.bytes)[:used]
+        hot = np.zeros(blocks.shape[0], dtype=bool)
+        for start, end in words:
+            hot |= blocks[:, start:end].any(axis=1)
+        dirty.extend(first + int(block) // SLOT_RANKS for block in np.flatnonzero(hot))
+    return sorted(set(dirty))
+
+
+def _check_graph_slots(slots: _DeviceSlots) -> None:
+    """Raise the first error a captured launch's latest replay left (the device is idle), once."""
+    for number in _dirty_graph_slots(slots):
+        with _state.lock:
+            report = slots.graph_reports.get(number)
+        if report is None:
+            continue
+        error = report.exception()
+        if error is None:
+            continue
+        report.clear_captured_status()
+        _fail_team(report.team, error)
+        raise error

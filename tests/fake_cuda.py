@@ -1,0 +1,143 @@
+"""A CPU stand-in for the ``flashdmoe_cuda`` extension and the few ``torch.cuda`` calls a fused forward
+makes, so that ``flashdmoe.cuda_backend.run_forward`` and the error-surfacing state machine run without a
+GPU (tests/test_status_checks.py, scripts/host_overhead.py).
+
+The fake ``launch`` writes the status blocks a test scripted straight into the host slot (where the real
+extension's asynchronous copy would land) and leaves the launch's event "running" until the test
+completes it, so every check point of :mod:`flashdmoe.status_checks` can be driven by hand.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import struct
+from dataclasses import dataclass, field
+
+import torch
+
+# The real block (csrc/moe/params.cuh): error word, phase clock [6], traffic [2], status flags.
+STATUS_LAYOUT = {"bytes": 128, "error_word": 0, "phase_clock": 8, "phase_clock_slots": 6, "traffic": 56,
+                 "status_flags": 72}
+
+
+def status_block(*, error: int = 0, flags: int = 0, clock=(1_000, 2_000, 3_500, 6_000, 10_000, 10_500),
+                 traffic=(0, 0)) -> bytes:
+    """One rank's status block as the kernel leaves it."""
+    raw = bytearray(STATUS_LAYOUT["bytes"])
+    struct.pack_into("<Q", raw, STATUS_LAYOUT["error_word"], error)
+    for i, value in enumerate(clock):
+        struct.pack_into("<Q", raw, STATUS_LAYOUT["phase_clock"] + 8 * i, value)
+    struct.pack_into("<QQ", raw, STATUS_LAYOUT["traffic"], *traffic)
+    struct.pack_into("<I", raw, STATUS_LAYOUT["status_flags"], flags)
+    return bytes(raw)
+
+
+def timeout_word(phase: int, peer: int, block: int = 3) -> int:
+    return 1 | (phase << 8) | (peer << 16) | (block << 32)
+
+
+class FakeEvent:
+    """A CUDA event whose completion the test decides (``done``); ``synchronize`` completes it."""
+
+    def __init__(self, handle: int) -> None:
+        self.handle = handle
+        self.done = True
+        self.records = 0
+        self.waits = 0
+
+    def record(self) -> None:
+        self.records += 1
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.waits += 1
+        self.done = True
+
+
+@dataclass(eq=False)  # hashable by identity: the backend caches per extension
+class FakeExtension:
+    """``prepare_forward`` / ``launch`` / ``status_layout`` / ``check_shapes`` / ``workspace_layout``."""
+
+    shape_error: str = ""
+    # Status blocks for the next launches, one list of per-rank blocks per launch (default: success).
+    script: list = field(default_factory=list)
+    prepared: list = field(default_factory=list)
+    launches: list = field(default_factory=list)
+    fail_launch: Exception | None = None
+    events: dict = field(default_factory=dict)  # handle -> FakeEvent
+
+    def check_shapes(self, T, H, I, E, k, world_size=1):
+        return self.shape_error
+
+    def workspace_layout(self, T, H, I, E, k, dtype, world_size=1, stream_rows=0):
+        return {"total_bytes": 4096 + 64 * T * k, "error_word": 0, "status_flags": 72, "phase_clock": 8,
+                "phase_clock_slots": 6, "traffic": 56, "sync_bytes": 1024}
+
+    def status_layout(self):
+        return dict(STATUS_LAYOUT)
+
+    def prepare_forward(self, shared, ranks):
+        prepared = (dict(shared), [dict(r) for r in ranks])
+        self.prepared.append(prepared)
+        return prepared
+
+    def launch(self, prepared, addresses, sequence, stream, status_host, status_event):
+        if self.fail_launch is not None:
+            raise self.fail_launch
+        shared, ranks = prepared
+        assert len(addresses) == 1 + 9 * len(ranks)
+        blocks = self.script.pop(0) if self.script else [status_block() for _ in ranks]
+        if status_host:
+            data = b"".join(blocks)
+            ctypes.memmove(status_host, data, len(data))
+        if status_event:
+            self.events[status_event].record()
+        self.launches.append({"sequence": sequence, "stream": stream, "ranks": len(ranks), "event": status_event,
+                              "status_host": status_host, "workspace": addresses[9::9]})
+        return (132, 1, 200_000)
+
+    def new_event(self) -> FakeEvent:
+        event = FakeEvent(handle=1000 + len(self.events))
+        self.events[event.handle] = event
+        return event
+
+
+@contextlib.contextmanager
+def fake_cuda(monkeypatch, ext: FakeExtension | None = None, *, capturing=lambda: False):
+    """Run the fused path on CPU tensors: the fake extension, fake events, unpinned slots, and CPU tensors
+    accepted as CUDA by ``flashdmoe.moe``. Yields (ext, events, synchronized devices)."""
+    from flashdmoe import api, cuda_backend, status_checks
+
+    ext = ext or FakeExtension()
+    events: list[FakeEvent] = []
+    synchronized: list = []
+
+    def make_event():
+        event = ext.new_event()
+        events.append(event)
+        return event
+
+    monkeypatch.setattr(cuda_backend, "_module", ext)
+    caches = (cuda_backend.status_layout, cuda_backend._check_shapes, cuda_backend._workspace_layout)
+    for cache in caches:
+        cache.cache_clear()
+    cuda_backend._single_plans.clear()
+    monkeypatch.setattr(cuda_backend, "_pool", cuda_backend.WorkspacePool())
+    monkeypatch.setattr(status_checks, "_state", status_checks._State())
+    monkeypatch.setattr(status_checks, "_allocate_pinned", lambda n: torch.zeros(n, dtype=torch.uint8))
+    monkeypatch.setattr(status_checks, "_make_event", make_event)
+    monkeypatch.setattr(status_checks, "_synchronize_device", synchronized.append)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", capturing)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(cuda_backend, "_current_stream_handle", lambda index: 7)
+    monkeypatch.setattr(api, "cuda_unavailable_reason", lambda x: None)
+    try:
+        yield ext, events, synchronized
+    finally:
+        for cache in caches:
+            cache.cache_clear()
+        cuda_backend._single_plans.clear()

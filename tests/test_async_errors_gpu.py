@@ -1,0 +1,276 @@
+"""The forward as users call it, on the GPU: no host synchronisation, errors where flashdmoe.status_checks
+says they surface, CUDA-graph capture and replay bitwise equal to eager calls.
+
+tests/test_status_checks.py checks the same state machine on the CPU with a fake extension; this file
+checks it against the real kernel, its status copy and CUDA's graph capture.
+"""
+
+import math
+
+import pytest
+import torch
+
+import flashdmoe
+from flashdmoe.team import Team, TeamFailed
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def backend():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("fused kernel targets Hopper (sm_90a)")
+    from flashdmoe import cuda_backend, extension
+
+    extension.load()  # a build failure on Hopper is a test failure, not a skip
+    previous = flashdmoe.set_sync_checks(False)
+    yield cuda_backend
+    flashdmoe.set_sync_checks(previous)
+
+
+@pytest.fixture
+def knobs(backend):
+    """Debug knobs set by a test, reset after it (a failing launch must not leak into the next test)."""
+    yield backend.debug
+    backend.debug.withhold_phase = 0
+    backend.debug.silent_rank = -1
+    backend.debug.timeout_ms = None
+    try:
+        flashdmoe.synchronize()
+    except (flashdmoe.KernelTimeout, ValueError, RuntimeError):
+        pass
+
+
+def make_inputs(T, H, I, E, activation, *, seed, dtype=torch.bfloat16):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    cols = 2 * I if activation == "swiglu" else I
+    x = torch.randn(T, H, device="cuda", generator=g).to(dtype)
+    router = (torch.randn(E, H, device="cuda", generator=g) / math.sqrt(H)).to(dtype)
+    w1 = (torch.randn(E, H, cols, device="cuda", generator=g) / math.sqrt(H)).to(dtype)
+    w2 = (torch.randn(E, I, H, device="cuda", generator=g) / math.sqrt(I)).to(dtype)
+    return x, router, w1, w2
+
+
+def tokens_like(x, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randn(x.shape, device="cuda", generator=g).to(x.dtype)
+
+
+def capture(fn):
+    """torch's recipe: warm up on a side stream, then capture. Returns (graph, captured outputs)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    flashdmoe.synchronize()  # checks the warm-up (a team's last launch must be checked before a capture)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
+# ------------------------------------------------------------------------------------------------------------
+# No host synchronisation
+
+
+def test_forward_returns_while_the_gpu_is_still_busy(backend):
+    x, router, w1, w2 = make_inputs(512, 256, 256, 16, "gelu", seed=1)
+    flashdmoe.moe(x, router, w1, w2, top_k=2, backend="cuda")
+    flashdmoe.synchronize()
+    torch.cuda._sleep(1_000_000_000)  # about half a second of GPU time ahead of the forward
+    flashdmoe.moe(x, router, w1, w2, top_k=2, backend="cuda")
+    report = flashdmoe.last_report()
+    busy = not torch.cuda.current_stream().query()
+    ready = report.ready()
+    flashdmoe.synchronize()
+    assert busy and not ready, "the forward waited for the GPU"
+    assert report.checked and report.error is None and report.phase_ms is not None
+
+
+def test_profiler_sees_no_synchronisation_and_only_the_pinned_status_copy(backend):
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    x, router, w1, w2 = make_inputs(1024, 256, 256, 16, "gelu", seed=2)
+    flashdmoe.moe(x, router, w1, w2, top_k=2, backend="cuda")
+    flashdmoe.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with record_function("flashdmoe_forward"):
+            flashdmoe.moe(x, router, w1, w2, top_k=2, backend="cuda")
+        torch.cuda.synchronize()
+    flashdmoe.synchronize()
+    events = list(prof.events())
+    (window,) = [e for e in events if e.name == "flashdmoe_forward"]
+    start, end = window.time_range.start, window.time_range.end
+    inside = {e.name for e in events if e.device_type == torch.autograd.DeviceType.CPU
+              and start <= e.time_range.start <= end}
+    waits = {"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
+             "cudaStreamWaitEvent"} & inside
+    assert not waits, f"the forward called {waits}"
+    copies = [e.name for e in events if "memcpy" in e.name.lower() and e.device_type == torch.autograd.DeviceType.CUDA]
+    assert all("Pinned" in name and "DtoH" in name for name in copies), copies
+    assert len(copies) == 1, copies  # the status words, asynchronously into pinned memory
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Errors surface where documented (default: asynchronous)
+
+
+def test_timeout_surfaces_at_synchronize_and_at_the_next_call(backend, knobs):
+    x, router, w1, w2 = make_inputs(4096, 256, 256, 16, "gelu", seed=3)
+    good = flashdmoe.moe(x, router, w1, w2, top_k=2, backend="cuda")
+    flashdmoe.synchronize()
+    knobs.withhold_phase, knobs.timeout_ms = 2, 300
+    flashdmoe.moe(x, router, w1, w2, top_k=2, backend="cuda")  # returns: nothing waited
+    report = flashdmoe.last_report()
+    with pytest.raises(flashdmoe.KernelTimeout, match="per-expert offsets"):
+        flashdmoe.synchronize()
+    assert report.error.timed_out and report.error.phase == 2
+    flashdmoe.moe(x, router, w1, w2, top_k=2, backend="cuda")
+    failed = flashdmoe.last_report()
+    knobs.withhold_phase, knobs.timeout_ms = 0, None
+    torch.cuda.synchronize()  # the launch has finished: the next call checks it
+    with pytest.raises(flashdmoe.KernelTimeout, match=rf"\[launch {failed.launch_id} on cuda"):
+        flashdmoe.moe(x, router, w1, w2, top_k=2, backend="cuda")
+    again = flashdmoe.moe(x, router, w1, w2, top_k=2, backend="cuda")
+    flashdmoe.synchronize()
+    assert torch.equal(again, good), "the GPU recovered"
+
+
+def test_non_finite_input_surfaces_at_check_errors(backend):
+    x, router, w1, w2 = make_inputs(256, 128, 128, 8, "gelu", seed=4)
+    x[17, 5] = float("nan")
+    flashdmoe.moe(x, router, w1, w2, top_k=2, backend="cuda")
+    torch.cuda.synchronize()
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        flashdmoe.check_errors()
+    flashdmoe.check_errors()  # raised once
+
+
+def test_sync_checks_raise_at_the_call(backend, knobs):
+    x, router, w1, w2 = make_inputs(256, 128, 128, 8, "gelu", seed=5)
+    bad = x.clone()
+    bad[3, 3] = float("inf")
+    previous = flashdmoe.set_sync_checks(True)
+    try:
+        with pytest.raises(ValueError, match="NaN or Inf"):
+            flashdmoe.moe(bad, router, w1, w2, top_k=2, backend="cuda")
+        knobs.withhold_phase, knobs.timeout_ms = 3, 300
+        with pytest.raises(flashdmoe.KernelTimeout, match="after dispatch"):
+            flashdmoe.moe(x, router, w1, w2, top_k=2, backend="cuda")
+    finally:
+        flashdmoe.set_sync_checks(previous)
+
+
+def test_a_stuck_rank_fails_every_rank_at_the_teams_next_use(backend, knobs):
+    P, H, I, E, k = 3, 128, 128, 12, 2
+    g = torch.Generator(device="cuda").manual_seed(6)
+    xs = [torch.randn(256, H, device="cuda", generator=g).to(torch.bfloat16) for _ in range(P)]
+    _, router, w1, w2 = make_inputs(1, H, I, E, "gelu", seed=6)
+    w1s, w2s = list(w1.split(E // P)), list(w2.split(E // P))
+    team = Team.emulated(P, max_tokens=256, hidden=H, top_k=k, local_experts=E // P, dtype=torch.bfloat16)
+    knobs.silent_rank, knobs.timeout_ms = 2, 300
+    flashdmoe.moe_expert_parallel(xs, router, w1s, w2s, top_k=k, team=team)  # returns
+    knobs.silent_rank, knobs.timeout_ms = -1, None
+    assert not team.failed
+    with pytest.raises(flashdmoe.KernelTimeout) as caught:
+        flashdmoe.moe_expert_parallel(xs, router, w1s, w2s, top_k=k, team=team)  # waits for the last launch
+    segments = str(caught.value).split("; ")
+    for r in range(P):
+        assert len([s for s in segments if f"rank {r} timed out" in s]) == 1, str(caught.value)
+    assert all("waiting on rank 2" in s for s in segments if "timed out" in s and "rank 2 timed" not in s)
+    assert team.failed
+    with pytest.raises(TeamFailed):
+        flashdmoe.moe_expert_parallel(xs, router, w1s, w2s, top_k=k, team=team)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# CUDA graphs
+
+
+@pytest.mark.parametrize("T,H,I,E,k,activation", [(1, 2048, 768, 128, 8, "swiglu"), (300, 512, 256, 16, 2, "gelu"),
+                                                  (2048, 1024, 512, 32, 4, "silu")])
+def test_graph_replays_equal_eager_calls_bitwise(backend, T, H, I, E, k, activation):
+    x, router, w1, w2 = make_inputs(T, H, I, E, activation, seed=7)
+    static_x = x.clone()
+    call = lambda inputs: flashdmoe.moe(inputs, router, w1, w2, top_k=k, activation=activation,  # noqa: E731
+                                        capacity_factor=1.25, backend="cuda", return_aux=True)
+    with torch.no_grad():
+        graph, (y, aux) = capture(lambda: call(static_x))
+        for seed in (10, 11, 12):
+            fresh = tokens_like(x, seed)
+            static_x.copy_(fresh)
+            graph.replay()
+            want_y, want_aux = call(fresh)
+            torch.cuda.synchronize()
+            assert torch.equal(y, want_y), f"replay with input set {seed} differs from the eager call"
+            assert torch.equal(aux.counts, want_aux.counts) and torch.equal(aux.dropped, want_aux.dropped)
+    flashdmoe.synchronize()  # every replay's status checked: none failed
+
+
+def test_layer_graph_replays_equal_eager_calls_bitwise(backend):
+    config = flashdmoe.MoEConfig(hidden=512, ffn=256, experts=16, top_k=2, tokens_per_rank=64, dtype="bfloat16",
+                                 activation="swiglu", seed=8)
+    layer = flashdmoe.MoELayer(config, device="cuda")
+    layer.backend = "cuda"
+    static_x = torch.zeros(64, 512, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        graph, y = capture(lambda: layer(static_x))
+        for seed in (20, 21, 22):
+            fresh = tokens_like(static_x, seed)
+            static_x.copy_(fresh)
+            graph.replay()
+            want = layer(fresh)
+            torch.cuda.synchronize()
+            assert torch.equal(y, want)
+    flashdmoe.synchronize()
+
+
+def test_emulated_team_graph_replays_equal_eager_calls_bitwise(backend):
+    P, H, I, E, k = 4, 256, 128, 16, 2
+    tokens = [200, 0, 77, 129]
+    _, router, w1, w2 = make_inputs(1, H, I, E, "gelu", seed=9)
+    w1s, w2s = list(w1.split(E // P)), list(w2.split(E // P))
+    team = Team.emulated(P, max_tokens=200, hidden=H, top_k=k, local_experts=E // P, dtype=torch.bfloat16)
+    static_xs = [torch.zeros(T, H, device="cuda", dtype=torch.bfloat16) for T in tokens]
+    call = lambda xs: flashdmoe.moe_expert_parallel(xs, router, w1s, w2s, top_k=k, team=team)  # noqa: E731
+    with torch.no_grad():
+        graph, ys = capture(lambda: call(static_xs))
+        # Replays and eager calls interleaved: eager sequence numbers keep rising, each replay re-zeroes the
+        # signal words and reuses the captured one.
+        for seed in (30, 31, 32):
+            fresh = [tokens_like(x, seed + r) for r, x in enumerate(static_xs)]
+            for static, new in zip(static_xs, fresh):
+                static.copy_(new)
+            graph.replay()
+            want = call(fresh)
+            torch.cuda.synchronize()
+            for r in range(P):
+                assert torch.equal(ys[r], want[r]), f"rank {r}, input set {seed}"
+    flashdmoe.synchronize()
+    assert not team.failed
+
+
+def test_graph_replay_errors_surface_at_synchronize(backend, knobs):
+    x, router, w1, w2 = make_inputs(512, 256, 256, 16, "gelu", seed=40)
+    static_x = x.clone()
+    call = lambda: flashdmoe.moe(static_x, router, w1, w2, top_k=2, backend="cuda")  # noqa: E731
+    with torch.no_grad():
+        healthy, _ = capture(call)
+        healthy.replay()
+        flashdmoe.synchronize()
+        knobs.withhold_phase, knobs.timeout_ms = 5, 200  # baked into the next capture
+        stuck = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(stuck):
+            call()
+        knobs.withhold_phase, knobs.timeout_ms = 0, None
+        stuck.replay()
+        with pytest.raises(flashdmoe.KernelTimeout, match="grid barrier before the combine.*a CUDA-graph replay of launch"):
+            flashdmoe.synchronize()
+        flashdmoe.synchronize()  # reported once
+        static_x[0, 0] = float("nan")
+        healthy.replay()
+        with pytest.raises(ValueError, match="NaN or Inf"):
+            flashdmoe.synchronize()

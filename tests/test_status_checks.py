@@ -1,0 +1,489 @@
+"""Launch reports and when the fused kernel's errors surface, on the CPU.
+
+The decoding is checked on synthetic status blocks; the state machine of flashdmoe.status_checks runs
+through the real cuda_backend.run_forward with the extension, its events and the CUDA stream calls
+replaced by tests/fake_cuda.py (the test decides when a launch's event completes and what its status
+block says). tests/test_async_errors_gpu.py checks the same behaviour on the GPU.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import flashdmoe
+from fake_cuda import STATUS_LAYOUT, fake_cuda, status_block, timeout_word
+from flashdmoe import api, cuda_backend, status_checks
+from flashdmoe.launch_report import ErrorKind, KernelError, LaunchReport, LaunchShape, StatusLayout, decode_rank
+from flashdmoe.team import BufferPlan, RankBuffers, Team, TeamFailed
+
+REPO = Path(__file__).resolve().parent.parent
+LAYOUT = StatusLayout.from_mapping(STATUS_LAYOUT)
+H, I, E, K = 64, 64, 8, 2
+
+
+def inputs(tokens=16, experts=E, seed=0, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, H, generator=g).to(dtype)
+    router = torch.randn(experts, H, generator=g).to(dtype)
+    w1 = torch.randn(experts, H, I, generator=g).to(dtype)
+    w2 = torch.randn(experts, I, H, generator=g).to(dtype)
+    return x, router, w1, w2
+
+
+def forward(x, router, w1, w2, **options):
+    with torch.no_grad():
+        return flashdmoe.moe(x, router, w1, w2, top_k=K, backend="cuda", **options)
+
+
+def emulated_team(P=2, max_tokens=32):
+    """An emulated team on CPU tensors (the fake extension never touches its buffers)."""
+    plan = BufferPlan(P, max_tokens, H, K, E // P, torch.bfloat16)
+    stride = -(-plan.signal_words // 32) * 32
+    block = torch.full((P * stride,), 5, dtype=torch.int32)
+    buffers = [RankBuffers(recv=torch.empty(plan.data_bytes, dtype=torch.uint8),
+                           comb=torch.empty(plan.data_bytes, dtype=torch.uint8),
+                           signals=block[r * stride:r * stride + plan.signal_words]) for r in range(P)]
+    for own in buffers:
+        own.peer_recv = [b.recv.data_ptr() for b in buffers]
+        own.peer_comb = [b.comb.data_ptr() for b in buffers]
+        own.peer_signals = [b.signals.data_ptr() for b in buffers]
+    return Team("emulated", 0, P, plan, buffers, torch.device("cpu"), block)
+
+
+def emulated_forward(team, tokens=(16, 16), seed=0):
+    P = team.world_size
+    x, router, w1, w2 = inputs(max(tokens), seed=seed)
+    xs = [x[:t] for t in tokens]
+    with torch.no_grad():
+        return flashdmoe.moe_expert_parallel(xs, router, list(w1.split(E // P)), list(w2.split(E // P)), top_k=K,
+                                             team=team)
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    monkeypatch.setattr(cuda_backend.debug, "timeout_ms", None)
+    with fake_cuda(monkeypatch) as parts:
+        yield parts
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Decoding
+
+
+def test_status_layout_of_the_fake_is_the_kernels():
+    """tests/fake_cuda.py writes blocks at the offsets csrc/moe/params.cuh defines."""
+    text = (REPO / "csrc" / "moe" / "params.cuh").read_text()
+    names = {"kPhaseClockSlots": int(re.search(r"constexpr int kPhaseClockSlots = (\d+);", text).group(1))}
+    for name, expression in re.findall(r"constexpr size_t (kStatus\w+) = ([^;]+);", text):
+        names[name] = eval(expression, {}, dict(names))  # noqa: S307 -- integer arithmetic on earlier names
+    assert {"bytes": names["kStatusBytes"], "error_word": names["kStatusErrorWord"],
+            "phase_clock": names["kStatusPhaseClock"], "phase_clock_slots": names["kPhaseClockSlots"],
+            "traffic": names["kStatusTraffic"], "status_flags": names["kStatusFlags"]} == STATUS_LAYOUT
+
+
+def test_decode_a_clean_block():
+    raw = status_block(clock=(1_000_000, 3_000_000, 3_500_000, 6_000_000, 16_000_000, 17_000_000), traffic=(4096, 2048))
+    status = decode_rank(raw, 0, LAYOUT, rank=3)
+    assert status.rank == 3 and status.error is None and not status.nonfinite_logits
+    assert status.phase_ms == {"gate": 2.0, "offsets": 0.5, "dispatch": 2.5, "experts": 10.0, "combine": 1.0}
+    assert (status.dispatch_bytes, status.combine_bytes) == (4096, 2048)
+
+
+def test_decode_an_error_word_into_fields():
+    word = timeout_word(phase=7, peer=2, block=131)
+    status = decode_rank(status_block(error=word, clock=(5, 6, 0, 0, 0, 0)), 0, LAYOUT, rank=1)
+    error = status.error
+    assert (error.rank, error.kind, error.phase, error.peer, error.block) == (1, ErrorKind.TIMEOUT, 7, 2, 131)
+    assert error.timed_out and status.phase_ms is None
+    assert error.describe() == ("rank 1 timed out in the expert GEMM1 tile waiting for a peer's dispatched rows "
+                                "(waiting on rank 2; first seen by block 131)")
+    other = KernelError.from_word(0, 0x2 | (3 << 8))
+    assert not other.timed_out and other.describe() == "rank 0 reported error word 0x302"
+
+
+def report_of(blocks, ranks=None, captured=False, timeout_ms=300):
+    ranks = ranks or tuple(range(len(blocks)))
+    shape = LaunchShape(ranks=ranks, tokens=(16,) * len(ranks), local_experts=4, row_bytes=128, timeout_ms=timeout_ms)
+    source = memoryview(bytearray(b"".join(blocks)))
+    return LaunchReport(shape, 9, 0, (132, 1, 1000), LAYOUT, source, None, None, captured, None, [])
+
+
+def test_exception_type_comes_from_the_error_kind_not_the_text():
+    report = report_of([status_block(), status_block(error=timeout_word(8, 0))])
+    error = report.exception()
+    assert type(error) is flashdmoe.KernelTimeout
+    assert str(error).startswith("flashdmoe kernel: rank 1 timed out in the combine waiting for a peer's expert "
+                                 "results (waiting on rank 0; first seen by block 3); timeout 300 ms")
+    assert "launch 9 on cuda:0" in str(error)
+    unknown = report_of([status_block(error=0x5 | (8 << 8))]).exception()
+    assert type(unknown) is RuntimeError and "error word 0x805" in str(unknown)
+    # A timeout on one rank makes the launch a KernelTimeout even beside an unknown kind on another.
+    mixed = report_of([status_block(error=0x5), status_block(error=timeout_word(1, 1))]).exception()
+    assert type(mixed) is flashdmoe.KernelTimeout
+
+
+def test_non_finite_logits_are_a_value_error_naming_the_ranks():
+    assert report_of([status_block()]).exception() is None
+    one = report_of([status_block(flags=1)]).exception()
+    assert type(one) is ValueError and str(one).startswith("x or router_weight: expected finite values")
+    two = report_of([status_block(), status_block(flags=1), status_block(flags=1)]).exception()
+    assert "x or router_weight (rank 1, 2):" in str(two)
+
+
+def test_captured_report_reads_its_slot_live_and_clears_once():
+    report = report_of([status_block()], captured=True)
+    assert report.exception() is None and report.phase_ms is not None
+    report._source[:] = status_block(error=timeout_word(3, 0))  # a replay wrote a timeout
+    assert report.error.phase == 3 and isinstance(report.exception(), flashdmoe.KernelTimeout)
+    report.clear_captured_status()
+    assert report.exception() is None
+    with pytest.raises(RuntimeError, match="does not keep its routing"):
+        report.routing
+
+
+# ------------------------------------------------------------------------------------------------------------
+# When errors surface (fake extension)
+
+
+def test_forward_does_not_wait_and_the_report_decodes_later(fake):
+    ext, events, synchronized = fake
+    x, router, w1, w2 = inputs()
+    forward(x, router, w1, w2)
+    report = flashdmoe.last_report()
+    assert not report.ready() and not report.checked
+    assert all(event.waits == 0 for event in events)
+    assert report.grid == 132 and report.ranks == (0,) and report.tokens == (16,)
+    flashdmoe.check_errors()  # still running: nothing to check, nothing waited for
+    assert not report.checked and all(event.waits == 0 for event in events)
+    ext.events[ext.launches[0]["event"]].done = True
+    flashdmoe.check_errors()
+    assert report.checked and report.error is None
+    assert report.phase_ms == {"gate": 0.001, "offsets": 0.0015, "dispatch": 0.0025, "experts": 0.004,
+                               "combine": 0.0005}
+
+
+def test_timeout_surfaces_at_the_next_call_once_finished(fake):
+    ext, events, _ = fake
+    x, router, w1, w2 = inputs()
+    ext.script.append([status_block(error=timeout_word(2, 0))])
+    forward(x, router, w1, w2)
+    first = ext.events[ext.launches[0]["event"]]
+    forward(x, router, w1, w2)  # the first launch is still running: no error yet, the second launches
+    assert len(ext.launches) == 2
+    first.done = True
+    with pytest.raises(flashdmoe.KernelTimeout, match=r"per-expert offsets .*\[launch 1 on"):
+        forward(x, router, w1, w2)
+    assert len(ext.launches) == 2, "the call that raised launched nothing"
+    ext.events[ext.launches[1]["event"]].done = True
+    forward(x, router, w1, w2)  # raised once; the second launch was fine
+    assert len(ext.launches) == 3
+
+
+def test_check_errors_raises_each_error_once(fake):
+    ext, _, _ = fake
+    x, router, w1, w2 = inputs()
+    ext.script.append([status_block(flags=1)])
+    forward(x, router, w1, w2)
+    ext.events[ext.launches[0]["event"]].done = True
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        flashdmoe.check_errors()
+    flashdmoe.check_errors()
+
+
+def test_synchronize_waits_for_the_device_and_raises(fake):
+    ext, _, synchronized = fake
+    x, router, w1, w2 = inputs()
+    forward(x, router, w1, w2)
+    ext.script.append([status_block(error=timeout_word(5, 0))])
+    forward(x, router, w1, w2)
+    with pytest.raises(flashdmoe.KernelTimeout, match="grid barrier before the combine"):
+        flashdmoe.synchronize()
+    assert synchronized == [None]  # the device of the launches (None: these CPU stand-ins)
+    flashdmoe.synchronize()
+
+
+def test_sync_checks_raise_at_the_call(fake, monkeypatch):
+    ext, _, _ = fake
+    x, router, w1, w2 = inputs()
+    assert flashdmoe.set_sync_checks(True) is False
+    ext.script.append([status_block(error=timeout_word(1, 0))])
+    with pytest.raises(flashdmoe.KernelTimeout, match="grid barrier after the gate"):
+        forward(x, router, w1, w2)
+    forward(x, router, w1, w2)
+    assert flashdmoe.last_report().checked
+    assert flashdmoe.set_sync_checks(False) is True
+    with pytest.raises(ValueError, match="expected True or False"):
+        flashdmoe.set_sync_checks(1)
+    monkeypatch.setenv("FLASHDMOE_SYNC_CHECKS", "1")
+    assert status_checks._State().sync_checks
+    monkeypatch.setenv("FLASHDMOE_SYNC_CHECKS", "0")
+    assert not status_checks._State().sync_checks
+
+
+def test_a_deep_queue_waits_for_its_oldest_launch(fake):
+    ext, _, _ = fake
+    x, router, w1, w2 = inputs()
+    for _ in range(status_checks.EAGER_SLOTS):
+        forward(x, router, w1, w2)
+    oldest = ext.events[ext.launches[0]["event"]]
+    assert oldest.waits == 0
+    forward(x, router, w1, w2)  # every slot taken: the oldest launch is waited for and its slot reused
+    assert oldest.waits == 1
+    assert ext.launches[-1]["status_host"] == ext.launches[0]["status_host"]
+
+
+def test_status_slots_are_not_reused_before_their_bytes_are_kept(fake):
+    ext, _, _ = fake
+    x, router, w1, w2 = inputs()
+    ext.script.append([status_block(traffic=(11, 22))])
+    forward(x, router, w1, w2)
+    first = flashdmoe.last_report()
+    flashdmoe.synchronize()
+    forward(x, router, w1, w2)  # may take the first launch's slot: the first report kept its bytes
+    flashdmoe.synchronize()
+    assert (first.statuses[0].dispatch_bytes, first.statuses[0].combine_bytes) == (11, 22)
+
+
+def test_a_team_waits_for_its_last_launch_before_its_next_use(fake):
+    ext, _, _ = fake
+    team = emulated_team()
+    ext.script.append([status_block(), status_block(error=timeout_word(6, 0))])
+    emulated_forward(team)
+    first = ext.events[ext.launches[0]["event"]]
+    assert not first.done and team.unchecked_launch is flashdmoe.last_report()
+    with pytest.raises(flashdmoe.KernelTimeout, match="rank 1 timed out in the wait for a peer's per-expert row counts"):
+        emulated_forward(team)  # not finished yet: this waits for it
+    assert first.waits == 1 and team.failed and len(ext.launches) == 1
+    with pytest.raises(TeamFailed, match="failed earlier"):
+        emulated_forward(team)
+    with pytest.raises(TeamFailed):
+        team.barrier()
+
+
+def test_team_barrier_checks_the_last_launch(fake):
+    ext, _, _ = fake
+    team = emulated_team()
+    ext.script.append([status_block(error=timeout_word(8, 1)), status_block()])
+    emulated_forward(team)
+    with pytest.raises(flashdmoe.KernelTimeout):
+        team.barrier()
+    assert team.failed
+
+
+def test_non_finite_input_on_a_team_does_not_fail_it(fake):
+    ext, _, _ = fake
+    team = emulated_team()
+    ext.script.append([status_block(), status_block(flags=1)])
+    emulated_forward(team)
+    with pytest.raises(ValueError, match=r"x or router_weight \(rank 1\)"):
+        flashdmoe.synchronize()
+    assert not team.failed
+    emulated_forward(team)
+
+
+def nvshmem_rank(team):
+    """Rank 0 of ``team`` as one process of an NVSHMEM team would drive it (the fake never touches peers)."""
+    team.transport = "nvshmem"
+    team.buffers = team.buffers[:1]
+    return team
+
+
+def test_an_nvshmem_rank_launches_before_raising_an_earlier_error(fake):
+    """Raising first would leave the peers waiting for this rank's signals: launch, then raise."""
+    ext, _, _ = fake
+    team = nvshmem_rank(emulated_team(P=2))
+    x, router, w1, w2 = inputs()
+    ext.script.append([status_block(flags=1)])
+    forward(x, router, w1, w2)  # one rank, NaN input
+    ext.events[ext.launches[0]["event"]].done = True
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        forward(x, router, w1[:4], w2[:4], team=team)
+    assert len(ext.launches) == 2 and ext.launches[1]["sequence"] == 1 and not team.failed
+    forward(x, router, w1[:4], w2[:4], team=team)
+    assert [launch["sequence"] for launch in ext.launches[1:]] == [1, 2]
+
+
+def test_emulated_launch_sequence_numbers_and_report(fake):
+    ext, _, _ = fake
+    team = emulated_team(P=2)
+    ext.script.append([status_block(traffic=(128 * 3, 128 * 3)), status_block(traffic=(0, 0))])
+    emulated_forward(team, tokens=(16, 5))
+    emulated_forward(team, tokens=(16, 5))
+    assert [launch["sequence"] for launch in ext.launches] == [1, 2]
+    report = flashdmoe.last_report()
+    flashdmoe.synchronize()
+    assert report.ranks == (0, 1) and report.tokens == (16, 5)
+    # Both ranks' workspaces at one pitch in one buffer (one strided status copy).
+    first, second = ext.launches[-1]["workspace"]
+    assert second - first == ext.prepared[-1][1][0]["workspace_bytes"] > 0
+    assert len(ext.prepared) == 1, "the launch was prepared once for both forwards"
+
+
+def test_launch_failure_returns_the_slot_and_fails_the_team(fake):
+    ext, _, _ = fake
+    team = emulated_team()
+    ext.fail_launch = RuntimeError("launching moe_forward_kernel: too many resources requested")
+    free = len(status_checks._state.devices.get(None).eager_free) if status_checks._state.devices else None
+    with pytest.raises(RuntimeError, match="too many resources"):
+        emulated_forward(team)
+    assert team.failed and "launch failed" in team._failure
+    assert len(status_checks._state.devices[None].eager_free) == (free or status_checks.EAGER_SLOTS)
+
+
+def test_shape_errors_are_value_errors_and_not_cached(fake):
+    ext, _, _ = fake
+    x, router, w1, w2 = inputs()
+    ext.shape_error = "hidden size H=64 must be a positive multiple of 128 for the fused kernel"
+    with pytest.raises(ValueError, match="H=64 must be"):
+        forward(x, router, w1, w2)
+    assert not ext.prepared
+    ext.shape_error = ""
+    cuda_backend._check_shapes.cache_clear()  # the rules of one extension never change; this fake's did
+    forward(x, router, w1, w2)
+    forward(x, router, w1, w2)
+    assert len(ext.prepared) == 1
+    cuda_backend.debug.max_blocks = 8
+    try:
+        forward(x, router, w1, w2)
+    finally:
+        cuda_backend.debug.max_blocks = 0
+    assert len(ext.prepared) == 2 and ext.prepared[-1][0]["max_blocks"] == 8
+
+
+def test_workspaces_are_pooled_per_stream(fake, monkeypatch):
+    ext, _, _ = fake
+    x, router, w1, w2 = inputs()
+    forward(x, router, w1, w2)
+    forward(x, router, w1, w2)
+    assert ext.launches[0]["workspace"] == ext.launches[1]["workspace"]
+    monkeypatch.setattr(cuda_backend, "_current_stream_handle", lambda index: 8)
+    forward(x, router, w1, w2)
+    assert ext.launches[2]["workspace"] != ext.launches[0]["workspace"]
+    assert cuda_backend.workspace_bytes_held() >= 2 * ext.prepared[0][1][0]["workspace_bytes"]
+
+
+def test_traffic_is_computed_on_request_from_the_routing(fake):
+    ext, _, _ = fake
+    team = emulated_team(P=2)
+    ext.script.append([status_block(traffic=(3 * 128, 3 * 128)), status_block(traffic=(0, 0))])
+    emulated_forward(team, tokens=(4, 2))
+    report = flashdmoe.last_report()
+    flashdmoe.synchronize()
+    # The fake writes no routing: set one by hand (rank 0 keeps 3 choices of rank 1's experts 4..7).
+    r0, r1 = report.routing
+    r0.expert.copy_(torch.tensor([[0, 4], [5, 1], [6, 2], [7, 3]], dtype=torch.int32))
+    r0.row.copy_(torch.tensor([[0, 0], [1, 1], [2, -1], [-1, 2]], dtype=torch.int32))
+    r1.expert.copy_(torch.tensor([[4, 5], [6, 7]], dtype=torch.int32))
+    r1.row.fill_(0)
+    assert report.traffic() == [
+        {"rank": 0, "dispatch_bytes": 384, "combine_bytes": 384, "rows_routed_remote": 3,
+         "payload_efficiency": 1.0},
+        {"rank": 1, "dispatch_bytes": 0, "combine_bytes": 0, "rows_routed_remote": 0, "payload_efficiency": None},
+    ]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# CUDA-graph capture (fake: capture is a flag)
+
+
+def test_capture_before_any_eager_forward_is_refused(monkeypatch):
+    capturing = {"on": True}
+    with fake_cuda(monkeypatch, capturing=lambda: capturing["on"]):
+        x, router, w1, w2 = inputs()
+        with pytest.raises(RuntimeError, match="run one forward eagerly first"):
+            forward(x, router, w1, w2)
+
+
+def test_captured_launch_has_its_own_slot_and_workspace_and_surfaces_at_synchronize(monkeypatch):
+    capturing = {"on": False}
+    with fake_cuda(monkeypatch, capturing=lambda: capturing["on"]) as (ext, _, synchronized):
+        x, router, w1, w2 = inputs()
+        forward(x, router, w1, w2)
+        eager = flashdmoe.last_report()
+        ext.events[ext.launches[0]["event"]].done = True
+        capturing["on"] = True
+        forward(x, router, w1, w2)
+        captured = flashdmoe.last_report()
+        capturing["on"] = False
+        assert captured.captured and not eager.checked, "nothing is checked inside a capture"
+        launch = ext.launches[-1]
+        assert launch["event"] == 0 and launch["status_host"] != ext.launches[0]["status_host"]
+        assert launch["workspace"] != ext.launches[0]["workspace"], "a capture never takes the pooled workspace"
+        flashdmoe.synchronize()  # the capture itself left a clean block (no replay yet): nothing raised
+        assert eager.checked
+        captured._source[:] = status_block(error=timeout_word(4, 0))  # what a failing replay copies back
+        with pytest.raises(flashdmoe.KernelTimeout, match="a CUDA-graph replay of launch 2"):
+            flashdmoe.synchronize()
+        flashdmoe.synchronize()  # reported once
+        flashdmoe.check_errors()
+
+
+def test_capture_of_an_emulated_team_clears_its_signals_and_keeps_the_sequence(monkeypatch):
+    capturing = {"on": False}
+    with fake_cuda(monkeypatch, capturing=lambda: capturing["on"]) as (ext, _, _):
+        team = emulated_team()
+        emulated_forward(team)
+        assert int(team.buffers[0].signals[0]) == 5
+        capturing["on"] = True
+        with pytest.raises(RuntimeError, match="call flashdmoe.synchronize\\(\\) before capturing"):
+            emulated_forward(team)
+        capturing["on"] = False
+        flashdmoe.synchronize()
+        capturing["on"] = True
+        emulated_forward(team)
+        capturing["on"] = False
+        assert int(team._signal_block.abs().sum()) == 0, "every rank's signal words zeroed before the launch"
+        assert [launch["sequence"] for launch in ext.launches] == [1, 2]
+        assert team.unchecked_launch is None, "a captured launch is checked at synchronize, not at the team's use"
+        emulated_forward(team)
+        assert ext.launches[-1]["sequence"] == 3
+
+
+def test_capture_of_an_nvshmem_team_is_refused(monkeypatch):
+    with fake_cuda(monkeypatch, capturing=lambda: True):
+        team = nvshmem_rank(emulated_team(P=2))
+        x, router, w1, w2 = inputs()
+        with pytest.raises(RuntimeError, match="CUDA-graph capture of a Team.nvshmem forward is not supported"):
+            flashdmoe.moe(x, router, w1[:4], w2[:4], top_k=K, backend="cuda", team=team)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Host path
+
+
+def test_validation_is_remembered_for_device_tensors_only(monkeypatch):
+    calls = []
+    real = api.validate_moe_inputs
+
+    def counting(*args, **kwargs):
+        calls.append(args[0].device.type)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(api, "validate_moe_inputs", counting)
+    api._validated.clear()
+    meta = [torch.empty(s, device="meta") for s in ((4, H), (E, H), (E, H, I), (E, I, H))]
+    for _ in range(3):
+        api._validate(*meta, top_k=2, activation="gelu", capacity_factor=None, world_size=1)
+    assert calls == ["meta"]
+    with pytest.raises(ValueError, match="top_k=True"):
+        api._validate(*meta, top_k=True, activation="gelu", capacity_factor=None, world_size=1)
+    with pytest.raises(ValueError, match="not contiguous"):
+        api._validate(meta[0], meta[1], meta[2].transpose(1, 2), meta[3], top_k=2, activation="gelu",
+                      capacity_factor=None, world_size=1)
+    cpu = inputs(4)
+    for _ in range(2):
+        api._validate(*cpu, top_k=2, activation="gelu", capacity_factor=None, world_size=1)
+    assert calls.count("cpu") == 2, "CPU tensors are scanned for NaN at every call"
+
+
+def test_inference_forward_builds_no_autograd_node(fake):
+    x, router, w1, w2 = inputs()
+    y = forward(x, router, w1, w2)
+    assert y.grad_fn is None
+    leaves = [t.clone().requires_grad_() for t in (x, router, w1, w2)]
+    y = flashdmoe.moe(*leaves, top_k=K, backend="cuda")
+    assert y.grad_fn is not None
