@@ -1,0 +1,165 @@
+"""Host time per fused forward: how long ``flashdmoe.moe(..., backend="cuda")`` keeps the CPU busy.
+
+On a GPU (the default when one is present): for each shape, the GPU is first held busy by a long
+``torch.cuda._sleep``, then ``--calls`` forwards are issued back to back; the host time per call is pure
+Python + binding + CUDA API work (nothing can wait for the GPU, which has not reached them yet). Also
+printed: the parts (input validation, backend choice, the fused path alone), and the GPU time per call of
+back-to-back eager calls and of CUDA-graph replays (CUDA events), so that what the host adds shows.
+
+``--stand-in`` (no GPU needed): the same host path on CPU tensors with the extension and the CUDA
+stream / event calls replaced by tests/fake_cuda.py, so the Python work per call (validation, plan
+lookup, output and workspace handling, report, status bookkeeping) is measured without the CUDA API
+(whose calls -- a memset, the launch, the status copy, an event record -- come on top, and CUDA
+allocations cost more than CPU ones).
+
+    python scripts/host_overhead.py [--stand-in] [--calls 40] [--trials 15]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import flashdmoe  # noqa: E402
+from flashdmoe import api, cuda_backend, validation  # noqa: E402
+
+# (T, H, I, E, k, activation): decode, a small batch, the paper's shape.
+SHAPES = [(1, 2048, 768, 128, 8, "swiglu"), (128, 4096, 1408, 64, 6, "swiglu"), (8192, 2048, 2048, 32, 2, "gelu")]
+
+
+def make_inputs(T, H, I, E, k, activation, device, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    cols = 2 * I if activation == "swiglu" else I
+    x = torch.randn(T, H, device=device, generator=g).to(dtype)
+    router = (torch.randn(E, H, device=device, generator=g) / H ** 0.5).to(dtype)
+    w1 = (torch.randn(E, H, cols, device=device, generator=g) / H ** 0.5).to(dtype)
+    w2 = (torch.randn(E, I, H, device=device, generator=g) / I ** 0.5).to(dtype)
+    return x, router, w1, w2
+
+
+def per_call_us(fn, calls: int, trials: int, before=None, after=None) -> float:
+    """Median over trials of (host seconds for `calls` calls of fn) / calls, in microseconds."""
+    samples = []
+    for _ in range(trials):
+        if before is not None:
+            before()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        samples.append((time.perf_counter() - start) / calls * 1e6)
+        if after is not None:
+            after()
+    return statistics.median(samples)
+
+
+def host_parts(x, router, w1, w2, k, activation, calls, trials, before=None, after=None) -> dict[str, float]:
+    """µs per call of the whole call and of its parts."""
+    full = lambda: flashdmoe.moe(x, router, w1, w2, top_k=k, activation=activation, backend="cuda")  # noqa: E731
+    fused = lambda: cuda_backend.moe_cuda(x, router, w1, w2, top_k=k, activation=activation)  # noqa: E731
+    validate = lambda: validation.validate_moe_inputs(x, router, w1, w2, top_k=k, activation=activation,  # noqa: E731
+                                                      capacity_factor=None)
+    resolve = lambda: api.resolve_backend(x, "cuda")  # noqa: E731
+    return {
+        "flashdmoe.moe": per_call_us(full, calls, trials, before, after),
+        "  validate_moe_inputs": per_call_us(validate, calls * 10, trials),
+        "  resolve_backend": per_call_us(resolve, calls * 10, trials),
+        "  cuda_backend.moe_cuda": per_call_us(fused, calls, trials, before, after),
+    }
+
+
+def gpu_report(args) -> None:
+    device = torch.device("cuda")
+    flashdmoe.set_sync_checks(False)
+    for T, H, I, E, k, activation in SHAPES:
+        x, router, w1, w2 = make_inputs(T, H, I, E, k, activation, device)
+        with torch.no_grad():
+            for _ in range(5):
+                flashdmoe.moe(x, router, w1, w2, top_k=k, activation=activation, backend="cuda")
+            flashdmoe.synchronize()
+            # ~100 ms of GPU work ahead of the calls: none of them can be reached while they are issued.
+            busy = lambda: torch.cuda._sleep(200_000_000)  # noqa: E731
+            parts = host_parts(x, router, w1, w2, k, activation, args.calls, args.trials, busy, flashdmoe.synchronize)
+
+            def gpu_ms(fn, n=50):
+                fn()
+                torch.cuda.synchronize()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(n):
+                    fn()
+                end.record()
+                flashdmoe.synchronize()
+                return start.elapsed_time(end) / n
+
+            eager = gpu_ms(lambda: flashdmoe.moe(x, router, w1, w2, top_k=k, activation=activation, backend="cuda"))
+            static_x = x.clone()
+            graph = torch.cuda.CUDAGraph()
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                flashdmoe.moe(static_x, router, w1, w2, top_k=k, activation=activation, backend="cuda")
+            torch.cuda.current_stream().wait_stream(side)
+            flashdmoe.synchronize()
+            with torch.cuda.graph(graph):
+                flashdmoe.moe(static_x, router, w1, w2, top_k=k, activation=activation, backend="cuda")
+            replay = gpu_ms(graph.replay)
+        print(f"T={T} H={H} I={I} E={E} k={k} {activation}:")
+        for name, value in parts.items():
+            print(f"  {name:<28} {value:8.1f} us/call (host)")
+        print(f"  {'back-to-back eager':<28} {eager * 1e3:8.1f} us/call (GPU)")
+        print(f"  {'CUDA-graph replay':<28} {replay * 1e3:8.1f} us/call (GPU)")
+
+
+def stand_in_report(args) -> None:
+    import pytest
+
+    sys.path.insert(0, str(REPO / "tests"))
+    from fake_cuda import fake_cuda
+
+    patch = pytest.MonkeyPatch()
+    try:
+        with fake_cuda(patch):
+            empty = per_call_us(lambda: torch.empty(4), 2000, args.trials)
+            print(f"calibration: torch.empty(4) on this CPU takes {empty:.2f} us")
+            for T, H, I, E, k, activation in SHAPES[:2]:
+                x, router, w1, w2 = make_inputs(T, H, 64, E, k, activation, "cpu")  # I: only a size here
+                with torch.no_grad():
+                    parts = host_parts(x, router, w1, w2, k, activation, args.calls, args.trials,
+                                       after=flashdmoe.synchronize)
+                    # Validation scans CPU tensors (never CUDA ones) for NaN: time it without the scan.
+                    parts["  validate_moe_inputs"] = per_call_us(
+                        lambda: validation.validate_moe_inputs(x[:0], router, w1, w2, top_k=k, activation=activation,
+                                                               capacity_factor=None), args.calls * 10, args.trials)
+                print(f"stand-in T={T} H={H} I={I} E={E} k={k} {activation} (CPU tensors, fake extension; "
+                      "flashdmoe.moe includes validation's CPU-only NaN scan, the line below it does not):")
+                for name, value in parts.items():
+                    print(f"  {name:<28} {value:8.1f} us/call (host)")
+    finally:
+        patch.undo()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--stand-in", action="store_true", help="CPU only: fake extension and CUDA calls")
+    parser.add_argument("--calls", type=int, default=40, help="forwards per trial (default 40)")
+    parser.add_argument("--trials", type=int, default=15, help="trials; the median is printed (default 15)")
+    args = parser.parse_args(argv)
+    if args.stand_in:
+        stand_in_report(args)
+    elif not torch.cuda.is_available():
+        parser.error("no CUDA device: pass --stand-in to measure the host path with a fake extension")
+    else:
+        gpu_report(args)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
