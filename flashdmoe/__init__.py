@@ -3,7 +3,7 @@
 Public API::
 
     import flashdmoe
-    y = flashdmoe.moe(x, router_weight, w1, w2, top_k=2)          # function (DESIGN.md §2)
+    y = flashdmoe.moe(x, router_weight, w1, w2, top_k=2)          # function (docs/design.md §2)
     layer = flashdmoe.MoELayer(flashdmoe.MoEConfig.from_yaml("configs/tiny.yaml").replace(world_size=1))
 
 ``flashdmoe.reference`` is the plain-PyTorch oracle; ``flashdmoe.Team`` describes the ranks.

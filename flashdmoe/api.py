@@ -1,4 +1,4 @@
-"""``flashdmoe.moe``: the public MoE function and its backend choice (DESIGN.md §2)."""
+"""``flashdmoe.moe``: the public MoE function and its backend choice (docs/design.md §2)."""
 
 from __future__ import annotations
 
@@ -137,7 +137,7 @@ def moe(
     backend: str = "auto",
     return_aux: bool = False,
 ):
-    """Mixture-of-Experts layer: gate, dispatch, expert FFN, combine (DESIGN.md §2).
+    """Mixture-of-Experts layer: gate, dispatch, expert FFN, combine (docs/design.md §2).
 
     Args:
         x: ``[T, H]`` tokens on this rank (float32, bfloat16, float16; float64 on the reference).
@@ -204,7 +204,7 @@ def moe_expert_parallel(
     backend: str = "auto",
     return_aux: bool = False,
 ):
-    """All ``P`` ranks of an expert-parallel MoE driven from one process (DESIGN.md §4).
+    """All ``P`` ranks of an expert-parallel MoE driven from one process (docs/design.md §6).
 
     Args:
         xs: ``P`` tensors ``[T_r, H]`` (``T_r`` may differ between ranks, 0 included), one dtype.

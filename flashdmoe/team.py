@@ -1,4 +1,4 @@
-"""Teams: how the ranks of an expert-parallel MoE reach each other (DESIGN.md §4).
+"""Teams: how the ranks of an expert-parallel MoE reach each other (docs/design.md §6, §7).
 
 A team of ``P`` ranks splits the ``E`` experts ``L = E / P`` per rank. Every rank owns three *symmetric*
 buffers (same size on every rank, so a peer can address them):
@@ -21,7 +21,7 @@ Transports:
   "peer pointers" are the other virtual ranks' buffers. Tests the whole device protocol on one GPU.
 * :meth:`Team.nvshmem` -- one process per rank; nvshmem4py unique-id init, buffers from
   ``nvshmem.core.tensor``, peer pointers from ``nvshmem.core.get_peer_tensor`` (NVLink / same-GPU
-  load-store). Several processes may share one GPU under MPS (DESIGN.md §4).
+  load-store). Several processes may share one GPU under MPS (docs/design.md §6.3).
 
 A team runs one forward at a time, in stream order: its buffers are shared by all its launches.
 

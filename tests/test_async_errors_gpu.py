@@ -76,8 +76,8 @@ def capture(fn):
 # No host synchronisation
 
 
-def test_forward_returns_while_the_gpu_is_still_busy(backend):
-    x, router, w1, w2 = make_inputs(512, 256, 256, 16, "gelu", seed=1)
+def test_forward_returns_while_the_gpu_is_still_busy(backend, seed):
+    x, router, w1, w2 = make_inputs(512, 256, 256, 16, "gelu", seed=seed)
     flashdmoe.moe(x, router, w1, w2, top_k=2, backend="cuda")
     flashdmoe.synchronize()
     torch.cuda._sleep(1_000_000_000)  # about half a second of GPU time ahead of the forward
@@ -90,10 +90,10 @@ def test_forward_returns_while_the_gpu_is_still_busy(backend):
     assert report.checked and report.error is None and report.phase_ms is not None
 
 
-def test_profiler_sees_no_synchronisation_and_only_the_pinned_status_copy(backend):
+def test_profiler_sees_no_synchronisation_and_only_the_pinned_status_copy(backend, seed):
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    x, router, w1, w2 = make_inputs(1024, 256, 256, 16, "gelu", seed=2)
+    x, router, w1, w2 = make_inputs(1024, 256, 256, 16, "gelu", seed=seed)
     flashdmoe.moe(x, router, w1, w2, top_k=2, backend="cuda")
     flashdmoe.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -118,8 +118,8 @@ def test_profiler_sees_no_synchronisation_and_only_the_pinned_status_copy(backen
 # Errors surface where documented (default: asynchronous)
 
 
-def test_timeout_surfaces_at_synchronize_and_at_the_next_call(backend, knobs):
-    x, router, w1, w2 = make_inputs(4096, 256, 256, 16, "gelu", seed=3)
+def test_timeout_surfaces_at_synchronize_and_at_the_next_call(backend, knobs, seed):
+    x, router, w1, w2 = make_inputs(4096, 256, 256, 16, "gelu", seed=seed)
     good = flashdmoe.moe(x, router, w1, w2, top_k=2, backend="cuda")
     flashdmoe.synchronize()
     knobs.withhold_phase, knobs.timeout_ms = 2, 300
@@ -139,8 +139,8 @@ def test_timeout_surfaces_at_synchronize_and_at_the_next_call(backend, knobs):
     assert torch.equal(again, good), "the GPU recovered"
 
 
-def test_non_finite_input_surfaces_at_check_errors(backend):
-    x, router, w1, w2 = make_inputs(256, 128, 128, 8, "gelu", seed=4)
+def test_non_finite_input_surfaces_at_check_errors(backend, seed):
+    x, router, w1, w2 = make_inputs(256, 128, 128, 8, "gelu", seed=seed)
     x[17, 5] = float("nan")
     flashdmoe.moe(x, router, w1, w2, top_k=2, backend="cuda")
     torch.cuda.synchronize()
@@ -149,8 +149,8 @@ def test_non_finite_input_surfaces_at_check_errors(backend):
     flashdmoe.check_errors()  # raised once
 
 
-def test_sync_checks_raise_at_the_call(backend, knobs):
-    x, router, w1, w2 = make_inputs(256, 128, 128, 8, "gelu", seed=5)
+def test_sync_checks_raise_at_the_call(backend, knobs, seed):
+    x, router, w1, w2 = make_inputs(256, 128, 128, 8, "gelu", seed=seed)
     bad = x.clone()
     bad[3, 3] = float("inf")
     previous = flashdmoe.set_sync_checks(True)
@@ -164,11 +164,11 @@ def test_sync_checks_raise_at_the_call(backend, knobs):
         flashdmoe.set_sync_checks(previous)
 
 
-def test_a_stuck_rank_fails_every_rank_at_the_teams_next_use(backend, knobs):
+def test_a_stuck_rank_fails_every_rank_at_the_teams_next_use(backend, knobs, seed):
     P, H, I, E, k = 3, 128, 128, 12, 2
-    g = torch.Generator(device="cuda").manual_seed(6)
+    g = torch.Generator(device="cuda").manual_seed(seed)
     xs = [torch.randn(256, H, device="cuda", generator=g).to(torch.bfloat16) for _ in range(P)]
-    _, router, w1, w2 = make_inputs(1, H, I, E, "gelu", seed=6)
+    _, router, w1, w2 = make_inputs(1, H, I, E, "gelu", seed=seed + 1)
     w1s, w2s = list(w1.split(E // P)), list(w2.split(E // P))
     team = Team.emulated(P, max_tokens=256, hidden=H, top_k=k, local_experts=E // P, dtype=torch.bfloat16)
     knobs.silent_rank, knobs.timeout_ms = 2, 300
@@ -192,34 +192,34 @@ def test_a_stuck_rank_fails_every_rank_at_the_teams_next_use(backend, knobs):
 
 @pytest.mark.parametrize("T,H,I,E,k,activation", [(1, 2048, 768, 128, 8, "swiglu"), (300, 512, 256, 16, 2, "gelu"),
                                                   (2048, 1024, 512, 32, 4, "silu")])
-def test_graph_replays_equal_eager_calls_bitwise(backend, T, H, I, E, k, activation):
-    x, router, w1, w2 = make_inputs(T, H, I, E, activation, seed=7)
+def test_graph_replays_equal_eager_calls_bitwise(backend, T, H, I, E, k, activation, seed):
+    x, router, w1, w2 = make_inputs(T, H, I, E, activation, seed=seed)
     static_x = x.clone()
     call = lambda inputs: flashdmoe.moe(inputs, router, w1, w2, top_k=k, activation=activation,  # noqa: E731
                                         capacity_factor=1.25, backend="cuda", return_aux=True)
     with torch.no_grad():
         graph, (y, aux) = capture(lambda: call(static_x))
-        for seed in (10, 11, 12):
-            fresh = tokens_like(x, seed)
+        for step in range(1, 4):
+            fresh = tokens_like(x, seed + step)
             static_x.copy_(fresh)
             graph.replay()
             want_y, want_aux = call(fresh)
             torch.cuda.synchronize()
-            assert torch.equal(y, want_y), f"replay with input set {seed} differs from the eager call"
+            assert torch.equal(y, want_y), f"replay with input set {step} differs from the eager call"
             assert torch.equal(aux.counts, want_aux.counts) and torch.equal(aux.dropped, want_aux.dropped)
     flashdmoe.synchronize()  # every replay's status checked: none failed
 
 
-def test_layer_graph_replays_equal_eager_calls_bitwise(backend):
+def test_layer_graph_replays_equal_eager_calls_bitwise(backend, seed):
     config = flashdmoe.MoEConfig(hidden=512, ffn=256, experts=16, top_k=2, tokens_per_rank=64, dtype="bfloat16",
-                                 activation="swiglu", seed=8)
+                                 activation="swiglu", seed=seed)
     layer = flashdmoe.MoELayer(config, device="cuda")
     layer.backend = "cuda"
-    static_x = torch.zeros(64, 512, device="cuda", dtype=torch.bfloat16)
+    static_x = tokens_like(torch.empty(64, 512, device="cuda", dtype=torch.bfloat16), seed)
     with torch.no_grad():
         graph, y = capture(lambda: layer(static_x))
-        for seed in (20, 21, 22):
-            fresh = tokens_like(static_x, seed)
+        for step in range(1, 4):
+            fresh = tokens_like(static_x, seed + step)
             static_x.copy_(fresh)
             graph.replay()
             want = layer(fresh)
@@ -228,33 +228,34 @@ def test_layer_graph_replays_equal_eager_calls_bitwise(backend):
     flashdmoe.synchronize()
 
 
-def test_emulated_team_graph_replays_equal_eager_calls_bitwise(backend):
+def test_emulated_team_graph_replays_equal_eager_calls_bitwise(backend, seed):
     P, H, I, E, k = 4, 256, 128, 16, 2
     tokens = [200, 0, 77, 129]
-    _, router, w1, w2 = make_inputs(1, H, I, E, "gelu", seed=9)
+    _, router, w1, w2 = make_inputs(1, H, I, E, "gelu", seed=seed)
     w1s, w2s = list(w1.split(E // P)), list(w2.split(E // P))
     team = Team.emulated(P, max_tokens=200, hidden=H, top_k=k, local_experts=E // P, dtype=torch.bfloat16)
-    static_xs = [torch.zeros(T, H, device="cuda", dtype=torch.bfloat16) for T in tokens]
+    static_xs = [tokens_like(torch.empty(T, H, device="cuda", dtype=torch.bfloat16), seed + r)
+                 for r, T in enumerate(tokens)]
     call = lambda xs: flashdmoe.moe_expert_parallel(xs, router, w1s, w2s, top_k=k, team=team)  # noqa: E731
     with torch.no_grad():
         graph, ys = capture(lambda: call(static_xs))
         # Replays and eager calls interleaved: eager sequence numbers keep rising, each replay re-zeroes the
         # signal words and reuses the captured one.
-        for seed in (30, 31, 32):
-            fresh = [tokens_like(x, seed + r) for r, x in enumerate(static_xs)]
+        for step in range(1, 4):
+            fresh = [tokens_like(x, seed + 10 * step + r) for r, x in enumerate(static_xs)]
             for static, new in zip(static_xs, fresh):
                 static.copy_(new)
             graph.replay()
             want = call(fresh)
             torch.cuda.synchronize()
             for r in range(P):
-                assert torch.equal(ys[r], want[r]), f"rank {r}, input set {seed}"
+                assert torch.equal(ys[r], want[r]), f"rank {r}, input set {step}"
     flashdmoe.synchronize()
     assert not team.failed
 
 
-def test_graph_replay_errors_surface_at_synchronize(backend, knobs):
-    x, router, w1, w2 = make_inputs(512, 256, 256, 16, "gelu", seed=40)
+def test_graph_replay_errors_surface_at_synchronize(backend, knobs, seed):
+    x, router, w1, w2 = make_inputs(512, 256, 256, 16, "gelu", seed=seed)
     static_x = x.clone()
     call = lambda: flashdmoe.moe(static_x, router, w1, w2, top_k=2, backend="cuda")  # noqa: E731
     with torch.no_grad():
