@@ -178,8 +178,7 @@ def moe(
               world_size=world_size)
     chosen = resolve_backend(x, backend, team)
     if chosen == "cuda":
-        from flashdmoe import cuda_backend
-
+        cuda_backend = _module("flashdmoe.cuda_backend")
         return cuda_backend.moe_cuda(x, router_weight, w1, w2, top_k=top_k, activation=activation,
                                      normalize_topk=normalize_topk, capacity_factor=capacity_factor,
                                      return_aux=return_aux, team=team)

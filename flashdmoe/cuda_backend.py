@@ -71,19 +71,63 @@ class DebugKnobs:
 debug = DebugKnobs()
 
 
-@dataclass
 class FusedRouting:
-    """Routing the forward kernel produced.
+    """Routing the forward kernel produced, in one allocation; the typed views are made when first read
+    (a forward needs only their addresses).
 
     expert: [T, k] int32 chosen experts; weight: [T, k] float32 combine weights;
     row: [T, k] int32 row in the packed expert buffers (-1 = dropped by capacity);
     counts: [E] int32 choices routed to each expert before capacity.
     """
 
-    expert: torch.Tensor
-    weight: torch.Tensor
-    row: torch.Tensor
-    counts: torch.Tensor
+    __slots__ = ("block", "tokens", "top_k", "experts", "_views")
+
+    def __init__(self, block: torch.Tensor, tokens: int, top_k: int, experts: int) -> None:
+        self.block = block  # int32 [3 * T * k + E]: expert, weight (float32 bits), row, counts
+        self.tokens = tokens
+        self.top_k = top_k
+        self.experts = experts
+        self._views: dict[str, torch.Tensor] = {}
+
+    @classmethod
+    def empty(cls, tokens: int, top_k: int, experts: int, device) -> "FusedRouting":
+        block = torch.empty((3 * tokens * top_k + experts,), dtype=torch.int32, device=device)
+        return cls(block, tokens, top_k, experts)
+
+    def addresses(self) -> tuple[int, int, int, int]:
+        """Device addresses of expert, weight, row and counts."""
+        base, size = self.block.data_ptr(), 4 * self.tokens * self.top_k
+        return base, base + size, base + 2 * size, base + 3 * size
+
+    def _view(self, name: str) -> torch.Tensor:
+        view = self._views.get(name)
+        if view is None:
+            n = self.tokens * self.top_k
+            if name == "counts":
+                view = self.block[3 * n:]
+            else:
+                index = ("expert", "weight", "row").index(name)
+                view = self.block[index * n:(index + 1) * n].view(self.tokens, self.top_k)
+                if name == "weight":
+                    view = view.view(torch.float32)
+            self._views[name] = view
+        return view
+
+    @property
+    def expert(self) -> torch.Tensor:
+        return self._view("expert")
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self._view("weight")
+
+    @property
+    def row(self) -> torch.Tensor:
+        return self._view("row")
+
+    @property
+    def counts(self) -> torch.Tensor:
+        return self._view("counts")
 
     @property
     def keep(self) -> torch.Tensor:
@@ -219,7 +263,7 @@ def _make_plan(ext, kind, team, tokens, H, I, E, top_k, dtype, activation, norma
 
 
 def _plan(ext, kind, team, xs, router_weight, w2s, top_k, activation, normalize_topk, capacity_factor) -> _Plan:
-    tokens = tuple(x.shape[0] for x in xs)
+    tokens = (xs[0].shape[0],) if len(xs) == 1 else tuple(x.shape[0] for x in xs)
     E, H = router_weight.shape
     I = w2s[0].shape[1]
     key = (tokens, H, I, E, top_k, xs[0].dtype, activation, normalize_topk, capacity_factor, debug.key())
@@ -235,19 +279,14 @@ def _plan(ext, kind, team, xs, router_weight, w2s, top_k, activation, normalize_
 
 
 def _empty_outputs(x: torch.Tensor, top_k: int, experts: int):
-    T = x.shape[0]
-    device = x.device
     y = torch.empty_like(x)
-    # expert, weight (as float32) and row share one allocation.
-    expert, weight, row = torch.empty((3, T, top_k), dtype=torch.int32, device=device).unbind(0)
-    weight = weight.view(torch.float32)
-    counts = torch.empty((experts,), dtype=torch.int32, device=device)
+    routing = FusedRouting.empty(x.shape[0], top_k, experts, x.device)
     if debug.poison_outputs:
         y.fill_(float("nan"))
-        weight.fill_(float("nan"))
-        for t in (expert, row, counts):
+        routing.weight.fill_(float("nan"))
+        for t in (routing.expert, routing.row, routing.counts):
             t.fill_(-7)
-    return y, FusedRouting(expert, weight, row, counts)
+    return y, routing
 
 
 def run_forward(xs, router_weight, w1s, w2s, *, top_k, activation, normalize_topk, capacity_factor, team=None):
@@ -283,8 +322,9 @@ def run_forward(xs, router_weight, w1s, w2s, *, top_k, activation, normalize_top
             raise
         deferred = error
     for i, x in enumerate(xs):
-        _check_dtype(x, "x" if len(xs) == 1 else f"xs[{i}]")
-    ext = _extension()
+        if x.dtype not in DTYPE_CODES:
+            _check_dtype(x, "x" if len(xs) == 1 else f"xs[{i}]")
+    ext = _module or _extension()
     plan = _plan(ext, kind, team, xs, router_weight, w2s, top_k, activation, normalize_topk, capacity_factor)
     E = router_weight.shape[0]
     outputs = [_empty_outputs(x, top_k, E) for x in xs]
@@ -302,8 +342,7 @@ def run_forward(xs, router_weight, w1s, w2s, *, top_k, activation, normalize_top
     base, stride = workspace.data_ptr(), plan.stride
     addresses = [router_weight.data_ptr()]
     for i, (x, w1, w2, (y, routing)) in enumerate(zip(xs, w1s, w2s, outputs)):
-        addresses += (x.data_ptr(), w1.data_ptr(), w2.data_ptr(), y.data_ptr(), routing.expert.data_ptr(),
-                      routing.weight.data_ptr(), routing.row.data_ptr(), routing.counts.data_ptr(), base + i * stride)
+        addresses += (x.data_ptr(), w1.data_ptr(), w2.data_ptr(), y.data_ptr(), *routing.addresses(), base + i * stride)
     # The slot first: claiming it may raise an earlier launch's error, and a team's sequence number must
     # advance only for a launch that happens (every rank advances in step).
     try:

@@ -48,6 +48,7 @@ PHASE_NAMES = {
 # Intervals between consecutive phase clock slots (slot 0 start, 1..4 after the grid barriers, 5 exit).
 PHASE_CLOCK_NAMES = ("gate", "offsets", "dispatch", "experts", "combine")
 
+_ZERO8, _ZERO4 = bytes(8), bytes(4)
 _U64 = struct.Struct("<Q")
 _U32 = struct.Struct("<I")
 
@@ -256,6 +257,15 @@ class LaunchReport:
         return self._raw
 
     # ---- quick check (error words and flags only) ----
+    def clean(self) -> bool:
+        """No rank reported an error or a status flag (the common case, checked without decoding)."""
+        raw, layout = self._bytes(), self._layout
+        error, flags = layout.error_word, layout.status_flags
+        for at in range(0, len(self._shape.ranks) * layout.bytes, layout.bytes):
+            if raw[at + error:at + error + 8] != _ZERO8 or raw[at + flags:at + flags + 4] != _ZERO4:
+                return False
+        return True
+
     def error_words(self) -> list[tuple[int, int, int]]:
         """``(rank, error word, status flags)`` per rank, read without decoding the rest."""
         raw = self._bytes()
@@ -266,6 +276,8 @@ class LaunchReport:
         """The exception this launch's status calls for, or ``None``: :class:`flashdmoe.KernelTimeout` when
         a rank's watchdog fired, ``RuntimeError`` for another error kind, ``ValueError`` when a rank's
         router logits were not finite (NaN or Inf in ``x`` or ``router_weight``)."""
+        if self.clean():
+            return None
         words = self.error_words()
         errors = [KernelError.from_word(rank, word) for rank, word, _ in words if word]
         where = self._where()

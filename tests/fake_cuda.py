@@ -33,6 +33,9 @@ def status_block(*, error: int = 0, flags: int = 0, clock=(1_000, 2_000, 3_500, 
     return bytes(raw)
 
 
+_CLEAN_BLOCK = status_block()
+
+
 def timeout_word(phase: int, peer: int, block: int = 3) -> int:
     return 1 | (phase << 8) | (peer << 16) | (block << 32)
 
@@ -69,6 +72,8 @@ class FakeExtension:
     launches: list = field(default_factory=list)
     fail_launch: Exception | None = None
     events: dict = field(default_factory=dict)  # handle -> FakeEvent
+    # True: every launch's event has completed by the next call (a GPU faster than the host).
+    finish_at_once: bool = False
 
     def check_shapes(self, T, H, I, E, k, world_size=1):
         return self.shape_error
@@ -90,12 +95,13 @@ class FakeExtension:
             raise self.fail_launch
         shared, ranks = prepared
         assert len(addresses) == 1 + 9 * len(ranks)
-        blocks = self.script.pop(0) if self.script else [status_block() for _ in ranks]
+        blocks = self.script.pop(0) if self.script else [_CLEAN_BLOCK] * len(ranks)
         if status_host:
             data = b"".join(blocks)
             ctypes.memmove(status_host, data, len(data))
         if status_event:
             self.events[status_event].record()
+            self.events[status_event].done = self.finish_at_once
         self.launches.append({"sequence": sequence, "stream": stream, "ranks": len(ranks), "event": status_event,
                               "status_host": status_host, "workspace": addresses[9::9]})
         return (132, 1, 200_000)
