@@ -87,8 +87,8 @@ def gpu_report(args) -> None:
             for _ in range(5):
                 flashdmoe.moe(x, router, w1, w2, top_k=k, activation=activation, backend="cuda")
             flashdmoe.synchronize()
-            # ~100 ms of GPU work ahead of the calls: none of them can be reached while they are issued.
-            busy = lambda: torch.cuda._sleep(200_000_000)  # noqa: E731
+            # ~50 ms of GPU work ahead of the calls: none of them can be reached while they are issued.
+            busy = lambda: torch.cuda._sleep(100_000_000)  # noqa: E731
             parts = host_parts(x, router, w1, w2, k, activation, args.calls, args.trials, busy, flashdmoe.synchronize)
 
             def gpu_ms(fn, n=50):

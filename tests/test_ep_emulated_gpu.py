@@ -188,7 +188,7 @@ def test_one_kernel_launch_per_forward(backend):
 
 @pytest.mark.parametrize("silent", [0, 2])
 def test_silent_rank_times_out_every_rank(backend, silent):
-    """Debug mode (set_sync_checks): the forward itself raises. tests/test_async_errors_gpu.py covers the
+    """Debug mode (set_sync_checks): the forward itself raises. tests/test_async_status_gpu.py covers the
     default, where the same error surfaces at the team's next use or at flashdmoe.synchronize()."""
     P, H, I, E, k = 3 if silent == 2 else 2, 128, 128, 12, 2
     xs, router, w1s, w2s = make_inputs([256] * P, H, I, E, P, "gelu", torch.bfloat16)

@@ -202,7 +202,7 @@ def test_one_kernel_launch_per_forward(backend):
 
 def test_watchdog_timeout_raises_and_gpu_recovers(backend):
     """Debug mode (set_sync_checks): the call raises. The default (raised later) is in
-    tests/test_async_errors_gpu.py."""
+    tests/test_async_status_gpu.py."""
     x, router, w1, w2 = make_inputs(4096, 256, 256, 16, 2, "gelu", torch.bfloat16)
     backend.debug.withhold_phase = 2
     backend.debug.timeout_ms = 300

@@ -3,7 +3,7 @@
 The decoding is checked on synthetic status blocks; the state machine of flashdmoe.status_checks runs
 through the real cuda_backend.run_forward with the extension, its events and the CUDA stream calls
 replaced by tests/fake_cuda.py (the test decides when a launch's event completes and what its status
-block says). tests/test_async_errors_gpu.py checks the same behaviour on the GPU.
+block says). tests/test_async_status_gpu.py checks the same behaviour on the GPU.
 """
 
 from __future__ import annotations
