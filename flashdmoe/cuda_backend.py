@@ -12,9 +12,9 @@ Per call the host does: the cached plan of the launch (shape rules, workspace la
 launch options, once per shape and options), output allocation, the pooled workspace
 (:mod:`flashdmoe.workspace_pool`), one extension call with the addresses, one event record.
 
-Backward is unfused for now: it recomputes the layer with torch ops on the routing the forward saved
-(:func:`flashdmoe.reference.moe_fixed_routing`; across processes
-:func:`flashdmoe.ep_peer.expert_parallel_backward`), so gradients match the reference semantics.
+Backward (not yet a kernel): grouped GEMMs on the GPU from the routing the forward saved
+(:func:`flashdmoe.expert_backward.expert_backward`, one rank and emulated teams); across processes
+:func:`flashdmoe.ep_peer.expert_parallel_backward` (torch ops over peer-memory exchanges).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from flashdmoe import reference, status_checks
+from flashdmoe.expert_backward import expert_backward
 # Expert GEMM variants (name -> id), the default, and the one fp32 inputs run on whatever
 # debug.expert_variant says: the table in flashdmoe/expert_variants.py.
 from flashdmoe.expert_variants import DEFAULT_EXPERT_VARIANT, EXPERT_VARIANTS, FP32_EXPERT_VARIANT, variant_id
@@ -383,22 +384,13 @@ def fused_forward(x, router_weight, w1, w2, *, top_k, activation, normalize_topk
                        normalize_topk=normalize_topk, capacity_factor=capacity_factor)[0]
 
 
-def _fixed_routing_grads(inputs, expert, keep, dy, activation, normalize_topk):
-    """Gradients of <dy, moe_fixed_routing(*inputs, expert, keep)> for the inputs that require grad."""
-    with torch.enable_grad():
-        y = reference.moe_fixed_routing(*inputs, expert.long(), keep, activation=activation,
-                                        normalize_topk=normalize_topk)
-        wanted = [t for t in inputs if t.requires_grad]
-        grads = iter(torch.autograd.grad(y, wanted, dy)) if wanted else iter(())
-    return [next(grads) if t.requires_grad else None for t in inputs]
-
-
 def _needs_grad(*tensors) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 class _FusedMoE(torch.autograd.Function):
-    """One rank (no team): forward on the kernel, backward unfused on the saved routing."""
+    """One rank (no team): forward on the kernel; backward in grouped GEMMs on the saved routing
+    (:func:`flashdmoe.expert_backward.expert_backward`)."""
 
     @staticmethod
     def forward(ctx, x, router_weight, w1, w2, top_k, activation, normalize_topk, capacity_factor, routing_out):
@@ -406,24 +398,43 @@ class _FusedMoE(torch.autograd.Function):
             x, router_weight, w1, w2, top_k=top_k, activation=activation, normalize_topk=normalize_topk,
             capacity_factor=capacity_factor,
         )
-        ctx.save_for_backward(x, router_weight, w1, w2, routing.expert, routing.row)
-        ctx.options = (activation, normalize_topk)
+        ctx.save_for_backward(x, router_weight, w1, w2, routing.expert, routing.weight, routing.row)
+        capacity = reference.expert_capacity(x.shape[0], top_k, router_weight.shape[0], capacity_factor)
+        ctx.options = (activation, normalize_topk, capacity)
         routing_out.append(routing)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, router_weight, w1, w2, expert, row = ctx.saved_tensors
-        activation, normalize_topk = ctx.options
-        inputs = [t.detach().requires_grad_(need) for t, need in zip((x, router_weight, w1, w2), ctx.needs_input_grad[:4])]
-        grads = _fixed_routing_grads(inputs, expert, row >= 0, dy, activation, normalize_topk)
+        x, router_weight, w1, w2, expert, weight, row = ctx.saved_tensors
+        activation, normalize_topk, capacity = ctx.options
+        grads = expert_backward(x, router_weight, w1, w2, expert, weight, row, dy.contiguous(), activation=activation,
+                                normalize_topk=normalize_topk, needs=tuple(ctx.needs_input_grad[:4]),
+                                max_rows_per_expert=capacity)
         return tuple(grads) + (None,) * 5
+
+
+def _accumulate(total: torch.Tensor | None, part: torch.Tensor | None) -> torch.Tensor | None:
+    if part is None:
+        return total
+    return part.float() if total is None else total + part.float()
+
+
+def _packed_rows(expert: torch.Tensor, keep: torch.Tensor, experts: int) -> torch.Tensor:
+    """One rank's kept choices packed as a single rank's kernel packs them (expert 0's rows first, token
+    order within an expert; -1 dropped): an emulated team's rows index the owners' streams instead."""
+    key = torch.where(keep, expert.long(), experts).flatten()
+    order = torch.sort(key, stable=True).indices
+    packed = torch.empty_like(order)
+    packed[order] = torch.arange(order.numel(), device=order.device)
+    return torch.where(keep, packed.view_as(expert), -1).to(torch.int32)
 
 
 class _FusedMoEEmulated(torch.autograd.Function):
     """P virtual ranks in one launch. Inputs after the options: router_weight, xs (P), w1s (P), w2s (P);
-    outputs: ys (P). Backward recomputes each rank on its saved routing against the concatenated experts
-    (the emulated team holds every shard in this process)."""
+    outputs: ys (P). Backward: each rank's gradients against the concatenated experts (the emulated team
+    holds every shard in this process) by :func:`flashdmoe.expert_backward.expert_backward`, summed over
+    ranks in rank order."""
 
     @staticmethod
     def forward(ctx, team, options, routing_out, router_weight, *tensors):
@@ -433,8 +444,9 @@ class _FusedMoEEmulated(torch.autograd.Function):
         routing_out.extend(routing for _, routing in results)
         ctx.world_size = P
         ctx.team = team
-        ctx.options = (options["activation"], options["normalize_topk"])
-        ctx.save_for_backward(router_weight, *tensors, *[r.expert for _, r in results], *[r.row for _, r in results])
+        ctx.options = (options["activation"], options["normalize_topk"], options["top_k"], options["capacity_factor"])
+        ctx.save_for_backward(router_weight, *tensors, *[r.expert for _, r in results],
+                              *[r.weight for _, r in results], *[r.row for _, r in results])
         return tuple(y for y, _ in results)
 
     @staticmethod
@@ -444,30 +456,32 @@ class _FusedMoEEmulated(torch.autograd.Function):
         P = ctx.world_size
         saved = ctx.saved_tensors
         router_weight, tensors = saved[0], saved[1:1 + 3 * P]
-        experts, rows = saved[1 + 3 * P:1 + 4 * P], saved[1 + 4 * P:]
-        activation, normalize_topk = ctx.options
+        experts, weights, rows = saved[1 + 3 * P:1 + 4 * P], saved[1 + 4 * P:1 + 5 * P], saved[1 + 5 * P:]
+        activation, normalize_topk, top_k, capacity_factor = ctx.options
         needs = ctx.needs_input_grad[3:]
-        router = router_weight.detach().requires_grad_(needs[0])
-        leaves = [t.detach().requires_grad_(need) for t, need in zip(tensors, needs[1:])]
-        xs, w1s, w2s = leaves[:P], leaves[P:2 * P], leaves[2 * P:]
-        with torch.enable_grad():
-            w1_all, w2_all = torch.cat(w1s), torch.cat(w2s)
-            total = None
-            for r in range(P):
-                if dys[r] is None:
-                    continue
-                y = reference.moe_fixed_routing(xs[r], router, w1_all, w2_all, experts[r].long(), rows[r] >= 0,
-                                                activation=activation, normalize_topk=normalize_topk)
-                term = (y.float() * dys[r].float()).sum()
-                total = term if total is None else total + term
-            wanted = [t for t in [router, *leaves] if t.requires_grad]
-            if total is None or not wanted:
-                grads = [None] * len(wanted)
-            else:
-                grads = list(torch.autograd.grad(total, wanted, allow_unused=True))
-        it = iter(grads)
-        out = [next(it) if t.requires_grad else None for t in [router, *leaves]]
-        out = [g if g is None else g.to(t.dtype) for g, t in zip(out, [router, *leaves])]
+        xs, w1s, w2s = tensors[:P], tensors[P:2 * P], tensors[2 * P:]
+        need_w1, need_w2 = any(needs[1 + P:1 + 2 * P]), any(needs[1 + 2 * P:])
+        w1_all, w2_all = torch.cat(w1s), torch.cat(w2s)
+        E = w1_all.shape[0]
+        d_router = d_w1 = d_w2 = None
+        dxs = [None] * P
+        for r in range(P):
+            if dys[r] is None:
+                continue
+            T = xs[r].shape[0]
+            packed = _packed_rows(experts[r], rows[r] >= 0, E)
+            dx, dr, dw1, dw2 = expert_backward(
+                xs[r], router_weight, w1_all, w2_all, experts[r], weights[r], packed, dys[r].contiguous(),
+                activation=activation, normalize_topk=normalize_topk, needs=(needs[1 + r], needs[0], need_w1, need_w2),
+                max_rows_per_expert=reference.expert_capacity(T, top_k, E, capacity_factor))
+            dxs[r] = dx
+            # in rank order, in float32: the sum over ranks rounds once, at the end
+            d_router, d_w1, d_w2 = (_accumulate(total, part) for total, part in ((d_router, dr), (d_w1, dw1), (d_w2, dw2)))
+        shards = [w.shape[0] for w in w1s]
+        d_router = None if d_router is None else d_router.to(router_weight.dtype)
+        dw1s = [None] * P if d_w1 is None else list(d_w1.to(w1_all.dtype).split(shards))
+        dw2s = [None] * P if d_w2 is None else list(d_w2.to(w2_all.dtype).split(shards))
+        out = [g if need else None for g, need in zip([d_router, *dxs, *dw1s, *dw2s], needs)]
         return (None, None, None, *out)
 
 
