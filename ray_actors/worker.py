@@ -355,11 +355,12 @@ class MoEWorker:
             knobs.silent_rank, knobs.timeout_ms = saved
 
     def _kernel_traffic(self) -> dict[str, Any] | None:
-        """This rank's entry of ``flashdmoe.cuda_backend.last_traffic`` (the last checked launch of this
-        process), or ``None`` where the kernel does not report it."""
-        from flashdmoe import cuda_backend
+        """This rank's entry of the traffic of this process's latest fused launch
+        (``flashdmoe.last_report().traffic()``), or ``None`` where no fused launch ran."""
+        import flashdmoe
 
-        entries = getattr(cuda_backend, "last_traffic", None)
+        report = flashdmoe.last_report()
+        entries = None if report is None else report.traffic()
         if not entries:
             return None
         for entry in entries:

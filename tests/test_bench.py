@@ -538,7 +538,7 @@ def test_expert_parallel_in_process_entries_with_stand_ins(monkeypatch):
 
     monkeypatch.setattr(expert_parallel, "_kernel_unavailable_reason", lambda options: None)
     made, closed, traffic = [], [], []
-    # (cuda_backend.last_traffic is computed by a module __getattr__: patch the reader, not the module)
+    # (the traffic of a launch report needs a GPU: patch the reader)
     monkeypatch.setattr(expert_parallel, "_last_traffic", lambda: [dict(t) for t in traffic])
 
     class StandInTeam:

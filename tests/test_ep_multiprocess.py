@@ -173,7 +173,7 @@ def test_forward_backward_scenario_returns_every_gradient(monkeypatch, tmp_path)
     calls = []
     monkeypatch.setattr(scenarios, "team_moe", _reference_layer(calls))
     traffic = [{"rank": 0, "dispatch_bytes": 0, "combine_bytes": 0, "rows_routed_remote": 0}]
-    # (cuda_backend.last_traffic is computed by a module __getattr__: patch the reader, not the module)
+    # (the traffic of a launch report needs a GPU: patch the reader)
     monkeypatch.setattr(scenarios, "last_traffic", lambda: [dict(t) for t in traffic])
     out = scenarios.forward_backward(_cpu_context(tmp_path, {"problem": problem.to_dict(), "iterations": 3}))
     assert len(calls) == 3 and all(x.requires_grad for x in calls)
@@ -448,7 +448,7 @@ def test_forward_backward_matches_reference(mps_daemon, name, problem):
 @pytest.mark.gpu
 @pytest.mark.parametrize("name, problem", CONFIGS, ids=CONFIG_IDS)
 def test_only_routed_rows_travel(mps_daemon, name, problem):
-    """cuda_backend.last_traffic of each rank's forward against the reference routing (payload efficiency 1)."""
+    """The launch report's traffic of each rank's forward against the reference routing (payload efficiency 1)."""
     result = _forward_backward(mps_daemon, name, problem)
     result.check()
     for outcome, want in zip(result.ranks, expected_traffic(problem)):

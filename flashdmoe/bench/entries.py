@@ -104,14 +104,6 @@ class FusedEntry(BenchEntry):
             raise EntryUnavailable(describe_error(error)) from error
         return PreparedRun(forward)
 
-    def timing_context(self) -> contextlib.AbstractContextManager:
-        # Without this every launch synchronises to read the kernel's status word; deferred, the
-        # status words are checked once when the timed block ends (KernelTimeout raised then).
-        from flashdmoe import cuda_backend
-
-        deferred = getattr(cuda_backend, "deferred_status_checks", None)
-        return deferred() if deferred is not None else contextlib.nullcontext()
-
 
 class GroupedMMEntry(BenchEntry):
     """Router + sort + ``torch._grouped_mm`` x 2 + scatter (the docs/design.md §12 baseline).

@@ -15,8 +15,8 @@ Every entry computes the same total problem: ``T`` tokens (split as evenly as po
 
 Inputs come from :class:`flashdmoe.ranks.Problem` (seeded piece by piece), so the rank processes
 build exactly the tokens and experts this process uses for the reference answer. Times are medians of
-CUDA events after warm-up, inside ``cuda_backend.deferred_status_checks()``; input sets are rotated as in
-the single-gpu suite. Traffic comes from ``cuda_backend.last_traffic`` after one checked forward on input
+CUDA events after warm-up, through the public API as users call it; input sets are rotated as in
+the single-gpu suite. Traffic comes from ``flashdmoe.last_report().traffic()`` after one forward on input
 set 0: bytes sent per rank (dispatch + combine) and payload efficiency (dispatched bytes over
 ``rows_routed_remote * H * element size``, summed over ranks: 1 when only routed rows travel).
 
@@ -26,7 +26,6 @@ GPU to itself and this process holds no device memory while they run.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import gc
 from dataclasses import dataclass
@@ -176,16 +175,10 @@ def _mps_entry(spec: EntrySpec, run, shape: BenchShape, expected, compare_rows, 
 
 
 def _last_traffic() -> list[dict]:
-    from flashdmoe import cuda_backend
+    import flashdmoe
 
-    return copy.deepcopy(list(getattr(cuda_backend, "last_traffic", None) or []))
-
-
-def _deferred_checks():
-    from flashdmoe import cuda_backend
-
-    deferred = getattr(cuda_backend, "deferred_status_checks", None)
-    return deferred() if deferred is not None else contextlib.nullcontext()
+    report = flashdmoe.last_report()
+    return [] if report is None else copy.deepcopy(report.traffic())
 
 
 def _in_process_entry(spec: EntrySpec, shape: BenchShape, input_sets: list[MoEInputs], options: SuiteOptions,
@@ -248,9 +241,7 @@ def _in_process_entry(spec: EntrySpec, shape: BenchShape, input_sets: list[MoEIn
                                            shape.hidden, element_bytes)
             error = metrics.max_relative_error(output, expected, compare_rows)
             del output
-            context = _deferred_checks() if spec.kind != "reference" else contextlib.nullcontext()
-            with context:
-                stats = measure(runs, device=device, warmup=options.warmup, repeats=options.repeats)
+            stats = measure(runs, device=device, warmup=options.warmup, repeats=options.repeats)
     except Exception as failure:
         return EntryResult(spec.name, spec.label, "error", reason=describe_error(failure), details=details)
     finally:
@@ -304,7 +295,7 @@ def run_expert_parallel(options: SuiteOptions) -> SuiteResult:
                 "vs P=1 = median / median of emulated P=1 (the same problem through the team buffers on one "
                 "virtual rank; the fused kernel without a team when emulated P=1 did not run)",
                 "sent MB / rank = max over ranks of dispatch + combine bytes written into other ranks' buffers "
-                "(cuda_backend.last_traffic, one checked forward on input set 0); payload eff. = dispatched "
+                "(flashdmoe.last_report().traffic(), one forward on input set 0); payload eff. = dispatched "
                 "bytes / (rows routed to other ranks x H x element size), over all ranks",
                 "N processes (MPS): one Team.nvshmem rank per process on the one GPU, "
                 "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE = 100 / N each; ms per forward = the slowest rank's",

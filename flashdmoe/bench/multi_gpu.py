@@ -11,8 +11,8 @@ with ``one_gpu_per_rank=True``; every configuration runs twice, on the same seed
 
 * ``fused`` -- :meth:`Team.nvshmem <flashdmoe.team.Team.nvshmem>` and ``flashdmoe.moe(..., team=team,
   backend="cuda")`` (:func:`flashdmoe.bench.rank_scenarios.checked_fused_forwards`): forwards timed back to
-  back with CUDA events inside ``cuda_backend.deferred_status_checks()``; bytes sent and payload efficiency
-  from ``cuda_backend.last_traffic`` of one checked forward;
+  back with CUDA events through the public API; bytes sent and payload efficiency
+  from ``flashdmoe.last_report().traffic()`` of one forward;
 * ``nccl`` -- the unfused baseline (:func:`flashdmoe.bench.rank_scenarios.nccl_forwards`):
   ``torch.distributed`` NCCL (a ``file://`` rendezvous in the run's directory),
   :func:`flashdmoe.bench.all_to_all.all_to_all_moe`: router, per-expert counts exchanged first

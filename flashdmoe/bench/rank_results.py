@@ -12,7 +12,7 @@ __all__ = ["failure_details", "failure_reason", "timed_run_summary", "traffic_su
 
 
 def traffic_summary(traffic: list[dict] | None, hidden: int, element_bytes: int) -> dict:
-    """From the per-rank traffic counters (one dict per rank, as ``cuda_backend.last_traffic``): bytes each
+    """From the per-rank traffic counters (one dict per rank, as ``LaunchReport.traffic()``): bytes each
     rank sent (dispatch + combine), their maximum, and the payload efficiency over all ranks (None when no
     row went to another rank)."""
     if not traffic:

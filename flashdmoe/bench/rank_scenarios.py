@@ -2,7 +2,7 @@
 which the rank processes resolve by module and function name).
 
 * :func:`timed_fused_forwards`: forwards of the fused kernel over the rank's NVSHMEM team, timed back to
-  back with CUDA events inside ``cuda_backend.deferred_status_checks()`` after one checked forward (the
+  back with CUDA events through the public API after one checked forward (the
   ``mps-P`` rows of ``expert-parallel``);
 * :func:`checked_fused_forwards`: the same, then this rank's output checked against the reference (the
   ``fused`` rows of ``multi-gpu``);
@@ -66,8 +66,6 @@ def timed_fused_forwards(context: RankContext) -> ScenarioOutput:
     CUDA-event time per timed forward, in order), ``median_ms``/``p10_ms``/``p90_ms``, ``input_sets``,
     ``traffic`` (the traffic counters of the checked forward on set 0), and tensor ``y`` of set 0.
     """
-    from flashdmoe import cuda_backend
-
     problem = Problem.from_dict(context.params["problem"])
     warmup = int(context.params.get("warmup", 5))
     repeats = int(context.params.get("repeats", 20))
@@ -82,8 +80,7 @@ def timed_fused_forwards(context: RankContext) -> ScenarioOutput:
         context.team.barrier()
         synchronize(context.device)
         context.enter_phase("timed forwards")
-        with cuda_backend.deferred_status_checks():
-            stats = measure(runs, device=context.device, warmup=warmup, repeats=repeats)
+        stats = measure(runs, device=context.device, warmup=warmup, repeats=repeats)
     tensors = {"y": y} if context.params.get("return_output", True) else {}
     return ScenarioOutput(tensors, _timing_info(stats, count) | {"traffic": traffic})
 

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+import flashdmoe
 from flashdmoe.ranks.child import RankContext, ScenarioOutput, error_info, synchronize
 from flashdmoe.ranks.problem import Problem
 
@@ -31,16 +32,14 @@ __all__ = ["SCENARIOS", "forward_backward", "last_traffic", "selftest", "silent_
 
 def team_moe(problem: Problem, context: RankContext, x, router_weight, w1, w2) -> torch.Tensor:
     """This rank's ``flashdmoe.moe`` over the context's team, with the problem's routing options."""
-    import flashdmoe
-
     return flashdmoe.moe(x, router_weight, w1, w2, team=context.team, backend="cuda", **problem.moe_kwargs())
 
 
 def last_traffic() -> list[dict[str, Any]]:
-    """A copy of ``cuda_backend.last_traffic``: the traffic counters of this process's last checked forward."""
-    from flashdmoe import cuda_backend
-
-    return copy.deepcopy(list(getattr(cuda_backend, "last_traffic", None) or []))
+    """The traffic counters of this process's latest fused launch (``flashdmoe.last_report().traffic()``,
+    which waits for it); empty when no fused launch ran."""
+    report = flashdmoe.last_report()
+    return [] if report is None else copy.deepcopy(report.traffic())
 
 
 def forward_backward(context: RankContext) -> ScenarioOutput:
