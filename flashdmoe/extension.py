@@ -1,4 +1,4 @@
-"""Build, cache and load the CUDA extension ``flashdmoe_cuda`` (DESIGN.md §5).
+"""Build, cache and load the CUDA extension ``flashdmoe_cuda`` (docs/design.md §10).
 
 The extension is a pybind11 module compiled from every ``*.cu`` and ``*.cpp`` file under ``csrc/``
 with ``nvcc``, driven by a generated ``build.ninja`` (one object per source, then ``nvcc -shared``).
