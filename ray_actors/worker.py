@@ -237,8 +237,11 @@ class MoEWorker:
         return self.config
 
     def _synchronize(self) -> None:
+        """Wait for this rank's GPU work and raise what its fused launches reported."""
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            import flashdmoe
+
+            flashdmoe.synchronize(self.device)
 
     def _layer(self, x: torch.Tensor):
         """``(y [T, H], MoEAux)`` of this rank's tokens through the team's backend (collective)."""

@@ -40,7 +40,10 @@ _mm_out_dtype_works: bool | None = None
 def router_logits(x: torch.Tensor, router_weight: torch.Tensor) -> torch.Tensor:
     """``x @ router_weight.T`` with fp32 accumulation and fp32 output: [T, H] x [E, H] -> [T, E] float32."""
     global _mm_out_dtype_works
-    if x.dtype in (torch.bfloat16, torch.float16) and x.is_cuda and _mm_out_dtype_works is not False:
+    # mm with out_dtype has no derivative: under autograd the baseline upcasts as a user would.
+    differentiable = torch.is_grad_enabled() and (x.requires_grad or router_weight.requires_grad)
+    if (x.dtype in (torch.bfloat16, torch.float16) and x.is_cuda and _mm_out_dtype_works is not False
+            and not differentiable):
         try:
             # One tensor-core GEMM writing fp32 directly, no fp32 copy of x.
             logits = torch.mm(x, router_weight.t(), out_dtype=torch.float32)

@@ -85,9 +85,12 @@ class ScenarioOutput:
 
 
 def synchronize(device: torch.device | None) -> None:
-    """Wait for this rank's GPU work (scenarios also run on the CPU, with a stand-in team in tests)."""
+    """Wait for this rank's GPU work and raise what its fused launches reported (scenarios also run on the
+    CPU, with a stand-in team in tests)."""
     if device is not None and device.type == "cuda":
-        torch.cuda.synchronize(device)
+        import flashdmoe
+
+        flashdmoe.synchronize(device)
 
 
 def error_info(error: BaseException) -> dict[str, str]:
