@@ -1,0 +1,334 @@
+"""The single-rank MoE layer as registered ``torch.library`` ops, so that ``torch.compile`` traces it.
+
+Importing this module registers three ops in the ``flashdmoe`` namespace (torch >= 2.4 ``custom_op`` API;
+``torch.ops.flashdmoe.moe``, below, is the forward returning ``y`` only):
+
+``torch.ops.flashdmoe.moe_forward(x, router_weight, w1, w2, top_k, activation="gelu", normalize_topk=True,
+capacity_factor=None) -> (y, expert, weight, row, counts)``
+    ``x [T, H]``, ``router_weight [E, H]``, ``w1 [E, H, I or 2I]``, ``w2 [E, I, H]``, one float dtype and
+    device (any strides). Returns ``y [T, H]`` in ``x.dtype`` and the routing it used: ``expert [T, k]``
+    int32 (by descending probability), ``weight [T, k]`` float32 combine weights, ``row [T, k]`` int32 (the
+    choice's row in the expert-packed buffer: kept choices grouped by expert in expert order, token order
+    within an expert; ``-1`` = dropped by capacity) and ``counts [E]`` int32 (choices per expert before
+    capacity). Differentiable in ``x``, ``router_weight``, ``w1`` and ``w2`` through ``y``; the routing
+    outputs are not differentiable. Semantics are :func:`flashdmoe.reference.moe`'s.
+
+``torch.ops.flashdmoe.moe_backward(dy, x, router_weight, w1, w2, expert, weight, row, activation,
+normalize_topk, needs) -> (dx, d_router_weight, dw1, dw2)``
+    The gradients of ``<dy, y>`` on the saved routing (the gate is not re-run). ``needs`` is four bools;
+    a gradient not needed comes back as an empty tensor (``numel() == 0``).
+
+Implementations: on CPU the forward is :mod:`flashdmoe.reference` (``route``, ``keep_mask``,
+``moe_fixed_routing``) and the backward is the chain rule through ``moe_fixed_routing`` written out in
+tensor operations (an op's implementation runs below the autograd dispatch key, where autograd records
+nothing; ``torch.func.vjp`` would, but its wrapper tensors break under dispatch modes such as opcheck's
+schema check). On CUDA the forward is the fused kernel
+(:func:`flashdmoe.cuda_backend.fused_forward`) and the backward is
+:func:`flashdmoe.expert_backward.expert_backward`. The fake implementations give every output's shape and
+dtype from the inputs' alone (no data-dependent shapes), so the ops trace under ``torch.compile`` and
+export. Second derivatives are not implemented.
+
+:func:`moe` is the Python entry point (``return_aux`` included); ``torch.ops.flashdmoe.moe`` is the same
+forward returning ``y`` only. Both run one rank: the expert-parallel team paths stay eager.
+"""
+
+import math
+from typing import Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from flashdmoe import reference
+from flashdmoe.validation import validate_capacity_factor, validate_moe_inputs
+
+__all__ = ["moe", "moe_forward", "moe_backward", "packed_rows"]
+
+_NAMESPACE = "flashdmoe"
+
+
+def _check_inputs(x, router_weight, w1, w2, top_k, activation, capacity_factor) -> None:
+    """The checks of :func:`flashdmoe.moe` (ValueError naming the argument) minus contiguity: the ops take
+    any strides (a model's transposed weight views included). Run on meta stand-ins so that it reads
+    shapes and dtypes only, under fake tensors too."""
+    for name, tensor in (("x", x), ("router_weight", router_weight), ("w1", w1), ("w2", w2)):
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.device != x.device:
+            raise ValueError(f"{name}: on device {tensor.device} but x is on {x.device}; all must match")
+    stand_ins = [torch.empty(t.shape, dtype=t.dtype, device="meta") for t in (x, router_weight, w1, w2)]
+    validate_moe_inputs(*stand_ins, top_k=top_k, activation=activation, capacity_factor=capacity_factor)
+
+
+def packed_rows(experts: torch.Tensor, keep: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Each choice's row in the expert-packed buffer, the layout the fused kernel returns.
+
+    experts: ``[T, k]`` int (distinct per token); keep: ``[T, k]`` bool. Kept choices are grouped by
+    expert (expert 0's first), in token order within an expert: ``row = (kept choices of lower experts)
+    + (kept choices of the same expert by earlier tokens)``. Returns ``[T, k]`` int32, ``-1`` where dropped.
+    """
+    flat = experts.reshape(-1).long()
+    kept = keep.reshape(-1)
+    one_hot = F.one_hot(flat, num_experts) * kept[:, None].long()
+    slot = (one_hot.cumsum(dim=0) - one_hot).gather(1, flat[:, None]).squeeze(1)
+    kept_per_expert = one_hot.sum(dim=0)
+    segment_start = kept_per_expert.cumsum(dim=0) - kept_per_expert
+    rows = torch.where(kept, segment_start[flat] + slot, torch.full_like(flat, -1))
+    return rows.to(torch.int32).reshape(experts.shape)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# moe_forward
+# ----------------------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op(f"{_NAMESPACE}::moe_forward", mutates_args=())
+def moe_forward(
+    x: torch.Tensor,
+    router_weight: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    top_k: int,
+    activation: str = "gelu",
+    normalize_topk: bool = True,
+    capacity_factor: Optional[float] = None,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The reference implementation (CPU, and any device without its own registration)."""
+    _check_inputs(x, router_weight, w1, w2, top_k, activation, capacity_factor)
+    if x.device.type == "cpu" and x.shape[0] > 0 and not bool(torch.isfinite(x).all()):
+        raise ValueError("x: contains non-finite values (NaN or Inf); expected finite input")
+    num_experts = router_weight.shape[0]
+    routing = reference.route(x, router_weight, top_k, normalize_topk)
+    capacity = reference.expert_capacity(x.shape[0], top_k, num_experts, capacity_factor)
+    keep = reference.keep_mask(routing.experts, num_experts, capacity)
+    y = reference.moe_fixed_routing(x, router_weight, w1, w2, routing.experts, keep, activation=activation,
+                                    normalize_topk=normalize_topk)
+    counts = torch.bincount(routing.experts.reshape(-1), minlength=num_experts)
+    return (y, routing.experts.to(torch.int32), routing.weights.to(torch.float32),
+            packed_rows(routing.experts, keep, num_experts), counts.to(torch.int32))
+
+
+@moe_forward.register_kernel("cuda")
+def _moe_forward_cuda(x, router_weight, w1, w2, top_k, activation="gelu", normalize_topk=True,
+                      capacity_factor=None):
+    _check_inputs(x, router_weight, w1, w2, top_k, activation, capacity_factor)
+    from flashdmoe import cuda_backend
+
+    # The kernel reads dense row-major operands; a transposed view (a Hugging Face expert layout that
+    # patch_moe did not re-lay) costs one copy here.
+    y, routing = cuda_backend.fused_forward(
+        x.contiguous(), router_weight.contiguous(), w1.contiguous(), w2.contiguous(), top_k=top_k,
+        activation=activation, normalize_topk=normalize_topk, capacity_factor=capacity_factor)
+    return y, routing.expert, routing.weight, routing.row, routing.counts
+
+
+@moe_forward.register_fake
+def _moe_forward_fake(x, router_weight, w1, w2, top_k, activation="gelu", normalize_topk=True,
+                      capacity_factor=None):
+    _check_inputs(x, router_weight, w1, w2, top_k, activation, capacity_factor)
+    tokens, experts = x.shape[0], router_weight.shape[0]
+    return (x.new_empty(x.shape), x.new_empty((tokens, top_k), dtype=torch.int32),
+            x.new_empty((tokens, top_k), dtype=torch.float32), x.new_empty((tokens, top_k), dtype=torch.int32),
+            x.new_empty((experts,), dtype=torch.int32))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# moe_backward
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _check_needs(needs: Sequence[bool]) -> None:
+    if len(needs) != 4:
+        raise ValueError(f"needs={list(needs)!r}: expected 4 bools (x, router_weight, w1, w2)")
+
+
+def _activation_and_grad(h: torch.Tensor, intermediate: int, activation: str):
+    """``z = act(h)`` of one expert's rows and ``dz -> dh``, the chain rule through it (swiglu: ``h`` is
+    ``[n, 2I]``, gate half first). Derivatives as torch's: exact-erf GELU, ``relu'(0) = 0``."""
+    if activation == "swiglu":
+        gate, up = h[:, :intermediate], h[:, intermediate:]
+        sigmoid = torch.sigmoid(gate)
+        silu = gate * sigmoid
+        return silu * up, lambda dz: torch.cat((dz * up * sigmoid * (1 + gate * (1 - sigmoid)), dz * silu), dim=1)
+    if activation == "relu":
+        return F.relu(h), lambda dz: dz * (h > 0).to(h.dtype)
+    if activation == "gelu":
+        cdf = 0.5 * (1 + torch.erf(h * (0.5 ** 0.5)))
+        pdf = torch.exp(-0.5 * h * h) * (0.5 / math.pi) ** 0.5
+        return h * cdf, lambda dz: dz * (cdf + h * pdf)
+    sigmoid = torch.sigmoid(h)  # silu
+    return h * sigmoid, lambda dz: dz * sigmoid * (1 + h * (1 - sigmoid))
+
+
+def _fixed_routing_backward(dy, x, router_weight, w1, w2, experts, keep, activation, normalize_topk, needs):
+    """Gradients of ``<dy, moe_fixed_routing(x, router_weight, w1, w2, experts, keep)>`` by the chain rule,
+    in plain tensor operations (an op's implementation runs below the autograd key, so autograd cannot
+    record here). Same definitions as the reference: the combine weights are recomputed from the router
+    probabilities, so the router gradient flows through them; dropped choices have zero weight gradient.
+    Computes in the reference's compute dtype; returns the four gradients in the inputs' dtypes
+    (``None`` where not needed)."""
+    need_x, need_router, need_w1, need_w2 = needs
+    dtype = reference.compute_dtype(x.dtype)
+    xc, routerc, w1c, w2c, dyc = (t.to(dtype) for t in (x, router_weight, w1, w2, dy))
+    tokens, top_k = experts.shape
+    intermediate = w2.shape[1]
+    probs = reference.router_probs(x, router_weight)
+    chosen = probs.gather(1, experts)
+    total = chosen.sum(dim=-1, keepdim=True)
+    weights = chosen / total if normalize_topk else chosen
+    need_rows = need_x or need_w1  # the gradient reaching the expert inputs
+    need_gate = need_x or need_router
+    dx = torch.zeros_like(xc) if need_x else None
+    dw1 = torch.zeros_like(w1c) if need_w1 else None
+    dw2 = torch.zeros_like(w2c) if need_w2 else None
+    dweights = xc.new_zeros(tokens * top_k)
+    for expert in range(w1.shape[0]):
+        choices = reference.routed_choices(experts, keep, expert)
+        if choices.numel() == 0:
+            continue
+        token = choices // top_k
+        rows, grad_out = xc[token], dyc[token]
+        z, backward_act = _activation_and_grad(rows @ w1c[expert], intermediate, activation)
+        if need_gate:
+            dweights[choices] = (grad_out * (z @ w2c[expert])).sum(dim=1)
+        d_out = grad_out * weights.reshape(-1)[choices, None]
+        if need_w2:
+            dw2[expert] = z.T @ d_out
+        if need_rows:
+            dh = backward_act(d_out @ w2c[expert].T)
+            if need_w1:
+                dw1[expert] = rows.T @ dh
+            if need_x:
+                dx.index_add_(0, token, dh @ w1c[expert].T)
+    d_router = None
+    if need_gate:
+        dweights = dweights.reshape(tokens, top_k)
+        if normalize_topk:
+            dweights = (dweights - (dweights * weights).sum(dim=-1, keepdim=True)) / total
+        dprobs = torch.zeros_like(probs).scatter_add_(1, experts, dweights)
+        dlogits = probs * (dprobs - (dprobs * probs).sum(dim=-1, keepdim=True))
+        if need_x:
+            dx += dlogits @ routerc
+        if need_router:
+            d_router = dlogits.T @ xc
+    grads = (dx, d_router, dw1, dw2)
+    return tuple(None if g is None else g.to(t.dtype) for g, t in zip(grads, (x, router_weight, w1, w2)))
+
+
+@torch.library.custom_op(f"{_NAMESPACE}::moe_backward", mutates_args=())
+def moe_backward(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    router_weight: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    expert: torch.Tensor,
+    weight: torch.Tensor,
+    row: torch.Tensor,
+    activation: str,
+    normalize_topk: bool,
+    needs: Sequence[bool],
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The reference implementation: the chain rule through :func:`flashdmoe.reference.moe_fixed_routing`
+    on the saved choices (``expert``; ``row >= 0`` as the keep mask). ``weight`` is not read: the combine
+    weights are recomputed from the router so that their gradient reaches ``router_weight``."""
+    _check_needs(needs)
+    grads = _fixed_routing_backward(dy, x, router_weight, w1, w2, expert.long(), row >= 0, activation,
+                                    normalize_topk, [bool(n) for n in needs])
+    return tuple(t.new_empty(0) if g is None else g for g, t in zip(grads, (x, router_weight, w1, w2)))
+
+
+@moe_backward.register_kernel("cuda")
+def _moe_backward_cuda(dy, x, router_weight, w1, w2, expert, weight, row, activation, normalize_topk, needs):
+    _check_needs(needs)
+    from flashdmoe.expert_backward import expert_backward
+
+    inputs = (x, router_weight, w1, w2)
+    grads = expert_backward(*(t.contiguous() for t in inputs), expert, weight, row, dy.contiguous(),
+                            activation=activation, normalize_topk=normalize_topk, needs=tuple(needs))
+    return tuple(g if need and g is not None else t.new_empty(0) for g, t, need in zip(grads, inputs, needs))
+
+
+@moe_backward.register_fake
+def _moe_backward_fake(dy, x, router_weight, w1, w2, expert, weight, row, activation, normalize_topk, needs):
+    _check_needs(needs)
+    return tuple(t.new_empty(t.shape) if need else t.new_empty(0)
+                 for t, need in zip((x, router_weight, w1, w2), needs))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Autograd: moe_forward's backward is moe_backward on the routing the forward returned
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _setup_context(ctx, inputs, output):
+    x, router_weight, w1, w2, _top_k, activation, normalize_topk, _capacity_factor = inputs
+    _, expert, weight, row, counts = output
+    ctx.mark_non_differentiable(expert, weight, row, counts)
+    ctx.save_for_backward(x, router_weight, w1, w2, expert, weight, row)
+    ctx.activation = activation
+    ctx.normalize_topk = normalize_topk
+
+
+def _backward(ctx, dy, *_routing_grads):
+    x, router_weight, w1, w2, expert, weight, row = ctx.saved_tensors
+    needs = [bool(n) for n in ctx.needs_input_grad[:4]]
+    grads = torch.ops.flashdmoe.moe_backward(dy, x, router_weight, w1, w2, expert, weight, row, ctx.activation,
+                                             ctx.normalize_topk, needs)
+    return tuple(g if need else None for g, need in zip(grads, needs)) + (None,) * 4
+
+
+moe_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# y only: torch.ops.flashdmoe.moe and the Python entry point
+# ----------------------------------------------------------------------------------------------------------
+
+torch.library.define(
+    f"{_NAMESPACE}::moe",
+    "(Tensor x, Tensor router_weight, Tensor w1, Tensor w2, int top_k, str activation=\"gelu\", "
+    "bool normalize_topk=True, float? capacity_factor=None) -> Tensor",
+)
+
+
+# Composite: under autograd and compile it decomposes into moe_forward, whose autograd and fake it uses.
+@torch.library.impl(f"{_NAMESPACE}::moe", "CompositeImplicitAutograd")
+def _moe_y(x, router_weight, w1, w2, top_k, activation="gelu", normalize_topk=True, capacity_factor=None):
+    return torch.ops.flashdmoe.moe_forward(x, router_weight, w1, w2, top_k, activation, normalize_topk,
+                                           capacity_factor)[0]
+
+
+def moe(
+    x: torch.Tensor,
+    router_weight: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    *,
+    top_k: int,
+    activation: str = "gelu",
+    normalize_topk: bool = True,
+    capacity_factor: Optional[float] = None,
+    return_aux: bool = False,
+):
+    """:func:`flashdmoe.moe` on one rank through the registered op (traceable by ``torch.compile``).
+
+    Arguments and result as :func:`flashdmoe.reference.moe`: ``y [T, H]`` in ``x.dtype``, or ``(y, aux)``
+    with :class:`flashdmoe.reference.MoEAux` (``counts [E]`` int64, ``dropped``, the Switch loss
+    ``E * sum_e f_e * mean_t p[t, e]``, differentiable through ``p`` recomputed from ``x`` and the router).
+    """
+    if not isinstance(normalize_topk, bool):
+        raise ValueError(f"normalize_topk={normalize_topk!r}: expected True or False")
+    if not isinstance(return_aux, bool):
+        raise ValueError(f"return_aux={return_aux!r}: expected True or False")
+    capacity_factor = validate_capacity_factor(capacity_factor)  # the schema's float?: an int 2 becomes 2.0
+    y, _expert, _weight, row, counts = torch.ops.flashdmoe.moe_forward(
+        x, router_weight, w1, w2, top_k, activation, normalize_topk, capacity_factor)
+    if not return_aux:
+        return y
+    tokens, num_experts = x.shape[0], router_weight.shape[0]
+    dtype = reference.compute_dtype(x.dtype)
+    probs = torch.softmax(x.to(dtype) @ router_weight.to(dtype).T, dim=-1)
+    # max(., 1): with T == 0 both factors are zero vectors and the loss is exactly 0 (as the reference's)
+    fraction_routed = counts.to(dtype) / max(tokens * top_k, 1)
+    aux_loss = num_experts * (fraction_routed * (probs.sum(dim=0) / max(tokens, 1))).sum()
+    return y, reference.MoEAux(counts=counts.long(), dropped=(row < 0).sum().long(), aux_loss=aux_loss)
