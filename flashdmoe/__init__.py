@@ -51,7 +51,8 @@ __all__ = [
 ]
 
 # Imported on first use: the reference and the team module are heavier or come from other parts.
-_LAZY_ATTRIBUTES = {"Team": ("flashdmoe.team", "Team"), "reference": ("flashdmoe.reference", None)}
+_LAZY_ATTRIBUTES = {"Team": ("flashdmoe.team", "Team"), "reference": ("flashdmoe.reference", None),
+                    "ops": ("flashdmoe.ops", None)}
 
 
 def __getattr__(name: str):

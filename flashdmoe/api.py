@@ -177,6 +177,13 @@ def moe(
     _validate(x, router_weight, w1, w2, top_k=top_k, activation=activation, capacity_factor=capacity_factor,
               world_size=world_size)
     chosen = resolve_backend(x, backend, team)
+    if torch.compiler.is_compiling() and getattr(team, "transport", "single") == "single":
+        # Under torch.compile one rank is the registered op (CPU: the reference; CUDA: the kernel), which
+        # traces without a graph break; eager calls keep the direct path below (less host work per call).
+        from flashdmoe import ops
+
+        return ops.moe(x, router_weight, w1, w2, top_k=top_k, activation=activation, normalize_topk=normalize_topk,
+                       capacity_factor=capacity_factor, return_aux=return_aux)
     if chosen == "cuda":
         cuda_backend = _module("flashdmoe.cuda_backend")
         return cuda_backend.moe_cuda(x, router_weight, w1, w2, top_k=top_k, activation=activation,

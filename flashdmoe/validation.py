@@ -183,7 +183,10 @@ def validate_moe_inputs(
     if not _is_int(top_k) or not 1 <= top_k <= experts:
         raise ValueError(f"top_k={top_k!r}: expected an integer with 1 <= top_k <= E = {experts}")
 
-    if x.device.type == "cpu" and tokens > 0 and not bool(torch.isfinite(x).all()):
+    # A data-dependent check: eager only (a traced graph cannot branch on values; the op's CPU
+    # implementation checks x when it runs).
+    if (x.device.type == "cpu" and tokens > 0 and not torch.compiler.is_compiling()
+            and not bool(torch.isfinite(x).all())):
         bad = int((~torch.isfinite(x)).sum())
         raise ValueError(f"x: contains {bad} non-finite value(s) (NaN or Inf); expected finite input")
 

@@ -345,3 +345,20 @@ def test_compile_fullgraph_cuda_bf16(seed):
     tolerance = numerics.rounding_tolerance(torch.bfloat16, 2 + 2 * 2)
     for name, grad in eager_grads.items():
         assert_normwise_close(compiled_grads[name], grad, tolerance, f"grad of {name}")
+
+
+def test_moe_layer_compiles_fullgraph_through_the_op(seed):
+    """What users call: flashdmoe.MoELayer inside a model, torch.compile(fullgraph=True): the public API
+    switches to the registered op while tracing, with eager's results."""
+    import flashdmoe
+
+    torch._dynamo.reset()
+    torch.manual_seed(seed)
+    config = flashdmoe.MoEConfig(hidden=16, ffn=24, experts=4, top_k=2, tokens_per_rank=32, activation="gelu",
+                                 capacity_factor=1.0, dtype="float32", world_size=1, seed=seed % 1000)
+    model = nn.Sequential(nn.Linear(16, 16), flashdmoe.MoELayer(config), nn.Linear(16, 16))
+    x = torch.randn(32, 16, generator=torch.Generator().manual_seed(seed))
+    eager = model(x)
+    compiled = torch.compile(model, fullgraph=True)(x)
+    # the same reference arithmetic in both; the Linear layers may sum in another order (16 terms)
+    assert_normwise_close(compiled, eager, numerics.reorder_tolerance(torch.float32, 16, depth=3), "y")
