@@ -35,7 +35,7 @@ from flashdmoe.ranks import Problem, RankContext, RankOutcome, RunResult, run_ra
 from flashdmoe.ranks.problem import expected_traffic, reference_results
 
 QUICK_ARGS = ["--device", "cpu", "--quick", "--repeats", "3", "--warmup", "1"]
-ENTRY_NAMES = ["fused", "grouped_mm", "per_expert_loop", "reference"]
+ENTRY_NAMES = ["fused", "fused_graph", "grouped_mm", "per_expert_loop", "reference"]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -84,7 +84,7 @@ def test_every_config_has_every_entry_with_consistent_numbers(quick_run):
             assert entry["percent_of_floor"] == pytest.approx(100 * config["floor_ms"] / entry["median_ms"])
             assert entry["correct"] is True
             assert entry["max_relative_error"] <= entry["error_tolerance"] == numerics.kernel_tolerance("bfloat16")
-        assert config["entries"][3]["max_relative_error"] == 0.0  # the reference against itself
+        assert config["entries"][ENTRY_NAMES.index("reference")]["max_relative_error"] == 0.0  # against itself
 
 
 def test_flop_count_matches_hand_computed_number(quick_run):
@@ -119,10 +119,10 @@ def test_fused_entry_reported_unavailable_with_reason_on_cpu(quick_run):
 def test_grouped_mm_entry_runs_on_cpu_and_is_the_speedup_baseline(quick_run):
     _, _, results = quick_run
     for config in results["configs"]:
-        grouped = config["entries"][1]
+        grouped = config["entries"][ENTRY_NAMES.index("grouped_mm")]
         assert grouped["status"] == "ok", grouped["reason"]
         assert grouped["speedup_over_grouped_mm"] == pytest.approx(1.0)
-        loop = config["entries"][2]
+        loop = config["entries"][ENTRY_NAMES.index("per_expert_loop")]
         assert loop["speedup_over_grouped_mm"] == pytest.approx(grouped["median_ms"] / loop["median_ms"])
 
 
@@ -365,7 +365,10 @@ def test_quick_run_on_gpu(tmp_path):
         for entry in config["entries"]:
             assert entry["status"] in ("ok", "unavailable"), entry
             assert entry["status"] == "ok" or entry["reason"]
-        assert config["entries"][1]["status"] == "ok", config["entries"][1]["reason"]  # grouped_mm
+        by_name = {entry["name"]: entry for entry in config["entries"]}
+        for name in ("fused", "fused_graph", "grouped_mm"):
+            assert by_name[name]["status"] == "ok", (name, by_name[name]["reason"])
+            assert by_name[name]["correct"] is True, by_name[name]
 
 
 # ------------------------------------------------------------------------------------------------------------

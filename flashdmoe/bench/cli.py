@@ -58,7 +58,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     )
     parser.add_argument(
         "--entries", default=None, metavar="NAME,...",
-        help="comma-separated entries to run (single-gpu: fused,grouped_mm,per_expert_loop,reference; "
+        help="comma-separated entries to run (single-gpu: fused,fused_graph,grouped_mm,per_expert_loop,reference; "
              "expert-parallel: single,emulated-1,emulated-2,emulated-4,emulated-8,mps-2,mps-4,reference)",
     )
     parser.add_argument(

@@ -105,6 +105,34 @@ class FusedEntry(BenchEntry):
         return PreparedRun(forward)
 
 
+class FusedGraphEntry(FusedEntry):
+    """The same public call captured once per input set with ``torch.cuda.graph`` and replayed: how an
+    inference server runs a step (its inputs live in the captured buffers)."""
+
+    name = "fused_graph"
+    label = "fused, graph replay"
+
+    def prepare(self, inputs: MoEInputs, problem: MoEProblem) -> PreparedRun:
+        import flashdmoe
+
+        eager = super().prepare(inputs, problem)  # also the first (eager) launch a capture needs
+        if not inputs.x.is_cuda:
+            raise EntryUnavailable("CUDA graphs need a CUDA device")
+        with torch.no_grad():
+            eager.run()
+            flashdmoe.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                captured = eager.run()
+        flashdmoe.synchronize()
+
+        def replay() -> torch.Tensor:
+            graph.replay()
+            return captured
+
+        return PreparedRun(replay, {"graph": True})
+
+
 class GroupedMMEntry(BenchEntry):
     """Router + sort + ``torch._grouped_mm`` x 2 + scatter (the docs/design.md §12 baseline).
 
@@ -170,5 +198,5 @@ class ReferenceEntry(BenchEntry):
 
 
 ENTRY_TYPES: dict[str, type[BenchEntry]] = {
-    entry.name: entry for entry in (FusedEntry, GroupedMMEntry, PerExpertLoopEntry, ReferenceEntry)
+    entry.name: entry for entry in (FusedEntry, FusedGraphEntry, GroupedMMEntry, PerExpertLoopEntry, ReferenceEntry)
 }

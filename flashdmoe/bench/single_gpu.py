@@ -237,5 +237,5 @@ SUITE = Suite(
     runner=run_single_gpu,
     default_shapes=SINGLE_GPU_SHAPES,
     quick_shapes=QUICK_SHAPES,
-    entry_names=("fused", "grouped_mm", "per_expert_loop", "reference"),
+    entry_names=("fused", "fused_graph", "grouped_mm", "per_expert_loop", "reference"),
 )
