@@ -14,12 +14,12 @@ note() { summary+=("$1"); echo "== $1 ($(date -u +%T), $(left) s left)"; }
 PYTEST="python3 -m pytest -m gpu -q -rs --tb=short -p no:cacheprovider --durations=5"
 { date -u; git log -1 --format='commit %H %s' 2>/dev/null || true
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-  python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"; } | tee "$OUT/gpu.txt"
+  python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"; }
 
 t0=$(date +%s)
 python3 -m flashdmoe build --verbose > /tmp/build.log 2>&1; rc=$?
 note "build rc=$rc in $(( $(date +%s) - t0 )) s"
-grep -E "registers|spill" /tmp/build.log | sort | uniq -c | tee -a "$OUT/gpu.txt"
+grep -E "registers|spill" /tmp/build.log | sort | uniq -c
 [ $rc -eq 0 ] || { tail -40 /tmp/build.log; exit 1; }
 
 run_tests() {  # name, timeout, files...
@@ -38,8 +38,18 @@ grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -30
 
 if ! skip bench && [ "$(left)" -gt 150 ]; then
   t=$(date +%s)
-  timeout 180 python3 -m flashdmoe bench --suite single-gpu --output "$OUT/bench" > "$OUT/bench.log" 2>&1
-  note "bench single-gpu rc=$? in $(( $(date +%s) - t )) s"; tail -30 "$OUT/bench.log"
+  timeout 150 python3 -m flashdmoe bench --suite single-gpu --output /tmp/bench > /tmp/bench.log 2>&1
+  note "bench single-gpu (gelu) rc=$? in $(( $(date +%s) - t )) s"; tail -40 /tmp/bench.log
+  cp /tmp/bench/single-gpu.md /tmp/bench/single-gpu.png /tmp/bench/single-gpu.json "$OUT/" 2>/dev/null
+fi
+if ! skip bench && [ "$(left)" -gt 120 ]; then
+  # the issue-15 swiglu shapes (Mixtral, Qwen3-30B-A3B, DeepSeek-V2-Lite, OLMoE, decode rows)
+  t=$(date +%s)
+  timeout 150 python3 -m flashdmoe bench --suite single-gpu --activation swiglu --entries fused,fused_graph,grouped_mm \
+    --configs '4096,4096,14336,8,2;8192,2048,768,128,8;16384,2048,1408,64,6;4096,2048,1024,64,8;1,2048,768,128,8;128,4096,1408,64,6' \
+    --output /tmp/bench_swiglu > /tmp/bench_swiglu.log 2>&1
+  note "bench single-gpu (swiglu) rc=$? in $(( $(date +%s) - t )) s"; tail -30 /tmp/bench_swiglu.log
+  cp /tmp/bench_swiglu/single-gpu.md "$OUT/single-gpu-swiglu.md" 2>/dev/null
 fi
 if ! skip backward && [ "$(left)" -gt 60 ]; then
   timeout 90 python3 scripts/backward_bench.py > "$OUT/backward.log" 2>&1; note "backward bench rc=$?"; cat "$OUT/backward.log"
@@ -53,4 +63,4 @@ if [ "${NCU:-0}" = "1" ] && [ "$(left)" -gt 70 ]; then
     --section SpeedOfLight --section MemoryWorkloadAnalysis python3 scripts/ncu_probe.py experts > /tmp/ncu.log 2>&1
   note "ncu rc=$?"; grep -E "Throughput|Frequency|Duration|L2|DRAM" /tmp/ncu.log | head -20
 fi
-echo; echo "== summary"; printf '%s\n' "${summary[@]}" | tee "$OUT/summary.txt"
+echo; echo "== summary"; printf '%s\n' "${summary[@]}"
