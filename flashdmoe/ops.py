@@ -118,7 +118,8 @@ def _moe_forward_cuda(x, router_weight, w1, w2, top_k, activation="gelu", normal
     y, routing = cuda_backend.fused_forward(
         x.contiguous(), router_weight.contiguous(), w1.contiguous(), w2.contiguous(), top_k=top_k,
         activation=activation, normalize_topk=normalize_topk, capacity_factor=capacity_factor)
-    return y, routing.expert, routing.weight, routing.row, routing.counts
+    # the routing tensors are views of one block: a custom op's outputs may not alias each other
+    return y, routing.expert.clone(), routing.weight.clone(), routing.row.clone(), routing.counts.clone()
 
 
 @moe_forward.register_fake

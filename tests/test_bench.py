@@ -366,9 +366,11 @@ def test_quick_run_on_gpu(tmp_path):
             assert entry["status"] in ("ok", "unavailable"), entry
             assert entry["status"] == "ok" or entry["reason"]
         by_name = {entry["name"]: entry for entry in config["entries"]}
-        for name in ("fused", "fused_graph", "grouped_mm"):
-            assert by_name[name]["status"] == "ok", (name, by_name[name]["reason"])
-            assert by_name[name]["correct"] is True, by_name[name]
+        assert by_name["grouped_mm"]["status"] == "ok", by_name["grouped_mm"]["reason"]
+        for entry in config["entries"]:
+            assert entry["status"] != "ok" or entry["correct"] is True, entry
+        if config["shape"]["H"] % 64 == 0:  # the kernel's shape rule
+            assert by_name["fused"]["status"] == by_name["fused_graph"]["status"] == "ok", by_name
 
 
 # ------------------------------------------------------------------------------------------------------------
