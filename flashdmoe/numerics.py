@@ -18,6 +18,7 @@ import torch
 __all__ = [
     "DTYPES", "Precision", "precision", "dtype_by_name", "kernel_tolerance", "reorder_tolerance",
     "normwise_error", "max_normwise_error", "TF32_UNIT_ROUNDOFF", "rounding_tolerance",
+    "backward_tolerance",
 ]
 
 # TF32 keeps 10 explicit mantissa bits: the float32 path of the fused kernel multiplies in TF32.
@@ -89,6 +90,18 @@ def rounding_tolerance(dtype: torch.dtype | str, operations: int) -> float:
     well-conditioned values (a softmax of a few numbers, a hand-worked output): to first order the
     relative errors add, at most u each."""
     return max(int(operations), 1) * precision(dtype).unit_roundoff
+
+
+def backward_tolerance(dtype: torch.dtype | str) -> float:
+    """Bound on the normwise relative error of the GPU backward's gradients
+    (:mod:`flashdmoe.expert_backward`) against the reference in float32 or float64 on the same inputs.
+
+    The backward rounds to the storage format (at most u/2 relative each time) on the way to a gradient:
+    dx passes through 5 roundings (the recomputed pre-activation, g = dy W2^T, dpre, the per-row dx, the
+    returned dx), dW1 through 4, dW2 and d_router through 3. As in :func:`kernel_tolerance` the bound is
+    four times the worst sum n * u / 2: 2 * n * u with n = 5.
+    """
+    return 2.0 * 5 * precision(dtype).unit_roundoff
 
 
 def reorder_tolerance(dtype: torch.dtype | str, reduction_length: int, *, depth: int = 1) -> float:

@@ -58,3 +58,15 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
             "seed", f"per-test seed {test_seed(item.nodeid)}; replay: FLASHDMOE_SEED={_BASE_SEED} "
                     f"python -m pytest '{item.nodeid}'"))
     return report
+
+
+_draws: dict[str, int] = {}
+
+
+def next_seed() -> int:
+    """A fresh seed for the running test: its per-test seed plus how many were drawn before in it (for
+    helpers that make inputs several times per test; replayable like the ``seed`` fixture)."""
+    nodeid = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
+    count = _draws.get(nodeid, 0)
+    _draws[nodeid] = count + 1
+    return (test_seed(nodeid) + count) & 0x7FFFFFFF

@@ -14,17 +14,8 @@ from flashdmoe.expert_backward import expert_backward, grouped_mm_supported
 
 GRAD_NAMES = ("dx", "d_router", "dw1", "dw2")
 
-# The backward rounds to the storage format (at most u/2 relative each time) on the way to a gradient:
-# dx passes through 5 roundings (pre recomputed, g = dy W2^T, dpre, the per-row dx, the returned dx),
-# dW1 through 4 (pre, g, dpre, dW1), dW2 and d_router through 3 (pre, w*h or g, the result). float32
-# accumulation is negligible beside these (see numerics.kernel_tolerance). As kernel_tolerance does, the
-# bound is four times the worst sum n*u/2, for the statistical steps (the GEMMs carrying an operand's
-# error into their result, the activation's slope): 2*n*u with n = 5.
-BACKWARD_ROUNDINGS = 5
-
-
 def backward_tolerance(dtype: torch.dtype) -> float:
-    return 2.0 * BACKWARD_ROUNDINGS * numerics.precision(dtype).unit_roundoff
+    return numerics.backward_tolerance(dtype)  # derivation in its docstring
 
 
 def oracle_tolerance(dtype: torch.dtype, case: "Case") -> float:
