@@ -12,8 +12,8 @@ skip() { [[ " ${SKIP:-} " == *" $1 "* ]]; }
 summary=()
 note() { summary+=("$1"); echo "== $1 ($(date -u +%T), $(left) s left)"; }
 PYTEST="python3 -m pytest -m gpu -q -rs --tb=short -p no:cacheprovider --durations=5"
-{ date -u; git log -1 --format='commit %H %s' 2>/dev/null || true
-  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+# (the device's copy of the tree may carry a stale .git: the caller records the commit it sent)
+{ date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"; }
 
 t0=$(date +%s)
