@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from flashdmoe import reference, status_checks
-from flashdmoe.expert_backward import expert_backward
+from flashdmoe.expert_backward import expert_backward, packed_rows
 # Expert GEMM variants (name -> id), the default, and the one fp32 inputs run on whatever
 # debug.expert_variant says: the table in flashdmoe/expert_variants.py.
 from flashdmoe.expert_variants import DEFAULT_EXPERT_VARIANT, EXPERT_VARIANTS, FP32_EXPERT_VARIANT, variant_id
@@ -420,16 +420,6 @@ def _accumulate(total: torch.Tensor | None, part: torch.Tensor | None) -> torch.
     return part.float() if total is None else total + part.float()
 
 
-def _packed_rows(expert: torch.Tensor, keep: torch.Tensor, experts: int) -> torch.Tensor:
-    """One rank's kept choices packed as a single rank's kernel packs them (expert 0's rows first, token
-    order within an expert; -1 dropped): an emulated team's rows index the owners' streams instead."""
-    key = torch.where(keep, expert.long(), experts).flatten()
-    order = torch.sort(key, stable=True).indices
-    packed = torch.empty_like(order)
-    packed[order] = torch.arange(order.numel(), device=order.device)
-    return torch.where(keep, packed.view_as(expert), -1).to(torch.int32)
-
-
 class _FusedMoEEmulated(torch.autograd.Function):
     """P virtual ranks in one launch. Inputs after the options: router_weight, xs (P), w1s (P), w2s (P);
     outputs: ys (P). Backward: each rank's gradients against the concatenated experts (the emulated team
@@ -469,7 +459,7 @@ class _FusedMoEEmulated(torch.autograd.Function):
             if dys[r] is None:
                 continue
             T = xs[r].shape[0]
-            packed = _packed_rows(experts[r], rows[r] >= 0, E)
+            packed = packed_rows(experts[r], rows[r] >= 0, E)  # owners' stream rows -> one rank's
             dx, dr, dw1, dw2 = expert_backward(
                 xs[r], router_weight, w1_all, w2_all, experts[r], weights[r], packed, dys[r].contiguous(),
                 activation=activation, normalize_topk=normalize_topk, needs=(needs[1 + r], needs[0], need_w1, need_w2),

@@ -61,11 +61,23 @@ import torch.nn.functional as F
 
 from flashdmoe.reference import ACTIVATIONS, compute_dtype
 
-__all__ = ["expert_backward", "GEMM_BACKENDS", "grouped_mm_supported"]
+__all__ = ["expert_backward", "GEMM_BACKENDS", "grouped_mm_supported", "packed_rows"]
 
 GEMM_BACKENDS = ("auto", "grouped_mm", "padded_bmm")
 _STORAGE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 _INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def packed_rows(expert: torch.Tensor, keep: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """The ``row`` this module takes, as one rank's fused kernel numbers it: kept choices grouped by expert
+    (expert 0's first), token order within an expert, rows ``0 .. kept - 1`` without gaps, ``-1`` where
+    dropped. expert ``[T, k]`` int (distinct per token), keep ``[T, k]`` bool -> ``[T, k]`` int32.
+    (Emulated teams' rows index the owners' streams instead; the CPU op has no kernel to number them.)"""
+    key = torch.where(keep, expert.long(), num_experts).flatten()
+    order = torch.sort(key, stable=True).indices
+    packed = torch.empty_like(order)
+    packed[order] = torch.arange(order.numel(), device=order.device)
+    return torch.where(keep, packed.view_as(expert), -1).to(torch.int32)
 
 
 def grouped_mm_supported(dtype: torch.dtype, device: torch.device, hidden: int, intermediate: int) -> str:

@@ -32,13 +32,12 @@ export. Second derivatives are not implemented.
 forward returning ``y`` only. Both run one rank: the expert-parallel team paths stay eager.
 """
 
-import math
 from typing import Optional, Sequence, Tuple
 
 import torch
-import torch.nn.functional as F
 
 from flashdmoe import reference
+from flashdmoe.expert_backward import expert_backward, packed_rows
 from flashdmoe.validation import validate_capacity_factor, validate_moe_inputs
 
 __all__ = ["moe", "moe_forward", "moe_backward", "packed_rows"]
@@ -57,23 +56,6 @@ def _check_inputs(x, router_weight, w1, w2, top_k, activation, capacity_factor) 
             raise ValueError(f"{name}: on device {tensor.device} but x is on {x.device}; all must match")
     stand_ins = [torch.empty(t.shape, dtype=t.dtype, device="meta") for t in (x, router_weight, w1, w2)]
     validate_moe_inputs(*stand_ins, top_k=top_k, activation=activation, capacity_factor=capacity_factor)
-
-
-def packed_rows(experts: torch.Tensor, keep: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """Each choice's row in the expert-packed buffer, the layout the fused kernel returns.
-
-    experts: ``[T, k]`` int (distinct per token); keep: ``[T, k]`` bool. Kept choices are grouped by
-    expert (expert 0's first), in token order within an expert: ``row = (kept choices of lower experts)
-    + (kept choices of the same expert by earlier tokens)``. Returns ``[T, k]`` int32, ``-1`` where dropped.
-    """
-    flat = experts.reshape(-1).long()
-    kept = keep.reshape(-1)
-    one_hot = F.one_hot(flat, num_experts) * kept[:, None].long()
-    slot = (one_hot.cumsum(dim=0) - one_hot).gather(1, flat[:, None]).squeeze(1)
-    kept_per_expert = one_hot.sum(dim=0)
-    segment_start = kept_per_expert.cumsum(dim=0) - kept_per_expert
-    rows = torch.where(kept, segment_start[flat] + slot, torch.full_like(flat, -1))
-    return rows.to(torch.int32).reshape(experts.shape)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -142,79 +124,6 @@ def _check_needs(needs: Sequence[bool]) -> None:
         raise ValueError(f"needs={list(needs)!r}: expected 4 bools (x, router_weight, w1, w2)")
 
 
-def _activation_and_grad(h: torch.Tensor, intermediate: int, activation: str):
-    """``z = act(h)`` of one expert's rows and ``dz -> dh``, the chain rule through it (swiglu: ``h`` is
-    ``[n, 2I]``, gate half first). Derivatives as torch's: exact-erf GELU, ``relu'(0) = 0``."""
-    if activation == "swiglu":
-        gate, up = h[:, :intermediate], h[:, intermediate:]
-        sigmoid = torch.sigmoid(gate)
-        silu = gate * sigmoid
-        return silu * up, lambda dz: torch.cat((dz * up * sigmoid * (1 + gate * (1 - sigmoid)), dz * silu), dim=1)
-    if activation == "relu":
-        return F.relu(h), lambda dz: dz * (h > 0).to(h.dtype)
-    if activation == "gelu":
-        cdf = 0.5 * (1 + torch.erf(h * (0.5 ** 0.5)))
-        pdf = torch.exp(-0.5 * h * h) * (0.5 / math.pi) ** 0.5
-        return h * cdf, lambda dz: dz * (cdf + h * pdf)
-    sigmoid = torch.sigmoid(h)  # silu
-    return h * sigmoid, lambda dz: dz * sigmoid * (1 + h * (1 - sigmoid))
-
-
-def _fixed_routing_backward(dy, x, router_weight, w1, w2, experts, keep, activation, normalize_topk, needs):
-    """Gradients of ``<dy, moe_fixed_routing(x, router_weight, w1, w2, experts, keep)>`` by the chain rule,
-    in plain tensor operations (an op's implementation runs below the autograd key, so autograd cannot
-    record here). Same definitions as the reference: the combine weights are recomputed from the router
-    probabilities, so the router gradient flows through them; dropped choices have zero weight gradient.
-    Computes in the reference's compute dtype; returns the four gradients in the inputs' dtypes
-    (``None`` where not needed)."""
-    need_x, need_router, need_w1, need_w2 = needs
-    dtype = reference.compute_dtype(x.dtype)
-    xc, routerc, w1c, w2c, dyc = (t.to(dtype) for t in (x, router_weight, w1, w2, dy))
-    tokens, top_k = experts.shape
-    intermediate = w2.shape[1]
-    probs = reference.router_probs(x, router_weight)
-    chosen = probs.gather(1, experts)
-    total = chosen.sum(dim=-1, keepdim=True)
-    weights = chosen / total if normalize_topk else chosen
-    need_rows = need_x or need_w1  # the gradient reaching the expert inputs
-    need_gate = need_x or need_router
-    dx = torch.zeros_like(xc) if need_x else None
-    dw1 = torch.zeros_like(w1c) if need_w1 else None
-    dw2 = torch.zeros_like(w2c) if need_w2 else None
-    dweights = xc.new_zeros(tokens * top_k)
-    for expert in range(w1.shape[0]):
-        choices = reference.routed_choices(experts, keep, expert)
-        if choices.numel() == 0:
-            continue
-        token = choices // top_k
-        rows, grad_out = xc[token], dyc[token]
-        z, backward_act = _activation_and_grad(rows @ w1c[expert], intermediate, activation)
-        if need_gate:
-            dweights[choices] = (grad_out * (z @ w2c[expert])).sum(dim=1)
-        d_out = grad_out * weights.reshape(-1)[choices, None]
-        if need_w2:
-            dw2[expert] = z.T @ d_out
-        if need_rows:
-            dh = backward_act(d_out @ w2c[expert].T)
-            if need_w1:
-                dw1[expert] = rows.T @ dh
-            if need_x:
-                dx.index_add_(0, token, dh @ w1c[expert].T)
-    d_router = None
-    if need_gate:
-        dweights = dweights.reshape(tokens, top_k)
-        if normalize_topk:
-            dweights = (dweights - (dweights * weights).sum(dim=-1, keepdim=True)) / total
-        dprobs = torch.zeros_like(probs).scatter_add_(1, experts, dweights)
-        dlogits = probs * (dprobs - (dprobs * probs).sum(dim=-1, keepdim=True))
-        if need_x:
-            dx += dlogits @ routerc
-        if need_router:
-            d_router = dlogits.T @ xc
-    grads = (dx, d_router, dw1, dw2)
-    return tuple(None if g is None else g.to(t.dtype) for g, t in zip(grads, (x, router_weight, w1, w2)))
-
-
 @torch.library.custom_op(f"{_NAMESPACE}::moe_backward", mutates_args=())
 def moe_backward(
     dy: torch.Tensor,
@@ -229,24 +138,26 @@ def moe_backward(
     normalize_topk: bool,
     needs: Sequence[bool],
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The reference implementation: the chain rule through :func:`flashdmoe.reference.moe_fixed_routing`
-    on the saved choices (``expert``; ``row >= 0`` as the keep mask). ``weight`` is not read: the combine
-    weights are recomputed from the router so that their gradient reaches ``router_weight``."""
+    """The CPU implementation: :func:`flashdmoe.expert_backward.expert_backward` (the chain rule through
+    :func:`flashdmoe.reference.moe_fixed_routing`, as on CUDA) with the combine weights recomputed in the
+    reference's compute dtype (the saved ``weight`` is float32, which would round float64 gradients)."""
+    weights = reference.combine_weights(reference.router_probs(x, router_weight), expert.long(), normalize_topk)
+    return _backward_on_saved_routing(dy, x, router_weight, w1, w2, expert, weights, row, activation,
+                                      normalize_topk, needs)
+
+
+def _backward_on_saved_routing(dy, x, router_weight, w1, w2, expert, weight, row, activation, normalize_topk, needs):
     _check_needs(needs)
-    grads = _fixed_routing_backward(dy, x, router_weight, w1, w2, expert.long(), row >= 0, activation,
-                                    normalize_topk, [bool(n) for n in needs])
-    return tuple(t.new_empty(0) if g is None else g for g, t in zip(grads, (x, router_weight, w1, w2)))
+    inputs = (x, router_weight, w1, w2)
+    grads = expert_backward(*(t.contiguous() for t in inputs), expert, weight, row, dy.contiguous(),
+                            activation=activation, normalize_topk=normalize_topk, needs=tuple(bool(n) for n in needs))
+    return tuple(g if need and g is not None else t.new_empty(0) for g, t, need in zip(grads, inputs, needs))
 
 
 @moe_backward.register_kernel("cuda")
 def _moe_backward_cuda(dy, x, router_weight, w1, w2, expert, weight, row, activation, normalize_topk, needs):
-    _check_needs(needs)
-    from flashdmoe.expert_backward import expert_backward
-
-    inputs = (x, router_weight, w1, w2)
-    grads = expert_backward(*(t.contiguous() for t in inputs), expert, weight, row, dy.contiguous(),
-                            activation=activation, normalize_topk=normalize_topk, needs=tuple(needs))
-    return tuple(g if need and g is not None else t.new_empty(0) for g, t, need in zip(grads, inputs, needs))
+    return _backward_on_saved_routing(dy, x, router_weight, w1, w2, expert, weight, row, activation,
+                                      normalize_topk, needs)
 
 
 @moe_backward.register_fake

@@ -420,13 +420,13 @@ def test_gpu_cuda_graph_replay_equals_eager(dtype, seed):
 
 def test_emulated_backward_packs_rows_as_one_rank_does(seed):
     """An emulated team's rows index the owners' streams; its backward repacks them with
-    cuda_backend._packed_rows, which must be the single-rank packing this file's oracle assumes."""
-    from flashdmoe import cuda_backend
+    expert_backward.packed_rows, which must be the single-rank packing this file's oracle assumes."""
+    from flashdmoe.expert_backward import packed_rows
 
     g = torch.Generator().manual_seed(seed)
     for T, k, E in [(0, 2, 4), (1, 1, 3), (37, 3, 8), (200, 4, 16)]:
         experts = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]) if T else torch.empty(0, k, dtype=torch.long)
         keep = torch.rand(T, k, generator=g) < 0.8
-        got = cuda_backend._packed_rows(experts.to(torch.int32), keep, E)
+        got = packed_rows(experts.to(torch.int32), keep, E)
         assert got.dtype == torch.int32
         assert torch.equal(got.long(), pack_rows(experts, keep, E).long()), (T, k, E)

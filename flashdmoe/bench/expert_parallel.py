@@ -26,7 +26,6 @@ GPU to itself and this process holds no device memory while they run.
 
 from __future__ import annotations
 
-import copy
 import gc
 from dataclasses import dataclass
 
@@ -41,7 +40,7 @@ from flashdmoe.bench.suite import Suite, SuiteOptions
 from flashdmoe.bench.timing import cache_bytes, input_sets_for_cache, measure
 from flashdmoe.bench.workload import torch_dtype
 from flashdmoe.mps import MpsDaemon, mps_available
-from flashdmoe.ranks import Problem, nvshmem_unavailable_reason, run_ranks, split_tokens
+from flashdmoe.ranks import Problem, nvshmem_unavailable_reason, run_ranks, scenarios, split_tokens
 
 SUITE_NAME = "expert-parallel"
 EMULATED_RANKS = (1, 2, 4, 8)
@@ -174,11 +173,8 @@ def _mps_entry(spec: EntrySpec, run, shape: BenchShape, expected, compare_rows, 
 # In-process entries
 
 
-def _last_traffic() -> list[dict]:
-    import flashdmoe
-
-    report = flashdmoe.last_report()
-    return [] if report is None else copy.deepcopy(report.traffic())
+# this process's latest fused launch (the rank scenarios' reader)
+_last_traffic = scenarios.last_traffic
 
 
 def _in_process_entry(spec: EntrySpec, shape: BenchShape, input_sets: list[MoEInputs], options: SuiteOptions,
