@@ -9,6 +9,7 @@
 #include <climits>
 #include <cstdint>
 #include <vector>
+#include "backward/expert_grad.h"
 #include "moe/launch.h"
 
 namespace py = pybind11;
@@ -210,6 +211,20 @@ py::dict attributes(int dtype, int expert_variant) {
   return out;
 }
 
+void activation_grad(int dtype, int activation, uintptr_t pre, uintptr_t g, uintptr_t weight, uintptr_t hw,
+                     uintptr_t dpre, uintptr_t dweight, int64_t rows, int ffn, uintptr_t stream) {
+  launch_activation_grad(static_cast<DType>(dtype), static_cast<Activation>(activation), as_ptr<const void>(pre),
+                         as_ptr<const void>(g), as_ptr<const float>(weight), as_ptr<void>(hw), as_ptr<void>(dpre),
+                         as_ptr<float>(dweight), rows, ffn, reinterpret_cast<cudaStream_t>(stream));
+}
+
+void combine_grad(int dtype, uintptr_t dx_rows, uintptr_t row, uintptr_t extra, uintptr_t dx, int64_t tokens, int top_k,
+                  int hidden, uintptr_t stream) {
+  launch_combine_grad(static_cast<DType>(dtype), as_ptr<const void>(dx_rows), as_ptr<const int>(row),
+                      as_ptr<const float>(extra), as_ptr<void>(dx), tokens, top_k, hidden,
+                      reinterpret_cast<cudaStream_t>(stream));
+}
+
 }  // namespace
 
 PYBIND11_MODULE(flashdmoe_cuda, m) {
@@ -228,6 +243,16 @@ PYBIND11_MODULE(flashdmoe_cuda, m) {
   m.def("event_create", &event_create, "A timing-free CUDA event on the current device (its handle).");
   m.def("event_query", &event_query, "Whether the event completed (never blocks).", py::arg("event"));
   m.def("event_synchronize", &event_synchronize, "Wait for the event (the GIL is released).", py::arg("event"));
+  m.def("activation_grad", &activation_grad,
+        "Backward between the row GEMMs (backward/expert_grad.h): per packed row dweight = <g, act(pre)>, "
+        "hw = w act(pre), dpre = w g act'(pre); asynchronous on `stream`.",
+        py::arg("dtype"), py::arg("activation"), py::arg("pre"), py::arg("g"), py::arg("weight"), py::arg("hw"),
+        py::arg("dpre"), py::arg("dweight"), py::arg("rows"), py::arg("ffn"), py::arg("stream"));
+  m.def("combine_grad", &combine_grad,
+        "dx[t] = sum of the token's kept dx rows in choice order + extra[t] (float32, 0: none), rounded to dtype; "
+        "asynchronous on `stream`.",
+        py::arg("dtype"), py::arg("dx_rows"), py::arg("row"), py::arg("extra"), py::arg("dx"), py::arg("tokens"),
+        py::arg("top_k"), py::arg("hidden"), py::arg("stream"));
   m.attr("addresses_per_rank") = kAddressesPerRank;
   m.def("workspace_layout", &layout, py::arg("tokens"), py::arg("hidden"), py::arg("ffn"), py::arg("experts"),
         py::arg("top_k"), py::arg("dtype"), py::arg("world_size") = 1, py::arg("stream_rows") = 0);

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flashdmoe import reference, status_checks
+from flashdmoe import extension, reference, status_checks
 from flashdmoe.expert_backward import expert_backward, packed_rows
 # Expert GEMM variants (name -> id), the default, and the one fp32 inputs run on whatever
 # debug.expert_variant says: the table in flashdmoe/expert_variants.py.
@@ -135,18 +135,9 @@ class FusedRouting:
         return self.row >= 0
 
 
-_module = None
-
-
 def _extension():
-    """The built flashdmoe_cuda module, resolved once per process (the build cache lookup hashes every
-    source file, far too slow for a per-forward call)."""
-    global _module
-    if _module is None:
-        from flashdmoe import extension
-
-        _module = extension.load()
-    return _module
+    """The built flashdmoe_cuda module (:func:`flashdmoe.extension.loaded`)."""
+    return extension.loaded()
 
 
 @functools.lru_cache(maxsize=256)
@@ -325,7 +316,7 @@ def run_forward(xs, router_weight, w1s, w2s, *, top_k, activation, normalize_top
     for i, x in enumerate(xs):
         if x.dtype not in DTYPE_CODES:
             _check_dtype(x, "x" if len(xs) == 1 else f"xs[{i}]")
-    ext = _module or _extension()
+    ext = extension.loaded()
     plan = _plan(ext, kind, team, xs, router_weight, w2s, top_k, activation, normalize_topk, capacity_factor)
     E = router_weight.shape[0]
     outputs = [_empty_outputs(x, top_k, E) for x in xs]

@@ -1,4 +1,4 @@
-"""The MoE layer's backward on one rank from the routing its forward saved, in vectorised torch ops.
+"""The MoE layer's backward on one rank from the routing its forward saved: grouped GEMMs and element-wise kernels.
 
 :func:`expert_backward` computes the gradients of ``<dy, y>`` with ``y`` the layer of
 :func:`flashdmoe.reference.moe_fixed_routing` (routing fixed, router probabilities differentiated through
@@ -37,6 +37,17 @@ GEMM back ends (``gemm=``):
   torch without ``_grouped_mm``.
 * ``"auto"`` (default): ``"grouped_mm"`` where it runs without a host synchronisation, else ``"padded_bmm"``.
 
+Element-wise back ends (``elementwise=``), for the step between the row GEMMs and for the sum of a
+token's ``k`` rows of ``dx``:
+
+* ``"cuda"``: the extension's kernels (``csrc/backward/``): one pass over the rows reads ``pre`` and ``g``
+  in the storage dtype and writes ``dweight`` (float32), ``w h`` and ``dpre`` (storage dtype), all
+  arithmetic in float32; a second kernel sums each token's kept ``dx`` rows in choice order and the
+  router's term, rounding once. bfloat16 / float16 on a GPU the extension runs on, ``H`` and ``I``
+  multiples of 8. No float32 ``[rows, I]`` temporaries.
+* ``"torch"``: the same arithmetic as torch ops in the compute dtype (every dtype and device).
+* ``"auto"`` (default): ``"cuda"`` where it runs, else ``"torch"``.
+
 Recompute, not saved pre-activations: ``pre`` is recomputed with one more grouped GEMM (+25% of the
 backward's GEMM FLOPs for gelu/relu/silu, +33% for swiglu). Saving it would cost ``T * k * I`` (``2I`` for
 swiglu) elements per layer for the whole of the backward's wait (Qwen3-30B-A3B's layer: 200 MB in bf16,
@@ -46,7 +57,7 @@ reuses, and ``act(pre)`` does not give back ``act'(pre)`` for gelu, silu or swig
 Precision: GEMMs accumulate in float32 (float64 for float64 inputs) and write the input dtype (what
 ``torch._grouped_mm`` allows), so ``pre``, ``g``, ``w h``, ``dpre`` and the per-row ``dx`` are each
 rounded once to the storage format; activations, their derivatives, the ``k``-sum and the router run in
-the compute dtype (:func:`flashdmoe.reference.compute_dtype`). ``x`` and ``router_weight`` are upcast
+the compute dtype (both element-wise back ends) (:func:`flashdmoe.reference.compute_dtype`). ``x`` and ``router_weight`` are upcast
 for the router (activation- and router-sized, not the expert weights). float32 GEMMs on CUDA follow
 ``torch.backends.cuda.matmul.allow_tf32`` (off by default).
 """
@@ -61,9 +72,14 @@ import torch.nn.functional as F
 
 from flashdmoe.reference import ACTIVATIONS, compute_dtype
 
-__all__ = ["expert_backward", "GEMM_BACKENDS", "grouped_mm_supported", "packed_rows"]
+__all__ = ["expert_backward", "ELEMENTWISE_BACKENDS", "GEMM_BACKENDS", "elementwise_kernels_supported",
+           "grouped_mm_supported", "packed_rows"]
 
 GEMM_BACKENDS = ("auto", "grouped_mm", "padded_bmm")
+ELEMENTWISE_BACKENDS = ("auto", "cuda", "torch")
+# The extension's codes (csrc/moe/launch.h DType, csrc/moe/params.cuh Activation).
+_DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1}
+_ACTIVATION_CODES = {"relu": 0, "gelu": 1, "silu": 2, "swiglu": 3}
 _STORAGE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -102,8 +118,11 @@ def grouped_mm_supported(dtype: torch.dtype, device: torch.device, hidden: int, 
     return ""
 
 
-def _check(x, router_weight, w1, w2, expert, weight, row, dy, activation, needs, gemm, max_rows_per_expert):
+def _check(x, router_weight, w1, w2, expert, weight, row, dy, activation, needs, gemm, max_rows_per_expert,
+           elementwise):
     """Shapes, dtypes and devices (host-side metadata only, nothing read from the device)."""
+    if elementwise not in ELEMENTWISE_BACKENDS:
+        raise ValueError(f"elementwise={elementwise!r}: expected one of {ELEMENTWISE_BACKENDS}")
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation={activation!r} is not supported; expected one of {ACTIVATIONS}")
     if gemm not in GEMM_BACKENDS:
@@ -216,6 +235,38 @@ class _Rows:
         return torch.bmm(a.view(*shape, a.shape[1]).transpose(1, 2), b.view(*shape, b.shape[1]))
 
 
+def elementwise_kernels_supported(dtype: torch.dtype, device: torch.device, hidden: int, intermediate: int) -> str:
+    """'' when the extension's element-wise backward kernels can run this backward, else why not."""
+    if device.type != "cuda":
+        return f"the element-wise kernels run on CUDA devices, not {device.type}"
+    if dtype not in _DTYPE_CODES:
+        return f"the element-wise kernels take bfloat16 and float16, not {dtype}"
+    if hidden % 8 or intermediate % 8:
+        return f"the element-wise kernels need H and I to be multiples of 8 (got H={hidden}, I={intermediate})"
+    from flashdmoe import extension
+
+    return extension.unavailable_reason() or ""
+
+
+def _elementwise_kernels(choice: str, dtype: torch.dtype, device: torch.device, hidden: int, intermediate: int):
+    """The extension module when ``choice`` picks its kernels, else None (``"cuda"`` where they cannot run:
+    ValueError)."""
+    if choice == "torch":
+        return None
+    why = elementwise_kernels_supported(dtype, device, hidden, intermediate)
+    if why:
+        if choice == "cuda":
+            raise ValueError(f"elementwise='cuda' cannot run here: {why}")
+        return None
+    from flashdmoe import extension
+
+    return extension.loaded()
+
+
+def _stream(device: torch.device) -> int:
+    return torch.cuda.current_stream(device).cuda_stream
+
+
 def _activation_and_derivative(pre: torch.Tensor, activation: str, intermediate: int):
     """``h = act(pre)`` and a function ``dh -> dpre``; all in ``pre``'s (compute) dtype.
     pre: ``[rows, I]`` (``[rows, 2I]`` for swiglu, gate half first)."""
@@ -251,6 +302,7 @@ def expert_backward(
     needs: Sequence[bool] = (True, True, True, True),
     gemm: str = "auto",
     max_rows_per_expert: int | None = None,
+    elementwise: str = "auto",
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Gradients of the MoE layer on one rank, from what the forward saved. See the module docstring.
 
@@ -275,12 +327,13 @@ def expert_backward(
     gemm: ``"auto"``, ``"grouped_mm"`` or ``"padded_bmm"`` (module docstring).
     max_rows_per_expert: ``M`` of the padded back end (default ``T``); it must bound every expert's kept
     rows (the capacity, when there is one), else a device-side assert fires.
+    elementwise: ``"auto"``, ``"cuda"`` or ``"torch"`` (module docstring).
 
     Returns ``(dx [T, H], d_router [E, H], dw1 like w1, dw2 like w2)`` in the inputs' dtype, None where
     ``needs`` says so. ``ValueError`` names the argument that has a wrong shape, dtype or device.
     """
     tokens, hidden, intermediate, experts = _check(x, router_weight, w1, w2, expert, weight, row, dy, activation,
-                                                   needs, gemm, max_rows_per_expert)
+                                                   needs, gemm, max_rows_per_expert, elementwise)
     need_dx, need_router, need_dw1, need_dw2 = needs
     dtype = x.dtype
     if tokens == 0:
@@ -306,37 +359,59 @@ def expert_backward(
 
     need_weight_grad = need_dx or need_router  # the combine weights' gradient feeds the router
     need_g = need_weight_grad or need_dw1
+    kernels = _elementwise_kernels(elementwise, dtype, x.device, hidden, intermediate) if need_g else None
 
-    pre = layout.rows_times(x_rows, w1).to(cdtype)
-    h, dpre_of = _activation_and_derivative(pre, activation, intermediate)
-    dw2 = None
-    if need_dw2:
-        dw2 = layout.per_expert_outer((h * w_row[:, None]).to(dtype), dy.index_select(0, token_of_row))
-    dw1 = dx = d_router = None
-    if need_g:
-        g = layout.rows_times(dy.index_select(0, token_of_row), w2.transpose(1, 2)).to(cdtype)
-        dpre = None
-        if need_dx or need_dw1:
-            dpre = dpre_of(g * w_row[:, None]).to(dtype)
+    pre = layout.rows_times(x_rows, w1)
+    dy_rows = dy.index_select(0, token_of_row)
+    dw1 = dw2 = dx = d_router = dweight_row = dx_rows = None
+    if kernels is not None:
+        g = layout.rows_times(dy_rows, w2.transpose(1, 2))
+        hw, dpre = torch.empty(layout.rows, intermediate, dtype=dtype, device=x.device), torch.empty_like(pre)
+        dweight_row = torch.empty(layout.rows, dtype=torch.float32, device=x.device)
+        kernels.activation_grad(_DTYPE_CODES[dtype], _ACTIVATION_CODES[activation], pre.data_ptr(), g.data_ptr(),
+                                w_row.data_ptr(), hw.data_ptr(), dpre.data_ptr(), dweight_row.data_ptr(),
+                                layout.rows, intermediate, _stream(x.device))
+        del g, pre
+        if need_dw2:
+            dw2 = layout.per_expert_outer(hw, dy_rows)
         if need_dw1:
             dw1 = layout.per_expert_outer(x_rows, dpre)
-        kept = layout.kept.view(tokens, top_k)
         if need_dx:
             dx_rows = layout.rows_times(dpre, w1.transpose(1, 2))
+    else:
+        pre = pre.to(cdtype)
+        h, dpre_of = _activation_and_derivative(pre, activation, intermediate)
+        if need_dw2:
+            dw2 = layout.per_expert_outer((h * w_row[:, None]).to(dtype), dy_rows)
+        if need_g:
+            g = layout.rows_times(dy_rows, w2.transpose(1, 2)).to(cdtype)
+            dpre = dpre_of(g * w_row[:, None]).to(dtype) if need_dx or need_dw1 else None
+            if need_dw1:
+                dw1 = layout.per_expert_outer(x_rows, dpre)
+            if need_dx:
+                dx_rows = layout.rows_times(dpre, w1.transpose(1, 2))
+            if need_weight_grad:
+                dweight_row = (g * h).sum(dim=1)
+    kept = layout.kept.view(tokens, top_k)
+    dx_router = None
+    if need_weight_grad:
+        dweight = torch.where(kept, dweight_row.index_select(0, layout.row_of_choice).view(tokens, top_k), 0)
+        x_compute = x.to(cdtype)
+        dlogits = _router_logit_grad(x_compute, router_weight, expert.long(), dweight.to(cdtype), normalize_topk)
+        if need_router:
+            d_router = (dlogits.t() @ x_compute).to(router_weight.dtype)
+        if need_dx:
+            dx_router = dlogits @ router_weight.to(cdtype)
+    if need_dx:
+        if kernels is not None:
+            dx = torch.empty_like(x)
+            rows_of_tokens = torch.where(kept, layout.row_of_choice.view(tokens, top_k), -1).to(torch.int32)
+            kernels.combine_grad(_DTYPE_CODES[dtype], dx_rows.data_ptr(), rows_of_tokens.data_ptr(),
+                                 dx_router.data_ptr(), dx.data_ptr(), tokens, top_k, hidden, _stream(x.device))
+        else:
             # where, not a multiply: rows past the packed ones are uninitialised (0 * NaN is NaN)
             per_choice = dx_rows.index_select(0, layout.row_of_choice).view(tokens, top_k, hidden)
-            dx = torch.where(kept[:, :, None], per_choice, 0).to(cdtype).sum(dim=1)
-        if need_weight_grad:
-            dweight_row = (g * h).sum(dim=1)
-            dweight = torch.where(kept, dweight_row.index_select(0, layout.row_of_choice).view(tokens, top_k), 0)
-            x_compute = x.to(cdtype)
-            dlogits = _router_logit_grad(x_compute, router_weight, expert.long(), dweight, normalize_topk)
-            if need_router:
-                d_router = (dlogits.t() @ x_compute).to(router_weight.dtype)
-            if need_dx:
-                dx = dx + dlogits @ router_weight.to(cdtype)
-        if dx is not None:
-            dx = dx.to(dtype)
+            dx = (torch.where(kept[:, :, None], per_choice, 0).to(cdtype).sum(dim=1) + dx_router).to(dtype)
     return dx, d_router, dw1, dw2
 
 

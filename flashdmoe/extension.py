@@ -622,6 +622,18 @@ def load(source_dir: str | os.PathLike | None = None) -> types.ModuleType:
         raise _unavailable(f"{type(error).__name__}: {error}") from error
 
 
+_loaded: types.ModuleType | None = None
+
+
+def loaded() -> types.ModuleType:
+    """:func:`load` for the package's own sources, resolved once per process (the build cache lookup
+    hashes every source file, far too slow for a per-call lookup). Raises as :func:`load` does."""
+    global _loaded
+    if _loaded is None:
+        _loaded = load()
+    return _loaded
+
+
 _status_cache: dict[str, str | None] = {}
 
 

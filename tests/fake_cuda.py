@@ -116,7 +116,7 @@ class FakeExtension:
 def fake_cuda(monkeypatch, ext: FakeExtension | None = None, *, capturing=lambda: False):
     """Run the fused path on CPU tensors: the fake extension, fake events, unpinned slots, and CPU tensors
     accepted as CUDA by ``flashdmoe.moe``. Yields (ext, events, synchronized devices)."""
-    from flashdmoe import api, cuda_backend, status_checks
+    from flashdmoe import api, cuda_backend, extension, status_checks
 
     ext = ext or FakeExtension()
     events: list[FakeEvent] = []
@@ -127,7 +127,7 @@ def fake_cuda(monkeypatch, ext: FakeExtension | None = None, *, capturing=lambda
         events.append(event)
         return event
 
-    monkeypatch.setattr(cuda_backend, "_module", ext)
+    monkeypatch.setattr(extension, "_loaded", ext)
     caches = (cuda_backend.status_layout, cuda_backend._check_shapes, cuda_backend._workspace_layout)
     for cache in caches:
         cache.cache_clear()

@@ -360,17 +360,18 @@ def _gpu_problem(case, seed, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("elementwise", ["cuda", "torch"])
 @pytest.mark.parametrize("gemm", ["auto", "padded_bmm"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("case", GPU_CASES, ids=str)
-def test_gpu_against_float64_oracle(case, dtype, gemm, seed):
+def test_gpu_against_float64_oracle(case, dtype, gemm, elementwise, seed):
     case = Case(**{**case.__dict__, "gemm": gemm})
     inputs, keep, capacity = _gpu_problem(case, seed, dtype)
     check_case_covers(case, inputs, keep)
-    got = run(inputs, case, capacity)
+    got = run(inputs, case, capacity, elementwise=elementwise)
     assert_close(got, oracle_grads(inputs, keep, case), backward_tolerance(dtype), case, dtype,
                  inputs=inputs, keep=keep)
-    again = run(inputs, case, capacity)
+    again = run(inputs, case, capacity, elementwise=elementwise)
     for name, first, second in zip(GRAD_NAMES, got, again):
         assert torch.equal(first, second), f"{case} {dtype}: {name} differs between two runs"
 
@@ -416,6 +417,23 @@ def test_gpu_cuda_graph_replay_equals_eager(dtype, seed):
     eager = run(fresh_inputs, case, capacity)
     for name, replayed, want in zip(GRAD_NAMES, static_grads, eager):
         assert torch.equal(replayed, want), f"{dtype}: {name} from the graph differs from eager"
+
+
+@pytest.mark.gpu
+def test_gpu_auto_takes_the_elementwise_kernels():
+    from flashdmoe.expert_backward import elementwise_kernels_supported
+
+    assert elementwise_kernels_supported(torch.bfloat16, torch.device("cuda"), 256, 384) == ""
+    assert "float32" in elementwise_kernels_supported(torch.float32, torch.device("cuda"), 256, 384)
+
+
+def test_elementwise_cuda_off_a_gpu_is_refused_by_name(seed):
+    case = Case(16, 64, 64, 4, 2, "gelu")
+    inputs, _, capacity = make_problem(case, seed, torch.float32)
+    with pytest.raises(ValueError, match="elementwise='cuda'"):
+        run(inputs, case, capacity, elementwise="cuda")
+    with pytest.raises(ValueError, match="elementwise='fast'"):
+        run(inputs, case, capacity, elementwise="fast")
 
 
 def test_emulated_backward_packs_rows_as_one_rank_does(seed):

@@ -16,3 +16,24 @@ __device__ __forceinline__ float activate(Activation kind, float v) {
 }
 
 }  // namespace flashdmoe
+
+namespace flashdmoe {
+
+// d act / d v for the non-gated activations and the gate of swiglu (silu's slope), as the reference
+// differentiates them: relu's slope is 0 at 0, gelu is the exact erf form.
+__device__ __forceinline__ float activation_slope(Activation kind, float v) {
+  switch (kind) {
+    case Activation::Relu: return v > 0.f ? 1.f : 0.f;
+    case Activation::Gelu: {
+      const float cdf = 0.5f * (1.f + erff(v * 0.70710678118654752f));
+      const float pdf = 0.39894228040143268f * expf(-0.5f * v * v);
+      return cdf + v * pdf;
+    }
+    default: {
+      const float sig = 1.f / (1.f + expf(-v));
+      return sig * (1.f + v * (1.f - sig));
+    }
+  }
+}
+
+}  // namespace flashdmoe
