@@ -35,8 +35,8 @@ struct PreparedForward {
 };
 
 // Per-call addresses, in this order after the router: per rank x, w1, w2, y, topk_expert, topk_weight,
-// topk_row, expert_counts, workspace.
-constexpr int kAddressesPerRank = 9;
+// topk_row, expert_counts, saved_pre (0: none), workspace.
+constexpr int kAddressesPerRank = 10;
 
 // shared: the launch's common options; ranks: one dict per rank in the launch (tokens, capacity, rank,
 // silent, workspace_bytes, peer_recv / peer_comb / peer_signals).
@@ -131,7 +131,8 @@ py::tuple launch(const PreparedForward& prepared, const std::vector<uintptr_t>& 
     r.topk_weight = as_ptr<float>(p[5]);
     r.topk_row = as_ptr<int>(p[6]);
     r.expert_counts = as_ptr<int>(p[7]);
-    r.workspace = as_ptr<void>(p[8]);
+    r.saved_pre = as_ptr<void>(p[8]);
+    r.workspace = as_ptr<void>(p[9]);
   }
   const auto cuda_stream = reinterpret_cast<cudaStream_t>(stream);
   LaunchInfo info;

@@ -12,8 +12,8 @@ Per call the host does: the cached plan of the launch (shape rules, workspace la
 launch options, once per shape and options), output allocation, the pooled workspace
 (:mod:`flashdmoe.workspace_pool`), one extension call with the addresses, one event record.
 
-Backward (not yet a kernel): grouped GEMMs on the GPU from the routing the forward saved
-(:func:`flashdmoe.expert_backward.expert_backward`, one rank and emulated teams); across processes
+Backward: grouped GEMMs and element-wise kernels on the GPU from the routing the forward saved (and, one
+rank, its pre-activations) (:func:`flashdmoe.expert_backward.expert_backward`, one rank and emulated teams); across processes
 :func:`flashdmoe.ep_peer.expert_parallel_backward` (torch ops over peer-memory exchanges).
 """
 
@@ -281,13 +281,16 @@ def _empty_outputs(x: torch.Tensor, top_k: int, experts: int):
     return y, routing
 
 
-def run_forward(xs, router_weight, w1s, w2s, *, top_k, activation, normalize_topk, capacity_factor, team=None):
+def run_forward(xs, router_weight, w1s, w2s, *, top_k, activation, normalize_topk, capacity_factor, team=None,
+                saved_pre=None):
     """Launch the fused kernel for the ranks this process drives; does not wait for it.
 
     xs: list of ``[T_r, H]`` (one per rank driven here: ``P`` for an emulated team, else one); w1s / w2s:
     each rank's experts ``[L, H, I or 2I]`` / ``[L, I, H]``; router_weight ``[E, H]``. All bf16 or fp16
     (fp32 for one rank), contiguous, on one CUDA device. Returns a list of ``(y [T_r, H], FusedRouting)``;
-    the launch's report is :func:`flashdmoe.last_report`.
+    the launch's report is :func:`flashdmoe.last_report`. saved_pre (one rank only): None, or a
+    contiguous ``[T * k, I or 2I]`` tensor of x's dtype the kernel writes GEMM1's pre-activations into, by
+    packed row (the routing's ``row``; rows past the kept ones are left as they are).
 
     Raises ``ValueError`` for shapes the kernel or the team's buffers do not take, and the errors of
     earlier launches checked now (see :mod:`flashdmoe.status_checks`).
@@ -333,8 +336,10 @@ def run_forward(xs, router_weight, w1s, w2s, *, top_k, activation, normalize_top
         workspace = _pool.get(device, handle, plan.workspace_bytes)
     base, stride = workspace.data_ptr(), plan.stride
     addresses = [router_weight.data_ptr()]
+    pre_address = 0 if saved_pre is None else saved_pre.data_ptr()
     for i, (x, w1, w2, (y, routing)) in enumerate(zip(xs, w1s, w2s, outputs)):
-        addresses += (x.data_ptr(), w1.data_ptr(), w2.data_ptr(), y.data_ptr(), *routing.addresses(), base + i * stride)
+        addresses += (x.data_ptr(), w1.data_ptr(), w2.data_ptr(), y.data_ptr(), *routing.addresses(), pre_address,
+                      base + i * stride)
     # The slot first: claiming it may raise an earlier launch's error, and a team's sequence number must
     # advance only for a launch that happens (every rank advances in step).
     try:
@@ -367,12 +372,19 @@ def run_forward(xs, router_weight, w1s, w2s, *, top_k, activation, normalize_top
     return outputs
 
 
-def fused_forward(x, router_weight, w1, w2, *, top_k, activation, normalize_topk, capacity_factor):
+def fused_forward(x, router_weight, w1, w2, *, top_k, activation, normalize_topk, capacity_factor, saved_pre=None):
     """Run the fused kernel on one rank. x: [T, H]; router_weight: [E, H]; w1: [E, H, I or 2I]; w2: [E, I, H];
-    all bf16, fp16 or fp32 (TF32 tensor cores), contiguous, on one CUDA device. Returns (y [T, H] dtype of x, FusedRouting)."""
+    all bf16, fp16 or fp32 (TF32 tensor cores), contiguous, on one CUDA device. Returns (y [T, H] dtype of x,
+    FusedRouting). saved_pre: see :func:`run_forward`."""
     _check_dtype(x)
+    if saved_pre is not None:
+        want = (x.shape[0] * top_k, w1.shape[2])
+        if tuple(saved_pre.shape) != want or saved_pre.dtype != x.dtype or saved_pre.device != x.device \
+                or not saved_pre.is_contiguous():
+            raise ValueError(f"saved_pre: expected a contiguous {list(want)} {x.dtype} tensor on {x.device}, got "
+                             f"{list(saved_pre.shape)} {saved_pre.dtype} on {saved_pre.device}")
     return run_forward([x], router_weight, [w1], [w2], top_k=top_k, activation=activation,
-                       normalize_topk=normalize_topk, capacity_factor=capacity_factor)[0]
+                       normalize_topk=normalize_topk, capacity_factor=capacity_factor, saved_pre=saved_pre)[0]
 
 
 def _needs_grad(*tensors) -> bool:
@@ -380,16 +392,22 @@ def _needs_grad(*tensors) -> bool:
 
 
 class _FusedMoE(torch.autograd.Function):
-    """One rank (no team): forward on the kernel; backward in grouped GEMMs on the saved routing
+    """One rank (no team): forward on the kernel, which also saves GEMM1's pre-activations (16-bit inputs,
+    when a gradient is wanted); backward in grouped GEMMs on the saved routing and pre-activations
     (:func:`flashdmoe.expert_backward.expert_backward`)."""
 
     @staticmethod
     def forward(ctx, x, router_weight, w1, w2, top_k, activation, normalize_topk, capacity_factor, routing_out):
+        # float32 runs TF32 tensor cores: its saved pre-activations would fall short of the float32
+        # backward's accuracy, so it recomputes them in float32.
+        saved_pre = None
+        if any(ctx.needs_input_grad[:4]) and x.dtype in (torch.bfloat16, torch.float16):
+            saved_pre = torch.empty(x.shape[0] * top_k, w1.shape[2], dtype=x.dtype, device=x.device)
         y, routing = fused_forward(
             x, router_weight, w1, w2, top_k=top_k, activation=activation, normalize_topk=normalize_topk,
-            capacity_factor=capacity_factor,
+            capacity_factor=capacity_factor, saved_pre=saved_pre,
         )
-        ctx.save_for_backward(x, router_weight, w1, w2, routing.expert, routing.weight, routing.row)
+        ctx.save_for_backward(x, router_weight, w1, w2, routing.expert, routing.weight, routing.row, saved_pre)
         capacity = reference.expert_capacity(x.shape[0], top_k, router_weight.shape[0], capacity_factor)
         ctx.options = (activation, normalize_topk, capacity)
         routing_out.append(routing)
@@ -397,11 +415,11 @@ class _FusedMoE(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        x, router_weight, w1, w2, expert, weight, row = ctx.saved_tensors
+        x, router_weight, w1, w2, expert, weight, row, saved_pre = ctx.saved_tensors
         activation, normalize_topk, capacity = ctx.options
         grads = expert_backward(x, router_weight, w1, w2, expert, weight, row, dy.contiguous(), activation=activation,
                                 normalize_topk=normalize_topk, needs=tuple(ctx.needs_input_grad[:4]),
-                                max_rows_per_expert=capacity)
+                                max_rows_per_expert=capacity, pre=saved_pre)
         return tuple(grads) + (None,) * 5
 
 

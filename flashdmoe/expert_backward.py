@@ -48,11 +48,12 @@ token's ``k`` rows of ``dx``:
 * ``"torch"``: the same arithmetic as torch ops in the compute dtype (every dtype and device).
 * ``"auto"`` (default): ``"cuda"`` where it runs, else ``"torch"``.
 
-Recompute, not saved pre-activations: ``pre`` is recomputed with one more grouped GEMM (+25% of the
-backward's GEMM FLOPs for gelu/relu/silu, +33% for swiglu). Saving it would cost ``T * k * I`` (``2I`` for
-swiglu) elements per layer for the whole of the backward's wait (Qwen3-30B-A3B's layer: 200 MB in bf16,
-Mixtral 8x7B's: 470 MB); the fused forward writes only ``act(pre)``, to a workspace the next forward
-reuses, and ``act(pre)`` does not give back ``act'(pre)`` for gelu, silu or swiglu.
+Saved or recomputed pre-activations (``pre=``): the fused forward saves ``pre`` by packed row when a
+gradient is wanted (one rank, 16-bit inputs): ``T * k * I`` elements (``2I`` for swiglu) held from the
+forward to the backward (Qwen3-30B-A3B's layer at 8192 tokens: 200 MB in bf16; Mixtral 8x7B's at 4096:
+470 MB), for one grouped GEMM fewer (a quarter of the backward's GEMM FLOPs for gelu/relu/silu, a third
+for swiglu). Without it ``pre`` is recomputed (emulated teams, float32, the custom op). The saved values
+are the kernel's float32 accumulators rounded once, as the recomputed ones are.
 
 Precision: GEMMs accumulate in float32 (float64 for float64 inputs) and write the input dtype (what
 ``torch._grouped_mm`` allows), so ``pre``, ``g``, ``w h``, ``dpre`` and the per-row ``dx`` are each
@@ -119,7 +120,7 @@ def grouped_mm_supported(dtype: torch.dtype, device: torch.device, hidden: int, 
 
 
 def _check(x, router_weight, w1, w2, expert, weight, row, dy, activation, needs, gemm, max_rows_per_expert,
-           elementwise):
+           elementwise, pre):
     """Shapes, dtypes and devices (host-side metadata only, nothing read from the device)."""
     if elementwise not in ELEMENTWISE_BACKENDS:
         raise ValueError(f"elementwise={elementwise!r}: expected one of {ELEMENTWISE_BACKENDS}")
@@ -166,6 +167,10 @@ def _check(x, router_weight, w1, w2, expert, weight, row, dy, activation, needs,
     if max_rows_per_expert is not None and (not isinstance(max_rows_per_expert, int)
                                             or isinstance(max_rows_per_expert, bool) or max_rows_per_expert < 0):
         raise ValueError(f"max_rows_per_expert={max_rows_per_expert!r}: expected None or an int >= 0")
+    if pre is not None and (pre.dim() != 2 or pre.shape[1] != w1_cols or pre.shape[0] < expert.numel()
+                            or pre.dtype != x.dtype or pre.device != x.device):
+        raise ValueError(f"pre has shape {tuple(pre.shape)}, dtype {pre.dtype} on {pre.device}; expected "
+                         f"[>= T*k={expert.numel()}, {w1_cols}] {x.dtype} on {x.device}")
     if gemm == "grouped_mm":
         why = grouped_mm_supported(x.dtype, x.device, hidden, intermediate)
         if why:
@@ -218,6 +223,7 @@ class _Rows:
                 0, padded_target, choice_ids)[:self.rows]
             self.live = torch.zeros(self.rows + choices, dtype=torch.bool, device=device).scatter_(
                 0, padded_target, True)[:self.rows]
+            self.packed_row_of_row = torch.where(self.kept, flat_row, 0).index_select(0, self.choice_of_row)
 
     def rows_times(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """Row ``r`` of expert ``e``: ``a[r] @ b[e]``. a: ``[rows, K]``; b: ``[E, K, N]`` -> ``[rows, N]``."""
@@ -303,6 +309,7 @@ def expert_backward(
     gemm: str = "auto",
     max_rows_per_expert: int | None = None,
     elementwise: str = "auto",
+    pre: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Gradients of the MoE layer on one rank, from what the forward saved. See the module docstring.
 
@@ -328,12 +335,14 @@ def expert_backward(
     max_rows_per_expert: ``M`` of the padded back end (default ``T``); it must bound every expert's kept
     rows (the capacity, when there is one), else a device-side assert fires.
     elementwise: ``"auto"``, ``"cuda"`` or ``"torch"`` (module docstring).
+    pre: None (recomputed), or the forward's pre-activations ``[>= kept rows, I or 2I]`` in x's dtype by
+    packed row (``row``'s numbering), as the fused kernel saves them: the backward then runs no GEMM1.
 
     Returns ``(dx [T, H], d_router [E, H], dw1 like w1, dw2 like w2)`` in the inputs' dtype, None where
     ``needs`` says so. ``ValueError`` names the argument that has a wrong shape, dtype or device.
     """
     tokens, hidden, intermediate, experts = _check(x, router_weight, w1, w2, expert, weight, row, dy, activation,
-                                                   needs, gemm, max_rows_per_expert, elementwise)
+                                                   needs, gemm, max_rows_per_expert, elementwise, pre)
     need_dx, need_router, need_dw1, need_dw2 = needs
     dtype = x.dtype
     if tokens == 0:
@@ -361,7 +370,12 @@ def expert_backward(
     need_g = need_weight_grad or need_dw1
     kernels = _elementwise_kernels(elementwise, dtype, x.device, hidden, intermediate) if need_g else None
 
-    pre = layout.rows_times(x_rows, w1)
+    if pre is None:
+        pre = layout.rows_times(x_rows, w1)
+    elif padded_rows is not None:  # the packed rows into the padded layout (padding rows: any row, weight 0)
+        pre = pre.index_select(0, layout.packed_row_of_row)
+    else:
+        pre = pre[:layout.rows]
     dy_rows = dy.index_select(0, token_of_row)
     dw1 = dw2 = dx = d_router = dweight_row = dx_rows = None
     if kernels is not None:

@@ -419,6 +419,41 @@ def test_gpu_cuda_graph_replay_equals_eager(dtype, seed):
         assert torch.equal(replayed, want), f"{dtype}: {name} from the graph differs from eager"
 
 
+def saved_pre(inputs, keep):
+    """The pre-activations the fused forward saves: x_t @ W1_e by packed row (float64, rounded once), NaN
+    in the rows past the kept ones (they must never be read)."""
+    x, _, w1, _, experts, _, row, _ = inputs
+    pre = torch.full((experts.numel(), w1.shape[2]), float("nan"), dtype=x.dtype, device=x.device)
+    tokens = keep.nonzero()[:, 0]
+    pre[row[keep].long()] = torch.einsum("rh,rhc->rc", x[tokens].double(),
+                                         w1[experts[keep].long()].double()).to(x.dtype)
+    return pre
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("elementwise", ["cuda", "torch"])
+@pytest.mark.parametrize("gemm", ["auto", "padded_bmm"])
+@pytest.mark.parametrize("case", GPU_CASES[:4], ids=str)
+def test_gpu_saved_pre_activations(case, gemm, elementwise, seed):
+    """pre= (no GEMM1 in the backward): the packed rows taken as they are, or gathered into the padded layout."""
+    case = Case(**{**case.__dict__, "gemm": gemm})
+    inputs, keep, capacity = _gpu_problem(case, seed, torch.bfloat16)
+    got = run(inputs, case, capacity, elementwise=elementwise, pre=saved_pre(inputs, keep))
+    assert_close(got, oracle_grads(inputs, keep, case), backward_tolerance(torch.bfloat16), case, torch.bfloat16,
+                 inputs=inputs, keep=keep)
+
+
+def test_saved_pre_activations_on_cpu(seed):
+    case = Case(300, 64, 96, 8, 2, "swiglu", capacity_factor=1.0, expect="dropped")
+    inputs, keep, capacity = make_problem(case, seed, torch.float32)
+    check_case_covers(case, inputs, keep)
+    got = run(inputs, case, capacity, pre=saved_pre(inputs, keep))
+    assert_close(got, oracle_grads(inputs, keep, case), backward_tolerance(torch.float32), case, torch.float32,
+                 inputs=inputs, keep=keep)
+    with pytest.raises(ValueError, match="pre has shape"):
+        run(inputs, case, capacity, pre=saved_pre(inputs, keep)[:, :-1])
+
+
 @pytest.mark.gpu
 def test_gpu_auto_takes_the_elementwise_kernels():
     from flashdmoe.expert_backward import elementwise_kernels_supported

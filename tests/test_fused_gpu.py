@@ -142,6 +142,42 @@ def test_every_expert_variant(backend, monkeypatch, variant, dtype_name, T, H, I
                             capacity_factor=capacity_factor)
 
 
+@pytest.mark.parametrize("variant,dtype_name", [i for i in INSTANCES if i[1] != "fp32"])
+@pytest.mark.parametrize("T,H,I,E,k,activation,normalize,capacity_factor", VARIANT_SHAPES)
+def test_saved_pre_activations(backend, monkeypatch, variant, dtype_name, T, H, I, E, k, activation, normalize,
+                               capacity_factor):
+    """The forward that saves GEMM1's pre-activations for the backward: y bitwise the forward that does not;
+    every kept row's pre = x_t @ W1_e (the accumulators rounded once); rows past the kept ones untouched."""
+    monkeypatch.setattr(backend.debug, "expert_variant", variant)
+    dtype = DTYPES[dtype_name]
+    x, router, w1, w2 = make_inputs(T, H, I, E, k, activation, dtype)
+    options = dict(top_k=k, activation=activation, normalize_topk=normalize, capacity_factor=capacity_factor)
+    y_plain, _ = backend.fused_forward(x, router, w1, w2, **options)
+    saved = torch.full((T * k, w1.shape[2]), float("nan"), dtype=dtype, device="cuda")
+    y, routing = backend.fused_forward(x, router, w1, w2, saved_pre=saved, **options)
+    flashdmoe.synchronize()
+    assert torch.equal(y, y_plain), "saving pre-activations changed the forward's output"
+    keep = routing.row >= 0
+    rows, experts = routing.row[keep].long(), routing.expert[keep].long()
+    tokens = keep.nonzero()[:, 0]
+    want = torch.einsum("rh,rhc->rc", x[tokens].double(), w1[experts].double())
+    got = saved[rows].double()
+    err = ((got - want).norm() / want.norm().clamp_min(1e-30)).item() if rows.numel() else 0.0
+    # one rounding to the storage format after a float32 sum over H terms
+    assert err < numerics.rounding_tolerance(dtype, 1) + numerics.reorder_tolerance(torch.float32, H), \
+        f"saved pre relative error {err:.2e}"
+    untouched = torch.ones(T * k, dtype=torch.bool, device="cuda")
+    untouched[rows] = False
+    assert torch.isnan(saved[untouched]).all(), "rows past the kept ones were written"
+
+
+def test_saved_pre_activations_refused_for_a_bad_buffer(backend):
+    x, router, w1, w2 = make_inputs(64, 128, 128, 8, 2, "gelu", torch.bfloat16)
+    with pytest.raises(ValueError, match="saved_pre"):
+        backend.fused_forward(x, router, w1, w2, top_k=2, activation="gelu", normalize_topk=True,
+                              capacity_factor=None, saved_pre=torch.empty(64, 128, dtype=torch.bfloat16, device="cuda"))
+
+
 @pytest.mark.parametrize("capacity_factor", [None, 1.0])
 def test_all_tokens_to_one_expert(backend, capacity_factor):
     x, router, w1, w2 = make_inputs(3000, 256, 128, 16, 2, "gelu", torch.bfloat16, one_expert=True)

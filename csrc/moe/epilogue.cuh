@@ -30,14 +30,14 @@ __device__ __forceinline__ int warp_tile_row0() {
   return (warp >> 2) * 64 + (warp & 3) * 16;
 }
 
-// Stores the warp's 16 rows of kGroups x 8 columns: packed[2 * j + half] is the lane's pair of columns
-// 8j + 2 (lane % 4) + {0, 1} in row lane / 4 + 8 half (the wgmma fragment layout). out points at the
-// warp's first row, column 0 (row stride ld elements). Rows from `rows` on and 64-column chunks from
-// `cols` on are not stored (cols is a multiple of 64). The values are packed first so that the
-// accumulators die before the stores need registers.
-template <typename Element, int kGroups>
-__device__ __forceinline__ void store_warp_rows(char* staging, const uint32_t (&packed)[2 * kGroups], Element* out,
-                                                size_t ld, int rows, int cols) {
+// Stores the warp's 16 rows of kGroups x 8 columns: pair(j, half) gives the lane's pair of columns
+// 8j + 2 (lane % 4) + {0, 1} in row lane / 4 + 8 half (the wgmma fragment layout), packed; it is asked
+// for one 64-column chunk at a time. out points at the warp's first row, column 0 (row stride ld
+// elements). Rows from `rows` on and 64-column chunks from `cols` on are not stored (cols is a multiple
+// of 64).
+template <typename Element, int kGroups, typename Pair>
+__device__ __forceinline__ void store_warp_rows_of(char* staging, Pair&& pair, Element* out, size_t ld, int rows,
+                                                   int cols) {
   static_assert(kGroups % 8 == 0, "whole 64-column chunks");
   if (rows <= 0) return;
   const int lane = threadIdx.x & 31;
@@ -57,7 +57,7 @@ __device__ __forceinline__ void store_warp_rows(char* staging, const uint32_t (&
 #pragma unroll
       for (int half = 0; half < 2; ++half)
         *reinterpret_cast<uint32_t*>(staging + (((write_base + half * 8 * 128) ^ (jj << 4)) - buffer)) =
-            packed[2 * (c * 8 + jj) + half];
+            pair(c * 8 + jj, half);
     __syncwarp();
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
@@ -70,11 +70,50 @@ __device__ __forceinline__ void store_warp_rows(char* staging, const uint32_t (&
   }
 }
 
+// store_warp_rows_of from values packed beforehand (packed[2 * j + half]), so that the accumulators they
+// came from die before the stores need registers.
+template <typename Element, int kGroups>
+__device__ __forceinline__ void store_warp_rows(char* staging, const uint32_t (&packed)[2 * kGroups], Element* out,
+                                                size_t ld, int rows, int cols) {
+  store_warp_rows_of<Element, kGroups>(staging, [&](int j, int half) { return packed[2 * j + half]; }, out, ld, rows,
+                                       cols);
+}
+
+// The accumulators as they are into the saved pre-activations ([rows, I], or [rows, 2I] for swiglu: the
+// tile's gate groups at out_col0, its up groups at I + out_col0), for a backward that then needs no GEMM1.
+template <typename Element, int BN, typename Gemm>
+__device__ __forceinline__ void save_pre_warp(const MoEParams& p, const Gemm& gemm, char* staging, int packed_row0,
+                                              int rows, int out_col0) {
+  const int row0 = warp_tile_row0();
+  const bool gated = p.activation == Activation::Swiglu;
+  const size_t ld = gated ? 2 * static_cast<size_t>(p.ffn) : p.ffn;
+  Element* out = static_cast<Element*>(p.saved_pre) + static_cast<size_t>(packed_row0 + row0) * ld + out_col0;
+  const int cols = p.ffn - out_col0;
+  // Packed a chunk at a time, straight from the accumulators (they stay live for the activation).
+  // (The first group is a constant: register arrays take compile-time indices only.)
+  auto groups_from = [&](auto first) {
+    return [&gemm](int j, int h) {
+      constexpr int kFirst = decltype(first)::value;
+      return pack_pair<Element>(gemm.acc[(kFirst + j) * 4 + h * 2], gemm.acc[(kFirst + j) * 4 + h * 2 + 1]);
+    };
+  };
+  if (gated) {
+    store_warp_rows_of<Element, BN / 16>(staging, groups_from(std::integral_constant<int, 0>{}), out, ld,
+                                         rows - row0, cols);
+    store_warp_rows_of<Element, BN / 16>(staging, groups_from(std::integral_constant<int, BN / 16>{}), out + p.ffn,
+                                         ld, rows - row0, cols);
+  } else {
+    store_warp_rows_of<Element, BN / 8>(staging, groups_from(std::integral_constant<int, 0>{}), out, ld, rows - row0,
+                                        cols);
+  }
+}
+
 // GEMM1 epilogue: activation of the accumulators (swiglu: gate column group j times up group j + BN/16,
-// both held by the same lane), into the intermediate rows.
+// both held by the same lane), into the intermediate rows; the pre-activations too when they are saved.
 template <typename Element, int BN, typename Gemm>
 __device__ __forceinline__ void gemm1_epilogue_warp(const MoEParams& p, const Gemm& gemm, char* staging,
                                                     int packed_row0, int rows, int out_col0) {
+  if (p.saved_pre != nullptr) save_pre_warp<Element, BN>(p, gemm, staging, packed_row0, rows, out_col0);
   const int row0 = warp_tile_row0();
   Element* out = static_cast<Element*>(p.intermediate) + static_cast<size_t>(packed_row0 + row0) * p.ffn + out_col0;
   const int cols = p.ffn - out_col0;

@@ -141,6 +141,18 @@ __device__ __forceinline__ void store_gemm1_rows(const MoEParams& p, const float
       pack.v[v] = static_cast<Element>(h);
     }
     *reinterpret_cast<Pack8<Element>*>(out + static_cast<size_t>(packed_row0 + r) * I + out_col0 + c) = pack;
+    if (p.saved_pre != nullptr) {  // the pre-activations as they are (swiglu: gate at c, up at I + c)
+      Element* saved = static_cast<Element*>(p.saved_pre) + static_cast<size_t>(packed_row0 + r) * (swiglu ? 2 * I : I);
+      Pack8<Element> pre;
+#pragma unroll
+      for (int v = 0; v < 8; ++v) pre.v[v] = static_cast<Element>(src[v]);
+      *reinterpret_cast<Pack8<Element>*>(saved + out_col0 + c) = pre;
+      if (swiglu) {
+#pragma unroll
+        for (int v = 0; v < 8; ++v) pre.v[v] = static_cast<Element>(src[v + kTileN / 2]);
+        *reinterpret_cast<Pack8<Element>*>(saved + I + out_col0 + c) = pre;
+      }
+    }
   }
 }
 

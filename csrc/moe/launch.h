@@ -22,6 +22,7 @@ struct RankArgs {
   float* topk_weight;
   int* topk_row;
   int* expert_counts;
+  void* saved_pre;  // [T*k, I or 2I] GEMM1's pre-activations by packed row, or null (one rank only)
   void* workspace;
   size_t workspace_bytes;
   int tokens;

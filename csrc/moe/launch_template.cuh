@@ -121,6 +121,9 @@ inline MoEParams rank_params(const ForwardArgs& a, const RankArgs& r) {
   p.tile_expert_offset = reinterpret_cast<int*>(base + ws.tile_expert_offset);
   p.expert_kept = reinterpret_cast<int*>(base + ws.expert_kept);
   p.intermediate = base + ws.intermediate;
+  p.saved_pre = r.saved_pre;
+  if (p.saved_pre != nullptr && a.world_size != 1)
+    throw std::invalid_argument("saved_pre: a team's rows are numbered by owner, so only one rank saves pre-activations");
   p.gate_partial = reinterpret_cast<float*>(base + ws.gate_partial);
   p.gate_arrivals = reinterpret_cast<uint32_t*>(base + ws.gate_arrivals);
   p.gate_tiles = ws.gate_tiles;

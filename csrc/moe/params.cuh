@@ -129,6 +129,7 @@ struct MoEParams {
   int* tile_expert_offset;  // [gate_tiles, E] exclusive prefix over gate tiles
   int* expert_kept;         // [E] rows kept after capacity (this rank's tokens)
   void* intermediate;       // [rows_in, I] activation output of every row this rank's experts take, input dtype
+  void* saved_pre;          // [rows_in, I or 2I] GEMM1's pre-activations for the backward (null: not saved)
 
   float* gate_partial;       // [gate_tiles * gate_splits, kGateTileM, E] split gate: partial logits
   uint32_t* gate_arrivals;   // [kGateSplitMaxTiles] split gate: K ranges finished per gate tile
