@@ -381,12 +381,12 @@ EP_ENTRIES = ["single", "emulated-1", "emulated-2", "emulated-4", "emulated-8", 
 
 
 def test_suites_are_listed_in_one_registry():
-    assert list(registry.SUITES) == ["single-gpu", "expert-parallel", "multi-gpu"]
+    assert list(registry.SUITES) == ["single-gpu", "expert-parallel", "multi-gpu", "training"]
     assert [registry.get_suite(name).name for name in registry.SUITES] == list(registry.SUITES)
     with pytest.raises(ValueError, match=r"--suite 'nope': expected one of \['expert-parallel'"):
         registry.get_suite("nope")
     help_text = " ".join(bench_cli.configure_parser(argparse.ArgumentParser()).format_help().split())
-    assert "single-gpu, expert-parallel, multi-gpu" in help_text
+    assert "single-gpu, expert-parallel, multi-gpu, training" in help_text
 
 
 def test_expert_parallel_suite_is_registered():

@@ -59,14 +59,15 @@ def configure_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     parser.add_argument(
         "--entries", default=None, metavar="NAME,...",
         help="comma-separated entries to run (single-gpu: fused,fused_graph,grouped_mm,per_expert_loop,reference; "
-             "expert-parallel: single,emulated-1,emulated-2,emulated-4,emulated-8,mps-2,mps-4,reference)",
+             "expert-parallel: single,emulated-1,emulated-2,emulated-4,emulated-8,mps-2,mps-4,reference; "
+             "training: flashdmoe,flashdmoe_graph,grouped_mm)",
     )
     parser.add_argument(
         "--dtype", choices=tuple(DTYPES), default=None, help="input dtype (default: the suite's, bfloat16)"
     )
     parser.add_argument(
         "--activation", choices=ACTIVATION_CHOICES, default=None,
-        help="expert activation (default: the suite's, gelu)",
+        help="expert activation (default: the suite's, gelu; training: each shape's own)",
     )
     parser.add_argument(
         "--reference-max-tokens", type=int, default=None, metavar="T",

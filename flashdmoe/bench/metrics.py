@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -13,16 +14,39 @@ from flashdmoe import numerics
 # both a few standard deviations out, so the normwise bound carries over to this max-norm measure.
 ERROR_TOLERANCES = {name: numerics.kernel_tolerance(name) for name, p in numerics.DTYPES.items() if p.kernel}
 
+
+def gradient_tolerance(dtype: str, longest_reduction: int) -> float:
+    """Bound on a gradient's normwise relative error against the float64 oracle: the roundings to the storage
+    format (:func:`flashdmoe.numerics.backward_tolerance`), or for float32, where those are negligible, the
+    summation order of four chained reductions of at most ``longest_reduction`` terms
+    (:func:`flashdmoe.numerics.reorder_tolerance`)."""
+    if numerics.precision(dtype).dtype == torch.float32:
+        return numerics.reorder_tolerance(dtype, longest_reduction, depth=4)
+    return numerics.backward_tolerance(dtype)
+
+
 # Tokens whose k-th and (k+1)-th router log-probabilities differ by less than this are near ties:
 # a different (equally valid) fp32 summation order may pick the other expert, so they are left out
 # of the comparison (and counted).
 NEAR_TIE_LOG_GAP = 1e-4
 
 
+def expert_flops(tokens: int, hidden: int, ffn: int, top_k: int, activation: str) -> int:
+    """The forward's expert GEMMs: ``2*T*k*H*I*(2, or 3 for swiglu)``."""
+    expert_matmuls = 3 if activation == "swiglu" else 2
+    return 2 * tokens * top_k * hidden * ffn * expert_matmuls
+
+
 def moe_flops(shape_tokens: int, hidden: int, ffn: int, experts: int, top_k: int, activation: str) -> int:
     """Forward FLOPs: ``2*T*k*H*I*(2, or 3 for swiglu) + 2*T*H*E`` (expert GEMMs + router GEMM)."""
-    expert_matmuls = 3 if activation == "swiglu" else 2
-    return 2 * shape_tokens * top_k * hidden * ffn * expert_matmuls + 2 * shape_tokens * hidden * experts
+    return expert_flops(shape_tokens, hidden, ffn, top_k, activation) + 2 * shape_tokens * hidden * experts
+
+
+def backward_flops(tokens: int, hidden: int, ffn: int, experts: int, top_k: int, activation: str) -> int:
+    """Backward FLOPs: every forward expert GEMM twice (data and weight gradient) plus the router's two,
+    ``2 * expert_flops + 4*T*E*H``. Recomputing a forward GEMM (the pre-activations) is not counted: the
+    number is the same for every implementation, so TFLOP/s compare like for like."""
+    return 2 * expert_flops(tokens, hidden, ffn, top_k, activation) + 4 * tokens * experts * hidden
 
 
 def tflops(flops: int, milliseconds: float) -> float:
@@ -80,3 +104,16 @@ def max_relative_error(output: torch.Tensor, expected: torch.Tensor, keep: torch
     scale = float(want.abs().max())
     difference = float((got - want).abs().max())
     return ErrorReport(difference / scale if scale > 0 else difference, compared)
+
+
+def normwise_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """``||got - want||_F / ||want||_F`` in float64, as :func:`flashdmoe.numerics.normwise_error` but on the
+    tensors' device (gradients of large expert weights are slow to copy to the host)."""
+    if got.shape != want.shape:
+        raise ValueError(f"got.shape={tuple(got.shape)}: expected {tuple(want.shape)}")
+    want64 = want.detach().to(torch.float64)
+    difference = float((got.detach().to(device=want64.device, dtype=torch.float64) - want64).norm())
+    scale = float(want64.norm())
+    if scale == 0.0:
+        return 0.0 if difference == 0.0 else math.inf
+    return difference / scale

@@ -5,11 +5,11 @@ A new suite is a module that defines a :class:`~flashdmoe.bench.suite.Suite` and
 
 from __future__ import annotations
 
-from flashdmoe.bench import expert_parallel, multi_gpu, single_gpu
+from flashdmoe.bench import expert_parallel, multi_gpu, single_gpu, training
 from flashdmoe.bench.suite import Suite
 
 SUITES: dict[str, Suite] = {
-    suite.name: suite for suite in (single_gpu.SUITE, expert_parallel.SUITE, multi_gpu.SUITE)
+    suite.name: suite for suite in (single_gpu.SUITE, expert_parallel.SUITE, multi_gpu.SUITE, training.SUITE)
 }
 
 

@@ -2,7 +2,8 @@
 
 Works on any ``SuiteResult``: shape columns come from each configuration's ``shape`` dict; the columns
 after them come from the suite's :class:`Layout` (``Suite.layout``; by default the single-gpu columns).
-``settings["notes"]`` (a list of strings) adds bullet lines to the Markdown header.
+``settings["notes"]`` (a list of strings) adds bullet lines to the Markdown header; ``settings["error_formula"]``
+replaces its description of the error column and ``settings["plot_quantity"]`` the plot's "forward".
 """
 
 from __future__ import annotations
@@ -169,9 +170,12 @@ def markdown_report(result: SuiteResult, plot_name: str | None = None, layout: L
         f"{settings.get('repeats')} timed runs after {settings.get('warmup')} warm-up, medians",
         *(["- Measured in this run: " + ", ".join(peaks)] if peaks else []),
         f"- FLOPs = {settings.get('flops_formula', '')}; {floor}"
-        f"max rel. error = max|y − y_ref| / max|y_ref| against `flashdmoe.reference` "
-        f"(tolerance {settings.get('error_tolerance')}; tokens whose k-th and (k+1)-th router "
-        f"log-probabilities are within {settings.get('near_tie_log_gap')} are left out)",
+        + settings.get(
+            "error_formula",
+            f"max rel. error = max|y − y_ref| / max|y_ref| against `flashdmoe.reference` "
+            f"(tolerance {settings.get('error_tolerance')}; tokens whose k-th and (k+1)-th router "
+            f"log-probabilities are within {settings.get('near_tie_log_gap')} are left out)",
+        ),
     ]
     lines += [f"- {note}" for note in settings.get("notes", [])]
     lines.append("")
@@ -257,7 +261,7 @@ def write_plot(result: SuiteResult, path: Path) -> None:
     axes.set_xticks(range(len(result.configs)))
     axes.set_xticklabels([_two_line_label(c) for c in result.configs], fontsize=8)
     axes.set_yscale("log")
-    axes.set_ylabel("median ms per forward (log)")
+    axes.set_ylabel(f"median ms per {result.settings.get('plot_quantity', 'forward')} (log)")
     device = result.machine.get("gpu_name") or result.machine.get("device")
     axes.set_title(f"flashdmoe bench {result.suite} — {device}, {result.settings.get('dtype')}")
     if entry_labels or floors:

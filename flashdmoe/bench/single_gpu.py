@@ -5,8 +5,6 @@
 
 from __future__ import annotations
 
-import gc
-
 import torch
 
 from flashdmoe import reference
@@ -21,8 +19,8 @@ from flashdmoe.bench.entries import (
 )
 from flashdmoe.bench.results import BenchShape, ConfigResult, EntryResult, SuiteResult
 from flashdmoe.bench.suite import Suite, SuiteOptions
-from flashdmoe.bench.timing import cache_bytes, input_sets_for_cache, measure
-from flashdmoe.bench.workload import make_inputs, torch_dtype
+from flashdmoe.bench.timing import measure
+from flashdmoe.bench.workload import free_device_memory, rotated_input_sets, torch_dtype
 
 SINGLE_GPU_SHAPES = (
     BenchShape(8192, 2048, 2048, 32, 2),  # the FlashDMoE paper's per-GPU problem
@@ -32,12 +30,6 @@ SINGLE_GPU_SHAPES = (
     BenchShape(128, 4096, 1408, 64, 6),  # decode-sized: bound by reading the active experts
 )
 QUICK_SHAPES = (BenchShape(64, 64, 128, 8, 2), BenchShape(40, 32, 64, 4, 1))
-
-
-def _free_device_memory(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 def run_single_gpu(options: SuiteOptions) -> SuiteResult:
@@ -62,7 +54,7 @@ def run_single_gpu(options: SuiteOptions) -> SuiteResult:
                     shape, config_index, problem, dtype, device, options, copy_bandwidth, ceiling_tflops,
                 )
             )
-        _free_device_memory(device)
+        free_device_memory(device)
 
     return SuiteResult(
         suite=options.suite,
@@ -98,16 +90,12 @@ def _run_single_gpu_config(
     copy_bandwidth: float,
     ceiling_tflops: float | None,
 ) -> ConfigResult:
-    def inputs_for(set_index: int) -> MoEInputs:
-        seed = options.seed + 1000 * config_index + set_index
-        return make_inputs(shape, activation=options.activation, dtype=dtype, device=device, seed=seed)
-
-    input_sets = [inputs_for(0)]
-    output_bytes = shape.tokens * shape.hidden * input_sets[0].x.element_size()
-    set_count = options.input_sets or input_sets_for_cache(
-        input_sets[0].nbytes + output_bytes, cache_bytes(device), limit=options.max_input_sets
+    output_bytes = shape.tokens * shape.hidden * dtype.itemsize
+    input_sets = rotated_input_sets(
+        shape, activation=options.activation, dtype=dtype, device=device,
+        seed=options.seed + 1000 * config_index, count=options.input_sets, limit=options.max_input_sets,
+        extra_bytes_per_set=output_bytes,
     )
-    input_sets += [inputs_for(index) for index in range(1, set_count)]
 
     # The oracle's answer and routing on set 0 (untimed); active experts counted on every set.
     first = input_sets[0]

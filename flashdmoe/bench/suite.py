@@ -21,7 +21,7 @@ class SuiteOptions:
     suite: str
     device: str
     dtype: str
-    activation: str
+    activation: str | None  # None: the suite's own activation per shape (--activation not given)
     shapes: list[BenchShape]
     entries: list[str]
     repeats: int = 20
@@ -37,7 +37,8 @@ class SuiteOptions:
 @dataclass(frozen=True)
 class Suite:
     """A named suite: ``runner(options) -> SuiteResult``; ``validate(options)`` (optional) raises ValueError
-    for option combinations it cannot run; ``layout``: the columns of its tables after the shape."""
+    for option combinations it cannot run; ``layout``: the columns of its tables after the shape;
+    ``activation``: the default of ``--activation``, or None for a suite that pairs each shape with one."""
 
     name: str
     description: str
@@ -45,7 +46,7 @@ class Suite:
     default_shapes: tuple[BenchShape, ...]
     quick_shapes: tuple[BenchShape, ...]
     entry_names: tuple[str, ...]
-    activation: str = "gelu"
+    activation: str | None = "gelu"
     dtype: str = "bfloat16"
     validate: Callable[[SuiteOptions], None] | None = None
     layout: Layout = DEFAULT_LAYOUT

@@ -3,7 +3,8 @@
 CUDA: one pair of CUDA events around every run (GPU time, queued back to back, synchronised once at
 the end). CPU: ``time.perf_counter`` around every run. The caller passes one zero-argument callable
 per input set; runs rotate through them so a working set smaller than the L2 cache is not measured
-hot (see ``input_sets_for_cache``).
+hot (see ``input_sets_for_cache``). ``measure_phases`` does the same for runs made of consecutive
+phases (a training step's forward, then its backward): one event between phases, one time per phase.
 """
 
 from __future__ import annotations
@@ -74,44 +75,86 @@ def measure(
         warmup: untimed runs first (>= 0).
         repeats: timed runs (>= 1).
     """
+    return measure_phases([(run,) for run in runs], device=device, warmup=warmup, repeats=repeats).total
+
+
+@dataclass(frozen=True)
+class PhaseTimings:
+    """``phases[j]``: the statistics of phase ``j`` alone; ``total``: of the whole run (first to last)."""
+
+    phases: tuple[TimingStats, ...]
+    total: TimingStats
+
+
+def measure_phases(
+    runs: Sequence[Sequence[Callable[[], object]]],
+    *,
+    device: torch.device | str,
+    warmup: int = 5,
+    repeats: int = 20,
+) -> PhaseTimings:
+    """Like :func:`measure`, for runs made of phases called in order (``runs[i][0]()``, ``runs[i][1]()``,
+    ...): every input set has the same number of phases, each timed on its own (a CUDA event or a clock
+    reading between consecutive phases) and the run as a whole."""
     if len(runs) == 0:
-        raise ValueError("runs=[]: expected at least one callable")
+        raise ValueError("runs=[]: expected at least one sequence of callables")
+    phase_count = len(runs[0])
+    if phase_count == 0 or any(len(phases) != phase_count for phases in runs):
+        raise ValueError(
+            f"runs: expected the same number (>= 1) of phases in every run, got {[len(p) for p in runs]}"
+        )
     if not isinstance(warmup, int) or warmup < 0:
         raise ValueError(f"warmup={warmup!r}: expected an integer >= 0")
     if not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats={repeats!r}: expected an integer >= 1")
     device = torch.device(device)
     for index in range(warmup):
-        runs[index % len(runs)]()
+        for phase in runs[index % len(runs)]:
+            phase()
     if device.type == "cuda":
-        return _measure_cuda(runs, device, warmup, repeats)
-    return _measure_host(runs, warmup, repeats)
+        samples = _samples_cuda(runs, device, warmup, repeats)
+    else:
+        samples = _samples_host(runs, warmup, repeats)
+    return PhaseTimings(
+        phases=tuple(TimingStats.from_samples([run[j] for run, _ in samples]) for j in range(phase_count)),
+        total=TimingStats.from_samples([total for _, total in samples]),
+    )
 
 
-def _measure_cuda(
-    runs: Sequence[Callable[[], object]], device: torch.device, offset: int, repeats: int
-) -> TimingStats:
+# Per timed run: (milliseconds of each phase, milliseconds of the whole run).
+_RunSamples = list[tuple[list[float], float]]
+
+
+def _samples_cuda(
+    runs: Sequence[Sequence[Callable[[], object]]], device: torch.device, offset: int, repeats: int
+) -> _RunSamples:
     with torch.cuda.device(device):
         torch.cuda.synchronize()
-        starts = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
-        ends = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
-        for index in range(repeats):
-            starts[index].record()
-            runs[(offset + index) % len(runs)]()
-            ends[index].record()
+        events = [
+            [torch.cuda.Event(enable_timing=True) for _ in range(len(runs[0]) + 1)] for _ in range(repeats)
+        ]
+        for index, run_events in enumerate(events):
+            run_events[0].record()
+            for phase, end in zip(runs[(offset + index) % len(runs)], run_events[1:]):
+                phase()
+                end.record()
         torch.cuda.synchronize()
-        return TimingStats.from_samples(
-            [start.elapsed_time(end) for start, end in zip(starts, ends)]
-        )
+        return [
+            ([start.elapsed_time(end) for start, end in zip(run_events, run_events[1:])],
+             run_events[0].elapsed_time(run_events[-1]))
+            for run_events in events
+        ]
 
 
-def _measure_host(runs: Sequence[Callable[[], object]], offset: int, repeats: int) -> TimingStats:
+def _samples_host(runs: Sequence[Sequence[Callable[[], object]]], offset: int, repeats: int) -> _RunSamples:
     samples = []
     for index in range(repeats):
-        begin = time.perf_counter()
-        runs[(offset + index) % len(runs)]()
-        samples.append((time.perf_counter() - begin) * 1e3)
-    return TimingStats.from_samples(samples)
+        marks = [time.perf_counter()]
+        for phase in runs[(offset + index) % len(runs)]:
+            phase()
+            marks.append(time.perf_counter())
+        samples.append(([(end - start) * 1e3 for start, end in zip(marks, marks[1:])], (marks[-1] - marks[0]) * 1e3))
+    return samples
 
 
 def cache_bytes(device: torch.device | str) -> int:

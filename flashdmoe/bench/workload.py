@@ -1,13 +1,16 @@
-"""Fresh random MoE inputs for benchmarking (randn, never zeros), built directly on the device."""
+"""Fresh random MoE inputs for benchmarking (randn, never zeros), built directly on the device, and the
+rotated sets a suite times an entry on."""
 
 from __future__ import annotations
 
+import gc
 import math
 
 import torch
 
 from flashdmoe.bench.entries import MoEInputs
 from flashdmoe.bench.results import BenchShape
+from flashdmoe.bench.timing import cache_bytes, input_sets_for_cache
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -40,3 +43,36 @@ def make_inputs(
         w1=normal(shape.experts, shape.hidden, w1_cols, scale=1.0 / math.sqrt(shape.hidden)),
         w2=normal(shape.experts, shape.ffn, shape.hidden, scale=1.0 / math.sqrt(shape.ffn)),
     )
+
+
+def rotated_input_sets(
+    shape: BenchShape,
+    *,
+    activation: str,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    seed: int,
+    count: int | None,
+    limit: int,
+    extra_bytes_per_set: int = 0,
+) -> list[MoEInputs]:
+    """The input sets an entry's timed runs rotate through; set ``i`` is ``make_inputs(..., seed=seed + i)``.
+
+    ``count`` sets, or (``None``) as many as it takes for the sets, each with ``extra_bytes_per_set`` more
+    (outputs, gradients), to exceed twice the cache together (:func:`timing.input_sets_for_cache`),
+    at most ``limit``.
+    """
+    first = make_inputs(shape, activation=activation, dtype=dtype, device=device, seed=seed)
+    if count is None:
+        count = input_sets_for_cache(first.nbytes + extra_bytes_per_set, cache_bytes(device), limit=limit)
+    return [first] + [
+        make_inputs(shape, activation=activation, dtype=dtype, device=device, seed=seed + index)
+        for index in range(1, count)
+    ]
+
+
+def free_device_memory(device: torch.device) -> None:
+    """Drop what the last configuration left (Python garbage, the CUDA caching allocator's free blocks)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
