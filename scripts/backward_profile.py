@@ -9,16 +9,49 @@ from __future__ import annotations
 
 import argparse
 import collections
-import os
-import sys
+import math
+import statistics
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-from backward_bench import ISSUE_SHAPES, median_ms, problem  # noqa: E402
+from flashdmoe import cuda_backend
+from flashdmoe.bench import baselines
+from flashdmoe.expert_backward import expert_backward
 
-from flashdmoe.bench import baselines  # noqa: E402
-from flashdmoe.expert_backward import expert_backward  # noqa: E402
+ISSUE_SHAPES = "8192/2048/2048/32/2/gelu,8192/2048/768/128/8/swiglu,4096/4096/14336/8/2/swiglu"
+
+
+def problem(T, H, I, E, k, activation, dtype, generator):
+    """Random inputs, then the fused forward's routing and saved pre-activations, and dy."""
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, device="cuda", generator=generator) * scale).to(dtype)
+
+    w1_cols = 2 * I if activation == "swiglu" else I
+    x, dy = randn(T, H), randn(T, H)
+    router_weight = randn(E, H, scale=1 / math.sqrt(H))
+    w1, w2 = randn(E, H, w1_cols, scale=1 / math.sqrt(H)), randn(E, I, H, scale=1 / math.sqrt(I))
+    pre = torch.empty(T * k, w1_cols, dtype=dtype, device="cuda")
+    _, routing = cuda_backend.fused_forward(x, router_weight, w1, w2, top_k=k, activation=activation,
+                                            normalize_topk=True, capacity_factor=None, saved_pre=pre)
+    saved = (routing.expert.clone(), routing.weight.clone(), routing.row.clone())
+    return x, router_weight, w1, w2, saved, pre, dy
+
+
+def median_ms(run, reps: int, before=None) -> float:
+    """Median over ``reps`` of the GPU time between events around ``run()``; ``before()`` runs untimed."""
+    times = []
+    for _ in range(reps + 3):
+        if before is not None:
+            before()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        times.append((start, end))
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in times[3:])
+
+
 
 
 def kernel_times(run, reps: int) -> list[tuple[str, float, int]]:
@@ -50,17 +83,18 @@ def main():
         *dims, activation = spec.split("/")
         T, H, I, E, k = map(int, dims)
         generator = torch.Generator(device="cuda").manual_seed(0)
-        x, router_weight, w1, w2, (expert, weight, row), dy = problem(T, H, I, E, k, activation, dtype, generator)
+        x, router_weight, w1, w2, (expert, weight, row), pre, dy = problem(T, H, I, E, k, activation, dtype,
+                                                                           generator)
         times = {}
-        for elementwise in ("torch", "cuda"):
+        for name, elementwise, saved in (("torch", "torch", None), ("cuda", "cuda", None), ("cuda+pre", "cuda", pre)):
             run = lambda: expert_backward(x, router_weight, w1, w2, expert, weight, row, dy, activation=activation,  # noqa: E731
-                                          normalize_topk=True, elementwise=elementwise)
-            times[elementwise] = median_ms(run, args.reps)
+                                          normalize_topk=True, elementwise=elementwise, pre=saved)
+            times[name] = median_ms(run, args.reps)
         print(f"\n== {spec}: expert_backward eager ms: torch element-wise {times['torch']:.3f}, "
-              f"cuda element-wise {times['cuda']:.3f}")
+              f"cuda element-wise {times['cuda']:.3f}, with saved pre {times['cuda+pre']:.3f}")
         rows = kernel_times(run, 5)
         gpu_ms = sum(us for _, us, _ in rows) / 1e3
-        print(f"   kernels (cuda element-wise), sum {gpu_ms:.3f} ms per call:")
+        print(f"   kernels (cuda element-wise, saved pre), sum {gpu_ms:.3f} ms per call:")
         for name, us, n in rows[: args.top]:
             print(f"   {us:9.1f} us  x{n:<3} {name}")
 
@@ -75,12 +109,12 @@ def main():
         print(f"   grouped_mm pipeline fwd+bwd kernels, sum {sum(us for _, us, _ in base_rows) / 1e3:.3f} ms:")
         for name, us, n in base_rows[: args.top]:
             print(f"   {us:9.1f} us  x{n:<3} {name}")
-        summary.append((spec, times["torch"], times["cuda"], gpu_ms))
-        del x, router_weight, w1, w2, dy, leaves
+        summary.append((spec, times["torch"], times["cuda"], times["cuda+pre"], gpu_ms))
+        del x, router_weight, w1, w2, dy, leaves, pre
         torch.cuda.empty_cache()
-    print(f"\n{'shape':<32} {'torch ew ms':>11} {'cuda ew ms':>10} {'kernels ms':>10}")
-    for spec, t, c, g in summary:
-        print(f"{spec:<32} {t:11.3f} {c:10.3f} {g:10.3f}")
+    print(f"\n{'shape':<32} {'torch ew ms':>11} {'cuda ew ms':>10} {'+saved pre':>10} {'kernels ms':>10}")
+    for spec, t, c, cp, g in summary:
+        print(f"{spec:<32} {t:11.3f} {c:10.3f} {cp:10.3f} {g:10.3f}")
 
 
 if __name__ == "__main__":

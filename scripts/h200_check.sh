@@ -3,7 +3,7 @@
 # multi-process tests under MPS; then Ray), the single-GPU and training benchmarks, the host-overhead
 # script, optionally Nsight Compute. Each step has its own timeout; logs under $OUT (at most eight files
 # come back), a summary table last. Skip steps with SKIP="mp ray bench training host" (any subset);
-# GPU_TESTS overrides the one-process test files; NCU=1 adds Nsight Compute on the expert-bound shape.
+# GPU_TESTS overrides the one-process test files; NCU=1 adds Nsight Compute on the expert-bound shape; PROFILE=1 the backward's per-kernel profile.
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 start=$(date +%s)
@@ -61,6 +61,10 @@ fi
 if ! skip host && [ "$(left)" -gt 40 ]; then
   # printed, not kept under $OUT: the files above use the eight that come back
   timeout 60 python3 scripts/host_overhead.py > /tmp/host.log 2>&1; note "host overhead rc=$?"; cat /tmp/host.log
+fi
+if [ "${PROFILE:-0}" = "1" ] && [ "$(left)" -gt 70 ]; then
+  # expert_backward's kernels one by one (element-wise back ends, saved pre-activations)
+  timeout 60 python3 scripts/backward_profile.py > /tmp/profile.log 2>&1; note "backward profile rc=$?"; cat /tmp/profile.log
 fi
 if [ "${NCU:-0}" = "1" ] && [ "$(left)" -gt 70 ]; then
   ncu=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
