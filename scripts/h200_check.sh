@@ -2,7 +2,7 @@
 # Everything of record on one H200 in one call (< 600 s): build, every GPU test (one process; then the
 # multi-process tests under MPS; then Ray), the single-GPU and training benchmarks, the host-overhead
 # script, optionally Nsight Compute. Each step has its own timeout; logs under $OUT (at most eight files
-# come back), a summary table last. Skip steps with SKIP="mp ray bench training host" (any subset);
+# come back), a summary table last. Skip steps with SKIP="mp ray bench swiglu training host" (any subset);
 # GPU_TESTS overrides the one-process test files; NCU=1 adds Nsight Compute on the expert-bound shape; PROFILE=1 the backward's per-kernel profile.
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
@@ -42,7 +42,7 @@ if ! skip bench && [ "$(left)" -gt 150 ]; then
   note "bench single-gpu (gelu) rc=$? in $(( $(date +%s) - t )) s"; tail -40 /tmp/bench.log
   cp /tmp/bench/single-gpu.md /tmp/bench/single-gpu.png /tmp/bench/single-gpu.json "$OUT/" 2>/dev/null
 fi
-if ! skip bench && [ "$(left)" -gt 120 ]; then
+if ! skip bench && ! skip swiglu && [ "$(left)" -gt 120 ]; then
   # the issue-15 swiglu shapes (Mixtral, Qwen3-30B-A3B, DeepSeek-V2-Lite, OLMoE, decode rows)
   t=$(date +%s)
   timeout 150 python3 -m flashdmoe bench --suite single-gpu --activation swiglu --entries fused,fused_graph,grouped_mm \
