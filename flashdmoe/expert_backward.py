@@ -57,10 +57,12 @@ are the kernel's float32 accumulators rounded once, as the recomputed ones are.
 
 Precision: GEMMs accumulate in float32 (float64 for float64 inputs) and write the input dtype (what
 ``torch._grouped_mm`` allows), so ``pre``, ``g``, ``w h``, ``dpre`` and the per-row ``dx`` are each
-rounded once to the storage format; activations, their derivatives, the ``k``-sum and the router run in
-the compute dtype (both element-wise back ends) (:func:`flashdmoe.reference.compute_dtype`). ``x`` and ``router_weight`` are upcast
-for the router (activation- and router-sized, not the expert weights). float32 GEMMs on CUDA follow
-``torch.backends.cuda.matmul.allow_tf32`` (off by default).
+rounded once to the storage format; activations, their derivatives, the ``k``-sum and the router's
+softmax run in the compute dtype (:func:`flashdmoe.reference.compute_dtype`). The router's GEMMs: with
+the CUDA element-wise kernels, tensor-core GEMMs on the 16-bit ``x`` and ``router_weight`` with float32
+results (``dlogits`` rounded once to the storage dtype for ``d_router`` and the router's share of
+``dx``); otherwise ``x`` and ``router_weight`` are upcast (activation- and router-sized, not the expert
+weights). float32 GEMMs on CUDA follow ``torch.backends.cuda.matmul.allow_tf32`` (off by default).
 """
 
 from __future__ import annotations
@@ -410,12 +412,24 @@ def expert_backward(
     dx_router = None
     if need_weight_grad:
         dweight = torch.where(kept, dweight_row.index_select(0, layout.row_of_choice).view(tokens, top_k), 0)
-        x_compute = x.to(cdtype)
-        dlogits = _router_logit_grad(x_compute, router_weight, expert.long(), dweight.to(cdtype), normalize_topk)
-        if need_router:
-            d_router = (dlogits.t() @ x_compute).to(router_weight.dtype)
-        if need_dx:
-            dx_router = dlogits @ router_weight.to(cdtype)
+        if kernels is not None:
+            # Tensor-core GEMMs on the 16-bit operands with float32 results: the logits' products are exact
+            # as in float32; dlogits is rounded once to the storage format for the two gradient GEMMs.
+            logits = torch.mm(x, router_weight.t(), out_dtype=torch.float32)
+            dlogits = _router_logit_grad(logits, expert.long(), dweight, normalize_topk)
+            dlogits_16 = dlogits.to(dtype)
+            if need_router:
+                d_router = torch.mm(dlogits_16.t(), x, out_dtype=torch.float32).to(router_weight.dtype)
+            if need_dx:
+                dx_router = torch.mm(dlogits_16, router_weight, out_dtype=torch.float32)
+        else:
+            x_compute = x.to(cdtype)
+            logits = x_compute @ router_weight.to(cdtype).t()
+            dlogits = _router_logit_grad(logits, expert.long(), dweight.to(cdtype), normalize_topk)
+            if need_router:
+                d_router = (dlogits.t() @ x_compute).to(router_weight.dtype)
+            if need_dx:
+                dx_router = dlogits @ router_weight.to(cdtype)
     if need_dx:
         if kernels is not None:
             dx = torch.empty_like(x)
@@ -429,15 +443,15 @@ def expert_backward(
     return dx, d_router, dw1, dw2
 
 
-def _router_logit_grad(x_compute, router_weight, expert, dweight, normalize_topk):
-    """``dlogits [T, E]`` (x_compute's dtype) from ``dweight [T, k]``, the gradient of the combine weights.
+def _router_logit_grad(logits, expert, dweight, normalize_topk):
+    """``dlogits [T, E]`` (logits' dtype) from ``dweight [T, k]``, the gradient of the combine weights.
 
-    The probabilities are recomputed as the reference does (``softmax(x @ router_weight^T)`` in the compute
-    dtype). Renormalised weights ``w_j = p_j / S`` (``S`` = the sum of all ``k`` chosen ``p``, dropped ones
+    The probabilities are recomputed as the reference does (``softmax`` of ``logits = x @ router_weight^T``
+    in the compute dtype). Renormalised weights ``w_j = p_j / S`` (``S`` = the sum of all ``k`` chosen ``p``, dropped ones
     included) give ``dp_j = (dweight_j - sum_i dweight_i w_i) / S``; softmax gives
     ``dlogits = p * (dP - sum_e p_e dP_e)`` with ``dP`` the ``dp`` scattered to the chosen experts.
     """
-    probs = torch.softmax(x_compute @ router_weight.to(x_compute.dtype).t(), dim=-1)
+    probs = torch.softmax(logits, dim=-1)
     chosen = probs.gather(1, expert)
     if normalize_topk:
         total = chosen.sum(dim=1, keepdim=True)

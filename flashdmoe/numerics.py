@@ -97,8 +97,9 @@ def backward_tolerance(dtype: torch.dtype | str) -> float:
     (:mod:`flashdmoe.expert_backward`) against the reference in float32 or float64 on the same inputs.
 
     The backward rounds to the storage format (at most u/2 relative each time) on the way to a gradient:
-    dx passes through 5 roundings (the recomputed pre-activation, g = dy W2^T, dpre, the per-row dx, the
-    returned dx), dW1 through 4, dW2 and d_router through 3. As in :func:`kernel_tolerance` the bound is
+    dx passes through 5 roundings (the saved or recomputed pre-activation, g = dy W2^T, dpre, the per-row
+    dx, the returned dx), dW1 through 4, dW2 through 3, d_router through 4 (the GPU path rounds dlogits
+    before its GEMM). As in :func:`kernel_tolerance` the bound is
     four times the worst sum n * u / 2: 2 * n * u with n = 5.
     """
     return 2.0 * 5 * precision(dtype).unit_roundoff
