@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+import grad_checks
 from flashdmoe import numerics, reference
 from flashdmoe.expert_backward import expert_backward, grouped_mm_supported
 
@@ -162,30 +163,10 @@ def check_case_covers(case: Case, inputs, keep):
 
 
 def router_gradient_magnitude(inputs, keep, case: Case) -> torch.Tensor:
-    """d_router evaluated in float64 with every subtraction turned into an addition of magnitudes.
-
-    The router's gradient cancels: a renormalised choice's dp_j = (dweight_j - sum_i w_i dweight_i) / S and
-    the softmax's dP - sum p dP. With few tokens (T = 1) the difference can be a small part of its terms,
-    so an error relative to ||d_router|| measures the problem's conditioning, not the code. Rounding errors
-    are bounded relative to the terms' magnitudes (Higham's running error bound: |fl(e) - e| <= c u |e|_abs
-    with |e|_abs the expression on absolute values), which is this [E, H] tensor."""
-    x, router_weight, w1, w2, experts, _, _, dy = (t.to(torch.float64) if t.is_floating_point() else t.long()
-                                                   for t in inputs)
-    top_k = experts.shape[1]
-    dweight = torch.zeros(experts.numel(), dtype=torch.float64, device=x.device)
-    for e in range(case.E):
-        choices = reference.routed_choices(experts, keep, e)
-        outputs = reference.expert_ffn(x[choices // top_k], w1[e], w2[e], case.activation)
-        dweight[choices] = (outputs * dy[choices // top_k]).sum(dim=1)
-    dweight = dweight.view(experts.shape).abs()
-    probs = reference.router_probs(x, router_weight)
-    chosen = probs.gather(1, experts)
-    if case.normalize:
-        total = chosen.sum(dim=1, keepdim=True)
-        dweight = (dweight + (dweight * chosen / total).sum(dim=1, keepdim=True)) / total
-    dprobs = torch.zeros_like(probs).scatter_(1, experts, dweight)
-    dlogits = probs * (dprobs + (chosen * dweight).sum(dim=1, keepdim=True))
-    return dlogits.t() @ x.abs()
+    """d_router on absolute values (grad_checks.router_gradient_magnitude): the scale of its rounding errors."""
+    x, router_weight, w1, w2, experts, _, _, dy = inputs
+    return grad_checks.router_gradient_magnitude(x, router_weight, w1, w2, experts, keep, dy,
+                                                 activation=case.activation, normalize_topk=case.normalize)
 
 
 def assert_close(got, want, tolerance, case, dtype, *, inputs, keep):

@@ -1,0 +1,273 @@
+"""The MoE layer's backward on the GPU through the public API (``flashdmoe.moe(..., backend="cuda")``,
+``flashdmoe.moe_expert_parallel`` on an emulated team, ``flashdmoe.MoELayer``), whatever computes it.
+
+- Gradients of x, router_weight, w1 and w2 against autograd through ``reference.moe_fixed_routing`` in
+  float64 on the routing the forward chose, over a sweep of random configurations (tests/grad_checks.py:
+  tolerances ``numerics.kernel_tolerance`` / ``backward_tolerance``, normwise; the router's relative to its
+  magnitude). Emulated teams of 2, 4 and 8 ranks the same way, the router gradient summed over ranks.
+- Three forward + backward runs on the same inputs give bitwise identical gradients.
+- A model with a ``MoELayer`` trained for 100 steps in bfloat16 on the fused backend follows the float64
+  reference backend's loss curve within the band of tests/training_checks.py, learns, and repeats bitwise.
+- A rank that times out in an emulated team's forward makes the backward raise ``KernelTimeout`` naming
+  every rank, produce no gradient, and fail the team; a new team works.
+
+The tests marked ``gpu`` need a Hopper GPU; the unmarked ones check the sweep itself on the CPU
+(tests/test_training.py runs the same checks on the reference backend).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flashdmoe
+from conftest import next_seed
+from flashdmoe import numerics, reference
+from flashdmoe.team import Team, TeamFailed
+from grad_checks import (GradConfig, Sizes, assert_dropped_tokens_get_no_dx, assert_idle_experts_get_no_weight_gradient,
+                         check_config, check_routing, draw_config, make_problem, router_error,
+                         router_gradient_magnitude, run_public)
+from training_checks import MoEModel, TrainingSetup, assert_follows, loss_band, make_task, tolerances, train
+
+# every test draws its inputs through next_seed(): the seed fixture prints its seed on failure
+pytestmark = pytest.mark.usefixtures("seed")
+
+GPU_SIZES = Sizes(small_tokens=2048, large_tokens=(4096, 20000), max_experts=256, multiple=64, max_width=1024,
+                  max_large_width=512, max_weights=2 ** 25)
+GPU_SWEEP = 32
+LARGE_AT = (5, 17, 26)  # T = 20000 at index 5, uniform in [4096, 20000] at 17 and 26
+
+
+@pytest.fixture(scope="module")
+def fused():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("fused kernel targets Hopper (sm_90a)")
+    from flashdmoe import cuda_backend, extension
+
+    extension.load()  # a build failure on Hopper is a test failure, not a skip
+    cuda_backend.debug.poison_outputs = True
+    yield cuda_backend
+    cuda_backend.debug.poison_outputs = False
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The sweep (its coverage is checked on the CPU)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_gpu_sweep_covers_every_option():
+    configs = [draw_config(index, next_seed(), GPU_SIZES, large_at=LARGE_AT) for index in range(GPU_SWEEP)]
+    assert {(c.activation, c.normalize, c.dtype) for c in configs} == {
+        (a, n, d) for a in reference.ACTIVATIONS for n in (True, False) for d in (torch.bfloat16, torch.float16)}
+    tokens = sorted(c.T for c in configs)
+    assert tokens[0] == 0 and 1 in tokens and tokens[-1] == 20000
+    assert sum(T >= 4096 for T in tokens) == len(LARGE_AT) and sum(T <= 2048 for T in tokens) == GPU_SWEEP - 3
+    assert min(c.E for c in configs) >= 4 and max(c.E for c in configs) <= 256
+    assert all(1 <= c.k <= min(8, c.E) for c in configs)
+    assert all(c.H % 64 == 0 and c.I % 64 == 0 for c in configs)  # the kernel's shape rule
+    assert all(c.E * c.H * c.w1_cols <= GPU_SIZES.max_weights for c in configs)
+    assert any(c.capacity_factor for c in configs) and any(c.capacity_factor is None for c in configs)
+    assert any(c.skew for c in configs) and sum(c.ties for c in configs) >= 4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("index", range(GPU_SWEEP))
+def test_gradients_against_float64_oracle(fused, index):
+    config = draw_config(index, next_seed(), GPU_SIZES, large_at=LARGE_AT)
+    print(config)
+    check_config("cuda", config, next_seed(), "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_dropped_choices_and_idle_experts_get_no_gradient(fused, dtype):
+    """A routing that surely drops (k = 1, capacity 0.5, skewed) and leaves experts idle: whole tokens
+    dropped (dx exactly 0), experts without rows (dw1, dw2 exactly 0), the rest against the oracle."""
+    config = GradConfig(T=3000, H=256, I=128, E=16, k=1, activation="gelu", normalize=True, capacity_factor=0.5,
+                        skew=4.0, ties=False, dtype=dtype)
+    covered = check_config("cuda", config, next_seed(), "cuda")
+    assert covered["dropped"] > 0 and covered["idle_experts"] > 0, covered
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Repeated runs
+# ---------------------------------------------------------------------------------------------------------
+
+
+REPEAT_CONFIGS = [
+    GradConfig(20000, 512, 256, 64, 8, "swiglu", True, None, 0.0, False, torch.bfloat16),
+    GradConfig(4096, 1024, 512, 32, 4, "gelu", False, 1.25, 3.0, False, torch.bfloat16),
+    GradConfig(777, 256, 128, 256, 7, "silu", True, None, 0.0, True, torch.float16),
+    GradConfig(1, 128, 128, 8, 2, "relu", True, 0.5, 0.0, False, torch.bfloat16),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", REPEAT_CONFIGS, ids=str)
+def test_repeated_backward_is_bitwise_identical(fused, config):
+    inputs = make_problem(config, next_seed(), "cuda")
+    first_y, first_grads, _, _ = run_public("cuda", config, *inputs)
+    for run in (2, 3):
+        y, grads, _, _ = run_public("cuda", config, *inputs)
+        assert torch.equal(y, first_y), f"{config}: y of run {run} differs from run 1"
+        for name, got, want in zip(("x", "router_weight", "w1", "w2"), grads, first_grads):
+            assert torch.equal(got, want), f"{config}: d{name} of run {run} differs from run 1"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Training
+# ---------------------------------------------------------------------------------------------------------
+
+
+GPU_SETUP = TrainingSetup(tokens=4096, features=64, hidden=128, ffn=128, experts=16, top_k=2, outputs=16,
+                          activation="swiglu")
+
+
+@pytest.mark.gpu
+def test_training_follows_the_float64_reference(fused, seed):
+    model = MoEModel(GPU_SETUP, seed)
+    x, target = make_task(GPU_SETUP, seed + 1)
+    want = train(GPU_SETUP, model, x, target, backend="reference", compute_dtype=torch.float64, device="cuda")
+    got = train(GPU_SETUP, model, x, target, backend="cuda", compute_dtype=torch.bfloat16, device="cuda")
+    output_tolerance, gradient_tolerance = tolerances(torch.bfloat16, GPU_SETUP)
+    band = loss_band(want, outputs=GPU_SETUP.tokens * GPU_SETUP.outputs, output_tolerance=output_tolerance,
+                     gradient_tolerance=gradient_tolerance)
+    used = assert_follows(got, want, band, what="bfloat16 on the fused backend", max_relative_band=0.25)
+    print(f"loss {want.loss[0]:.4f} -> {want.loss[-1]:.4f}; largest fraction of the band used {used:.3f}")
+    again = train(GPU_SETUP, model, x, target, backend="cuda", compute_dtype=torch.bfloat16, device="cuda")
+    assert again.loss == got.loss, "a second bfloat16 training run differs from the first"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Emulated teams
+# ---------------------------------------------------------------------------------------------------------
+
+
+# (P, tokens per rank, H, I, L, k, activation, normalize, capacity, skew, dtype)
+EMULATED_CONFIGS = [
+    (2, (300, 0), 128, 128, 4, 2, "gelu", True, None, 0.0, torch.bfloat16),
+    (2, (1, 700), 256, 64, 2, 3, "swiglu", False, 1.0, 3.0, torch.float16),
+    (4, (500, 129, 0, 64), 128, 192, 4, 4, "silu", True, 0.5, 0.0, torch.bfloat16),
+    (4, (1000, 1000, 1000, 1000), 256, 128, 8, 8, "relu", False, None, 3.0, torch.float16),
+    (8, (256, 256, 0, 256, 256, 256, 256, 256), 128, 128, 2, 2, "swiglu", False, 1.25, 0.0, torch.bfloat16),
+    (8, (33, 0, 800, 5, 2000, 64, 1, 300), 64, 64, 8, 6, "gelu", True, None, 2.0, torch.float16),
+]
+
+
+def emulated_problem(P, tokens, H, I, L, k, activation, normalize, capacity_factor, skew, dtype):
+    """All ranks' tokens drawn as one batch (one skew direction) and split; weights split into shards."""
+    config = GradConfig(sum(tokens), H, I, P * L, k, activation, normalize, capacity_factor, skew, False, dtype)
+    x, router_weight, w1, w2, dy = make_problem(config, next_seed(), "cuda")
+    return config, list(x.split(tokens)), router_weight, list(w1.split(L)), list(w2.split(L)), list(dy.split(tokens))
+
+
+def run_emulated(team, config, xs, router_weight, w1s, w2s, dys):
+    """moe_expert_parallel forward and backward of sum_r <y_r, dy_r>. Returns the leaves (router, xs, w1s,
+    w2s), the ys and each rank's routing (experts, keep)."""
+    leaves = [t.detach().clone().requires_grad_() for t in (router_weight, *xs, *w1s, *w2s)]
+    P = len(xs)
+    ys = flashdmoe.moe_expert_parallel(leaves[1:1 + P], leaves[0], leaves[1 + P:1 + 2 * P], leaves[1 + 2 * P:],
+                                       top_k=config.k, activation=config.activation,
+                                       normalize_topk=config.normalize, capacity_factor=config.capacity_factor,
+                                       team=team)
+    report = flashdmoe.last_report()
+    routings = [(r.expert.long(), r.row >= 0) for r in report.routing]
+    sum((y.float() * dy.float()).sum() for y, dy in zip(ys, dys)).backward()
+    return leaves, ys, routings
+
+
+def check_emulated(config, xs, router_weight, w1s, w2s, dys, leaves, ys, routings):
+    """Each rank's y and dx, the summed router gradient and every shard's weight gradients against float64
+    autograd through reference.moe_fixed_routing on the concatenated experts (what moe_expert_parallel
+    computes, reference.moe_expert_parallel's docstring) and each rank's own routing."""
+    P = len(xs)
+    w1_all, w2_all = torch.cat(w1s), torch.cat(w2s)
+    router64, w1_64, w2_64 = (t.detach().double().requires_grad_() for t in (router_weight, w1_all, w2_all))
+    xs64 = [x.detach().double().requires_grad_() for x in xs]
+    # every leaf in the graph (exact zero gradients where no rank has a term)
+    loss = 0.0 * (router64.sum() + w1_64.sum() + w2_64.sum() + sum(x.sum() for x in xs64))
+    magnitude = torch.zeros_like(router64)
+    for rank, (x64, dy, (experts, keep)) in enumerate(zip(xs64, dys, routings)):
+        check_routing(xs[rank], router_weight, experts, keep, top_k=config.k, capacity_factor=config.capacity_factor,
+                      what=f"{config} rank {rank}")
+        if x64.shape[0] == 0:
+            continue
+        y64 = reference.moe_fixed_routing(x64, router64, w1_64, w2_64, experts, keep, activation=config.activation,
+                                          normalize_topk=config.normalize)
+        error = numerics.normwise_error(ys[rank], y64)
+        assert error <= numerics.kernel_tolerance(config.dtype), f"{config}: rank {rank}: y error {error:.3e}"
+        loss = loss + (y64 * dy.double()).sum()
+        magnitude += router_gradient_magnitude(xs[rank], router_weight, w1_all, w2_all, experts, keep, dy,
+                                               activation=config.activation, normalize_topk=config.normalize)
+    want_router, want_w1, want_w2, *want_xs = torch.autograd.grad(loss, [router64, w1_64, w2_64, *xs64])
+    router_leaf, x_leaves = leaves[0], leaves[1:1 + P]
+    got_w1 = torch.cat([leaf.grad for leaf in leaves[1 + P:1 + 2 * P]])
+    got_w2 = torch.cat([leaf.grad for leaf in leaves[1 + 2 * P:]])
+    bound = numerics.backward_tolerance(config.dtype)
+    error = router_error(router_leaf.grad, want_router, magnitude)
+    assert error <= bound, f"{config}: d_router error {error:.3e} > {bound:.3e}"
+    for name, got, want in (("w1", got_w1, want_w1), ("w2", got_w2, want_w2)):
+        error = numerics.normwise_error(got, want)
+        assert error <= bound, f"{config}: d{name} error {error:.3e} > {bound:.3e}"
+    for rank, (leaf, want, (_, keep)) in enumerate(zip(x_leaves, want_xs, routings)):
+        got = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+        error = numerics.normwise_error(got, want)
+        assert error <= bound, f"{config}: rank {rank}: dx error {error:.3e} > {bound:.3e}"
+        assert_dropped_tokens_get_no_dx(got, keep, f"{config} rank {rank}")
+    assert_idle_experts_get_no_weight_gradient(got_w1, got_w2, routings, str(config))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("P,tokens,H,I,L,k,activation,normalize,capacity_factor,skew,dtype", EMULATED_CONFIGS)
+def test_emulated_team_gradients_against_float64_oracle(fused, P, tokens, H, I, L, k, activation, normalize,
+                                                        capacity_factor, skew, dtype):
+    config, xs, router_weight, w1s, w2s, dys = emulated_problem(P, tokens, H, I, L, k, activation, normalize,
+                                                                capacity_factor, skew, dtype)
+    team = Team.emulated(P, max_tokens=max(max(tokens), 1), hidden=H, top_k=k, local_experts=L, dtype=dtype)
+    leaves, ys, routings = run_emulated(team, config, xs, router_weight, w1s, w2s, dys)
+    check_emulated(config, xs, router_weight, w1s, w2s, dys, leaves, ys, routings)
+    # and bitwise again on the same team
+    again, _, _ = run_emulated(team, config, xs, router_weight, w1s, w2s, dys)
+    for index, (first, second) in enumerate(zip(leaves, again)):
+        assert torch.equal(first.grad, second.grad), f"{config}: gradient of leaf {index} differs between runs"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("P,silent", [(2, 1), (3, 0), (4, 2)])
+def test_backward_after_a_timed_out_forward_raises_on_every_rank(fused, P, silent):
+    """The backward has no wait of its own yet (it runs torch ops after checking the forward's launch): the
+    timeout is forced in the forward it depends on (a rank that publishes no signal), with the default
+    deferred checks, so that the forward returns and the backward is where it surfaces."""
+    config, xs, router_weight, w1s, w2s, dys = emulated_problem(P, (256,) * P, 128, 128, 2, 2, "gelu", True, None,
+                                                                0.0, torch.bfloat16)
+    team = Team.emulated(P, max_tokens=256, hidden=128, top_k=2, local_experts=2, dtype=torch.bfloat16)
+    leaves = [t.detach().clone().requires_grad_() for t in (router_weight, *xs, *w1s, *w2s)]
+    previous = flashdmoe.set_sync_checks(False)
+    try:
+        fused.debug.silent_rank, fused.debug.timeout_ms = silent, 300
+        try:
+            ys = flashdmoe.moe_expert_parallel(leaves[1:1 + P], leaves[0], leaves[1 + P:1 + 2 * P],
+                                               leaves[1 + 2 * P:], top_k=2, team=team)
+        finally:
+            fused.debug.silent_rank, fused.debug.timeout_ms = -1, None
+        loss = sum((y.float() * dy.float()).sum() for y, dy in zip(ys, dys))
+        with pytest.raises(flashdmoe.KernelTimeout) as caught:
+            loss.backward()
+    finally:
+        flashdmoe.set_sync_checks(previous)
+    segments = str(caught.value).split("; ")
+    for rank in range(P):
+        mine = [s for s in segments if f"rank {rank} timed out" in s]
+        assert len(mine) == 1, str(caught.value)
+        if rank != silent:
+            assert f"waiting on rank {silent}" in mine[0], str(caught.value)
+    assert all(leaf.grad is None for leaf in leaves), "a gradient came out of a timed-out forward"
+    assert team.failed
+    with pytest.raises(TeamFailed):
+        flashdmoe.moe_expert_parallel(xs, router_weight, w1s, w2s, top_k=2, team=team)
+    # The GPU is fine: a new team trains.
+    fresh = Team.emulated(P, max_tokens=256, hidden=128, top_k=2, local_experts=2, dtype=torch.bfloat16)
+    leaves, ys, routings = run_emulated(fresh, config, xs, router_weight, w1s, w2s, dys)
+    check_emulated(config, xs, router_weight, w1s, w2s, dys, leaves, ys, routings)
