@@ -415,6 +415,11 @@ class _FusedMoE(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        # The forward's error, if its launch has finished by now (never waits: the backward stays
+        # capturable); a launch still running is checked at the next call, and its routing is only read
+        # within bounds meanwhile (expert_backward).
+        if not torch.cuda.is_current_stream_capturing():
+            status_checks.check_errors()
         x, router_weight, w1, w2, expert, weight, row, saved_pre = ctx.saved_tensors
         activation, normalize_topk, capacity = ctx.options
         grads = expert_backward(x, router_weight, w1, w2, expert, weight, row, dy.contiguous(), activation=activation,

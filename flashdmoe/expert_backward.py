@@ -193,9 +193,11 @@ class _Rows:
         tokens, top_k = expert.shape
         choices = tokens * top_k
         device = expert.device
-        flat_expert = expert.reshape(-1).long()
+        # Bounded on the device: routing of a forward that failed (its error surfaces at the next check)
+        # must not make the gathers and scatters below read or write out of range.
+        flat_expert = expert.reshape(-1).long().clamp(0, experts - 1)
         flat_row = row.reshape(-1).long()
-        self.kept = flat_row >= 0
+        self.kept = (flat_row >= 0) & (flat_row < choices)
         choice_ids = torch.arange(choices, device=device)
         # Dropped choices write to their own slots past the end (never the same index twice, so the
         # scatters are deterministic) and those slots are cut off.

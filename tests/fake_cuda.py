@@ -16,6 +16,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+# csrc/bindings.cpp kAddressesPerRank: x, w1, w2, y, four routing outputs, saved_pre, workspace (last)
+ADDRESSES_PER_RANK = 10
+
 # The real block (csrc/moe/params.cuh): error word, phase clock [6], traffic [2], status flags.
 STATUS_LAYOUT = {"bytes": 128, "error_word": 0, "phase_clock": 8, "phase_clock_slots": 6, "traffic": 56,
                  "status_flags": 72}
@@ -94,7 +97,7 @@ class FakeExtension:
         if self.fail_launch is not None:
             raise self.fail_launch
         shared, ranks = prepared
-        assert len(addresses) == 1 + 9 * len(ranks)
+        assert len(addresses) == 1 + ADDRESSES_PER_RANK * len(ranks)
         blocks = self.script.pop(0) if self.script else [_CLEAN_BLOCK] * len(ranks)
         if status_host:
             data = b"".join(blocks)
@@ -103,7 +106,7 @@ class FakeExtension:
             self.events[status_event].record()
             self.events[status_event].done = self.finish_at_once
         self.launches.append({"sequence": sequence, "stream": stream, "ranks": len(ranks), "event": status_event,
-                              "status_host": status_host, "workspace": addresses[9::9]})
+                              "status_host": status_host, "workspace": addresses[ADDRESSES_PER_RANK::ADDRESSES_PER_RANK]})
         return (132, 1, 200_000)
 
     def new_event(self) -> FakeEvent:

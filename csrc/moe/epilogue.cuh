@@ -109,11 +109,12 @@ __device__ __forceinline__ void save_pre_warp(const MoEParams& p, const Gemm& ge
 }
 
 // GEMM1 epilogue: activation of the accumulators (swiglu: gate column group j times up group j + BN/16,
-// both held by the same lane), into the intermediate rows; the pre-activations too when they are saved.
-template <typename Element, int BN, typename Gemm>
+// both held by the same lane), into the intermediate rows; first the pre-activations in a training
+// instance (kSavePre).
+template <typename Element, int BN, bool kSavePre, typename Gemm>
 __device__ __forceinline__ void gemm1_epilogue_warp(const MoEParams& p, const Gemm& gemm, char* staging,
                                                     int packed_row0, int rows, int out_col0) {
-  if (p.saved_pre != nullptr) save_pre_warp<Element, BN>(p, gemm, staging, packed_row0, rows, out_col0);
+  if constexpr (kSavePre) save_pre_warp<Element, BN>(p, gemm, staging, packed_row0, rows, out_col0);
   const int row0 = warp_tile_row0();
   Element* out = static_cast<Element*>(p.intermediate) + static_cast<size_t>(packed_row0 + row0) * p.ffn + out_col0;
   const int cols = p.ffn - out_col0;

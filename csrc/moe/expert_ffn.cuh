@@ -141,7 +141,7 @@ __device__ __forceinline__ void store_gemm1_rows(const MoEParams& p, const float
       pack.v[v] = static_cast<Element>(h);
     }
     *reinterpret_cast<Pack8<Element>*>(out + static_cast<size_t>(packed_row0 + r) * I + out_col0 + c) = pack;
-    if (p.saved_pre != nullptr) {  // the pre-activations as they are (swiglu: gate at c, up at I + c)
+    if constexpr (Variant::kSavePre) {  // the pre-activations as they are (swiglu: gate at c, up at I + c)
       Element* saved = static_cast<Element*>(p.saved_pre) + static_cast<size_t>(packed_row0 + r) * (swiglu ? 2 * I : I);
       Pack8<Element> pre;
 #pragma unroll

@@ -28,7 +28,7 @@ __device__ __forceinline__ void finish_tile_tma(const MoEParams& p, const DestTa
                                                 FfnGemm which, const RowTile& tile, int row_tile, int col_tile) {
   constexpr int kTileN = Variant::kTileN;
   if (which == FfnGemm::Gemm1) {
-    gemm1_epilogue_warp<Element, kTileN>(p, gemm, warp_staging<Variant>(smem), tile.packed_row0, tile.rows,
+    gemm1_epilogue_warp<Element, kTileN, Variant::kSavePre>(p, gemm, warp_staging<Variant>(smem), tile.packed_row0, tile.rows,
                                          col_tile * gemm1_output_columns<Variant>(p));
     tma::fence_proxy_async_global();  // GEMM2's TMA loads (async proxy) read these rows
     sync_workers();

@@ -2,6 +2,7 @@
 // grid that cannot be co-resident is refused instead of deadlocking.
 #pragma once
 #include <algorithm>
+#include <type_traits>
 #include <mutex>
 #include <stdexcept>
 #include <vector>
@@ -122,7 +123,7 @@ inline MoEParams rank_params(const ForwardArgs& a, const RankArgs& r) {
   p.expert_kept = reinterpret_cast<int*>(base + ws.expert_kept);
   p.intermediate = base + ws.intermediate;
   p.saved_pre = r.saved_pre;
-  if (p.saved_pre != nullptr && a.world_size != 1)
+  if (p.saved_pre != nullptr && (a.world_size != 1 || a.num_ranks != 1))
     throw std::invalid_argument("saved_pre: a team's rows are numbered by owner, so only one rank saves pre-activations");
   p.gate_partial = reinterpret_cast<float*>(base + ws.gate_partial);
   p.gate_arrivals = reinterpret_cast<uint32_t*>(base + ws.gate_arrivals);
@@ -203,7 +204,15 @@ LaunchInfo launch_forward_variant(const ForwardArgs& a, cudaStream_t stream) {
   }
 
   const SmemLayout smem = make_smem_layout(a.experts, a.top_k, expert_scratch_bytes<Variant>(), a.world_size);
+  // Forwards that save pre-activations for the backward run the variant's training instance (16-bit
+  // inputs only: float32's TF32 pre-activations would fall short of its backward's accuracy).
   auto kernel = moe_forward_kernel<Element, Variant>;
+  if (a.ranks[0].saved_pre != nullptr) {
+    if constexpr (std::is_same_v<Element, float>)
+      throw std::invalid_argument("saved_pre: float32 (TF32) forwards do not save pre-activations");
+    else
+      kernel = moe_forward_kernel<Element, SavingPre<Variant>>;
+  }
   int device = 0;
   throw_on_cuda_error(cudaGetDevice(&device), "cudaGetDevice");
   const ResidentGrid resident =

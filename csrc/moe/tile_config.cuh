@@ -70,6 +70,14 @@ struct ExpertVariant {
   static constexpr int kWarpStagingOffset = kPipelineBytes;
   static constexpr int kScratchBytes = kUseTma ? kPipelineBytes + (kThreads / 32) * kWarpStagingBytes
                                                : (kPipelineBytes > kEpilogueBytes ? kPipelineBytes : kEpilogueBytes);
+  static constexpr bool kSavePre = false;
+};
+
+// A variant's training instance: its GEMM1 epilogue also writes the pre-activations for the backward
+// (MoEParams::saved_pre). A separate instance, so that the inference kernel's registers stay as they are.
+template <typename Variant>
+struct SavingPre : Variant {
+  static constexpr bool kSavePre = true;
 };
 
 // Shape constraints checked on the host (and named in the error message).
