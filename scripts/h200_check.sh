@@ -29,7 +29,7 @@ run_tests() {  # name, timeout, files...
   timeout "$limit" $PYTEST "$@" >> "$OUT/pytest.log" 2>&1; local rc=$?
   note "tests $name rc=$rc in $(( $(date +%s) - t )) s: $(tail -1 "$OUT/pytest.log")"
 }
-run_tests one-process 240 ${GPU_TESTS:-tests/test_fused_gpu.py tests/test_ep_emulated_gpu.py tests/test_api.py \
+run_tests one-process 300 ${GPU_TESTS:-tests/test_fused_gpu.py tests/test_ep_emulated_gpu.py tests/test_api.py \
   tests/test_team.py tests/test_reference.py tests/test_ep_exchange.py tests/test_expert_backward.py \
   $(ls tests/test_async_status*.py tests/test_custom_op.py tests/test_hf_integration.py tests/test_bench.py tests/test_bench_training.py \
        tests/test_training_gpu.py tests/test_training.py 2>/dev/null)}
