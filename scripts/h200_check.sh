@@ -66,6 +66,8 @@ fi
 if [ "${PROFILE:-0}" = "1" ] && [ "$(left)" -gt 70 ]; then
   # expert_backward's kernels one by one (element-wise back ends, saved pre-activations)
   timeout 60 python3 scripts/backward_profile.py > /tmp/profile.log 2>&1; note "backward profile rc=$?"; cat /tmp/profile.log
+  timeout 60 python3 scripts/training_host_profile.py > /tmp/host_profile.log 2>&1; note "training host profile rc=$?"
+  cat /tmp/host_profile.log
 fi
 if [ "${NCU:-0}" = "1" ] && [ "$(left)" -gt 70 ]; then
   ncu=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
