@@ -226,6 +226,21 @@ void combine_grad(int dtype, uintptr_t dx_rows, uintptr_t row, uintptr_t extra, 
                       reinterpret_cast<cudaStream_t>(stream));
 }
 
+void backward_rows(uintptr_t expert, uintptr_t row, uintptr_t weight, int64_t choices, int top_k, int experts,
+                   uintptr_t token_of_row, uintptr_t w_row, uintptr_t row_of_choice, uintptr_t expert_end,
+                   uintptr_t stream) {
+  launch_backward_rows(as_ptr<const int>(expert), as_ptr<const int>(row), as_ptr<const float>(weight), choices, top_k,
+                       experts, as_ptr<int64_t>(token_of_row), as_ptr<float>(w_row), as_ptr<int>(row_of_choice),
+                       as_ptr<int>(expert_end), reinterpret_cast<cudaStream_t>(stream));
+}
+
+void router_grad(int dtype, uintptr_t logits, uintptr_t expert, uintptr_t row_of_choice, uintptr_t dweight_row,
+                 uintptr_t dlogits, int64_t tokens, int top_k, int experts, bool normalize_topk, uintptr_t stream) {
+  launch_router_grad(static_cast<DType>(dtype), as_ptr<const float>(logits), as_ptr<const int>(expert),
+                     as_ptr<const int>(row_of_choice), as_ptr<const float>(dweight_row), as_ptr<void>(dlogits), tokens,
+                     top_k, experts, normalize_topk, reinterpret_cast<cudaStream_t>(stream));
+}
+
 }  // namespace
 
 PYBIND11_MODULE(flashdmoe_cuda, m) {
@@ -254,6 +269,17 @@ PYBIND11_MODULE(flashdmoe_cuda, m) {
         "asynchronous on `stream`.",
         py::arg("dtype"), py::arg("dx_rows"), py::arg("row"), py::arg("extra"), py::arg("dx"), py::arg("tokens"),
         py::arg("top_k"), py::arg("hidden"), py::arg("stream"));
+  m.def("backward_rows", &backward_rows,
+        "The backward's packed row table from the forward's routing (backward/expert_grad.h); asynchronous.",
+        py::arg("expert"), py::arg("row"), py::arg("weight"), py::arg("choices"), py::arg("top_k"),
+        py::arg("experts"), py::arg("token_of_row"), py::arg("w_row"), py::arg("row_of_choice"),
+        py::arg("expert_end"), py::arg("stream"));
+  m.def("router_grad", &router_grad,
+        "The router's logit gradient through the top-k renormalisation and the softmax, one warp per token "
+        "(backward/expert_grad.h); asynchronous.",
+        py::arg("dtype"), py::arg("logits"), py::arg("expert"), py::arg("row_of_choice"), py::arg("dweight_row"),
+        py::arg("dlogits"), py::arg("tokens"), py::arg("top_k"), py::arg("experts"), py::arg("normalize_topk"),
+        py::arg("stream"));
   m.attr("addresses_per_rank") = kAddressesPerRank;
   m.def("workspace_layout", &layout, py::arg("tokens"), py::arg("hidden"), py::arg("ffn"), py::arg("experts"),
         py::arg("top_k"), py::arg("dtype"), py::arg("world_size") = 1, py::arg("stream_rows") = 0);

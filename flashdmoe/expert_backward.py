@@ -183,16 +183,34 @@ def _check(x, router_weight, w1, w2, expert, weight, row, dy, activation, needs,
 class _Rows:
     """Where each kept choice's row lives and the grouped GEMMs over those rows.
 
-    ``rows`` rows in all (``T * k`` packed, or ``E * M`` padded). ``choice_of_row [rows]`` int64: the flat
-    choice ``t * k + j`` of each row (any valid choice for a row holding none); ``row_of_choice [T * k]``
-    int64: the row of each choice (0 for a dropped one, which is masked); ``live [rows]`` bool or None:
-    rows holding a choice (None when the GEMMs never read the others: the packed tail past ``offs[-1]``).
+    ``rows`` rows in all (``T * k`` packed, or ``E * M`` padded). ``token_of_row [rows]`` int64 and
+    ``w_row [rows]`` (compute dtype): each row's token and combine weight (token 0 and weight 0 for a row
+    holding no choice); ``rows_of_tokens [T, k]`` int32: each choice's row, -1 when dropped; ``offs [E]``
+    int32: each expert's end row (packed). Torch-built tables (no ``kernels``) also have ``kept [T * k]``
+    bool and ``row_of_choice [T * k]`` int64 (0 for a dropped choice, which is masked).
+    With the extension's kernels and packed rows the table is one launch (``backward_rows``).
     """
 
-    def __init__(self, expert, row, experts, padded_rows):
+    def __init__(self, expert, row, weight, experts, padded_rows, kernels, cdtype):
         tokens, top_k = expert.shape
         choices = tokens * top_k
         device = expert.device
+        self.experts = experts
+        self.padded_rows = padded_rows
+        if kernels is not None and padded_rows is None:
+            self.rows = choices
+            self.live = None
+            self.token_of_row = torch.zeros(choices, dtype=torch.int64, device=device)
+            self.w_row = torch.zeros(choices, dtype=torch.float32, device=device)
+            self.rows_of_tokens = torch.empty(tokens, top_k, dtype=torch.int32, device=device)
+            expert_end = torch.zeros(experts, dtype=torch.int32, device=device)
+            expert32, row32 = expert.to(torch.int32).contiguous(), row.to(torch.int32).contiguous()
+            weight32 = weight.to(torch.float32).contiguous()
+            kernels.backward_rows(expert32.data_ptr(), row32.data_ptr(), weight32.data_ptr(), choices, top_k, experts,
+                                  self.token_of_row.data_ptr(), self.w_row.data_ptr(), self.rows_of_tokens.data_ptr(),
+                                  expert_end.data_ptr(), _stream(device))
+            self.offs = torch.cummax(expert_end, 0).values  # empty experts end where the previous one did
+            return
         # Bounded on the device: routing of a forward that failed (its error surfaces at the next check)
         # must not make the gathers and scatters below read or write out of range.
         flat_expert = expert.reshape(-1).long().clamp(0, experts - 1)
@@ -206,8 +224,6 @@ class _Rows:
         expert_of_row = flat_expert.new_full((2 * choices,), experts).scatter_(0, target, flat_expert)[:choices]
         expert_ids = torch.arange(experts, device=device)
         self.offs = torch.searchsorted(expert_of_row, expert_ids, right=True, out_int32=True)
-        self.experts = experts
-        self.padded_rows = padded_rows
         if padded_rows is None:
             self.rows = choices
             self.row_of_choice = torch.where(self.kept, flat_row, 0)
@@ -228,6 +244,11 @@ class _Rows:
             self.live = torch.zeros(self.rows + choices, dtype=torch.bool, device=device).scatter_(
                 0, padded_target, True)[:self.rows]
             self.packed_row_of_row = torch.where(self.kept, flat_row, 0).index_select(0, self.choice_of_row)
+        self.token_of_row = self.choice_of_row // top_k
+        self.w_row = weight.reshape(-1).index_select(0, self.choice_of_row).to(cdtype)
+        if self.live is not None:
+            self.w_row = torch.where(self.live, self.w_row, 0)  # padding rows add nothing to the weight gradients
+        self.rows_of_tokens = torch.where(self.kept, self.row_of_choice, -1).to(torch.int32).view(tokens, top_k)
 
     def rows_times(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """Row ``r`` of expert ``e``: ``a[r] @ b[e]``. a: ``[rows, K]``; b: ``[E, K, N]`` -> ``[rows, N]``."""
@@ -362,17 +383,12 @@ def expert_backward(
     cdtype = compute_dtype(dtype)
     top_k = expert.shape[1]
     w1, w2 = w1.contiguous(), w2.contiguous()  # no-ops for parameters; _grouped_mm needs aligned strides
-    layout = _Rows(expert, row, experts, padded_rows)
-
-    token_of_row = layout.choice_of_row // top_k
-    w_row = weight.reshape(-1).index_select(0, layout.choice_of_row).to(cdtype)
-    if layout.live is not None:
-        w_row = torch.where(layout.live, w_row, 0)  # padding rows add nothing to the weight gradients
-    x_rows = x.index_select(0, token_of_row)
-
     need_weight_grad = need_dx or need_router  # the combine weights' gradient feeds the router
     need_g = need_weight_grad or need_dw1
     kernels = _elementwise_kernels(elementwise, dtype, x.device, hidden, intermediate) if need_g else None
+    layout = _Rows(expert, row, weight, experts, padded_rows, kernels, cdtype)
+    token_of_row, w_row = layout.token_of_row, layout.w_row
+    x_rows = x.index_select(0, token_of_row)
 
     if pre is None:
         pre = layout.rows_times(x_rows, w1)
@@ -410,21 +426,25 @@ def expert_backward(
                 dx_rows = layout.rows_times(dpre, w1.transpose(1, 2))
             if need_weight_grad:
                 dweight_row = (g * h).sum(dim=1)
-    kept = layout.kept.view(tokens, top_k)
     dx_router = None
     if need_weight_grad:
-        dweight = torch.where(kept, dweight_row.index_select(0, layout.row_of_choice).view(tokens, top_k), 0)
         if kernels is not None:
             # Tensor-core GEMMs on the 16-bit operands with float32 results: the logits' products are exact
-            # as in float32; dlogits is rounded once to the storage format for the two gradient GEMMs.
+            # as in float32; dlogits (one kernel) is rounded once to the storage format for the two
+            # gradient GEMMs.
             logits = torch.mm(x, router_weight.t(), out_dtype=torch.float32)
-            dlogits = _router_logit_grad(logits, expert.long(), dweight, normalize_topk)
-            dlogits_16 = dlogits.to(dtype)
+            dlogits = torch.empty(tokens, experts, dtype=dtype, device=x.device)
+            expert32 = expert.to(torch.int32).contiguous()
+            kernels.router_grad(_DTYPE_CODES[dtype], logits.data_ptr(), expert32.data_ptr(),
+                                layout.rows_of_tokens.data_ptr(), dweight_row.data_ptr(), dlogits.data_ptr(),
+                                tokens, top_k, experts, normalize_topk, _stream(x.device))
             if need_router:
-                d_router = torch.mm(dlogits_16.t(), x, out_dtype=torch.float32).to(router_weight.dtype)
+                d_router = torch.mm(dlogits.t(), x, out_dtype=torch.float32).to(router_weight.dtype)
             if need_dx:
-                dx_router = torch.mm(dlogits_16, router_weight, out_dtype=torch.float32)
+                dx_router = torch.mm(dlogits, router_weight, out_dtype=torch.float32)
         else:
+            kept = layout.kept.view(tokens, top_k)
+            dweight = torch.where(kept, dweight_row.index_select(0, layout.row_of_choice).view(tokens, top_k), 0)
             x_compute = x.to(cdtype)
             logits = x_compute @ router_weight.to(cdtype).t()
             dlogits = _router_logit_grad(logits, expert.long(), dweight.to(cdtype), normalize_topk)
@@ -435,11 +455,11 @@ def expert_backward(
     if need_dx:
         if kernels is not None:
             dx = torch.empty_like(x)
-            rows_of_tokens = torch.where(kept, layout.row_of_choice.view(tokens, top_k), -1).to(torch.int32)
-            kernels.combine_grad(_DTYPE_CODES[dtype], dx_rows.data_ptr(), rows_of_tokens.data_ptr(),
+            kernels.combine_grad(_DTYPE_CODES[dtype], dx_rows.data_ptr(), layout.rows_of_tokens.data_ptr(),
                                  dx_router.data_ptr(), dx.data_ptr(), tokens, top_k, hidden, _stream(x.device))
         else:
             # where, not a multiply: rows past the packed ones are uninitialised (0 * NaN is NaN)
+            kept = layout.kept.view(tokens, top_k)
             per_choice = dx_rows.index_select(0, layout.row_of_choice).view(tokens, top_k, hidden)
             dx = (torch.where(kept[:, :, None], per_choice, 0).to(cdtype).sum(dim=1) + dx_router).to(dtype)
     return dx, d_router, dw1, dw2

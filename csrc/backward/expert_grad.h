@@ -21,3 +21,27 @@ void launch_combine_grad(DType dtype, const void* dx_rows, const int* row, const
                          int top_k, int hidden, cudaStream_t stream);
 
 }  // namespace flashdmoe
+
+namespace flashdmoe {
+
+// The packed row table of one rank's backward from the forward's routing (expert, row, weight [T*k]
+// int32 / int32 / float32, row -1 = dropped): for every kept choice c with row r,
+// token_of_row[r] = c / top_k and w_row[r] = weight[c]; row_of_choice[c] = r, -1 for a dropped choice
+// or one whose expert or row is out of range (routing of a failed forward is only ever read in bounds);
+// expert_end[e] = max over e's rows of r + 1 (a running maximum over e then gives each expert's end).
+// token_of_row, w_row and expert_end must be zeroed beforehand (rows holding no choice keep token 0 and
+// weight 0).
+void launch_backward_rows(const int* expert, const int* row, const float* weight, int64_t choices, int top_k,
+                          int experts, int64_t* token_of_row, float* w_row, int* row_of_choice, int* expert_end,
+                          cudaStream_t stream);
+
+// The router's logit gradient from the combine weights' gradient, one warp per token: p = softmax(logits)
+// (float32 [T, E]); dweight_j = dweight_row[row_of_choice[t, j]] (0 when -1); with normalize_topk the
+// weights are p_j / S (S the sum of the k chosen p), so dp_j = (dweight_j - sum_i dweight_i p_i / S) / S,
+// else dp_j = dweight_j; dlogits = p * (dP - sum_j p_j dp_j), dP the dp scattered to the chosen experts.
+// dlogits [T, E] in dtype (16-bit: the operand of the router's gradient GEMMs).
+void launch_router_grad(DType dtype, const float* logits, const int* expert, const int* row_of_choice,
+                        const float* dweight_row, void* dlogits, int64_t tokens, int top_k, int experts,
+                        bool normalize_topk, cudaStream_t stream);
+
+}  // namespace flashdmoe
