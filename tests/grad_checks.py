@@ -121,11 +121,13 @@ def make_problem(config: GradConfig, seed: int, device: str | torch.device):
     x = randn(config.T, config.H)
     router_weight = randn(config.E, config.H, scale=1 / math.sqrt(config.H))
     if config.skew:
-        # A direction every token shares and a descending bias along it in the router rows: expert 0 gets
-        # the most tokens, the last experts few or none.
+        # A direction every token shares (a component >= 1 along it) and a descending bias along it in the
+        # router rows: expert 0 gets the most tokens, the last experts none (their logits trail by >= skew).
         direction = randn(config.H)
         direction /= direction.norm()
         x += 2.0 * direction
+        along = x @ direction
+        x += (along.abs() + 1 - along)[:, None] * direction
         router_weight += config.skew * torch.linspace(1, -1, config.E)[:, None] * direction
     if config.ties:
         pairs = config.E // 2
