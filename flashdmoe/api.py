@@ -63,6 +63,11 @@ def _validate(x, router_weight, w1, w2, *, top_k, activation, capacity_factor, w
     return sizes
 
 
+def _as_float(capacity_factor):
+    """A validated capacity factor as ``float`` (NumPy scalars included), or ``None``."""
+    return capacity_factor if capacity_factor is None or type(capacity_factor) is float else float(capacity_factor)
+
+
 def cuda_unavailable_reason(x: torch.Tensor) -> str | None:
     """Why the fused CUDA backend cannot run on ``x`` here, or ``None`` if it can.
 
@@ -174,8 +179,9 @@ def moe(
         raise ValueError(f"return_aux={return_aux!r}: expected True or False")
     if not isinstance(x, torch.Tensor):
         raise ValueError(f"x: expected a torch.Tensor, got {type(x).__name__}")
-    _validate(x, router_weight, w1, w2, top_k=top_k, activation=activation, capacity_factor=capacity_factor,
-              world_size=world_size)
+    top_k = _validate(x, router_weight, w1, w2, top_k=top_k, activation=activation, capacity_factor=capacity_factor,
+                      world_size=world_size).top_k  # an int from here on, whatever integer type was given
+    capacity_factor = _as_float(capacity_factor)
     chosen = resolve_backend(x, backend, team)
     if torch.compiler.is_compiling() and getattr(team, "transport", "single") == "single":
         # Under torch.compile one rank is the registered op (CPU: the reference; CUDA: the kernel), which
@@ -241,11 +247,12 @@ def moe_expert_parallel(
     for rank in range(world_size):
         if not isinstance(xs[rank], torch.Tensor):
             raise ValueError(f"xs[{rank}]: expected a torch.Tensor, got {type(xs[rank]).__name__}")
-        _validate(xs[rank], router_weight, w1s[rank], w2s[rank], top_k=top_k, activation=activation,
-                  capacity_factor=capacity_factor, world_size=world_size)
+        sizes = _validate(xs[rank], router_weight, w1s[rank], w2s[rank], top_k=top_k, activation=activation,
+                          capacity_factor=capacity_factor, world_size=world_size)
         if xs[rank].dtype != xs[0].dtype or xs[rank].device != xs[0].device:
             raise ValueError(f"xs[{rank}]: {xs[rank].dtype} on {xs[rank].device}; expected {xs[0].dtype} on "
                              f"{xs[0].device} like xs[0]")
+    top_k, capacity_factor = sizes.top_k, _as_float(capacity_factor)
     use_kernel = backend == "cuda" or (backend == "auto" and team is not None)
     if use_kernel:
         if team is None or getattr(team, "transport", None) != "emulated":

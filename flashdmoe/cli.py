@@ -28,11 +28,14 @@ from rich.table import Table
 __all__ = ["build_parser", "collect_info", "main"]
 
 # `flashdmoe run` exit status: 1 when the result is not a verified one (verification failed, or a
-# fault the bounded retries could not recover), 2 for bad input or a cluster that cannot host the run,
-# before any step runs.
+# fault the bounded retries could not recover), 2 for bad input, an output location that cannot take the
+# results, or a cluster that cannot host the run (before any step runs), 3 when the run finished but its
+# results could not be written (the table is printed first), 130 when interrupted.
 _EXIT_BAD_INPUT = 2
 _EXIT_VERIFICATION_FAILED = 1
 _EXIT_RUN_FAILED = 1
+_EXIT_NOT_WRITTEN = 3
+_EXIT_INTERRUPTED = 130
 
 
 def _package_version(distribution: str) -> str | None:
@@ -195,23 +198,73 @@ def _load_run_config(args: argparse.Namespace):
 #: ``flashdmoe run`` options that apply to Ray runs only, with their ``MoECluster`` argument names.
 _RAY_OPTIONS = {"address": "--address", "gpus_per_worker": "--gpus-per-worker", "max_retries": "--max-retries",
                 "mps_pipe_dir": "--mps-pipe-dir", "mps_log_dir": "--mps-log-dir",
-                "placement_timeout": "--placement-timeout"}
+                "placement_timeout": "--placement-timeout", "connect_timeout": "--connect-timeout"}
 
 
-def _open_ranks(args: argparse.Namespace, config):
-    """The run's executor, started: every rank in this process (``--in-process``) or one Ray worker each."""
+def _check_run_options(args: argparse.Namespace) -> None:
+    """Options that cannot go together, and values argparse lets through; raises ValueError."""
     if args.in_process:
         for name, option in _RAY_OPTIONS.items():
             value = getattr(args, name)
             if value is not None:
                 raise ValueError(f"{option}={value!r}: applies to runs on Ray; --in-process runs every rank in this "
                                  f"process (drop {option} or --in-process)")
-        from flashdmoe.job import InProcessRanks
-
-        return InProcessRanks(config, backend=args.backend, device=args.device)
-    if args.device is not None:
+    elif args.device is not None:
         raise ValueError(f"--device={args.device!r}: applies to --in-process runs only; each Ray worker uses "
                          "its own GPU (or the CPU)")
+    for name, option in (("connect_timeout", "--connect-timeout"), ("placement_timeout", "--placement-timeout")):
+        value = getattr(args, name)
+        if value is not None and not 0 < value < float("inf"):
+            raise ValueError(f"{option}={value!r}: expected a number of seconds > 0")
+
+
+def _in_process_device(args: argparse.Namespace):
+    """The torch device of an --in-process run: --device checked, else cuda when usable, else cpu."""
+    import torch
+
+    if args.device is None:
+        return torch.device("cuda" if args.backend != "reference" and torch.cuda.is_available() else "cpu")
+    expected = "expected cpu, cuda or cuda:INDEX"
+    try:
+        device = torch.device(args.device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"--device={args.device!r}: not a device; {expected}") from None
+    if device.type == "cpu":
+        return device
+    if device.type != "cuda":
+        raise ValueError(f"--device={args.device!r}: {expected}")
+    if not torch.cuda.is_available():
+        raise ValueError(f"--device={args.device!r}: no CUDA device is visible to torch here; use --device cpu")
+    count = torch.cuda.device_count()
+    if device.index is not None and device.index >= count:
+        raise ValueError(f"--device={args.device!r}: torch sees {count} CUDA device(s), cuda:0 to cuda:{count - 1}")
+    return device
+
+
+def _check_memory(args: argparse.Namespace, config, device) -> None:
+    """Refuse sizes this machine cannot hold before anything is allocated (flashdmoe.job.preflight)."""
+    import torch
+
+    from flashdmoe.job import preflight
+
+    if args.in_process:
+        preflight.check_memory(config, verify=args.verify, in_process=True, device=device)
+        return
+    per_gpu = preflight.ranks_per_gpu(args.gpus_per_worker)
+    gpu_workers = args.backend == "cuda" or (
+        args.backend == "auto" and config.dtype != "float32" and torch.cuda.is_available()
+        and torch.cuda.device_count() * per_gpu >= config.world_size)
+    local = args.address is None and not os.environ.get("RAY_ADDRESS")
+    preflight.check_memory(config, verify=args.verify, in_process=False, local_ray=local, gpu_workers=gpu_workers,
+                           ranks_per_gpu=per_gpu)
+
+
+def _open_ranks(args: argparse.Namespace, config, device):
+    """The run's executor, started: every rank in this process (``--in-process``) or one Ray worker each."""
+    if args.in_process:
+        from flashdmoe.job import InProcessRanks
+
+        return InProcessRanks(config, backend=args.backend, device=device)
     try:
         from ray_actors.cluster import MoECluster
     except ImportError as error:
@@ -225,22 +278,48 @@ def _open_ranks(args: argparse.Namespace, config):
 
 
 def _command_run(args: argparse.Namespace) -> int:
-    from flashdmoe.job import ClusterTooSmall, WorkerFault, run_job
+    from flashdmoe.job import ClusterTooSmall, WorkerFault, preflight, run_job
+    from flashdmoe.job.results import StepLog
     from flashdmoe.job.table import default_console
+    from flashdmoe.outputs import OutputWriteError, check_output_dir
 
+    # Everything that can be checked here is, in this order, before a Ray process, a worker or a tensor.
+    _check_run_options(args)
+    device = _in_process_device(args) if args.in_process else None
     config = _load_run_config(args)
+    check_output_dir(args.output)
+    _check_memory(args, config, device)
+    if not args.in_process:
+        preflight.check_ray_address(args.address, timeout_s=args.connect_timeout or preflight.DEFAULT_CONNECT_TIMEOUT_S,
+                                    notice=lambda text: print(f"flashdmoe run: {text}", file=sys.stderr, flush=True))
     try:
-        ranks = _open_ranks(args, config)
+        ranks = _open_ranks(args, config, device)
     except ClusterTooSmall as error:
         print(f"error: the cluster cannot host the run: {error}", file=sys.stderr)
         return _EXIT_BAD_INPUT
+    except ConnectionError as error:  # Ray could not join the cluster after all
+        print(f"error: cannot join the Ray cluster: {error}", file=sys.stderr)
+        return _EXIT_BAD_INPUT
+    log = None
     try:
         with ranks:
-            results = run_job(ranks, verify=args.verify, output_dir=args.output, progress=not args.no_progress,
-                              console=default_console())
+            try:
+                log = StepLog(args.output)
+            except OutputWriteError as error:
+                print(f"error: --output {args.output}: {error}", file=sys.stderr)
+                return _EXIT_BAD_INPUT
+            with log:
+                results = run_job(ranks, verify=args.verify, output_dir=args.output, progress=not args.no_progress,
+                                  console=default_console(), on_step=log.append)
     except WorkerFault as fault:  # the team broke and the bounded retries did not bring it back
-        print(f"error: the run failed ({fault.kind} on rank(s) {fault.ranks}): {fault}", file=sys.stderr)
+        kept = f" (the steps finished before it are in {log.path})" if log is not None and not log.error else ""
+        print(f"error: the run failed ({fault.kind} on rank(s) {fault.ranks}): {fault}{kept}", file=sys.stderr)
         return _EXIT_RUN_FAILED
+    except OutputWriteError as error:
+        kept = "" if log is None or log.error else f"; {log.path} has every step"
+        print(f"error: the run finished but its results could not be written: {error}; nothing was left half-written "
+              f"(the table above has the results{kept})", file=sys.stderr)
+        return _EXIT_NOT_WRITTEN
     verification = results["verification"]
     if verification["enabled"] and not verification["passed"]:
         return _EXIT_VERIFICATION_FAILED
@@ -314,15 +393,20 @@ def build_parser() -> argparse.ArgumentParser:
                     "each; without --address an embedded Ray on 127.0.0.1), verify step 0's outputs and gradients "
                     "against a float64 reference, print a table and write results.json and latency.png. "
                     "--in-process runs the ranks inside this process instead (no Ray). Exit status: 0 success, "
-                    "1 verification failed or the team could not be recovered, 2 bad config or argument or a "
-                    "cluster that cannot host the run.",
+                    "1 verification failed or the team could not be recovered, 2 bad config or argument, an "
+                    "--output that cannot take the results, sizes this machine cannot hold, or a cluster that "
+                    "does not answer or cannot host the run (before any step runs), 3 the run finished but "
+                    "results.json or latency.png could not be written (the table is printed first), 130 "
+                    "interrupted.",
     )
     run.add_argument("--config", required=True, type=Path, help="YAML config (see configs/)")
     run.add_argument("--output", type=Path, default=Path("results"),
-                     help="directory for results.json and latency.png (default: results/)")
+                     help="directory for results.json, latency.png and steps.jsonl (one line per step as the "
+                          "run goes); checked before the run starts (default: results/)")
     run.add_argument("--address", default=None,
                      help="Ray cluster to join, e.g. 'auto' (the cluster of this node or of the Ray job) or "
-                          "HOST:PORT (default: $RAY_ADDRESS, else an embedded Ray on 127.0.0.1)")
+                          "HOST:PORT (default: $RAY_ADDRESS, else an embedded Ray on 127.0.0.1); it must answer "
+                          "within --connect-timeout")
     run.add_argument("--workers", type=int, default=None,
                      help="number of ranks, one Ray worker each (default: the config's world_size)")
     run.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True,
@@ -348,6 +432,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--placement-timeout", type=float, default=None, metavar="SECONDS",
                      help="how long to wait for the Ray cluster to place the workers before giving up with exit "
                           "status 2 (default: 120)")
+    run.add_argument("--connect-timeout", type=float, default=None, metavar="SECONDS",
+                     help="how long to wait for the cluster of --address (or $RAY_ADDRESS) to answer before giving "
+                          "up with exit status 2 (default: 5)")
     run.add_argument("--in-process", action="store_true",
                      help="run every rank inside this process (no Ray): the expert-parallel reference, or "
                           "flashdmoe.moe for one rank")
@@ -378,3 +465,6 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, BackendUnavailable) as error:
         print(f"error: {error}", file=sys.stderr)
         return _EXIT_BAD_INPUT
+    except KeyboardInterrupt:  # what was started is stopped on the way out (context managers)
+        print("interrupted", file=sys.stderr)
+        return _EXIT_INTERRUPTED

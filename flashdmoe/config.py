@@ -20,9 +20,10 @@ import torch
 import yaml
 
 from flashdmoe import numerics
-from flashdmoe.validation import ACTIVATIONS, validate_capacity_factor
+from flashdmoe.validation import ACTIVATIONS, check_capacity, validate_capacity_factor
 
-__all__ = ["CONFIG_DTYPES", "MoEConfig", "derive_seed", "make_tokens", "make_weights", "seeded_randn"]
+__all__ = ["CONFIG_DTYPES", "MAX_CONFIG_BYTES", "DuplicateKeyError", "MoEConfig", "derive_seed",
+           "load_yaml_mapping_text", "make_tokens", "make_weights", "seeded_randn"]
 
 #: Parameter/activation dtypes a config may ask for: the kernel's (float64 is for tests, not configs).
 CONFIG_DTYPES: dict[str, torch.dtype] = {name: p.dtype for name, p in numerics.DTYPES.items() if p.kernel}
@@ -32,6 +33,70 @@ _MAX_SEED = 2**63 - 1
 
 def _is_int(value: object) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+#: Largest config file read: a flat mapping of a dozen fields is a few hundred bytes; this bound keeps a
+#: path such as /dev/zero from being read until memory runs out.
+MAX_CONFIG_BYTES = 1 << 20
+
+
+def _read_config_text(path: Path) -> str:
+    try:
+        with open(path, "rb") as handle:
+            data = handle.read(MAX_CONFIG_BYTES + 1)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise ValueError(f"{path}: is a directory; expected a YAML config file") from None
+    except OSError as error:
+        raise ValueError(f"{path}: cannot be read: {error.strerror or error}") from None
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ValueError(f"{path}: larger than {MAX_CONFIG_BYTES:,} bytes; expected a small YAML config file")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = data[:error.start].count(b"\n") + 1
+        raise ValueError(f"{path}: not UTF-8 text (byte 0x{data[error.start]:02x} on line {line}); "
+                         "expected a UTF-8 YAML config file") from None
+
+
+class DuplicateKeyError(yaml.YAMLError):
+    """A YAML mapping names one key twice (YAML itself forbids it; PyYAML would keep the last)."""
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a key given twice in one mapping instead of keeping the last."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            first_lines: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":  # `<<:` merges; explicit keys may override them
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                line = key_node.start_mark.line + 1
+                try:
+                    first = first_lines.get(key)
+                except TypeError:  # an unhashable key: the base class says so
+                    continue
+                if first is not None:
+                    raise DuplicateKeyError(f"duplicate key {key!r} on line {line} (first given on line {first})")
+                first_lines[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+def load_yaml_mapping_text(text: str, source: str) -> Any:
+    """Parse YAML ``text`` with ``yaml.safe_load``'s types, refusing duplicate keys; errors name ``source``.
+
+    Raises:
+        ValueError: the text does not parse or repeats a key in a mapping.
+    """
+    try:
+        return yaml.load(text, Loader=_StrictLoader)
+    except DuplicateKeyError as error:
+        raise ValueError(f"{source}: {error}") from None
+    except yaml.YAMLError as error:
+        raise ValueError(f"{source}: not valid YAML: {error}") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +156,7 @@ class MoEConfig:
         if not isinstance(self.normalize_topk, bool):
             raise ValueError(f"normalize_topk={self.normalize_topk!r}: expected true or false")
         object.__setattr__(self, "capacity_factor", validate_capacity_factor(self.capacity_factor))
+        check_capacity(self.capacity_factor, self.tokens_per_rank, self.top_k, self.experts)
         if not isinstance(self.dtype, str) or self.dtype not in CONFIG_DTYPES:
             raise ValueError(f"dtype={self.dtype!r}: expected one of {', '.join(CONFIG_DTYPES)}")
 
@@ -135,14 +201,12 @@ class MoEConfig:
 
         Raises:
             FileNotFoundError: the file does not exist.
-            ValueError: the YAML does not parse, is not a mapping, or fails :meth:`from_dict`.
+            ValueError: the path is a directory, cannot be read, is not UTF-8 text or is larger than
+                :data:`MAX_CONFIG_BYTES`; the YAML does not parse, repeats a key, is not a mapping, or fails
+                :meth:`from_dict`. The message names the file.
         """
         path = Path(path)
-        text = path.read_text(encoding="utf-8")
-        try:
-            values = yaml.safe_load(text)
-        except yaml.YAMLError as error:
-            raise ValueError(f"{path}: not valid YAML: {error}") from None
+        values = load_yaml_mapping_text(_read_config_text(path), str(path))
         if values is None:
             raise ValueError(f"{path}: the file is empty; expected a mapping of field names to values")
         return cls.from_dict(values, source=str(path))

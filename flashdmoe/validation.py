@@ -15,13 +15,18 @@ import torch
 __all__ = [
     "ACTIVATIONS",
     "INPUT_DTYPES",
+    "MAX_CAPACITY",
     "MoESizes",
+    "check_capacity",
     "validate_capacity_factor",
     "validate_moe_inputs",
 ]
 
 #: Activations every backend implements (same tuple as ``flashdmoe.reference.ACTIVATIONS``).
 ACTIVATIONS: tuple[str, ...] = ("relu", "gelu", "silu", "swiglu")
+
+#: Largest number of rows one (source rank, expert) pair may keep: the fused kernel holds it in a 32-bit int.
+MAX_CAPACITY = 2**31 - 1
 
 #: Tensor dtypes accepted by :func:`flashdmoe.moe`; float64 is for the reference/gradcheck only.
 INPUT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -78,6 +83,26 @@ def validate_capacity_factor(capacity_factor: object, name: str = "capacity_fact
     return factor
 
 
+def check_capacity(capacity_factor: float | None, tokens: int, top_k: int, experts: int,
+                   name: str = "capacity_factor") -> None:
+    """Check that a valid capacity factor gives a capacity the backends can hold:
+    ``c * T * k / E <= MAX_CAPACITY`` (a factor of ``E / k`` already keeps every choice, so nothing
+    useful lies above it; a factor such as ``1e300`` would overflow the integer capacity).
+
+    Raises:
+        ValueError: naming ``name``, the capacity it gives and the largest useful factor.
+    """
+    if capacity_factor is None:
+        return
+    rows = capacity_factor * tokens * top_k / experts  # the order of reference.expert_capacity
+    if not math.isfinite(rows) or rows > MAX_CAPACITY:
+        raise ValueError(
+            f"{name}={capacity_factor!r}: keeps ceil(c * T * k / E) = ceil({capacity_factor!r} * {tokens} * {top_k} / "
+            f"{experts}) = {rows:.3g} rows per (source rank, expert), more than {MAX_CAPACITY} (2**31 - 1); a factor "
+            f">= E / k = {experts / top_k:g} already keeps every choice: use one, or None / null for dropless"
+        )
+
+
 def validate_moe_inputs(
     x: torch.Tensor,
     router_weight: torch.Tensor,
@@ -96,9 +121,11 @@ def validate_moe_inputs(
         router_weight: ``[E, H]`` router (``nn.Linear`` layout), same dtype and device as ``x``.
         w1: ``[L, H, I]``, or ``[L, H, 2I]`` for ``swiglu`` (gate half first), same dtype/device.
         w2: ``[L, I, H]``, same dtype and device.
-        top_k: experts per token, ``1 <= top_k <= E``.
+        top_k: experts per token, ``1 <= top_k <= E``: any integer type but ``bool`` (NumPy's too; the
+            returned :class:`MoESizes` holds it as ``int``).
         activation: one of :data:`ACTIVATIONS`.
-        capacity_factor: ``None`` (dropless) or a finite number > 0.
+        capacity_factor: ``None`` (dropless) or a finite number > 0 with ``c * T * k / E`` at most
+            :data:`MAX_CAPACITY` (see :func:`check_capacity`).
         world_size: ``P`` ranks in the team; ``E`` must divide by it and ``L * P == E``.
 
     Returns:
@@ -136,7 +163,7 @@ def validate_moe_inputs(
         raise ValueError(f"activation={activation!r}: expected one of {', '.join(ACTIVATIONS)}")
     if not _is_int(world_size) or world_size < 1:
         raise ValueError(f"world_size={world_size!r}: expected an integer >= 1")
-    validate_capacity_factor(capacity_factor)
+    capacity_factor = validate_capacity_factor(capacity_factor)
 
     tokens, hidden = x.shape
     experts = router_weight.shape[0]
@@ -182,6 +209,7 @@ def validate_moe_inputs(
         )
     if not _is_int(top_k) or not 1 <= top_k <= experts:
         raise ValueError(f"top_k={top_k!r}: expected an integer with 1 <= top_k <= E = {experts}")
+    check_capacity(capacity_factor, tokens, int(top_k), experts)
 
     # A data-dependent check: eager only (a traced graph cannot branch on values; the op's CPU
     # implementation checks x when it runs).

@@ -189,13 +189,15 @@ class _FakeCluster:
 
 
 def _fake_ray(monkeypatch, run_job=None):
-    """MoECluster and run_job replaced; returns the list of (cluster, address, options) opened and the list
-    of (ranks, run_job options) run."""
+    """MoECluster, run_job and the check that the cluster answers replaced; returns the list of (cluster,
+    address, options) opened and the list of (ranks, run_job options) run."""
+    from flashdmoe.job import preflight
     from ray_actors import cluster
 
     opened, runs = [], []
     monkeypatch.setattr(_FakeCluster, "opened", opened)
     monkeypatch.setattr(cluster, "MoECluster", _FakeCluster)
+    monkeypatch.setattr(preflight, "check_ray_address", lambda address, **options: None)
 
     def fake_run_job(ranks, **options):
         runs.append((ranks, options))
@@ -215,9 +217,10 @@ def test_run_opens_ray_ranks_with_its_arguments(backend, monkeypatch, tmp_path):
     assert ranks.config == MoEConfig.from_yaml(TINY).replace(world_size=4) and address == "auto"
     assert options == dict(backend=backend, gpus_per_worker=0.5, placement_timeout_s=7.0)
     assert runs[0][0] is ranks and ranks.closed
-    assert set(runs[0][1]) == {"verify", "output_dir", "progress", "console"}
+    assert set(runs[0][1]) == {"verify", "output_dir", "progress", "console", "on_step"}
     assert runs[0][1]["verify"] is True and runs[0][1]["output_dir"] == tmp_path and runs[0][1]["progress"] is False
 
+    monkeypatch.chdir(tmp_path)  # the default --output, results/, lands there
     assert cli.main(["run", "--config", str(TINY), "--no-verify", "--backend", backend, "--max-retries", "3",
                      "--mps-pipe-dir", "/tmp/mps/pipe", "--mps-log-dir", "/tmp/mps/log"]) == 0
     ranks, address, options = opened[1]
@@ -226,8 +229,10 @@ def test_run_opens_ray_ranks_with_its_arguments(backend, monkeypatch, tmp_path):
     assert runs[1][1]["verify"] is False and runs[1][1]["output_dir"] == Path("results") and runs[1][1]["progress"]
 
 
-def test_run_on_ray_exit_status(monkeypatch, capsys):
+def test_run_on_ray_exit_status(monkeypatch, capsys, tmp_path):
     from flashdmoe.job import ClusterTooSmall, WorkerFault
+
+    monkeypatch.chdir(tmp_path)  # the default --output, results/, lands there
 
     def failed_verification(ranks, **options):
         return {"verification": {"enabled": True, "passed": False}}

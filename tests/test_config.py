@@ -3,18 +3,24 @@
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import yaml
 
-from flashdmoe.config import MoEConfig, make_tokens, make_weights
+import flashdmoe
+from flashdmoe import reference
+from flashdmoe.config import MAX_CONFIG_BYTES, MoEConfig, load_yaml_mapping_text, make_tokens, make_weights
+from flashdmoe.validation import MAX_CAPACITY, validate_moe_inputs
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG_DIR = REPO / "configs"
 
 VALID = dict(hidden=16, ffn=24, experts=8, top_k=2, tokens_per_rank=10, world_size=2)
+TINY_TEXT = (CONFIG_DIR / "tiny.yaml").read_text()
 
 
 def config_with(**changes) -> MoEConfig:
@@ -135,8 +141,116 @@ def test_from_yaml_errors_name_the_file_and_problem(tmp_path, text, expected):
 
 
 def test_from_yaml_missing_file(tmp_path):
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(FileNotFoundError, match="absent.yaml: no such file"):
         MoEConfig.from_yaml(tmp_path / "absent.yaml")
+
+
+def test_from_yaml_refuses_what_is_not_a_readable_utf8_file(tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match=f"^{tmp_path}: is a directory; expected a YAML config file$"):
+        MoEConfig.from_yaml(tmp_path)
+
+    latin1 = tmp_path / "latin1.yaml"
+    latin1.write_bytes(TINY_TEXT.encode() + "# réglé\n".encode("latin-1"))
+    with pytest.raises(ValueError) as raised:
+        MoEConfig.from_yaml(latin1)
+    lines = TINY_TEXT.count("\n") + 1
+    assert str(raised.value) == (f"{latin1}: not UTF-8 text (byte 0xe9 on line {lines}); expected a UTF-8 YAML "
+                                 "config file")
+
+    huge = tmp_path / "huge.yaml"
+    huge.write_bytes(b"#" * (MAX_CONFIG_BYTES + 1))
+    with pytest.raises(ValueError, match="huge.yaml: larger than 1,048,576 bytes"):
+        MoEConfig.from_yaml(huge)
+
+    # Unreadable: a permission error from open() (mode bits do not stop root, so it is injected here;
+    # tests/test_cli_errors.py makes a really unreadable file for the CLI).
+    locked = tmp_path / "locked.yaml"
+    locked.write_text(TINY_TEXT)
+    real_open = open
+
+    def refusing_open(path, *args, **kwargs):
+        if Path(path) == locked:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", refusing_open)
+    with pytest.raises(ValueError, match=f"^{locked}: cannot be read: Permission denied$"):
+        MoEConfig.from_yaml(locked)
+
+
+@pytest.mark.parametrize("text, key, line, first", [
+    ("hidden: 8\nffn: 8\nexperts: 4\ntop_k: 2\ntokens_per_rank: 4\nhidden: 16\n", "hidden", 6, 1),
+    ("{hidden: 8, ffn: 8, experts: 4, top_k: 2, tokens_per_rank: 4, top_k: 1}\n", "top_k", 1, 1),
+    ("hidden: 8\nffn: 8\nexperts: 4\ntop_k: 2\ntokens_per_rank: 4\nseed: 1\nsteps: 2\nseed: 1\n", "seed", 8, 6),
+])
+def test_from_yaml_refuses_duplicate_keys_naming_key_and_lines(tmp_path, text, key, line, first):
+    path = tmp_path / "dup.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError) as raised:
+        MoEConfig.from_yaml(path)
+    assert str(raised.value) == f"{path}: duplicate key {key!r} on line {line} (first given on line {first})"
+
+
+def test_yaml_loader_keeps_safe_load_types_and_merge_keys():
+    text = ("base: &base {hidden: 8, ffn: 8}\nlayer:\n  <<: *base\n  hidden: 16\n  when: 2024-01-02\n"
+            "  factor: 1.0e+3\n  flag: yes\n")
+    assert load_yaml_mapping_text(text, "t") == yaml.safe_load(text)
+    assert load_yaml_mapping_text(text, "t")["layer"]["hidden"] == 16  # an explicit key overrides a merged one
+    for value in (TINY_TEXT, "[1, 2]\n", "just text\n", ""):
+        assert load_yaml_mapping_text(value, "t") == yaml.safe_load(value)
+
+
+# -- integer types and capacity: configs and the Python API agree -----------------------------------
+
+
+def test_numpy_integers_are_accepted_as_ints():
+    config = MoEConfig(**{name: np.int64(value) for name, value in VALID.items()})
+    assert config == config_with()
+    assert all(type(getattr(config, name)) is int for name in VALID)
+    assert type(config.replace(top_k=np.int32(3)).top_k) is int
+    with pytest.raises(ValueError, match="top_k=True"):
+        config_with(top_k=True)
+
+
+def test_python_api_accepts_numpy_integers_and_factors(seed):
+    config = MoEConfig(hidden=16, ffn=24, experts=6, top_k=2, tokens_per_rank=13, seed=seed)
+    router_weight, w1, w2 = make_weights(config)
+    x = make_tokens(config, 0, 0)
+    want = reference.moe(x, router_weight, w1, w2, top_k=2, capacity_factor=1.25)
+    for top_k, factor in ((np.int64(2), np.float32(1.25)), (np.int32(2), np.float64(1.25)), (np.uint8(2), 1.25)):
+        got = flashdmoe.moe(x, router_weight, w1, w2, top_k=top_k, capacity_factor=factor, backend="reference")
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    shards = [slice(0, 3), slice(3, 6)]
+    xs = [x, make_tokens(config, 0, 1)]
+    want = reference.moe_expert_parallel(xs, router_weight, [w1[s] for s in shards], [w2[s] for s in shards], top_k=2)
+    got = flashdmoe.moe_expert_parallel(xs, router_weight, [w1[s] for s in shards], [w2[s] for s in shards],
+                                        top_k=np.int64(2))
+    for got_y, want_y in zip(got, want):
+        torch.testing.assert_close(got_y, want_y, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="top_k=np.True_|top_k=True"):
+        flashdmoe.moe(x, router_weight, w1, w2, top_k=np.bool_(True))
+
+
+@pytest.mark.parametrize("factor", [1.0e300, 1.7e308, float(2**31) * 6 / (13 * 2)])
+def test_capacity_that_cannot_be_held_is_refused_naming_the_factor(factor):
+    with pytest.raises(ValueError) as raised:
+        config_with(tokens_per_rank=13, experts=6, top_k=2, capacity_factor=factor)
+    message = str(raised.value)
+    assert message.startswith(f"capacity_factor={factor!r}: keeps ceil(c * T * k / E)"), message
+    assert "more than 2147483647 (2**31 - 1); a factor >= E / k = 3 already keeps every choice" in message
+    config = MoEConfig(hidden=16, ffn=24, experts=6, top_k=2, tokens_per_rank=13)
+    router_weight, w1, w2 = make_weights(config)
+    x = make_tokens(config, 0, 0)
+    with pytest.raises(ValueError, match="^" + re.escape(f"capacity_factor={factor!r}: keeps")):
+        flashdmoe.moe(x, router_weight, w1, w2, top_k=2, capacity_factor=factor)
+    with pytest.raises(ValueError, match="^" + re.escape(f"capacity_factor={factor!r}: keeps")):
+        validate_moe_inputs(x, router_weight, w1[:3], w2[:3], top_k=2, activation="gelu", capacity_factor=factor,
+                            world_size=2)
+    # Just below the bound is accepted and keeps every choice, like dropless.
+    largest = float(MAX_CAPACITY) * 6 / (13 * 2) * (1 - 1e-9)
+    assert config_with(tokens_per_rank=13, experts=6, top_k=2, capacity_factor=largest).capacity_factor == largest
+    torch.testing.assert_close(flashdmoe.moe(x, router_weight, w1, w2, top_k=2, capacity_factor=largest),
+                               reference.moe(x, router_weight, w1, w2, top_k=2), rtol=0, atol=0)
 
 
 def test_shipped_configs_load_with_the_documented_sizes():

@@ -21,10 +21,12 @@ from flashdmoe.bench.results import parse_shapes
 from flashdmoe.bench.registry import SUITES, get_suite
 from flashdmoe.bench.suite import SuiteOptions
 from flashdmoe.bench.workload import DTYPES
+from flashdmoe.outputs import OutputWriteError, check_output_dir
 
 DEFAULT_OUTPUT_DIR = "results/bench"
 QUICK_MAX_INPUT_SETS = 4
 ACTIVATION_CHOICES = ("relu", "gelu", "silu", "swiglu")
+CPU_QUICK_NOTE = "on the CPU the suite runs its quick shapes (a smoke test of the pipeline, not a measurement)"
 
 
 def _default_device() -> str:
@@ -39,7 +41,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     )
     parser.add_argument(
         "--output", default=DEFAULT_OUTPUT_DIR, metavar="DIR",
-        help=f"directory for <suite>.json, <suite>.md and <suite>.png (default: {DEFAULT_OUTPUT_DIR})",
+        help=f"directory for <suite>.json, <suite>.md and <suite>.png, checked before the suite runs "
+             f"(default: {DEFAULT_OUTPUT_DIR})",
     )
     parser.add_argument("--repeats", type=int, default=20, help="timed runs per entry (default: 20)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed warm-up runs per entry (default: 5)")
@@ -47,9 +50,15 @@ def configure_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         "--device", choices=("cuda", "cpu"), default=None,
         help="where to run (default: cuda when available, else cpu)",
     )
-    parser.add_argument(
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument(
         "--quick", action="store_true",
-        help="tiny shapes (seconds on a CPU): a smoke test of the whole pipeline, not a measurement",
+        help="tiny shapes (seconds on a CPU): a smoke test of the whole pipeline, not a measurement; the "
+             "default on the CPU",
+    )
+    size.add_argument(
+        "--full", action="store_true",
+        help="the suite's full-size shapes even on the CPU (minutes to hours there); the default on a GPU",
     )
     parser.add_argument(
         "--configs", default=None, metavar="'T,H,I,E,k;...'",
@@ -81,6 +90,12 @@ def configure_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     return parser
 
 
+def _quick_by_default(args: argparse.Namespace, device: str) -> bool:
+    """Full-size shapes take many minutes to hours on a CPU: there the quick ones run unless --full or
+    --configs asks for others."""
+    return device == "cpu" and not args.quick and not args.full and not args.configs
+
+
 def _positive(name: str, value: int | None, minimum: int) -> None:
     if value is not None and value < minimum:
         raise ValueError(f"{name} {value}: expected an integer >= {minimum}")
@@ -96,10 +111,14 @@ def options_from_args(args: argparse.Namespace, console: Console) -> SuiteOption
     device = args.device or _default_device()
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is visible to torch; use --device cpu")
+    quick = args.quick or _quick_by_default(args, device)
     if args.configs:
         shapes = parse_shapes(args.configs)
     else:
-        shapes = list(suite.quick_shapes if args.quick else suite.default_shapes)
+        shapes = list(suite.quick_shapes if quick else suite.default_shapes)
+        if quick and not args.quick:
+            console.print(f"flashdmoe bench: {CPU_QUICK_NOTE}; --full runs the full-size shapes, --configs your own",
+                          markup=False, highlight=False)
     if args.entries:
         entries = [name.strip() for name in args.entries.split(",") if name.strip()]
         unknown = [name for name in entries if name not in suite.entry_names]
@@ -121,7 +140,7 @@ def options_from_args(args: argparse.Namespace, console: Console) -> SuiteOption
         reference_max_tokens=args.reference_max_tokens,
         input_sets=args.input_sets,
         # A smoke test needs the rotation exercised, not a cold cache: a few sets are enough.
-        max_input_sets=QUICK_MAX_INPUT_SETS if args.quick else SuiteOptions.max_input_sets,
+        max_input_sets=QUICK_MAX_INPUT_SETS if quick else SuiteOptions.max_input_sets,
         seed=args.seed,
         console=console,
     )
@@ -134,21 +153,26 @@ def run(args: argparse.Namespace) -> int:
     """Run the suite named by ``args`` and write its reports.
 
     Returns 0 when every entry that ran is within its error tolerance, 1 when an entry failed or
-    exceeded it (results are still written), 2 for bad options.
+    exceeded it (results are still written), 2 for bad options or an ``--output`` that cannot take the
+    reports (checked before the suite runs), 3 when the reports could not be written (the table is
+    printed first; no partial file is left).
     """
     console = Console(stderr=True, log_path=False)
     try:
+        check_output_dir(args.output)
         options = options_from_args(args, console)
     except ValueError as error:
-        console.print(f"[red]flashdmoe bench: {error}[/red]")
+        console.print(f"flashdmoe bench: {error}", style="red", markup=False, highlight=False)
         return 2
     suite = get_suite(options.suite)
     started = datetime.datetime.now(datetime.timezone.utc)
     result = suite.runner(options)
     result.date = started.isoformat(timespec="seconds")
     result.command = getattr(args, "command_line", None) or _command_line(sys.argv)
-    paths = report.write_all(result, args.output, suite.layout)
-    console.print("wrote " + ", ".join(str(path) for path in paths.values()))
+    if _quick_by_default(args, options.device):
+        result.settings.setdefault("notes", []).append(CPU_QUICK_NOTE + "; --full runs the full-size shapes")
+    # The table first, on stdout: whatever happens to the files, the numbers are in the log.
+    report.print_summary(result, Console(), suite.layout)
     failures = [
         f"{config.label} / {entry.label}"
         for config in result.configs
@@ -156,9 +180,15 @@ def run(args: argparse.Namespace) -> int:
         if entry.status == "error" or entry.correct is False
     ]
     if failures:
-        console.print("[red]failed or out of tolerance: " + "; ".join(failures) + "[/red]")
-    # The table goes last and to stdout, so it is what a reader sees at the end of the log.
-    report.print_summary(result, Console(), suite.layout)
+        console.print("failed or out of tolerance: " + "; ".join(failures), style="red", markup=False,
+                      highlight=False)
+    try:
+        paths = report.write_all(result, args.output, suite.layout)
+    except OutputWriteError as error:
+        console.print(f"flashdmoe bench: the reports could not be written: {error}; nothing was left "
+                      "half-written (the table above has the results)", style="red", markup=False, highlight=False)
+        return 3
+    console.print("wrote " + ", ".join(str(path) for path in paths.values()), markup=False, highlight=False)
     return 1 if failures else 0
 
 

@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from flashdmoe.bench.results import ConfigResult, EntryResult, SuiteResult
+from flashdmoe.outputs import write_files
 
 REASON_WIDTH_IN_TERMINAL = 48
 
@@ -33,17 +34,23 @@ def output_paths(result: SuiteResult, output_dir: Path) -> dict[str, Path]:
 
 def write_all(result: SuiteResult, output_dir: Path | str, layout: Layout | None = None) -> dict[str, Path]:
     """Write ``<suite>.json``, ``<suite>.md`` (tables in ``layout``) and ``<suite>.png`` into output_dir
-    (created)."""
-    output_dir = Path(output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    paths = output_paths(result, output_dir)
-    write_json(result, paths["json"])
-    paths["markdown"].write_text(markdown_report(result, plot_name=paths["plot"].name, layout=layout))
-    write_plot(result, paths["plot"])
+    (created), all whole or none (:func:`flashdmoe.outputs.write_files`).
+
+    Raises:
+        flashdmoe.outputs.OutputWriteError: a file could not be written; the files already there are as they were.
+    """
+    paths = output_paths(result, Path(output_dir))
+    json_bytes = json_text(result).encode("utf-8")
+    markdown = markdown_report(result, plot_name=paths["plot"].name, layout=layout).encode("utf-8")
+    figure = plot_figure(result)
+    write_files({paths["json"]: lambda handle: handle.write(json_bytes),
+                 paths["markdown"]: lambda handle: handle.write(markdown),
+                 paths["plot"]: lambda handle: figure.savefig(handle, format="png", dpi=120)})
     return paths
 
 
-def write_json(result: SuiteResult, path: Path) -> None:
+def json_text(result: SuiteResult) -> str:
+    """The JSON report of ``result``."""
     # Infinite errors (non-finite outputs) are written as strings: JSON has no Infinity.
     def finite(value):
         if isinstance(value, float) and not math.isfinite(value):
@@ -54,7 +61,7 @@ def write_json(result: SuiteResult, path: Path) -> None:
             return [finite(item) for item in value]
         return value
 
-    path.write_text(json.dumps(finite(result.to_dict()), indent=2) + "\n")
+    return json.dumps(finite(result.to_dict()), indent=2) + "\n"
 
 
 def number_text(value: float | None, digits: int) -> str:
@@ -230,12 +237,10 @@ def _two_line_label(config: ConfigResult) -> str:
     return " ".join(parts[:middle]) + "\n" + " ".join(parts[middle:])
 
 
-def write_plot(result: SuiteResult, path: Path) -> None:
+def plot_figure(result: SuiteResult):
     """Grouped bars: median ms per configuration, one bar per timed entry, log scale."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
     entry_labels: list[str] = []
     for config in result.configs:
@@ -243,7 +248,10 @@ def write_plot(result: SuiteResult, path: Path) -> None:
             if entry.status == "ok" and entry.label not in entry_labels:
                 entry_labels.append(entry.label)
 
-    figure, axes = plt.subplots(figsize=(max(6.0, 2.2 * len(result.configs) + 2.0), 4.8))
+    # A Figure of its own, not pyplot's: nothing global to close, and it is rendered only when written.
+    figure = Figure(figsize=(max(6.0, 2.2 * len(result.configs) + 2.0), 4.8))
+    FigureCanvasAgg(figure)
+    axes = figure.add_subplot()
     bar_width = 0.8 / max(1, len(entry_labels))
     for entry_index, label in enumerate(entry_labels):
         positions, heights = [], []
@@ -268,5 +276,4 @@ def write_plot(result: SuiteResult, path: Path) -> None:
         axes.legend(fontsize=8, markerscale=0.3)
     axes.grid(axis="y", which="both", alpha=0.3)
     figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    return figure

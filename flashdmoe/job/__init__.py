@@ -4,7 +4,7 @@
 
 Modules: ``data`` (the seeded tensors of a step), ``executor`` (what the loop needs from the ranks),
 ``in_process`` (ranks in this process), ``loop`` (the steps), ``verification``, ``results``, ``table``
-(console report), ``plot`` (``latency.png``).
+(console report), ``plot`` (``latency.png``), ``preflight`` (memory and cluster checks before a run starts).
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ forward + backward steps on every rank, then the float64 verification of step 0
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,8 @@ VERIFIED_STEP = 0
 
 def run_job(ranks: RankExecutor, *, verify: bool = True, output_dir: str | Path | None = None,
             progress: bool = True, console: Console | None = None,
-            crash: dict[str, Any] | None = None) -> dict[str, Any]:
+            crash: dict[str, Any] | None = None,
+            on_step: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Run ``ranks.config.steps`` steps on ``ranks``, verify step 0, report and write the results.
 
     Args:
@@ -38,12 +40,15 @@ def run_job(ranks: RankExecutor, *, verify: bool = True, output_dir: str | Path 
             written; ``None`` prints nothing.
         crash: fault injection for tests, ``{"step": s, "rank": r, "at": point}``: passed to
             ``ranks.step(s)`` as ``{"rank": r, "at": point}``.
+        on_step: called with each step's record as soon as the step is done (``flashdmoe run`` appends it
+            to ``steps.jsonl``: :class:`flashdmoe.job.results.StepLog`).
 
     Returns:
         The results dict (:mod:`flashdmoe.job.results`), as written.
 
     Raises:
         WorkerFault: the team broke and the executor's bounded retries did not bring it back.
+        OutputWriteError: ``results.json`` or ``latency.png`` could not be written (after the report).
     """
     config = ranks.config
     if crash is not None and (not isinstance(crash, dict) or set(crash) != {"step", "rank", "at"}):
@@ -58,6 +63,8 @@ def run_job(ranks: RankExecutor, *, verify: bool = True, output_dir: str | Path 
             if crash is not None and crash["step"] == step:
                 injected = {"rank": crash["rank"], "at": crash["at"]}
             records.append(ranks.step(step, crash=injected))
+            if on_step is not None:
+                on_step(records[-1])
             bar.advance(task)
     checked = verification.verify_step(ranks, VERIFIED_STEP) if verify else verification.skipped()
     results = make_results(ranks, records, checked, wall_s=time.perf_counter() - started)

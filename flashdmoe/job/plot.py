@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
-__all__ = ["latency_plot"]
+__all__ = ["latency_figure"]
 
 
-def latency_plot(results: dict[str, Any], path: str | Path) -> Path:
-    """Plot the step latencies of ``results`` (:mod:`flashdmoe.job.results`) into the PNG ``path``."""
+def latency_figure(results: dict[str, Any]):
+    """The matplotlib figure of the step latencies of ``results`` (:mod:`flashdmoe.job.results`), written as
+    ``latency.png`` by :func:`flashdmoe.job.results.write_results`."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -38,6 +38,4 @@ def latency_plot(results: dict[str, Any], path: str | Path) -> Path:
     axes.grid(True, alpha=0.3)
     axes.legend()
     figure.tight_layout()
-    path = Path(path)
-    figure.savefig(path)
-    return path
+    return figure

@@ -53,6 +53,15 @@ or over the only step)
     ``"team_failed"``, ``"timeout"``); ``ranks``; ``error``; ``reports`` (per rank: ``{"rank", "error",
     "message"}``); ``recovered``; ``recovery_s``, ``teams_closed``, ``generation`` (``null`` when not
     recovered).
+
+Beside ``results.json``, :class:`StepLog` keeps ``steps.jsonl`` (:data:`STEPS_LOG_FILENAME`): one JSON object
+per line for each step as soon as it is done, so a run cut short (killed, interrupted, a team that could
+not be recovered) keeps the steps it finished. ``STEP_LINE_FIELDS``: ``run_started`` (ISO 8601, UTC, the
+same on every line of one run: each run starts the file anew) followed by the ``STEP_FIELDS`` of that step,
+exactly as in ``steps[]``.
+
+``results.json`` and ``latency.png`` are written whole or not at all (:func:`flashdmoe.outputs.write_files`):
+when either cannot be written, the files of an earlier run in that directory are left as they were.
 """
 
 from __future__ import annotations
@@ -60,24 +69,28 @@ from __future__ import annotations
 import datetime
 import importlib.metadata
 import json
+import os
 import platform
 import statistics
+import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 
 from flashdmoe.config import MoEConfig
+from flashdmoe.outputs import OutputWriteError, write_files
 
 __all__ = ["FAULT_FIELDS", "METRICS_FIELDS", "PLOT_FILENAME", "RANK_METRICS_FIELDS", "RANK_STEP_FIELDS",
-           "RESULTS_FIELDS", "RESULTS_FILENAME", "RUN_FIELDS", "SCHEMA_VERSION", "STEP_FIELDS",
-           "VERIFICATION_FIELDS", "WORKER_FIELDS", "fault_entry", "forward_flops", "make_results", "rank_step_entry",
-           "step_record", "summarize", "worker_entry", "write_results"]
+           "RESULTS_FIELDS", "RESULTS_FILENAME", "RUN_FIELDS", "SCHEMA_VERSION", "STEPS_LOG_FILENAME", "STEP_FIELDS",
+           "STEP_LINE_FIELDS", "StepLog", "VERIFICATION_FIELDS", "WORKER_FIELDS", "fault_entry", "forward_flops",
+           "make_results", "rank_step_entry", "step_record", "summarize", "worker_entry", "write_results"]
 
 SCHEMA_VERSION = 1
 RESULTS_FILENAME = "results.json"
 PLOT_FILENAME = "latency.png"
+STEPS_LOG_FILENAME = "steps.jsonl"
 
 RESULTS_FIELDS = ("schema_version", "created", "config", "run", "workers", "steps", "metrics", "verification",
                   "retries", "faults", "environment", "output", "plot")
@@ -86,6 +99,7 @@ WORKER_FIELDS = ("rank", "pid", "hostname", "node_id", "device", "device_name", 
                  "team", "mps")
 STEP_FIELDS = ("step", "attempts", "tokens", "forward_ms", "backward_ms", "latency_ms", "tokens_per_s", "dropped",
                "bytes_sent", "ranks")
+STEP_LINE_FIELDS = ("run_started", *STEP_FIELDS)
 RANK_STEP_FIELDS = ("rank", "tokens", "forward_ms", "backward_ms", "latency_ms", "dropped", "bytes_sent",
                     "rows_sent_remote", "dispatch_bytes", "combine_bytes", "payload_efficiency", "traffic_source")
 METRICS_FIELDS = ("steps_in_median", "tokens_per_step", "flops_per_step", "forward_ms_median", "backward_ms_median",
@@ -233,16 +247,83 @@ def make_results(ranks, records: Sequence[dict[str, Any]], verification: dict[st
 
 
 def write_results(results: dict[str, Any], output_dir: str | Path) -> Path:
-    """Write ``<output_dir>/results.json`` and ``<output_dir>/latency.png`` (the directory is created;
-    its absolute path is used, so a ``ray job submit`` run names where its results went) and set
-    ``results["output"]`` and ``results["plot"]``. Returns the JSON's path."""
-    from flashdmoe.job.plot import latency_plot
+    """Write ``<output_dir>/results.json`` and ``<output_dir>/latency.png`` whole or not at all (the directory
+    is created; its absolute path is used, so a ``ray job submit`` run names where its results went) and set
+    ``results["output"]`` and ``results["plot"]``. Returns the JSON's path.
 
-    directory = Path(output_dir).resolve()
-    directory.mkdir(parents=True, exist_ok=True)
-    results["plot"] = str(latency_plot(results, directory / PLOT_FILENAME))
-    path = directory / RESULTS_FILENAME
-    results["output"] = str(path)
+    Raises:
+        OutputWriteError: a file could not be written; neither was replaced, no partial file is left, and
+            ``results["output"]`` / ``results["plot"]`` stay ``None``.
+    """
+    from flashdmoe.job.plot import latency_figure
+
+    directory = Path(os.path.abspath(output_dir))
+    plot, path = directory / PLOT_FILENAME, directory / RESULTS_FILENAME
+    figure = latency_figure(results)
+    results["plot"], results["output"] = str(plot), str(path)
     # default=str: Team.describe() may hold values JSON has no type for (e.g. a torch dtype)
-    path.write_text(json.dumps(results, indent=2, default=str) + "\n", encoding="utf-8")
+    text = json.dumps(results, indent=2, default=str) + "\n"
+    try:
+        write_files({plot: lambda handle: figure.savefig(handle, format="png"),
+                     path: lambda handle: handle.write(text.encode("utf-8"))})
+    except OutputWriteError:
+        results["plot"] = results["output"] = None
+        raise
     return path
+
+
+class StepLog:
+    """``<output_dir>/steps.jsonl``, begun anew: :meth:`append` adds one finished step's line (see the module
+    docstring). A line that cannot be written (a full disk) is cut back off, so the file holds whole lines
+    only; the log then stops with one warning on ``warnings`` (stderr) and the run goes on.
+
+    Raises (constructor):
+        OutputWriteError: the file cannot be created.
+    """
+
+    def __init__(self, output_dir: str | Path, *, warnings: TextIO | None = None) -> None:
+        directory = Path(os.path.abspath(output_dir))
+        self.path = directory / STEPS_LOG_FILENAME
+        self.started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        self.error: OSError | None = None
+        self._warnings = warnings
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            self._descriptor: int | None = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND,
+                                                   0o666)
+        except OSError as error:
+            raise OutputWriteError(self.path, error) from error
+
+    def append(self, record: dict[str, Any]) -> None:
+        """Add the line of step ``record`` (a ``steps[]`` record)."""
+        if self._descriptor is None:
+            return
+        line = json.dumps({"run_started": self.started, **record}, default=str).encode("utf-8") + b"\n"
+        size = None
+        try:
+            size = os.fstat(self._descriptor).st_size
+            view = memoryview(line)
+            while view:
+                view = view[os.write(self._descriptor, view):]
+        except OSError as error:
+            if size is not None:
+                try:
+                    os.ftruncate(self._descriptor, size)
+                except OSError:
+                    pass
+            self.error = error
+            self.close()
+            (self._warnings or sys.stderr).write(
+                f"warning: {self.path}: cannot append step {record.get('step')} ({error.strerror or error}); "
+                "the steps after it are only in the table and results.json\n")
+
+    def close(self) -> None:
+        if self._descriptor is not None:
+            descriptor, self._descriptor = self._descriptor, None
+            os.close(descriptor)
+
+    def __enter__(self) -> StepLog:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
