@@ -33,6 +33,7 @@ __all__ = ["build_parser", "collect_info", "main"]
 _EXIT_BAD_INPUT = 2
 _EXIT_VERIFICATION_FAILED = 1
 _EXIT_RUN_FAILED = 1
+_EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a process that SIGINT ended
 
 
 def _package_version(distribution: str) -> str | None:
@@ -234,6 +235,9 @@ def _command_run(args: argparse.Namespace) -> int:
     except ClusterTooSmall as error:
         print(f"error: the cluster cannot host the run: {error}", file=sys.stderr)
         return _EXIT_BAD_INPUT
+    except WorkerFault as fault:  # the workers could not be started within the bounded retries
+        print(f"error: the workers did not start ({fault.kind} on rank(s) {fault.ranks}): {fault}", file=sys.stderr)
+        return _EXIT_RUN_FAILED
     try:
         with ranks:
             results = run_job(ranks, verify=args.verify, output_dir=args.output, progress=not args.no_progress,
@@ -378,3 +382,6 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, BackendUnavailable) as error:
         print(f"error: {error}", file=sys.stderr)
         return _EXIT_BAD_INPUT
+    except KeyboardInterrupt:  # the executors have stopped their workers (and an embedded Ray) on the way out
+        print("interrupted", file=sys.stderr)
+        return _EXIT_INTERRUPTED
