@@ -35,7 +35,7 @@ _EXIT_BAD_INPUT = 2
 _EXIT_VERIFICATION_FAILED = 1
 _EXIT_RUN_FAILED = 1
 _EXIT_NOT_WRITTEN = 3
-_EXIT_INTERRUPTED = 130
+_EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a process that SIGINT ended
 
 
 def _package_version(distribution: str) -> str | None:
@@ -300,6 +300,9 @@ def _command_run(args: argparse.Namespace) -> int:
     except ConnectionError as error:  # Ray could not join the cluster after all
         print(f"error: cannot join the Ray cluster: {error}", file=sys.stderr)
         return _EXIT_BAD_INPUT
+    except WorkerFault as fault:  # the workers could not be started within the bounded retries
+        print(f"error: the workers did not start ({fault.kind} on rank(s) {fault.ranks}): {fault}", file=sys.stderr)
+        return _EXIT_RUN_FAILED
     log = None
     try:
         with ranks:
@@ -465,6 +468,6 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, BackendUnavailable) as error:
         print(f"error: {error}", file=sys.stderr)
         return _EXIT_BAD_INPUT
-    except KeyboardInterrupt:  # what was started is stopped on the way out (context managers)
+    except KeyboardInterrupt:  # the executors have stopped their workers (and an embedded Ray) on the way out
         print("interrupted", file=sys.stderr)
         return _EXIT_INTERRUPTED

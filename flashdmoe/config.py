@@ -117,6 +117,9 @@ class MoEConfig:
         world_size: ``P``, ranks of the expert-parallel team (>= 1).
         seed: seeds weights and tokens, ``0 <= seed < 2**63``.
         steps: forward + backward steps a run performs (>= 1).
+        step_timeout_s: on Ray, the longest one call (a step) may take on any rank before the team counts
+            as hung and is replaced (seconds, finite, > 0); ``None``: derived from the layer's size
+            (``ray_actors.cluster.default_step_timeout_s``, 20 s for small layers).
     """
 
     hidden: int
@@ -131,6 +134,7 @@ class MoEConfig:
     world_size: int = 1
     seed: int = 0
     steps: int = 1
+    step_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         minimums = {"hidden": 1, "ffn": 1, "experts": 1, "top_k": 1, "tokens_per_rank": 0,
@@ -159,6 +163,8 @@ class MoEConfig:
         check_capacity(self.capacity_factor, self.tokens_per_rank, self.top_k, self.experts)
         if not isinstance(self.dtype, str) or self.dtype not in CONFIG_DTYPES:
             raise ValueError(f"dtype={self.dtype!r}: expected one of {', '.join(CONFIG_DTYPES)}")
+        if self.step_timeout_s is not None:
+            object.__setattr__(self, "step_timeout_s", _positive_seconds("step_timeout_s", self.step_timeout_s))
 
     # -- loading -------------------------------------------------------------------------------
 
@@ -251,6 +257,18 @@ class MoEConfig:
     def make_tokens(self, rank: int, step: int, *, device: torch.device | str | None = None) -> torch.Tensor:
         """Same as :func:`make_tokens` with this config."""
         return make_tokens(self, rank, step, device=device)
+
+
+def _positive_seconds(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name}={value!r} ({type(value).__name__}): expected null or a number of seconds > 0")
+    try:
+        seconds = float(value)
+    except OverflowError:  # an integer beyond float range
+        seconds = math.inf
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ValueError(f"{name}={value!r}: expected null or a finite number of seconds > 0")
+    return seconds
 
 
 def _check_rank(config: MoEConfig, rank: int) -> None:

@@ -18,20 +18,37 @@ Several ranks on one GPU: ``gpus_per_worker=g < 1`` schedules each actor with ``
 through the actor's ``runtime_env``. The MPS daemon is started by whoever starts the cluster
 (docs/deploy.md, "Several ranks on one GPU").
 
-Faults: when a worker dies during a call (``ray.exceptions.RayActorError``), a kernel watchdog fires on
-any rank (``flashdmoe.KernelTimeout``, caught and reported by each worker) or a call exceeds
-``call_timeout_s``, the team is torn down and bootstrapped again (new port or new unique id, new actors)
-and the call is retried, at most ``max_retries`` times. After a watchdog every rank is alive, so every
-worker first closes its team (collective; bounded by ``teardown_timeout_s``) before the actors are
-replaced; after a death or a hang the workers are killed directly. Each recovery is recorded in
-:attr:`MoECluster.faults` (with every rank's report), which the results carry.
+Faults: when a worker dies during a call (``ray.exceptions.RayActorError``; kind ``worker_died``), a
+kernel watchdog fires on any rank (``flashdmoe.KernelTimeout``, caught and reported by each worker;
+``kernel_timeout``) or a worker stops answering (kind ``timeout``: a stopped or stuck process, a stuck
+collective or kernel, a rank slower than the bound), the team is torn down and bootstrapped again (new
+port or new unique id, new actors) and the call is retried, at most ``max_retries`` times. A worker
+counts as hung when its call has not returned within ``call_timeout_s`` (the config's
+``step_timeout_s``, else :func:`default_step_timeout_s`: 20 s for small layers). On gloo the group's own
+timeout is three quarters of that bound, so the ranks waiting on a hung peer give up first and report
+:class:`ray_actors.worker.CollectiveFailed`, and the peer that never answered is the one named. After a
+watchdog every rank is alive, so every worker first closes its team (collective; bounded by
+``teardown_timeout_s``) before the actors are replaced; after a death or a hang the workers are killed
+directly (a hung worker of an embedded Ray also by its pid, since a stopped process cannot act on Ray's
+request to exit). Starting the workers is bounded too (``startup_timeout_s``) and retried the same way.
+Each recovery is recorded in :attr:`MoECluster.faults` (with every rank's report), which the results
+carry. An interrupted call (``KeyboardInterrupt``) leaves its workers busy: :meth:`close` then kills
+them at once instead of asking them to leave their teams.
+
+Every wait of the driver is bounded: connecting to ``address`` (a TCP probe of ``connect_timeout_s``
+first, so that an address where nothing listens fails at once), placing the workers
+(``placement_timeout_s``), starting them and bootstrapping the team (``startup_timeout_s``), each call
+(``call_timeout_s``), and closing teams (``teardown_timeout_s``).
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
+import signal
+import socket
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -46,12 +63,12 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from flashdmoe.config import MoEConfig
 from flashdmoe.errors import KernelTimeout
 from flashdmoe.job.data import StepOutputs
-from flashdmoe.job.executor import ClusterTooSmall, RankExecutor, WorkerFault
-from flashdmoe.job.results import fault_entry, step_record, worker_entry
+from flashdmoe.job.executor import ClusterTooSmall, ClusterUnreachable, RankExecutor, WorkerFault
+from flashdmoe.job.results import fault_entry, forward_flops, step_record, worker_entry
 from flashdmoe.team import TeamFailed
-from ray_actors.worker import CRASH_POINTS, RemoteMoEWorker, gpu_env_vars
+from ray_actors.worker import CRASH_POINTS, CollectiveFailed, RemoteMoEWorker, gpu_env_vars
 
-__all__ = ["BACKENDS", "MoECluster"]
+__all__ = ["BACKENDS", "MoECluster", "default_step_timeout_s"]
 
 #: ``backend`` values: ``auto`` (the fused kernel when the cluster has a GPU per worker and the dtype is one
 #: it runs, else the reference), ``reference`` (CPU expert parallelism over gloo, reference experts) or
@@ -60,6 +77,21 @@ BACKENDS = ("auto", "reference", "cuda")
 
 #: After one rank fails, how long the others get to finish or fail before they count as stuck.
 _FAULT_GRACE_S = 30.0
+
+#: The part of the bound on a step that does not scale with the layer (default_step_timeout_s).
+STEP_TIMEOUT_BASE_S = 20.0
+
+#: Throughput per rank (FLOP/s) that default_step_timeout_s allows for: far below what a CPU core or a GPU
+#: reaches, so that only a rank that stopped answering exceeds the bound.
+_ASSUMED_FLOPS = {"reference": 1e9, "cuda": 1e12}
+
+#: gloo's collective timeout as a fraction of the bound on a call: the ranks waiting on a hung peer report
+#: before the driver's deadline, so the rank that never answered is the one named.
+_COLLECTIVE_FRACTION = 0.75
+
+#: Default bound on starting the workers and bootstrapping a team, per backend: on GPUs the first use may
+#: compile the CUDA extension (minutes).
+_STARTUP_TIMEOUT_S = {"reference": 120.0, "cuda": 1200.0}
 
 #: Token dtypes a multi-rank (NVSHMEM) team carries (flashdmoe.team.BufferPlan).
 _TEAM_DTYPES = ("bfloat16", "float16")
@@ -103,9 +135,56 @@ def _code_paths() -> str:
 
 
 def _positive_seconds(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"{name}={value!r}: expected a number of seconds > 0")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ValueError(f"{name}={value!r}: expected a finite number of seconds > 0")
     return float(value)
+
+
+def _optional_seconds(name: str, value: object) -> float | None:
+    return None if value is None else _positive_seconds(name, value)
+
+
+def _watchdog_s() -> float:
+    """The fused kernel's watchdog in seconds (``FLASHDMOE_TIMEOUT_MS``, as the workers will read it)."""
+    try:
+        from flashdmoe.cuda_backend import DEFAULT_TIMEOUT_MS
+    except ImportError:
+        DEFAULT_TIMEOUT_MS = 10_000
+    try:
+        return int(os.environ.get("FLASHDMOE_TIMEOUT_MS", DEFAULT_TIMEOUT_MS)) / 1e3
+    except ValueError:
+        return DEFAULT_TIMEOUT_MS / 1e3
+
+
+def default_step_timeout_s(config: MoEConfig, backend: str) -> float:
+    """The bound on one call (a step's forward + backward, or one verification pass) when the config sets no
+    ``step_timeout_s``: :data:`STEP_TIMEOUT_BASE_S` (on the cuda backend at least twice the kernel's
+    watchdog, so that a silent peer surfaces as ``KernelTimeout`` on every rank rather than as a hang) plus
+    the step's FLOPs (three forwards) at a deliberately low throughput (1 GFLOP/s per rank on the reference
+    backend, 1 TFLOP/s on cuda). ``configs/tiny.yaml``: 20 s; ``configs/h200x8.yaml``: 21 s on GPUs."""
+    if backend not in _ASSUMED_FLOPS:
+        raise ValueError(f"backend={backend!r}: expected one of {', '.join(_ASSUMED_FLOPS)}")
+    base = max(STEP_TIMEOUT_BASE_S, 2 * _watchdog_s()) if backend == "cuda" else STEP_TIMEOUT_BASE_S
+    return base + 3 * forward_flops(config, config.tokens_per_rank) / _ASSUMED_FLOPS[backend]
+
+
+def _host_and_port(address: str) -> tuple[str, int] | None:
+    """``(host, port)`` of a Ray address (``HOST:PORT``, ``ray://HOST:PORT``), or ``None`` where it names none."""
+    rest = address.split("://", 1)[1] if "://" in address else address
+    rest = rest.split("/", 1)[0]
+    host, colon, port = rest.rpartition(":")
+    if not colon or not port.isdigit():
+        return None
+    return host.strip("[]"), int(port)
+
+
+def _is_worker_process(pid: int) -> bool:
+    """Whether ``pid`` is (still) a MoEWorker actor process of this machine (Ray titles them ``ray::MoEWorker``)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as file:
+            return b"MoEWorker" in file.read()
+    except OSError:
+        return False
 
 
 def _cpus_and_gpus(resources: dict[str, float]) -> str:
@@ -124,9 +203,16 @@ class MoECluster(RankExecutor):
         gpus_per_worker: GPU share per rank on the CUDA backend, ``0 < g <= 1`` (the actors' ``num_gpus``);
             below 1 several ranks share a GPU under MPS and each gets
             ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=floor(100*g)``.
-        max_retries: recoveries allowed per call before the fault is raised.
-        collective_timeout_s: gloo's timeout for one collective (a dead peer is usually noticed sooner).
-        call_timeout_s: longest a call may take on any rank before the team counts as hung.
+        max_retries: recoveries allowed per call (and for starting the first team) before the fault is raised.
+        collective_timeout_s: gloo's timeout for one collective, at most ``call_timeout_s`` (a dead peer is
+            usually noticed sooner); default three quarters of ``call_timeout_s``.
+        call_timeout_s: longest a call (a step, a forward, a backward) may take on any rank before the team
+            counts as hung, is replaced and the call retried; default the config's ``step_timeout_s``, else
+            :func:`default_step_timeout_s`.
+        startup_timeout_s: longest starting the workers or bootstrapping a team may take; default 120 s on
+            CPU workers, 1200 s on GPU workers (the first use may compile the CUDA extension).
+        connect_timeout_s: with ``address``, how long the TCP probe of that address may take before
+            :class:`~flashdmoe.job.executor.ClusterUnreachable`.
         placement_timeout_s: longest to wait for the cluster to place the ranks (the placement group) before
             :class:`~flashdmoe.job.executor.ClusterTooSmall`.
         num_cpus: CPUs of the embedded Ray (default ``max(os.cpu_count(), P)``).
@@ -136,23 +222,27 @@ class MoECluster(RankExecutor):
         mps_pipe_dir, mps_log_dir: the MPS daemon's directories, passed to every GPU actor as
             ``CUDA_MPS_PIPE_DIRECTORY`` / ``CUDA_MPS_LOG_DIRECTORY``; default (when ``gpus_per_worker < 1``)
             those of this process's environment, if set (else the MPS default ``/tmp/nvidia-mps``).
-        teardown_timeout_s: how long the workers get to close their teams after a kernel watchdog fired,
-            before they are killed anyway.
+        teardown_timeout_s: how long the workers get to close their teams (after a kernel watchdog fired,
+            and at :meth:`close`), before they are killed anyway.
 
     Raises:
         ValueError: bad config or arguments, before any actor starts.
+        ClusterUnreachable: nothing answers at ``address``, or no cluster is running for ``address="auto"``.
         ClusterTooSmall: the cluster cannot place the ranks (too few CPUs or GPUs in all or on one node,
             or not free within ``placement_timeout_s``).
+        WorkerFault: the workers could not be started within the retries.
     """
 
     kind = "ray"
 
     def __init__(self, config: MoEConfig | dict[str, Any] | str | Path, address: str | None = None,
                  workers: int | None = None, *, backend: str = "auto", gpus_per_worker: float = 1.0,
-                 max_retries: int = 2, collective_timeout_s: float = 120.0, call_timeout_s: float = 600.0,
-                 placement_timeout_s: float = 120.0, num_cpus: int | None = None, max_tokens: int | None = None,
+                 max_retries: int = 2, collective_timeout_s: float | None = None,
+                 call_timeout_s: float | None = None, placement_timeout_s: float = 120.0,
+                 num_cpus: int | None = None, max_tokens: int | None = None,
                  mps_pipe_dir: str | os.PathLike | None = None, mps_log_dir: str | os.PathLike | None = None,
-                 teardown_timeout_s: float = 60.0) -> None:
+                 teardown_timeout_s: float = 30.0, startup_timeout_s: float | None = None,
+                 connect_timeout_s: float = 10.0) -> None:
         started = time.perf_counter()
         config = _load_config(config)
         if workers is not None:
@@ -169,10 +259,15 @@ class MoECluster(RankExecutor):
             raise ValueError(f"gpus_per_worker={gpus_per_worker!r}: expected a number in (0, 1]")
         if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
             raise ValueError(f"max_retries={max_retries!r}: expected an integer >= 0")
-        self.collective_timeout_s = _positive_seconds("collective_timeout_s", collective_timeout_s)
-        self.call_timeout_s = _positive_seconds("call_timeout_s", call_timeout_s)
+        collective_timeout_s = _optional_seconds("collective_timeout_s", collective_timeout_s)
+        call_timeout_s = _optional_seconds("call_timeout_s", call_timeout_s)
+        if collective_timeout_s is not None and call_timeout_s is not None and collective_timeout_s > call_timeout_s:
+            raise ValueError(f"collective_timeout_s={collective_timeout_s:g}: expected at most call_timeout_s="
+                             f"{call_timeout_s:g} (the ranks waiting on a hung peer give up first, which names it)")
+        startup_timeout_s = _optional_seconds("startup_timeout_s", startup_timeout_s)
         self.placement_timeout_s = _positive_seconds("placement_timeout_s", placement_timeout_s)
         self.teardown_timeout_s = _positive_seconds("teardown_timeout_s", teardown_timeout_s)
+        self.connect_timeout_s = _positive_seconds("connect_timeout_s", connect_timeout_s)
         if num_cpus is not None and (isinstance(num_cpus, bool) or not isinstance(num_cpus, int) or num_cpus < 1):
             raise ValueError(f"num_cpus={num_cpus!r}: expected None or an integer >= 1")
         if max_tokens is None:
@@ -198,14 +293,25 @@ class MoECluster(RankExecutor):
         self._placement_group = None
         self._last_xs: list[torch.Tensor] | None = None
         self._owns_ray = False
+        self._embedded = False  # a Ray started here on 127.0.0.1: every worker is a process of this machine
         self._closed = False
         self._team_broken = False
+        self._busy = False  # a call's tasks may still run on the workers (interrupted, or ranks stuck)
+        self._pids: dict[int, int] = {}  # rank -> pid of the current workers
 
-        self._connect(address, num_cpus)
         try:
+            self._connect(address, num_cpus)
             self.backend = self._resolve_backend(backend)
             self.transport = "gloo" if self.backend == "reference" else "nvshmem" if self.world_size > 1 else "single"
-            self._start()
+            self.call_timeout_s = (call_timeout_s or config.step_timeout_s
+                                   or default_step_timeout_s(config, self.backend))
+            if collective_timeout_s is not None and collective_timeout_s > self.call_timeout_s:
+                raise ValueError(f"collective_timeout_s={collective_timeout_s:g}: expected at most the bound on a "
+                                 f"call, {self.call_timeout_s:g}s (call_timeout_s, else the config's step_timeout_s)")
+            self.collective_timeout_s = collective_timeout_s or _COLLECTIVE_FRACTION * self.call_timeout_s
+            self.startup_timeout_s = startup_timeout_s or _STARTUP_TIMEOUT_S[self.backend]
+            self._with_recovery("start", lambda attempt: self._start() if attempt == 0 else None,
+                                restart_on_error=False)
         except BaseException:
             self.close()
             raise
@@ -216,16 +322,44 @@ class MoECluster(RankExecutor):
     def _connect(self, address: str | None, num_cpus: int | None) -> None:
         if ray.is_initialized():
             return  # the caller's Ray session; leave it running at close()
+        self._owns_ray = True  # also when ray.init is interrupted: close() shuts down what it started
         if address is None and not os.environ.get("RAY_ADDRESS"):
             # address="local": always a new embedded Ray; with None, ray.init joins a `ray start` cluster
             # recorded in /tmp/ray (and then refuses num_cpus)
+            self._embedded = True
             ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False,
                      num_cpus=num_cpus or max(os.cpu_count() or 1, self.world_size),
                      runtime_env={"env_vars": {"PYTHONPATH": _code_paths()}}, logging_level=logging.WARNING)
-        else:
-            # an existing cluster: the code must be importable there (installed, or the job's working_dir)
+            return
+        # an existing cluster: the code must be importable there (installed, or the job's working_dir)
+        self._probe(address)
+        try:
             ray.init(address=address, logging_level=logging.WARNING)
-        self._owns_ray = True
+        except ConnectionError as error:  # e.g. "auto" with no cluster running
+            raise ClusterUnreachable(f"address={address!r}: {_first_line(error)}") from None
+
+    def _probe(self, address: str | None) -> None:
+        """Refuse at once an address where nothing accepts a TCP connection within ``connect_timeout_s``
+        (ray.init would retry it for many minutes)."""
+        if address in (None, "auto"):  # $RAY_ADDRESS, else the cluster recorded on this node, as ray.init finds it
+            try:
+                from ray._private.services import get_ray_address_from_environment
+            except ImportError:  # another Ray layout: leave it to ray.init
+                return
+            try:
+                address = get_ray_address_from_environment(address, None)
+            except ConnectionError as error:
+                raise ClusterUnreachable(f"address={address!r}: {_first_line(error)}") from None
+        where = _host_and_port(address or "")
+        if where is None:
+            return
+        try:
+            socket.create_connection(where, timeout=self.connect_timeout_s).close()
+        except OSError as error:
+            raise ClusterUnreachable(
+                f"address={address!r}: nothing answers at {where[0]}:{where[1]} within {self.connect_timeout_s:g}s "
+                f"({error.strerror or error}); start the cluster first (ray start --head) or leave the address "
+                "out to start an embedded Ray") from None
 
     def _resolve_backend(self, requested: str) -> str:
         resources = ray.cluster_resources()
@@ -295,8 +429,11 @@ class MoECluster(RankExecutor):
             for rank in range(self.world_size)
         ]
         self.generation += 1
+        self._pids = {}
+        bound = self.startup_timeout_s
         # every actor process up before any rendezvous starts its clock (gloo's store timeout, NVSHMEM's init)
-        self._gather([worker.ping.remote() for worker in self.actors], "start")
+        pids = self._gather([worker.ping.remote() for worker in self.actors], "start", timeout_s=bound)
+        self._pids = {rank: pid for rank, pid in enumerate(pids) if isinstance(pid, int)}
         if self.backend == "cuda" and self.world_size == 1:
             # a single-rank team needs no bootstrap
             rendezvous = {"backend": "cuda", "unique_id": None, "max_tokens": self.max_tokens}
@@ -304,30 +441,42 @@ class MoECluster(RankExecutor):
         elif self.backend == "cuda":
             # a fresh unique id per team: a failed team's id is never reused
             unique_id = self._gather([self.actors[0].make_unique_id.remote(self.config.dtype)], "make_unique_id",
-                                     ranks=[0])[0]
+                                     ranks=[0], timeout_s=bound)[0]
             rendezvous = {"backend": "cuda", "unique_id": unique_id, "max_tokens": self.max_tokens}
             team_id = "nvshmem-" + hashlib.sha256(bytes(unique_id)).hexdigest()[:16]
         else:
-            port = self._gather([self.actors[0].free_port.remote()], "free_port", ranks=[0])[0]
+            port = self._gather([self.actors[0].free_port.remote()], "free_port", ranks=[0], timeout_s=bound)[0]
             rendezvous = {"backend": "gloo", "address": "127.0.0.1", "port": port,
-                          "timeout_s": self.collective_timeout_s}
+                          "timeout_s": self.collective_timeout_s, "rendezvous_s": bound}
             team_id = f"gloo-127.0.0.1:{port}"
         config_dict = self.config.to_dict()
         # all submitted before any is awaited: team initialisation blocks until every rank has joined
         refs = [worker.setup.remote(rank, self.world_size, config_dict, rendezvous)
                 for rank, worker in enumerate(self.actors)]
         self.node_infos = [worker_entry(**info, generation=self.generation, team_id=team_id)
-                           for info in self._gather(refs, "setup")]
+                           for info in self._gather(refs, "setup", timeout_s=bound)]
         self._last_xs = None
 
-    def _stop_workers(self) -> None:
-        """Kill every worker and release the placement group (no collective teardown: peers may be hung)."""
+    def _stop_workers(self, hung: Sequence[int] = ()) -> None:
+        """Kill every worker and release the placement group (no collective teardown: peers may be hung).
+        On an embedded Ray the ``hung`` ranks' processes are also killed by pid: a stopped process cannot act
+        on Ray's request, which Ray only enforces after a grace period."""
         for worker in self.actors:
             try:
                 ray.kill(worker, no_restart=True)
             except Exception as error:  # already gone
                 _log.debug("ray.kill: %s", error)
+        if self._embedded:
+            for rank in hung:
+                pid = self._pids.get(rank)
+                if pid is not None and _is_worker_process(pid):
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except OSError as error:  # exited meanwhile
+                        _log.debug("kill %d: %s", pid, error)
         self.actors = []
+        self._pids = {}
+        self._busy = False
         if self._placement_group is not None:
             try:
                 remove_placement_group(self._placement_group)
@@ -351,31 +500,37 @@ class MoECluster(RankExecutor):
                 _log.warning("closing a team after a fault: %s", _first_line(error))
         return closed
 
-    def _restart(self, close_teams: bool = False) -> bool | None:
+    def _restart(self, close_teams: bool = False, hung: Sequence[int] = ()) -> bool | None:
         """Replace the team: optionally let every worker close its team first (returns whether all did;
-        ``None`` when not asked), then kill the workers and bootstrap a new team on new ones."""
+        ``None`` when not asked), then kill the workers (``hung`` ranks by pid too, see :meth:`_stop_workers`)
+        and bootstrap a new team on new ones."""
         closed = self._close_teams() if close_teams else None
-        self._stop_workers()
+        self._stop_workers(hung)
         self._start()
         return closed
 
     def close(self) -> None:
         """Tear the team down (each worker leaves its group), stop the workers, and stop Ray if this
-        cluster started it. Safe to call twice."""
+        cluster started it. Safe to call twice. Workers still busy with a call (it was interrupted, or a
+        rank is stuck) are killed without being asked to leave their teams."""
         if self._closed:
             return
         self._closed = True
-        if self.actors:
-            refs = [worker.teardown.remote() for worker in self.actors]
-            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=30)
-            for ref in ready:
-                try:
-                    ray.get(ref)
-                except Exception as error:  # a dead or broken worker is killed below anyway
-                    _log.debug("teardown: %s", error)
-        self._stop_workers()
-        if self._owns_ray and ray.is_initialized():
-            ray.shutdown()
+        try:
+            if self.actors and not self._busy:
+                refs = [worker.teardown.remote() for worker in self.actors]
+                ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.teardown_timeout_s)
+                for ref in ready:
+                    try:
+                        ray.get(ref)
+                    except Exception as error:  # a dead or broken worker is killed below anyway
+                        _log.debug("teardown: %s", error)
+        finally:
+            try:
+                self._stop_workers(hung=list(self._pids) if self._busy else ())
+            finally:
+                if self._owns_ray:
+                    ray.shutdown()  # also after an interrupted ray.init: stops what it started
 
     def __enter__(self) -> MoECluster:
         return self
@@ -385,14 +540,26 @@ class MoECluster(RankExecutor):
 
     # -- calls with fault detection ----------------------------------------------------------------------
 
-    def _gather(self, refs: list, what: str, ranks: Sequence[int] | None = None) -> list:
-        """Results of one call per rank; classifies failures (see :class:`WorkerFault`)."""
+    def _gather(self, refs: list, what: str, ranks: Sequence[int] | None = None,
+                timeout_s: float | None = None) -> list:
+        """Results of one call per rank, waiting at most ``timeout_s`` (default ``call_timeout_s``);
+        classifies failures (see :class:`WorkerFault`):
+
+        - a dead worker: ``worker_died``; a ``KernelTimeout`` / ``TeamFailed``: ``kernel_timeout`` /
+          ``team_failed``;
+        - an error of a rank's own (anything else): raised as it is, not retried (the team is replaced first
+          if it left other ranks waiting inside a collective);
+        - otherwise ranks that did not answer in time, or only collectives that gave up on a peer
+          (:class:`CollectiveFailed`): ``timeout``, naming the ranks that did not answer.
+        """
+        timeout_s = self.call_timeout_s if timeout_s is None else timeout_s
         ranks = list(range(len(refs))) if ranks is None else list(ranks)
         pending = dict(zip(refs, ranks))
         results: dict[int, Any] = {}
         errors: dict[int, BaseException] = {}
-        deadline = time.monotonic() + self.call_timeout_s
+        deadline = time.monotonic() + timeout_s
         first_error_at = 0.0
+        self._busy = True  # stays set if this wait is interrupted: close() must not queue behind the call
         while pending:
             limit = deadline if not errors else min(deadline, first_error_at + _FAULT_GRACE_S)
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, limit - time.monotonic()))
@@ -407,11 +574,13 @@ class MoECluster(RankExecutor):
                         first_error_at = time.monotonic()
                     errors[rank] = error
         stuck = sorted(pending.values())
+        self._busy = bool(stuck)
         if not errors and not stuck:
             return [results[rank] for rank in ranks]
         reports = sorted([{"rank": rank, "error": _error_name(error), "message": _error_message(error)}
                           for rank, error in errors.items()]
-                         + [{"rank": rank, "error": "stuck", "message": f"did not finish {what}"} for rank in stuck],
+                         + [{"rank": rank, "error": "stuck", "message": f"did not finish {what} within {timeout_s:g}s"}
+                            for rank in stuck],
                          key=lambda report: report["rank"])
         died = sorted(rank for rank, error in errors.items() if isinstance(error, RayActorError))
         if died:
@@ -422,20 +591,30 @@ class MoECluster(RankExecutor):
             if hit:
                 raise WorkerFault(kind, hit, f"{error_type.__name__} on rank(s) {hit} during {what}: "
                                   f"{_error_message(errors[hit[0]])}", reports)
-        if not errors:
-            raise WorkerFault("timeout", stuck, f"rank(s) {stuck} did not finish {what} within "
-                              f"{self.call_timeout_s:g}s", reports)
-        # an ordinary error (not retried); if it left other ranks inside a collective the team is unusable
-        self._team_broken = bool(stuck)
-        raise errors[min(errors)]
+        gave_up = sorted(rank for rank, error in errors.items() if _is_error(error, CollectiveFailed))
+        own = sorted(set(errors) - set(gave_up))
+        if own:
+            # an ordinary error (not retried); if it left other ranks inside a collective the team is unusable
+            self._team_broken = bool(stuck or gave_up)
+            raise errors[own[0]]
+        if stuck:
+            waited = f"; rank(s) {gave_up} gave up waiting on them" if gave_up else ""
+            raise WorkerFault("timeout", stuck, f"rank(s) {stuck} stopped answering during {what}: no result within "
+                              f"{timeout_s:g}s{waited}", reports)
+        raise WorkerFault("timeout", gave_up, f"collectives of rank(s) {gave_up} gave up on a peer during {what} (no "
+                          f"answer within the collective timeout, {self.collective_timeout_s:g}s): "
+                          f"{_error_message(errors[gave_up[0]])}", reports)
 
     def _call(self, method: str, args_per_rank: Sequence[tuple] | None = None) -> list:
         args_per_rank = args_per_rank or [()] * self.world_size
         refs = [getattr(worker, method).remote(*args) for worker, args in zip(self.actors, args_per_rank)]
         return self._gather(refs, method)
 
-    def _with_recovery(self, what: str, attempt_fn: Callable[[int], Any], step: int | None = None) -> Any:
-        """Run ``attempt_fn(attempt)``; on a :class:`WorkerFault` restart the team and retry (bounded)."""
+    def _with_recovery(self, what: str, attempt_fn: Callable[[int], Any], step: int | None = None, *,
+                       restart_on_error: bool = True) -> Any:
+        """Run ``attempt_fn(attempt)``; on a :class:`WorkerFault` restart the team and retry (bounded). After an
+        ordinary error that left the team unusable, the team is replaced (with ``restart_on_error``) before
+        the error is raised."""
         if self._closed:
             raise RuntimeError("MoECluster is closed")
         attempt = 0
@@ -461,17 +640,20 @@ class MoECluster(RankExecutor):
                              self.max_retries)
                 attempt += 1
             except Exception:
-                if self._team_broken:  # keep the cluster usable after an ordinary error, then report it
+                if self._team_broken and restart_on_error:  # keep the cluster usable, then report the error
                     self._team_broken = False
-                    self._restart()
+                    self._restart(hung=list(self._pids) if self._busy else ())
                 raise
 
     def _recover(self, fault: dict[str, Any]) -> None:
         """A new team on new workers after ``fault`` (updated with the outcome). After a watchdog every
         rank is alive: each closes its team before the actors are replaced."""
         started = time.perf_counter()
+        hung = [report["rank"] for report in fault["reports"] if report["error"] == "stuck"]
+        # closing an NVSHMEM team is collective: only when every rank answered
+        close_teams = fault["kind"] in ("kernel_timeout", "team_failed") and not hung
         try:
-            fault["teams_closed"] = self._restart(close_teams=fault["kind"] in ("kernel_timeout", "team_failed"))
+            fault["teams_closed"] = self._restart(close_teams=close_teams, hung=hung)
         except ClusterTooSmall as error:  # e.g. the dead workers' resources not released in time
             raise WorkerFault(fault["kind"], fault["ranks"], f"no new team after {fault['error']}: {error}",
                               fault["reports"]) from error
@@ -556,7 +738,10 @@ class MoECluster(RankExecutor):
             crash: fault injection for tests, ``{"rank": r, "at": point}`` (see
                 :data:`ray_actors.worker.CRASH_POINTS`), on the first attempt only: at ``before_forward`` /
                 ``after_forward`` that worker's process exits; at ``kernel_timeout`` it raises
-                ``KernelTimeout`` before its forward.
+                ``KernelTimeout`` before its forward; at ``stop`` it stops itself (``SIGSTOP``) after its
+                forward; at ``stall`` it sleeps ``crash["seconds"]`` (default
+                :data:`ray_actors.worker.DEFAULT_STALL_S`) before its forward. A stopped or stalled rank is
+                detected as hung after ``call_timeout_s``.
             silence: test knob for "a peer stops answering", ``{"rank": r, "timeout_ms": t}`` (CUDA backend,
                 several ranks), on the first attempt only: every worker sets
                 ``flashdmoe.cuda_backend.debug.silent_rank = r`` and a ``t`` ms watchdog for this step, so
@@ -569,9 +754,13 @@ class MoECluster(RankExecutor):
         """
         if crash is not None:
             if not isinstance(crash, dict) or crash.get("at") not in CRASH_POINTS or \
-                    crash.get("rank") not in range(self.world_size):
+                    crash.get("rank") not in range(self.world_size) or not set(crash) <= {"rank", "at", "seconds"} \
+                    or ("seconds" in crash and crash["at"] != "stall"):
                 raise ValueError(f"crash={crash!r}: expected {{'rank': 0..{self.world_size - 1}, "
-                                 f"'at': one of {CRASH_POINTS}}}")
+                                 f"'at': one of {CRASH_POINTS}}}, and 'seconds' only with 'at': 'stall'")
+            seconds = crash.get("seconds")
+            if seconds is not None:
+                _positive_seconds("crash['seconds']", seconds)
         if silence is not None:
             if self.backend != "cuda" or self.world_size < 2:
                 raise ValueError(f"silence={silence!r}: needs the cuda backend with at least 2 workers (this "
@@ -585,8 +774,10 @@ class MoECluster(RankExecutor):
 
         def attempt(number: int) -> list[dict[str, Any]]:
             attempts.append(number)
-            args = [(step, crash["at"] if crash and number == 0 and rank == crash["rank"] else None,
-                     silence if number == 0 else None)
+            injected = crash is not None and number == 0
+            args = [(step, crash["at"] if injected and rank == crash["rank"] else None,
+                     silence if number == 0 else None,
+                     crash.get("seconds") if injected and rank == crash["rank"] else None)
                     for rank in range(self.world_size)]
             return self._call("step", args)
 

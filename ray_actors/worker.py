@@ -23,10 +23,15 @@ each call to every worker.
 
 Faults: a ``flashdmoe.KernelTimeout`` (the fused kernel's watchdog: a peer stopped answering) is caught
 by the worker, which records it (:meth:`MoEWorker.fault_reports`), marks its team failed and re-raises
-it to the driver, which closes every rank's team and bootstraps a new one. For tests, :meth:`step` takes
+it to the driver, which closes every rank's team and bootstraps a new one. On gloo, a collective that
+times out waiting for a peer (the group's timeout, which the driver sets below its own bound on a call)
+or loses its connection to one is re-raised as :class:`CollectiveFailed`, so the driver can tell "a peer
+stopped answering" from an error of this rank's own. For tests, :meth:`step` takes
 ``silence={"rank": r, "timeout_ms": t}``: for that one step every rank sets
 ``flashdmoe.cuda_backend.debug.silent_rank = r`` (rank ``r`` publishes none of its signals) and a short
-watchdog, so every rank must raise ``KernelTimeout`` instead of hanging.
+watchdog, so every rank must raise ``KernelTimeout`` instead of hanging; and ``crash_at`` (one of
+:data:`CRASH_POINTS`): this rank's process exits, stops itself (``SIGSTOP``), sleeps, or raises
+``KernelTimeout``.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ import importlib
 import math
 import os
 import resource
+import signal
 import socket
 import sys
 import time
@@ -52,7 +58,8 @@ from flashdmoe.job.data import output_gradient
 from flashdmoe.job.results import rank_step_entry
 from flashdmoe.team import Team, TeamFailed
 
-__all__ = ["CRASH_POINTS", "GPU_ENVIRONMENT", "MoEWorker", "RemoteMoEWorker", "gpu_env_vars", "mps_share_percentage"]
+__all__ = ["CRASH_POINTS", "GPU_ENVIRONMENT", "CollectiveFailed", "MoEWorker", "RemoteMoEWorker", "gpu_env_vars",
+           "mps_share_percentage"]
 
 #: Environment for GPU processes: no NVLink SHARP / multicast objects (docs/design.md §8).
 GPU_ENVIRONMENT = {"NVSHMEM_DISABLE_NVLS": "1", "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
@@ -60,8 +67,30 @@ GPU_ENVIRONMENT = {"NVSHMEM_DISABLE_NVLS": "1", "NCCL_NVLS_ENABLE": "0", "TORCH_
 #: Fault-injection points for tests (:meth:`MoEWorker.step`): at ``before_forward`` / ``after_forward``
 #: the process exits; at ``kernel_timeout`` the rank raises ``flashdmoe.KernelTimeout`` before its forward,
 #: as the fused kernel's watchdog would (lets CPU tests exercise the driver's recovery from a timeout; the
-#: real watchdog is exercised on the GPU with ``silence``).
-CRASH_POINTS = ("before_forward", "after_forward", "kernel_timeout")
+#: real watchdog is exercised on the GPU with ``silence``); at ``stop`` the process stops itself with
+#: ``SIGSTOP`` after its forward (a hung worker: its peers wait in the backward's exchange); at ``stall``
+#: it sleeps ``stall_s`` seconds before its forward (a slow worker), then runs the step.
+CRASH_POINTS = ("before_forward", "after_forward", "kernel_timeout", "stop", "stall")
+
+#: How long ``stall`` sleeps when not told.
+DEFAULT_STALL_S = 600.0
+
+
+class CollectiveFailed(RuntimeError):
+    """A gloo collective of this rank failed because of a peer: it timed out waiting for one (the group's
+    timeout) or lost its connection to one. The team cannot be used again; the peer is the fault."""
+
+
+def _is_collective_failure(error: BaseException) -> bool:
+    """Whether ``error``, raised inside a gloo collective, comes from the transport (a peer that does not
+    answer or went away) rather than from this rank's own computation."""
+    import torch.distributed as dist
+
+    dist_error = getattr(dist, "DistError", None)
+    if dist_error is not None and isinstance(error, dist_error):
+        return True
+    # gloo's enforce messages carry their source path (".../third_party/gloo/gloo/transport/tcp/pair.cc")
+    return isinstance(error, RuntimeError) and "gloo" in str(error).lower()
 
 
 def mps_share_percentage(gpus_per_worker: float) -> int:
@@ -125,7 +154,7 @@ class MoEWorker:
         self.team = None
         self.traffic = None
         self.device = torch.device("cpu")
-        self.faults: list[dict[str, Any]] = []  # KernelTimeout / TeamFailed seen by this actor (fault_reports)
+        self.faults: list[dict[str, Any]] = []  # what _fault_guard caught (fault_reports)
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None  # (x leaf, y) awaiting backward
 
     # -- rendezvous ------------------------------------------------------------------------------
@@ -168,7 +197,9 @@ class MoEWorker:
         Args:
             rank, world_size: this rank and ``P``.
             config_dict: :meth:`MoEConfig.to_dict` of the layer (``world_size`` equal to ``P``).
-            rendezvous: ``{"backend": "gloo", "address": "127.0.0.1", "port": int, "timeout_s": float}`` or
+            rendezvous: ``{"backend": "gloo", "address": "127.0.0.1", "port": int, "timeout_s": float,
+                "rendezvous_s": float}`` (the group's collective timeout; how long the ranks may take to meet
+                at rank 0's store, default ``timeout_s``) or
                 ``{"backend": "cuda", "unique_id": bytes | None, "max_tokens": int}``: the unique id from
                 rank 0's :meth:`make_unique_id` (``None`` for one rank) and the most tokens any rank will
                 pass per forward, which sizes the team's symmetric buffers.
@@ -190,9 +221,15 @@ class MoEWorker:
 
             # loopback only: every rank is on this node (STRICT_PACK)
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-            dist.init_process_group("gloo", init_method=f"tcp://{rendezvous['address']}:{rendezvous['port']}",
-                                    rank=rank, world_size=world_size,
-                                    timeout=datetime.timedelta(seconds=float(rendezvous.get("timeout_s", 120))))
+            collective_s = float(rendezvous.get("timeout_s", 120))
+            rendezvous_s = float(rendezvous.get("rendezvous_s", collective_s))
+            # The store's rendezvous gets the longer startup bound (ranks may arrive seconds apart); once
+            # every rank has connected to it, collectives run under the group's timeout, which the driver
+            # keeps below its own bound on a call, so a peer that stops answering is reported, not waited on.
+            store = dist.TCPStore(rendezvous["address"], int(rendezvous["port"]), world_size, is_master=rank == 0,
+                                  timeout=datetime.timedelta(seconds=rendezvous_s), wait_for_workers=True)
+            dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                                    timeout=datetime.timedelta(seconds=collective_s))
             self.traffic = TrafficCounter()
             self.device = torch.device("cpu")
         elif backend == "cuda":
@@ -268,22 +305,32 @@ class MoEWorker:
     @contextlib.contextmanager
     def _fault_guard(self, call: str, step: int | None = None):
         """Catch a ``KernelTimeout`` (or ``TeamFailed``) raised inside a collective call: record it in
-        :attr:`faults`, mark the team failed (it cannot be used again) and re-raise it for the driver."""
+        :attr:`faults`, mark the team failed (it cannot be used again) and re-raise it for the driver. On
+        gloo, a collective failing because of a peer is recorded and re-raised as :class:`CollectiveFailed`."""
         try:
             yield
         except (KernelTimeout, TeamFailed) as error:
-            self._pending = None
-            report = {"rank": self.rank, "call": call, "step": step, "error": type(error).__name__,
-                      "message": str(error)}
-            self.faults.append(report)
+            self._record_fault(call, step, error)
             mark_failed = getattr(self.team, "mark_failed", None)
             if callable(mark_failed):
                 mark_failed(f"{type(error).__name__} during {call}: {error}")
             raise
+        except RuntimeError as error:
+            if self.backend != "gloo" or not _is_collective_failure(error):
+                raise
+            text = " ".join(str(error).split())
+            failed = CollectiveFailed(f"rank {self.rank}: a gloo collective failed during {call}: {text}")
+            self._record_fault(call, step, failed)
+            raise failed from error
+
+    def _record_fault(self, call: str, step: int | None, error: BaseException) -> None:
+        self._pending = None
+        self.faults.append({"rank": self.rank, "call": call, "step": step, "error": type(error).__name__,
+                            "message": str(error)})
 
     def fault_reports(self) -> list[dict[str, Any]]:
-        """The ``KernelTimeout`` / ``TeamFailed`` errors this actor caught since its last :meth:`setup`:
-        ``[{"rank", "call", "step", "error" (class name), "message"}]``."""
+        """The ``KernelTimeout`` / ``TeamFailed`` / ``CollectiveFailed`` errors this actor caught since its
+        last :meth:`setup`: ``[{"rank", "call", "step", "error" (class name), "message"}]``."""
         return list(self.faults)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -371,13 +418,16 @@ class MoEWorker:
                 return dict(entry)
         return None
 
-    def step(self, step: int, crash_at: str | None = None, silence: dict[str, Any] | None = None) -> dict[str, Any]:
+    def step(self, step: int, crash_at: str | None = None, silence: dict[str, Any] | None = None,
+             stall_s: float | None = None) -> dict[str, Any]:
         """One timed forward + backward on seeded data (:func:`flashdmoe.config.make_tokens` and
         :func:`flashdmoe.job.data.output_gradient` of ``(rank, step)``). Collective.
 
         Args:
             step: step index (selects the data).
             crash_at: fault injection for tests: one of :data:`CRASH_POINTS`.
+            stall_s: with ``crash_at="stall"``, how long to sleep before the forward (default
+                :data:`DEFAULT_STALL_S`).
             silence: test knob, ``{"rank": r, "timeout_ms": t}`` (cuda backend, several ranks): for this
                 step rank ``r`` publishes none of its signals and the watchdog waits ``t`` ms, so every rank
                 raises ``KernelTimeout`` (caught, recorded in :meth:`fault_reports`, re-raised).
@@ -397,6 +447,9 @@ class MoEWorker:
         config = self._require_setup()
         if crash_at is not None and crash_at not in CRASH_POINTS:
             raise ValueError(f"crash_at={crash_at!r}: expected None or one of {CRASH_POINTS}")
+        if stall_s is not None and (isinstance(stall_s, bool) or not isinstance(stall_s, (int, float))
+                                    or not 0 < stall_s < math.inf):
+            raise ValueError(f"stall_s={stall_s!r}: expected a finite number of seconds > 0")
         x = make_tokens(config, self.rank, step, device=self.device).requires_grad_()
         dy = output_gradient(config, self.rank, step, device=self.device)
         bytes_before = self._bytes_sent()
@@ -404,6 +457,8 @@ class MoEWorker:
         self._zero_grads()
         if crash_at == "before_forward":
             os._exit(17)
+        if crash_at == "stall":  # a slow rank: its peers wait for it in the forward's exchange
+            time.sleep(DEFAULT_STALL_S if stall_s is None else stall_s)
         with self._silenced(silence), self._fault_guard("step", step):
             if crash_at == "kernel_timeout":
                 raise KernelTimeout(f"injected by the test (crash_at='kernel_timeout') on rank {self.rank}, "
@@ -416,6 +471,8 @@ class MoEWorker:
             kernel_traffic = self._kernel_traffic() if self.backend == "cuda" else None
             if crash_at == "after_forward":
                 os._exit(17)  # peers are now blocked in the backward exchange with this rank
+            if crash_at == "stop":
+                os.kill(os.getpid(), signal.SIGSTOP)  # hung, alive: nothing answers until it is killed
             started = time.perf_counter()
             y.backward(dy)
             self._synchronize()

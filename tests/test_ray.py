@@ -202,6 +202,8 @@ class TestEmbeddedRay:
             MoECluster(_config(dtype="bfloat16"), backend="cuda")
         with pytest.raises(ValueError, match="placement_timeout_s"):
             MoECluster(_config(), placement_timeout_s=0)
+        with pytest.raises(ValueError, match="collective_timeout_s=30: expected at most the bound on a call, 5s"):
+            MoECluster(_config(step_timeout_s=5), collective_timeout_s=30)  # gloo must give up before the bound
         with pytest.raises(ValueError, match="backend"):
             MoECluster(_config(), backend="tpu")
         with pytest.raises(ValueError, match="max_tokens"):

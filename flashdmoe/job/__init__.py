@@ -9,11 +9,11 @@ Modules: ``data`` (the seeded tensors of a step), ``executor`` (what the loop ne
 
 from __future__ import annotations
 
-from flashdmoe.job.executor import ClusterTooSmall, RankExecutor, WorkerFault
+from flashdmoe.job.executor import ClusterTooSmall, ClusterUnreachable, RankExecutor, WorkerFault
 from flashdmoe.job.in_process import InProcessRanks
 from flashdmoe.job.loop import run_job
 from flashdmoe.job.results import RESULTS_FILENAME, SCHEMA_VERSION, write_results
 from flashdmoe.job.verification import tolerance_for
 
-__all__ = ["RESULTS_FILENAME", "SCHEMA_VERSION", "ClusterTooSmall", "InProcessRanks", "RankExecutor", "WorkerFault",
-           "run_job", "tolerance_for", "write_results"]
+__all__ = ["RESULTS_FILENAME", "SCHEMA_VERSION", "ClusterTooSmall", "ClusterUnreachable", "InProcessRanks",
+           "RankExecutor", "WorkerFault", "run_job", "tolerance_for", "write_results"]

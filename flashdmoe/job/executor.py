@@ -16,7 +16,7 @@ import torch
 from flashdmoe.config import MoEConfig
 from flashdmoe.job.data import StepOutputs
 
-__all__ = ["ClusterTooSmall", "RankExecutor", "WorkerFault"]
+__all__ = ["ClusterTooSmall", "ClusterUnreachable", "RankExecutor", "WorkerFault"]
 
 
 class ClusterTooSmall(ValueError):
@@ -25,13 +25,20 @@ class ClusterTooSmall(ValueError):
     what the cluster has. A ``ValueError``: like bad input, the run as requested cannot start here."""
 
 
+class ClusterUnreachable(ValueError):
+    """The cluster address given does not answer (nothing accepts a connection there within the connect
+    timeout), or ``"auto"`` finds no running cluster. Raised before anything starts; a ``ValueError``: the
+    run as requested cannot start."""
+
+
 class WorkerFault(RuntimeError):
     """The team broke during a call: a worker died, a kernel watchdog fired, a rank's team had failed
-    earlier, or a call timed out. Raised out of an executor once its bounded retries are spent.
+    earlier, or a worker stopped answering (hung: stopped, stuck in a collective or a kernel, or slower than
+    the bound on a call). Raised out of an executor once its bounded retries are spent.
 
     Attributes:
-        kind: ``"worker_died"``, ``"kernel_timeout"``, ``"team_failed"`` or ``"timeout"``.
-        ranks: the ranks concerned.
+        kind: ``"worker_died"``, ``"kernel_timeout"``, ``"team_failed"`` or ``"timeout"`` (hung).
+        ranks: the ranks concerned (for ``"timeout"``: those that did not answer).
         reports: one entry per rank that did not return: ``{"rank", "error" (exception class name, or
             "stuck"), "message"}`` (a ``KernelTimeout``'s own text names the phase and the peer waited on).
     """
@@ -80,8 +87,9 @@ class RankExecutor(abc.ABC):
 
         Args:
             step: the step index (selects the data).
-            crash: fault injection for tests, ``{"rank": r, "at": point}``; executors whose ranks cannot
-                fail independently refuse it with ``ValueError``.
+            crash: fault injection for tests, ``{"rank": r, "at": point}`` (with ``"seconds"`` for a
+                ``"stall"``; ``ray_actors.worker.CRASH_POINTS``); executors whose ranks cannot fail
+                independently refuse it with ``ValueError``.
 
         Returns:
             The step record (:func:`flashdmoe.job.results.step_record`).

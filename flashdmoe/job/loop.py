@@ -38,8 +38,8 @@ def run_job(ranks: RankExecutor, *, verify: bool = True, output_dir: str | Path 
         progress: show a progress bar on stderr.
         console: where to print the report (:func:`flashdmoe.job.table.print_results`), before any file is
             written; ``None`` prints nothing.
-        crash: fault injection for tests, ``{"step": s, "rank": r, "at": point}``: passed to
-            ``ranks.step(s)`` as ``{"rank": r, "at": point}``.
+        crash: fault injection for tests, ``{"step": s, "rank": r, "at": point}`` (and ``"seconds"`` for
+            ``"at": "stall"``): passed to ``ranks.step(s)`` without ``"step"``.
         on_step: called with each step's record as soon as the step is done (``flashdmoe run`` appends it
             to ``steps.jsonl``: :class:`flashdmoe.job.results.StepLog`).
 
@@ -51,8 +51,10 @@ def run_job(ranks: RankExecutor, *, verify: bool = True, output_dir: str | Path 
         OutputWriteError: ``results.json`` or ``latency.png`` could not be written (after the report).
     """
     config = ranks.config
-    if crash is not None and (not isinstance(crash, dict) or set(crash) != {"step", "rank", "at"}):
-        raise ValueError(f"crash={crash!r}: expected None or {{'step': s, 'rank': r, 'at': point}}")
+    if crash is not None and (not isinstance(crash, dict) or not {"step", "rank", "at"} <= set(crash)
+                              or not set(crash) <= {"step", "rank", "at", "seconds"}):
+        raise ValueError(f"crash={crash!r}: expected None or {{'step': s, 'rank': r, 'at': point}} (and 'seconds' "
+                         "for a stall)")
     started = time.perf_counter()
     records = []
     with Progress(console=Console(stderr=True), disable=not progress, transient=False) as bar:
@@ -61,7 +63,7 @@ def run_job(ranks: RankExecutor, *, verify: bool = True, output_dir: str | Path 
         for step in range(config.steps):
             injected = None
             if crash is not None and crash["step"] == step:
-                injected = {"rank": crash["rank"], "at": crash["at"]}
+                injected = {key: value for key, value in crash.items() if key != "step"}
             records.append(ranks.step(step, crash=injected))
             if on_step is not None:
                 on_step(records[-1])
