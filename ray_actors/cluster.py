@@ -49,6 +49,7 @@ from flashdmoe.job.data import StepOutputs
 from flashdmoe.job.executor import ClusterTooSmall, RankExecutor, WorkerFault
 from flashdmoe.job.results import fault_entry, step_record, worker_entry
 from flashdmoe.team import TeamFailed
+from ray_actors.embedded import start_embedded_ray
 from ray_actors.worker import CRASH_POINTS, RemoteMoEWorker, gpu_env_vars
 
 __all__ = ["BACKENDS", "MoECluster"]
@@ -217,11 +218,10 @@ class MoECluster(RankExecutor):
         if ray.is_initialized():
             return  # the caller's Ray session; leave it running at close()
         if address is None and not os.environ.get("RAY_ADDRESS"):
-            # address="local": always a new embedded Ray; with None, ray.init joins a `ray start` cluster
-            # recorded in /tmp/ray (and then refuses num_cpus)
-            ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False,
-                     num_cpus=num_cpus or max(os.cpu_count() or 1, self.world_size),
-                     runtime_env={"env_vars": {"PYTHONPATH": _code_paths()}}, logging_level=logging.WARNING)
+            # always a new embedded Ray (loopback, token auth: ray_actors.embedded); address=None would
+            # join a `ray start` cluster recorded in /tmp/ray (and then refuse num_cpus)
+            start_embedded_ray(num_cpus=num_cpus or max(os.cpu_count() or 1, self.world_size),
+                               runtime_env={"env_vars": {"PYTHONPATH": _code_paths()}}, logging_level=logging.WARNING)
         else:
             # an existing cluster: the code must be importable there (installed, or the job's working_dir)
             ray.init(address=address, logging_level=logging.WARNING)
