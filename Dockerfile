@@ -7,7 +7,9 @@
 #   docker build -t flashdmoe:0.1.0 .
 #
 # The devel flavour stays at run time on purpose: loading the extension looks up nvcc (its version is
-# part of the build-cache key), and a pod can rebuild (`flashdmoe build --force`) if sources change.
+# part of the build-cache key), and a pod can rebuild (`flashdmoe build --force`) if sources change --
+# into a writable FLASHDMOE_CACHE_DIR: the k8s/ pods run on a read-only root file system, where loading
+# the kernel built below writes nothing.
 FROM nvcr.io/nvidia/cuda:13.0.2-devel-ubuntu24.04
 
 # Version of this image; the k8s/ manifests pull flashdmoe:<this>, tests/test_deploy.py checks they agree.
@@ -34,9 +36,10 @@ RUN apt-get update \
 
 # Unprivileged user with a fixed numeric id, so Kubernetes' runAsNonRoot can verify it and the pods'
 # runAsUser/fsGroup (k8s/base/*.yaml) match. 10001 avoids Ubuntu 24.04's built-in "ubuntu" user (1000).
+# The pods mount a writable emptyDir on its home directory (Ray's token, caches).
 ARG APP_UID=10001
 RUN groupadd --gid "${APP_UID}" flashdmoe \
-    && useradd --uid "${APP_UID}" --gid "${APP_UID}" --create-home --shell /bin/bash flashdmoe \
+    && useradd --uid "${APP_UID}" --gid "${APP_UID}" --create-home --home-dir /home/flashdmoe --shell /bin/bash flashdmoe \
     && install -d -o flashdmoe -g flashdmoe /opt/venv /opt/flashdmoe /opt/flashdmoe-cache
 
 # Multicast/NVLS stays off everywhere (see docs/deploy.md); PYTHONUNBUFFERED so the results table

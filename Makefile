@@ -13,11 +13,12 @@ RUN_OUTPUT ?= results/
 PYTEST_ARGS ?=
 
 # Environment for every process started from here (GPU workers, Ray, tests): NVLink multicast
-# (NVLS) stays off, and Ray's token authentication is off for its loopback-only local clusters.
+# (NVLS) stays off, and Ray runs with token authentication (the embedded Ray of `make run` makes the
+# token in ~/.ray/auth_token if there is none; the tests make their own: tests/conftest.py).
 export NVSHMEM_DISABLE_NVLS ?= 1
 export NCCL_NVLS_ENABLE ?= 0
 export TORCH_SYMM_MEM_DISABLE_MULTICAST ?= 1
-export RAY_AUTH_MODE ?= disabled
+export RAY_AUTH_MODE ?= token
 
 .PHONY: run test
 

@@ -10,6 +10,7 @@ import torch
 
 from flashdmoe.errors import BackendUnavailable
 from flashdmoe.validation import validate_moe_inputs
+from flashdmoe.weight_checks import check_finite_weights
 
 __all__ = ["BACKENDS", "CUDA_DTYPES", "cuda_unavailable_reason", "moe", "moe_expert_parallel", "resolve_backend"]
 
@@ -166,7 +167,9 @@ def moe(
         respect to ``x``, ``router_weight``, ``w1`` and ``w2``.
 
     Raises:
-        ValueError: bad input, naming the argument (see :func:`flashdmoe.validation.validate_moe_inputs`).
+        ValueError: bad input, naming the argument (see :func:`flashdmoe.validation.validate_moe_inputs`);
+            NaN / Inf in ``router_weight``, ``w1`` or ``w2``, scanned the first time each version of a weight
+            is used (:mod:`flashdmoe.weight_checks`).
         BackendUnavailable: ``backend="cuda"`` cannot run here.
         KernelTimeout: a fused kernel's watchdog fired. The fused forward does not wait for its kernel,
             so this (and ``ValueError`` for NaN / Inf in ``x`` or ``router_weight``) is raised by a later
@@ -182,6 +185,7 @@ def moe(
     top_k = _validate(x, router_weight, w1, w2, top_k=top_k, activation=activation, capacity_factor=capacity_factor,
                       world_size=world_size).top_k  # an int from here on, whatever integer type was given
     capacity_factor = _as_float(capacity_factor)
+    check_finite_weights((("router_weight", router_weight), ("w1", w1), ("w2", w2)))
     chosen = resolve_backend(x, backend, team)
     if torch.compiler.is_compiling() and getattr(team, "transport", "single") == "single":
         # Under torch.compile one rank is the registered op (CPU: the reference; CUDA: the kernel), which
@@ -253,6 +257,9 @@ def moe_expert_parallel(
             raise ValueError(f"xs[{rank}]: {xs[rank].dtype} on {xs[rank].device}; expected {xs[0].dtype} on "
                              f"{xs[0].device} like xs[0]")
     top_k, capacity_factor = sizes.top_k, _as_float(capacity_factor)
+    check_finite_weights([("router_weight", router_weight)]
+                         + [(f"w1s[{rank}]", w1s[rank]) for rank in range(world_size)]
+                         + [(f"w2s[{rank}]", w2s[rank]) for rank in range(world_size)])
     use_kernel = backend == "cuda" or (backend == "auto" and team is not None)
     if use_kernel:
         if team is None or getattr(team, "transport", None) != "emulated":

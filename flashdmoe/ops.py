@@ -39,6 +39,7 @@ import torch
 from flashdmoe import reference
 from flashdmoe.expert_backward import expert_backward, packed_rows
 from flashdmoe.validation import validate_capacity_factor, validate_moe_inputs
+from flashdmoe.weight_checks import check_finite_weights
 
 __all__ = ["moe", "moe_forward", "moe_backward", "packed_rows"]
 
@@ -78,6 +79,7 @@ def moe_forward(
     _check_inputs(x, router_weight, w1, w2, top_k, activation, capacity_factor)
     if x.device.type == "cpu" and x.shape[0] > 0 and not bool(torch.isfinite(x).all()):
         raise ValueError("x: contains non-finite values (NaN or Inf); expected finite input")
+    check_finite_weights((("router_weight", router_weight), ("w1", w1), ("w2", w2)))
     num_experts = router_weight.shape[0]
     routing = reference.route(x, router_weight, top_k, normalize_topk)
     capacity = reference.expert_capacity(x.shape[0], top_k, num_experts, capacity_factor)
@@ -93,6 +95,7 @@ def moe_forward(
 def _moe_forward_cuda(x, router_weight, w1, w2, top_k, activation="gelu", normalize_topk=True,
                       capacity_factor=None):
     _check_inputs(x, router_weight, w1, w2, top_k, activation, capacity_factor)
+    check_finite_weights((("router_weight", router_weight), ("w1", w1), ("w2", w2)))
     from flashdmoe import cuda_backend
 
     # The kernel reads dense row-major operands; a transposed view (a Hugging Face expert layout that

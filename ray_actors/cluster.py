@@ -66,6 +66,7 @@ from flashdmoe.job.data import StepOutputs
 from flashdmoe.job.executor import ClusterTooSmall, ClusterUnreachable, RankExecutor, WorkerFault
 from flashdmoe.job.results import fault_entry, forward_flops, step_record, worker_entry
 from flashdmoe.team import TeamFailed
+from ray_actors.embedded import start_embedded_ray
 from ray_actors.worker import CRASH_POINTS, CollectiveFailed, RemoteMoEWorker, gpu_env_vars
 
 __all__ = ["BACKENDS", "MoECluster", "default_step_timeout_s"]
@@ -324,12 +325,11 @@ class MoECluster(RankExecutor):
             return  # the caller's Ray session; leave it running at close()
         self._owns_ray = True  # also when ray.init is interrupted: close() shuts down what it started
         if address is None and not os.environ.get("RAY_ADDRESS"):
-            # address="local": always a new embedded Ray; with None, ray.init joins a `ray start` cluster
-            # recorded in /tmp/ray (and then refuses num_cpus)
+            # always a new embedded Ray (loopback, token auth: ray_actors.embedded); address=None would
+            # join a `ray start` cluster recorded in /tmp/ray (and then refuse num_cpus)
             self._embedded = True
-            ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False,
-                     num_cpus=num_cpus or max(os.cpu_count() or 1, self.world_size),
-                     runtime_env={"env_vars": {"PYTHONPATH": _code_paths()}}, logging_level=logging.WARNING)
+            start_embedded_ray(num_cpus=num_cpus or max(os.cpu_count() or 1, self.world_size),
+                               runtime_env={"env_vars": {"PYTHONPATH": _code_paths()}}, logging_level=logging.WARNING)
             return
         # an existing cluster: the code must be importable there (installed, or the job's working_dir)
         self._probe(address)

@@ -2,7 +2,7 @@
 # extension cache, and the wheels carried in .whl/ (ray, nvshmem4py, ...) installed into /tmp/site.
 OUT=${OUT:-$PWD/h200-out}
 mkdir -p "$OUT"
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 export FLASHDMOE_CACHE_DIR=${FLASHDMOE_CACHE_DIR:-/tmp/flashdmoe-cache}
 # Ray's wheel is over the transfer limit: it travels as a tarball without its Java jars and libraries

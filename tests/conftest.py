@@ -4,15 +4,24 @@ GPU tests (``@pytest.mark.gpu``) are skipped where CUDA is unavailable. Random i
 ``seed`` fixture: one base seed per run (``FLASHDMOE_SEED``, else random), printed in the header, and a
 per-test seed derived from it and the test's id, printed with every failure so that
 ``FLASHDMOE_SEED=<base> pytest <test id>`` replays it.
+
+Every Ray the tests start (embedded in this process, in ``flashdmoe run`` subprocesses, ``ray start``)
+runs with token authentication on, whatever the calling shell's ``RAY_AUTH_MODE``, with a token made for
+this run (``RAY_AUTH_TOKEN``: nothing is read from or written to ``~/.ray``), and on 127.0.0.1 only
+(``ray_actors.embedded`` explains the switch). Set here, before any test module imports Ray.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import zlib
 
 import pytest
 import torch
+
+os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32), RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
+os.environ.pop("RAY_AUTH_TOKEN_PATH", None)
 
 _BASE_SEED = int(os.environ.get("FLASHDMOE_SEED") or int.from_bytes(os.urandom(4), "little"))
 

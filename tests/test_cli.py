@@ -30,8 +30,7 @@ TINY = REPO / "configs" / "tiny.yaml"
 def run_cli(*arguments: str, cwd: Path = REPO, timeout: float = 600) -> subprocess.CompletedProcess:
     # RAY_ADDRESS unset: a Ray run must start its own embedded Ray, not join one from the environment
     environment = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
-    environment.update(PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), COLUMNS="160",
-                       RAY_AUTH_MODE="disabled")
+    environment.update(PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), COLUMNS="160")
     return subprocess.run([sys.executable, "-m", "flashdmoe", *arguments], cwd=cwd, env=environment,
                           capture_output=True, text=True, timeout=timeout)
 

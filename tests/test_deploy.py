@@ -10,7 +10,13 @@ Nothing here needs a cluster or a Docker engine (docs/design.md §11, issue 6):
 - cross-checks: GPUs per run == the referenced config's world_size, the config file exists, one image
   tag everywhere (manifests, overlays, Dockerfile label), Ray version, user id and working directory
   match the Dockerfile, multicast-off environment and /dev/shm on every GPU pod, results on the PVC;
-- `kubectl kustomize` renders every overlay and the rendered objects pass the same checks;
+- security: Ray token authentication on every Ray cluster (KubeRay ``authOptions``, or RAY_AUTH_MODE /
+  RAY_AUTH_TOKEN from a Secret through k8s/components/token-secret for older operators; never
+  ``disabled``), a NetworkPolicy per workload that admits the Ray ports from this namespace only (the
+  KubeRay operator's job-API polling excepted), no service-account token, read-only root file systems
+  with emptyDirs for /tmp, Ray's session dir and the image user's HOME;
+- `kubectl kustomize` renders every overlay (and the base with the token-secret component) and the
+  rendered objects pass the same checks;
 - hadolint passes on the Dockerfile with no finding at any level.
 Each validator also has a test showing it rejects a bad input, so none of them can pass vacuously.
 
@@ -67,6 +73,15 @@ MULTICAST_OFF_ENV = {
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
 }
 WORKLOAD_KINDS = ("RayJob", "RayCluster", "Job")
+COMPONENTS_DIR = K8S_DIR / "components"
+TOKEN_SECRET_COMPONENT = COMPONENTS_DIR / "token-secret"
+#: Ray's session directory (``ray start`` / ``ray.init`` default temp dir).
+RAY_SESSION_DIR = "/tmp/ray"
+#: GCS, dashboard / job API, Ray Client server: what pods of the namespace may reach.
+RAY_CLIENT_PORTS = {6379, 8265, 10001}
+#: The KubeRay operator polls a RayJob's job API from its own namespace.
+OPERATOR_POD_LABELS = {"app.kubernetes.io/name": "kuberay-operator"}
+OPERATOR_PORTS = {8265}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -319,6 +334,7 @@ def dockerfile_facts() -> dict[str, str]:
         "ray": single(r"ray\[default\]==([0-9][^\s\"']*)", "ray[default]==<version> pin"),
         "user": single(r"^USER\s+(\d+)(?::\d+)?\s*$", "numeric USER"),
         "workdir": single(r"^WORKDIR\s+(\S+)\s*$", "WORKDIR"),
+        "home": single(r"\buseradd\b[^\n]*--home-dir\s+(\S+)", "useradd --home-dir"),
         "env": " ".join(re.findall(r"^ENV\s+(.*)$", joined, flags=re.MULTILINE)),
     }
 
@@ -477,6 +493,124 @@ def check_gpu_pods(objects: list[dict[str, Any]]) -> list[str]:
     return problems
 
 
+def cluster_spec(obj: dict[str, Any]) -> dict[str, Any] | None:
+    """The RayClusterSpec of a RayJob or RayCluster (None for other kinds)."""
+    if obj["kind"] == "RayJob":
+        return obj["spec"]["rayClusterSpec"]
+    return obj["spec"] if obj["kind"] == "RayCluster" else None
+
+
+def _env(container: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {item["name"]: item for item in container.get("env", [])}
+
+
+def check_ray_auth(objects: list[dict[str, Any]]) -> list[str]:
+    """Every Ray cluster runs with token authentication: ``authOptions.mode: token`` (KubeRay makes and
+    hands out the token), or, without authOptions, RAY_AUTH_MODE=token and RAY_AUTH_TOKEN from a Secret
+    in every container of its pods and its submitter. No container anywhere turns it off."""
+    problems = []
+    for obj in objects:
+        name = object_name(obj)
+        spec = cluster_spec(obj)
+        by_operator = spec is not None and "authOptions" in spec
+        if by_operator and spec["authOptions"].get("mode") != "token":
+            problems.append(f"{name}: authOptions {spec['authOptions']}, expected mode: token")
+        for role, template, _, _ in pod_templates(obj):
+            for container in containers(template):
+                env = _env(container)
+                mode = env.get("RAY_AUTH_MODE", {}).get("value")
+                if mode is not None and mode != "token":
+                    problems.append(f"{name} {role} container {container['name']}: RAY_AUTH_MODE={mode}")
+                if spec is None or by_operator:
+                    continue
+                token = env.get("RAY_AUTH_TOKEN", {}).get("valueFrom", {}).get("secretKeyRef", {})
+                if mode != "token" or not token.get("name") or token.get("key") != "auth_token":
+                    problems.append(f"{name} {role} container {container['name']}: no authOptions, so it needs "
+                                    "RAY_AUTH_MODE=token and RAY_AUTH_TOKEN from a Secret's auth_token")
+    return problems
+
+
+def _writable(template: dict[str, Any], container: dict[str, Any], path: str) -> bool:
+    volumes = {volume["name"]: volume for volume in template["spec"].get("volumes", [])}
+    mounted = {mount["mountPath"]: mount for mount in container.get("volumeMounts", [])}
+    mount = mounted.get(path)
+    return mount is not None and not mount.get("readOnly", False) and "emptyDir" in volumes.get(mount["name"], {})
+
+
+def check_pod_hardening(objects: list[dict[str, Any]]) -> list[str]:
+    """No service-account token; every container non-escalating, all capabilities dropped, on a read-only
+    root file system with writable emptyDirs at /tmp and the image user's HOME, plus Ray's session dir in
+    pods that run Ray (all but the RayJob's submitter)."""
+    home = dockerfile_facts()["home"]
+    problems = []
+    for obj in objects:
+        for role, template, _, _ in pod_templates(obj):
+            where = f"{object_name(obj)} {role}"
+            if template["spec"].get("automountServiceAccountToken") is not False:
+                problems.append(f"{where}: automountServiceAccountToken must be false")
+            writable = ["/tmp", home] + ([RAY_SESSION_DIR] if role != "submitter" else [])
+            for container in containers(template):
+                security = container.get("securityContext", {})
+                if security.get("readOnlyRootFilesystem") is not True:
+                    problems.append(f"{where} container {container['name']}: readOnlyRootFilesystem must be true")
+                if security.get("allowPrivilegeEscalation") is not False:
+                    problems.append(f"{where} container {container['name']}: allowPrivilegeEscalation must be false")
+                if "ALL" not in security.get("capabilities", {}).get("drop", []):
+                    problems.append(f"{where} container {container['name']}: capabilities must drop ALL")
+                for path in writable:
+                    if not _writable(template, container, path):
+                        problems.append(f"{where} container {container['name']}: needs a writable emptyDir at {path}")
+    return problems
+
+
+def _selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    assert set(selector) <= {"matchLabels"}, f"selector {selector}: only matchLabels is checked here"
+    return all(labels.get(key) == value for key, value in selector.get("matchLabels", {}).items())
+
+
+def check_network_policies(objects: list[dict[str, Any]]) -> list[str]:
+    """Each workload's pods (its submitter aside) are selected by an Ingress NetworkPolicy that carries the
+    workload's component label; every policy admits only pods of this namespace (its own pods on any
+    port, any other pod on the GCS / job API / client ports) and the KubeRay operator on the job API."""
+    policies = [obj for obj in objects if obj["kind"] == "NetworkPolicy"]
+    problems = []
+    for obj in objects:
+        if obj["kind"] not in WORKLOAD_KINDS:
+            continue
+        component = obj["metadata"].get("labels", {}).get(COMPONENT_LABEL)
+        for role, template, _, _ in pod_templates(obj):
+            if role == "submitter":
+                continue
+            labels = template.get("metadata", {}).get("labels", {})
+            guards = [policy for policy in policies if "Ingress" in policy["spec"].get("policyTypes", [])
+                      and _selects(policy["spec"]["podSelector"], labels)
+                      and policy["metadata"].get("labels", {}).get(COMPONENT_LABEL) == component]
+            if not guards:
+                problems.append(f"{object_name(obj)} {role}: no Ingress NetworkPolicy with component {component} "
+                                f"selects its pods (labels {labels})")
+    for policy in policies:
+        name, own = object_name(policy), policy["spec"]["podSelector"]
+        if not own.get("matchLabels"):
+            problems.append(f"{name}: selects every pod of the namespace; select the workload's pods")
+        for index, rule in enumerate(policy["spec"].get("ingress", [])):
+            ports = {port.get("port") for port in rule.get("ports", [])}
+            where = f"{name} ingress[{index}]"
+            if not rule.get("from"):
+                problems.append(f"{where}: admits every source")
+            for peer in rule.get("from", []):
+                if "ipBlock" in peer:
+                    problems.append(f"{where}: ipBlock {peer['ipBlock']} admits addresses outside the namespace")
+                elif "namespaceSelector" in peer:
+                    if peer.get("podSelector", {}).get("matchLabels") != OPERATOR_POD_LABELS or not ports or \
+                            not ports <= OPERATOR_PORTS:
+                        problems.append(f"{where}: other namespaces may only reach the KubeRay operator's ports "
+                                        f"{sorted(OPERATOR_PORTS)} from pods labelled {OPERATOR_POD_LABELS}")
+                elif peer.get("podSelector") != own and (not ports or not ports <= RAY_CLIENT_PORTS):
+                    problems.append(f"{where}: pods other than the workload's own may reach only "
+                                    f"{sorted(RAY_CLIENT_PORTS)}, got ports {sorted(ports) or 'all'}")
+    return problems
+
+
 # --------------------------------------------------------------------------------------------------
 # Tests: parsing
 
@@ -487,7 +621,8 @@ def all_yaml_files() -> list[Path]:
 
 def test_k8s_tree_has_the_expected_pieces():
     kinds = sorted(obj["kind"] for path in base_manifest_files() for obj in load_yaml_documents(path))
-    assert kinds == ["Job", "PersistentVolumeClaim", "RayCluster", "RayJob"], kinds
+    assert kinds == ["Job", "NetworkPolicy", "NetworkPolicy", "NetworkPolicy", "PersistentVolumeClaim", "RayCluster",
+                     "RayJob"], kinds
     assert [path.name for path in overlay_dirs()] == ["h200x4", "h200x8"]
 
 
@@ -515,7 +650,7 @@ def test_every_base_file_is_a_kustomize_resource():
 def test_core_kinds_validate_strictly(manifest_set, version: str):
     set_id, objects = manifest_set
     core = [obj for obj in objects if obj["kind"] not in CRD_FILES]
-    assert {obj["kind"] for obj in core} == {"PersistentVolumeClaim", "Job"}, set_id
+    assert {obj["kind"] for obj in core} == {"PersistentVolumeClaim", "Job", "NetworkPolicy"}, set_id
     for obj in core:
         validate_core(obj, version)
 
@@ -612,6 +747,61 @@ def test_gpu_pods_have_shm_multicast_off_and_results(manifest_set):
     assert not problems, "\n".join(problems)
 
 
+def test_ray_token_authentication_is_on(manifest_set):
+    _, objects = manifest_set
+    problems = check_ray_auth(objects)
+    assert not problems, "\n".join(problems)
+    assert all(cluster_spec(obj)["authOptions"] == {"mode": "token"} for obj in objects if cluster_spec(obj))
+
+
+def test_pods_are_hardened(manifest_set):
+    _, objects = manifest_set
+    problems = check_pod_hardening(objects)
+    assert not problems, "\n".join(problems)
+
+
+def test_network_policies_admit_the_namespace_only(manifest_set):
+    _, objects = manifest_set
+    problems = check_network_policies(objects)
+    assert not problems, "\n".join(problems)
+
+
+def render_with_token_secret(tmp_path: Path) -> list[dict[str, Any]]:
+    """The base with k8s/components/token-secret (for KubeRay < 1.5.1), as an overlay would add it."""
+    overlay = tmp_path / "legacy-operator"
+    overlay.mkdir()
+    (overlay / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1",
+        "kind": "Kustomization",
+        "resources": [os.path.relpath(BASE_DIR, overlay)],
+        "components": [os.path.relpath(TOKEN_SECRET_COMPONENT, overlay)],
+    }))
+    result = kustomize_build(overlay)
+    assert result.returncode == 0, result.stderr
+    return [obj for obj in yaml.safe_load_all(result.stdout) if obj]
+
+
+def test_token_secret_component_for_older_operators(tmp_path: Path, crd_validators):
+    """Without authOptions every Ray container and the submitter read the token from the Secret; the
+    result still validates and passes every other check."""
+    objects = render_with_token_secret(tmp_path)
+    for obj in objects:
+        if cluster_spec(obj) is not None:
+            assert "authOptions" not in cluster_spec(obj), object_name(obj)
+    problems = (check_ray_auth(objects) + check_pod_hardening(objects) + check_network_policies(objects)
+                + check_gpus_match_config(objects) + check_gpu_pods(objects) + check_pods_match_image(objects)
+                + [problem for obj in objects if obj["kind"] in CRD_FILES
+                   for problem in validate_custom_resource(obj, crd_validators)])
+    assert not problems, "\n".join(problems)
+    for obj in objects:
+        if obj["kind"] in CRD_FILES:
+            for _, template, _, _ in pod_templates(obj):
+                validate_core(as_pod_template(obj["metadata"]["name"], template), KUBERNETES_VERSIONS[0])
+    submitter = next(obj for obj in objects if obj["kind"] == "RayJob")["spec"]["submitterPodTemplate"]
+    assert _env(submitter["spec"]["containers"][0])["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"] == {
+        "name": "flashdmoe-ray-token", "key": "auth_token"}
+
+
 def test_component_selector_picks_one_workload(manifest_set):
     """docs/deploy.md applies `-l 'app.kubernetes.io/component in (results,<workload>)'`."""
     _, objects = manifest_set
@@ -620,11 +810,11 @@ def test_component_selector_picks_one_workload(manifest_set):
         component = obj["metadata"].get("labels", {}).get(COMPONENT_LABEL)
         assert component, f"{object_name(obj)} has no {COMPONENT_LABEL} label"
         components.setdefault(component, []).append(obj["kind"])
-    assert components == {
+    assert {component: sorted(kinds) for component, kinds in components.items()} == {
         "results": ["PersistentVolumeClaim"],
-        "rayjob": ["RayJob"],
-        "raycluster": ["RayCluster"],
-        "job": ["Job"],
+        "rayjob": ["NetworkPolicy", "RayJob"],
+        "raycluster": ["NetworkPolicy", "RayCluster"],
+        "job": ["Job", "NetworkPolicy"],
     }
 
 
@@ -650,7 +840,7 @@ def test_dockerfile_contract():
 def test_kustomize_renders(directory: Path):
     result = kustomize_build(directory)
     assert result.returncode == 0, result.stderr
-    assert len([obj for obj in yaml.safe_load_all(result.stdout) if obj]) == 4
+    assert len([obj for obj in yaml.safe_load_all(result.stdout) if obj]) == 7
 
 
 def test_hadolint_passes_on_the_dockerfile():
@@ -777,6 +967,77 @@ def test_image_and_pod_cross_checks_reject_drift():
     pod["volumes"] = [v for v in pod["volumes"] if v["name"] != "dshm"]
     problems = check_gpu_pods([job])
     assert any("NCCL_NVLS_ENABLE" in p for p in problems) and any("/dev/shm" in p for p in problems), problems
+
+
+def policy(name: str) -> dict[str, Any]:
+    (obj,) = [obj for obj in load_yaml_documents(BASE_DIR / "networkpolicy.yaml") if obj["metadata"]["name"] == name]
+    return obj
+
+
+def test_auth_check_rejects_auth_off():
+    ray_job = base_object("RayJob")
+    ray_job["spec"]["rayClusterSpec"]["authOptions"]["mode"] = "disabled"
+    assert check_ray_auth([ray_job]) == ["RayJob/flashdmoe-run: authOptions {'mode': 'disabled'}, expected mode: token"]
+    ray_cluster = base_object("RayCluster")
+    del ray_cluster["spec"]["authOptions"]
+    problems = check_ray_auth([ray_cluster])
+    assert len(problems) == 2 and all("needs RAY_AUTH_MODE=token and RAY_AUTH_TOKEN" in p for p in problems), problems
+    job = base_object("Job")
+    job["spec"]["template"]["spec"]["containers"][0]["env"].append({"name": "RAY_AUTH_MODE", "value": "disabled"})
+    assert check_ray_auth([job]) == ["Job/flashdmoe-embedded pod container flashdmoe: RAY_AUTH_MODE=disabled"]
+
+
+def test_crd_schema_rejects_an_unknown_auth_mode(crd_validators):
+    ray_cluster = base_object("RayCluster")
+    ray_cluster["spec"]["authOptions"]["mode"] = "tokens"
+    problems = validate_custom_resource(ray_cluster, crd_validators)
+    assert any(problem.startswith("RayCluster/flashdmoe-interactive: spec.authOptions.mode:") for problem in problems)
+
+
+def test_hardening_check_rejects_each_gap():
+    ray_job = base_object("RayJob")
+    head = ray_job["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]
+    head["automountServiceAccountToken"] = True
+    head["containers"][0]["securityContext"]["readOnlyRootFilesystem"] = False
+    head["containers"][0]["volumeMounts"] = [m for m in head["containers"][0]["volumeMounts"] if m["mountPath"] != "/tmp"]
+    submitter = ray_job["spec"]["submitterPodTemplate"]["spec"]
+    submitter["containers"][0]["securityContext"]["capabilities"]["drop"] = []
+    submitter["volumes"] = [{"name": v["name"], "persistentVolumeClaim": {"claimName": "x"}} for v in submitter["volumes"]]
+    problems = check_pod_hardening([ray_job])
+    expected = ["head: automountServiceAccountToken must be false", "ray-head: readOnlyRootFilesystem must be true",
+                "ray-head: needs a writable emptyDir at /tmp", "ray-job-submitter: capabilities must drop ALL",
+                "ray-job-submitter: needs a writable emptyDir at /tmp",
+                f"ray-job-submitter: needs a writable emptyDir at {dockerfile_facts()['home']}"]
+    assert len(problems) == len(expected) and all(any(e in p for p in problems) for e in expected), problems
+    job = base_object("Job")
+    pod = job["spec"]["template"]["spec"]
+    pod["containers"][0]["volumeMounts"] = [m for m in pod["containers"][0]["volumeMounts"] if m["mountPath"] != RAY_SESSION_DIR]
+    assert check_pod_hardening([job]) == [f"Job/flashdmoe-embedded pod container flashdmoe: needs a writable emptyDir at "
+                                          f"{RAY_SESSION_DIR}"]
+
+
+def test_network_policy_check_rejects_open_doors():
+    ray_job = base_object("RayJob")
+    run = policy("flashdmoe-run")
+    assert check_network_policies([ray_job, run]) == []
+    assert any("no Ingress NetworkPolicy with component rayjob" in p for p in check_network_policies([ray_job]))
+    mislabelled = copy.deepcopy(run)
+    mislabelled["metadata"]["labels"][COMPONENT_LABEL] = "raycluster"
+    assert any("no Ingress NetworkPolicy" in p for p in check_network_policies([ray_job, mislabelled]))
+
+    leaky = copy.deepcopy(run)
+    leaky["spec"]["ingress"].append({"from": [{"ipBlock": {"cidr": "0.0.0.0/0"}}]})
+    leaky["spec"]["ingress"].append({"from": [{"namespaceSelector": {}}], "ports": [{"protocol": "TCP", "port": 6379}]})
+    leaky["spec"]["ingress"].append({"from": [{"podSelector": {}}]})
+    leaky["spec"]["ingress"].append({"ports": [{"protocol": "TCP", "port": 8265}]})
+    problems = check_network_policies([ray_job, leaky])
+    expected = ["ingress[3]: ipBlock", "ingress[4]: other namespaces may only reach",
+                "ingress[5]: pods other than the workload's own may reach only", "ingress[6]: admits every source"]
+    assert len(problems) == 4 and all(any(e in p for p in problems) for e in expected), problems
+    everyone = copy.deepcopy(policy("flashdmoe-embedded"))
+    everyone["spec"]["podSelector"] = {}
+    assert check_network_policies([everyone]) == ["NetworkPolicy/flashdmoe-embedded: selects every pod of the "
+                                                  "namespace; select the workload's pods"]
 
 
 def test_kustomize_build_fails_on_a_broken_overlay(tmp_path: Path):

@@ -55,8 +55,6 @@ RAY = shutil.which("ray") or str(Path(sys.executable).with_name("ray"))
 # backward reductions in a row.
 TOLERANCE = numerics.reorder_tolerance(torch.float32, 64, depth=6)
 
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-
 
 def _config(**changes) -> MoEConfig:
     values = dict(hidden=16, ffn=24, experts=6, top_k=2, tokens_per_rank=12, activation="gelu",
@@ -357,12 +355,14 @@ def ray_head(tmp_path):
     """``ray start --head`` on 127.0.0.1 with the job server; yields the dashboard address. Started with
     ``--block`` in its own session so stopping it stops exactly this cluster's processes."""
     dashboard_port = _free_port()
-    env = dict(os.environ, RAY_AUTH_MODE="disabled")
+    env = dict(os.environ)  # token authentication and loopback addresses: tests/conftest.py
     # Ray's unix socket paths must stay under 107 bytes: pytest's tmp_path is too deep
     ray_temp = Path(tempfile.mkdtemp(prefix="ray", dir="/tmp"))
     command = [RAY, "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={_free_port()}",
                "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}",
-               "--num-cpus=4", "--num-gpus=0", f"--temp-dir={ray_temp}", "--disable-usage-stats"]
+               "--num-cpus=4", "--num-gpus=0", f"--temp-dir={ray_temp}", "--disable-usage-stats",
+               # not the fixed default 52365, which another Ray on this machine may hold (no job agent then)
+               f"--dashboard-agent-listen-port={_free_port()}"]
     log = open(tmp_path / "ray_start.log", "w")
     head = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     address = f"http://127.0.0.1:{dashboard_port}"
