@@ -32,7 +32,7 @@ run_tests() {  # name, timeout, files...
 run_tests one-process 300 ${GPU_TESTS:-tests/test_fused_gpu.py tests/test_ep_emulated_gpu.py tests/test_api.py \
   tests/test_team.py tests/test_reference.py tests/test_ep_exchange.py tests/test_expert_backward.py \
   $(ls tests/test_async_status*.py tests/test_custom_op.py tests/test_hf_integration.py tests/test_bench.py tests/test_bench_training.py \
-       tests/test_training_gpu.py tests/test_training.py 2>/dev/null)}
+       tests/test_training_gpu.py tests/test_training.py tests/test_weight_checks.py 2>/dev/null)}
 skip mp || run_tests multi-process 200 tests/test_ep_multiprocess.py
 skip ray || run_tests ray 200 tests/test_ray.py tests/test_cli.py
 grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -30
