@@ -30,13 +30,10 @@ from flashdmoe.expert_backward import expert_backward, packed_rows
 # Expert GEMM variants (name -> id), the default, and the one fp32 inputs run on whatever
 # debug.expert_variant says: the table in flashdmoe/expert_variants.py.
 from flashdmoe.expert_variants import DEFAULT_EXPERT_VARIANT, EXPERT_VARIANTS, FP32_EXPERT_VARIANT, variant_id
+from flashdmoe.kernel_codes import ACTIVATION_CODES, DTYPE_CODES
 from flashdmoe.launch_report import LaunchReport, LaunchShape, StatusLayout
 from flashdmoe.team import mps_thread_percentage
 from flashdmoe.workspace_pool import WorkspacePool
-
-ACTIVATION_CODES = {"relu": 0, "gelu": 1, "silu": 2, "swiglu": 3}
-# float32 runs the tensor cores in TF32 (one rank; teams carry bf16 / fp16), on FP32_EXPERT_VARIANT.
-DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
 DEFAULT_TIMEOUT_MS = 10_000
 # Read once: a forward must not consult the environment.

@@ -73,6 +73,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from flashdmoe.kernel_codes import ACTIVATION_CODES, DTYPE_CODES
 from flashdmoe.reference import ACTIVATIONS, compute_dtype
 
 __all__ = ["expert_backward", "ELEMENTWISE_BACKENDS", "GEMM_BACKENDS", "elementwise_kernels_supported",
@@ -80,9 +81,8 @@ __all__ = ["expert_backward", "ELEMENTWISE_BACKENDS", "GEMM_BACKENDS", "elementw
 
 GEMM_BACKENDS = ("auto", "grouped_mm", "padded_bmm")
 ELEMENTWISE_BACKENDS = ("auto", "cuda", "torch")
-# The extension's codes (csrc/moe/launch.h DType, csrc/moe/params.cuh Activation).
-_DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1}
-_ACTIVATION_CODES = {"relu": 0, "gelu": 1, "silu": 2, "swiglu": 3}
+# What the element-wise kernels take (csrc/backward/expert_grad.h: 16-bit storage).
+_KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 _STORAGE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -270,7 +270,7 @@ def elementwise_kernels_supported(dtype: torch.dtype, device: torch.device, hidd
     """'' when the extension's element-wise backward kernels can run this backward, else why not."""
     if device.type != "cuda":
         return f"the element-wise kernels run on CUDA devices, not {device.type}"
-    if dtype not in _DTYPE_CODES:
+    if dtype not in _KERNEL_DTYPES:
         return f"the element-wise kernels take bfloat16 and float16, not {dtype}"
     if hidden % 8 or intermediate % 8:
         return f"the element-wise kernels need H and I to be multiples of 8 (got H={hidden}, I={intermediate})"
@@ -402,7 +402,7 @@ def expert_backward(
         g = layout.rows_times(dy_rows, w2.transpose(1, 2))
         hw, dpre = torch.empty(layout.rows, intermediate, dtype=dtype, device=x.device), torch.empty_like(pre)
         dweight_row = torch.empty(layout.rows, dtype=torch.float32, device=x.device)
-        kernels.activation_grad(_DTYPE_CODES[dtype], _ACTIVATION_CODES[activation], pre.data_ptr(), g.data_ptr(),
+        kernels.activation_grad(DTYPE_CODES[dtype], ACTIVATION_CODES[activation], pre.data_ptr(), g.data_ptr(),
                                 w_row.data_ptr(), hw.data_ptr(), dpre.data_ptr(), dweight_row.data_ptr(),
                                 layout.rows, intermediate, _stream(x.device))
         del g, pre
@@ -435,7 +435,7 @@ def expert_backward(
             logits = torch.mm(x, router_weight.t(), out_dtype=torch.float32)
             dlogits = torch.empty(tokens, experts, dtype=dtype, device=x.device)
             expert32 = expert.to(torch.int32).contiguous()
-            kernels.router_grad(_DTYPE_CODES[dtype], logits.data_ptr(), expert32.data_ptr(),
+            kernels.router_grad(DTYPE_CODES[dtype], logits.data_ptr(), expert32.data_ptr(),
                                 layout.rows_of_tokens.data_ptr(), dweight_row.data_ptr(), dlogits.data_ptr(),
                                 tokens, top_k, experts, normalize_topk, _stream(x.device))
             if need_router:
@@ -455,7 +455,7 @@ def expert_backward(
     if need_dx:
         if kernels is not None:
             dx = torch.empty_like(x)
-            kernels.combine_grad(_DTYPE_CODES[dtype], dx_rows.data_ptr(), layout.rows_of_tokens.data_ptr(),
+            kernels.combine_grad(DTYPE_CODES[dtype], dx_rows.data_ptr(), layout.rows_of_tokens.data_ptr(),
                                  dx_router.data_ptr(), dx.data_ptr(), tokens, top_k, hidden, _stream(x.device))
         else:
             # where, not a multiply: rows past the packed ones are uninitialised (0 * NaN is NaN)
