@@ -188,10 +188,11 @@ class _Rows:
     holding no choice); ``rows_of_tokens [T, k]`` int32: each choice's row, -1 when dropped; ``offs [E]``
     int32: each expert's end row (packed). Torch-built tables (no ``kernels``) also have ``kept [T * k]``
     bool and ``row_of_choice [T * k]`` int64 (0 for a dropped choice, which is masked).
-    With the extension's kernels and packed rows the table is one launch (``backward_rows``).
+    With the extension's kernels and packed rows the table is one launch (``backward_rows``) on ``stream``,
+    reading ``expert32`` (``expert`` as contiguous int32); both None without the kernels.
     """
 
-    def __init__(self, expert, row, weight, experts, padded_rows, kernels, cdtype):
+    def __init__(self, expert, row, weight, experts, padded_rows, kernels, cdtype, expert32, stream):
         tokens, top_k = expert.shape
         choices = tokens * top_k
         device = expert.device
@@ -204,11 +205,11 @@ class _Rows:
             self.w_row = torch.zeros(choices, dtype=torch.float32, device=device)
             self.rows_of_tokens = torch.empty(tokens, top_k, dtype=torch.int32, device=device)
             expert_end = torch.zeros(experts, dtype=torch.int32, device=device)
-            expert32, row32 = expert.to(torch.int32).contiguous(), row.to(torch.int32).contiguous()
+            row32 = row.to(torch.int32).contiguous()
             weight32 = weight.to(torch.float32).contiguous()
             kernels.backward_rows(expert32.data_ptr(), row32.data_ptr(), weight32.data_ptr(), choices, top_k, experts,
                                   self.token_of_row.data_ptr(), self.w_row.data_ptr(), self.rows_of_tokens.data_ptr(),
-                                  expert_end.data_ptr(), _stream(device))
+                                  expert_end.data_ptr(), stream)
             self.offs = torch.cummax(expert_end, 0).values  # empty experts end where the previous one did
             return
         # Bounded on the device: routing of a forward that failed (its error surfaces at the next check)
@@ -292,10 +293,6 @@ def _elementwise_kernels(choice: str, dtype: torch.dtype, device: torch.device, 
     from flashdmoe import extension
 
     return extension.loaded()
-
-
-def _stream(device: torch.device) -> int:
-    return torch.cuda.current_stream(device).cuda_stream
 
 
 def _activation_and_derivative(pre: torch.Tensor, activation: str, intermediate: int):
@@ -386,7 +383,11 @@ def expert_backward(
     need_weight_grad = need_dx or need_router  # the combine weights' gradient feeds the router
     need_g = need_weight_grad or need_dw1
     kernels = _elementwise_kernels(elementwise, dtype, x.device, hidden, intermediate) if need_g else None
-    layout = _Rows(expert, row, weight, experts, padded_rows, kernels, cdtype)
+    expert32 = stream = None
+    if kernels is not None:  # once for all the launches below
+        expert32 = expert.to(torch.int32).contiguous()
+        stream = torch.cuda.current_stream(x.device).cuda_stream
+    layout = _Rows(expert, row, weight, experts, padded_rows, kernels, cdtype, expert32, stream)
     token_of_row, w_row = layout.token_of_row, layout.w_row
     x_rows = x.index_select(0, token_of_row)
 
@@ -404,7 +405,7 @@ def expert_backward(
         dweight_row = torch.empty(layout.rows, dtype=torch.float32, device=x.device)
         kernels.activation_grad(DTYPE_CODES[dtype], ACTIVATION_CODES[activation], pre.data_ptr(), g.data_ptr(),
                                 w_row.data_ptr(), hw.data_ptr(), dpre.data_ptr(), dweight_row.data_ptr(),
-                                layout.rows, intermediate, _stream(x.device))
+                                layout.rows, intermediate, stream)
         del g, pre
         if need_dw2:
             dw2 = layout.per_expert_outer(hw, dy_rows)
@@ -434,10 +435,9 @@ def expert_backward(
             # gradient GEMMs.
             logits = torch.mm(x, router_weight.t(), out_dtype=torch.float32)
             dlogits = torch.empty(tokens, experts, dtype=dtype, device=x.device)
-            expert32 = expert.to(torch.int32).contiguous()
             kernels.router_grad(DTYPE_CODES[dtype], logits.data_ptr(), expert32.data_ptr(),
                                 layout.rows_of_tokens.data_ptr(), dweight_row.data_ptr(), dlogits.data_ptr(),
-                                tokens, top_k, experts, normalize_topk, _stream(x.device))
+                                tokens, top_k, experts, normalize_topk, stream)
             if need_router:
                 d_router = torch.mm(dlogits.t(), x, out_dtype=torch.float32).to(router_weight.dtype)
             if need_dx:
@@ -456,7 +456,7 @@ def expert_backward(
         if kernels is not None:
             dx = torch.empty_like(x)
             kernels.combine_grad(DTYPE_CODES[dtype], dx_rows.data_ptr(), layout.rows_of_tokens.data_ptr(),
-                                 dx_router.data_ptr(), dx.data_ptr(), tokens, top_k, hidden, _stream(x.device))
+                                 dx_router.data_ptr(), dx.data_ptr(), tokens, top_k, hidden, stream)
         else:
             # where, not a multiply: rows past the packed ones are uninitialised (0 * NaN is NaN)
             kept = layout.kept.view(tokens, top_k)
