@@ -17,6 +17,7 @@ from flashdmoe import numerics, reference
 from flashdmoe.bench import (
     baselines,
     expert_parallel,
+    hardware,
     main,
     metrics,
     rank_results,
@@ -62,6 +63,16 @@ def test_quick_run_writes_json_markdown_and_png(quick_run):
     assert results["settings"]["repeats"] == 3 and results["settings"]["dtype"] == "bfloat16"
     assert results["copy_bandwidth_gbps"] > 0
     assert results["ceiling_tflops"] is None  # the tensor-core ceiling is a GPU measurement
+
+
+def test_suite_matmul_ceiling_is_measured_on_cuda_only(monkeypatch):
+    measured = []
+    monkeypatch.setattr(hardware, "measure_matmul_ceiling", lambda device: measured.append(device) or (123.0, None))
+    console = Console(record=True, width=200)
+    assert hardware.suite_matmul_ceiling("cpu", console) is None and not measured
+    assert hardware.suite_matmul_ceiling("cuda:1", console) == 123.0
+    assert measured == [torch.device("cuda", 1)]
+    assert "measuring the bf16 matmul ceiling (8192^3) on cuda:1" in console.export_text()
 
 
 def test_every_config_has_every_entry_with_consistent_numbers(quick_run):

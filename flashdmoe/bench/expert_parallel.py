@@ -261,10 +261,7 @@ def run_expert_parallel(options: SuiteOptions) -> SuiteResult:
     mps_names = [spec.name for spec in specs if spec.kind == "mps"]
     mps_runs = _run_mps_entries(options, mps_names) if mps_names else {}
 
-    ceiling_tflops = None
-    if device.type == "cuda":
-        console.log("measuring the bf16 matmul ceiling (8192^3)")
-        ceiling_tflops, _ = hardware.measure_matmul_ceiling(device)
+    ceiling_tflops = hardware.suite_matmul_ceiling(device, console)
     element_bytes = torch.empty((), dtype=dtype).element_size()
     tolerance = metrics.ERROR_TOLERANCES[options.dtype]
     configs = []

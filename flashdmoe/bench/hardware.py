@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import platform
 import socket
+from typing import TYPE_CHECKING
 
 import torch
 
 from flashdmoe.bench.timing import TimingStats, measure
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 CEILING_MATMUL_SIZE = 8192
 GPU_COPY_BYTES = 1024 * 1024 * 1024
@@ -69,6 +73,17 @@ def measure_matmul_ceiling(
     stats = measure(runs, device=device, warmup=warmup, repeats=repeats)
     tflops = 2.0 * size**3 / (stats.median_ms * 1e-3) / 1e12
     return tflops, stats
+
+
+def suite_matmul_ceiling(device: torch.device | str, console: Console) -> float | None:
+    """The ``ceiling_tflops`` a suite reports: the bf16 matmul ceiling measured on a CUDA device (logged on
+    ``console``, it takes a while), None on any other device (the tensor-core ceiling is a GPU measurement).
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    console.log(f"measuring the bf16 matmul ceiling ({CEILING_MATMUL_SIZE}^3) on {device}")
+    return measure_matmul_ceiling(device)[0]
 
 
 def measure_copy_bandwidth(

@@ -275,8 +275,7 @@ def run_multi_gpu(options: SuiteOptions) -> SuiteResult:
     device = torch.device("cuda", 0)
     ceiling_tflops = None
     try:
-        console.log("measuring the bf16 matmul ceiling (8192^3) on cuda:0")
-        ceiling_tflops, _ = hardware.measure_matmul_ceiling(device)
+        ceiling_tflops = hardware.suite_matmul_ceiling(device, console)
     except Exception as error:  # the table is still worth having without it
         console.log(f"matmul ceiling not measured: {describe_error(error)}")
     configs = []

@@ -255,10 +255,7 @@ def run_training(options: SuiteOptions) -> SuiteResult:
     device = torch.device(options.device)
     dtype = torch_dtype(options.dtype)
     console = options.console
-    ceiling_tflops = None
-    if device.type == "cuda":
-        console.log("measuring the bf16 matmul ceiling (8192^3)")
-        ceiling_tflops, _ = hardware.measure_matmul_ceiling(device)
+    ceiling_tflops = hardware.suite_matmul_ceiling(device, console)
     configs = []
     for config_index, shape in enumerate(options.shapes):
         activation = activation_for(shape, options)
