@@ -274,7 +274,8 @@ def _open_ranks(args: argparse.Namespace, config, device):
                if getattr(args, name) is not None}
     if args.placement_timeout is not None:
         options["placement_timeout_s"] = args.placement_timeout
-    return MoECluster(config, args.address, backend=args.backend, **options)
+    # _command_run has checked --address within --connect-timeout: the cluster need not probe it again
+    return MoECluster(config, args.address, backend=args.backend, check_address=False, **options)
 
 
 def _command_run(args: argparse.Namespace) -> int:

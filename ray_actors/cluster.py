@@ -36,7 +36,8 @@ carry. An interrupted call (``KeyboardInterrupt``) leaves its workers busy: :met
 them at once instead of asking them to leave their teams.
 
 Every wait of the driver is bounded: connecting to ``address`` (a TCP probe of ``connect_timeout_s``
-first, so that an address where nothing listens fails at once), placing the workers
+first, so that an address where nothing listens fails at once; ``flashdmoe run`` checks the address itself,
+within ``--connect-timeout``, and turns the probe off), placing the workers
 (``placement_timeout_s``), starting them and bootstrapping the team (``startup_timeout_s``), each call
 (``call_timeout_s``), and closing teams (``teardown_timeout_s``).
 """
@@ -214,6 +215,8 @@ class MoECluster(RankExecutor):
             CPU workers, 1200 s on GPU workers (the first use may compile the CUDA extension).
         connect_timeout_s: with ``address``, how long the TCP probe of that address may take before
             :class:`~flashdmoe.job.executor.ClusterUnreachable`.
+        check_address: whether to probe ``address`` before ``ray.init``; False where the caller has just
+            checked it (``flashdmoe run``, within ``--connect-timeout``), so that it is checked once.
         placement_timeout_s: longest to wait for the cluster to place the ranks (the placement group) before
             :class:`~flashdmoe.job.executor.ClusterTooSmall`.
         num_cpus: CPUs of the embedded Ray (default ``max(os.cpu_count(), P)``).
@@ -243,7 +246,7 @@ class MoECluster(RankExecutor):
                  num_cpus: int | None = None, max_tokens: int | None = None,
                  mps_pipe_dir: str | os.PathLike | None = None, mps_log_dir: str | os.PathLike | None = None,
                  teardown_timeout_s: float = 30.0, startup_timeout_s: float | None = None,
-                 connect_timeout_s: float = 10.0) -> None:
+                 connect_timeout_s: float = 10.0, check_address: bool = True) -> None:
         started = time.perf_counter()
         config = _load_config(config)
         if workers is not None:
@@ -269,6 +272,7 @@ class MoECluster(RankExecutor):
         self.placement_timeout_s = _positive_seconds("placement_timeout_s", placement_timeout_s)
         self.teardown_timeout_s = _positive_seconds("teardown_timeout_s", teardown_timeout_s)
         self.connect_timeout_s = _positive_seconds("connect_timeout_s", connect_timeout_s)
+        self.check_address = bool(check_address)
         if num_cpus is not None and (isinstance(num_cpus, bool) or not isinstance(num_cpus, int) or num_cpus < 1):
             raise ValueError(f"num_cpus={num_cpus!r}: expected None or an integer >= 1")
         if max_tokens is None:
@@ -332,7 +336,8 @@ class MoECluster(RankExecutor):
                                runtime_env={"env_vars": {"PYTHONPATH": _code_paths()}}, logging_level=logging.WARNING)
             return
         # an existing cluster: the code must be importable there (installed, or the job's working_dir)
-        self._probe(address)
+        if self.check_address:
+            self._probe(address)
         try:
             ray.init(address=address, logging_level=logging.WARNING)
         except ConnectionError as error:  # e.g. "auto" with no cluster running

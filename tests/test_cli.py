@@ -208,13 +208,20 @@ def _fake_ray(monkeypatch, run_job=None):
 
 @pytest.mark.parametrize("backend", ["auto", "reference", "cuda"])
 def test_run_opens_ray_ranks_with_its_arguments(backend, monkeypatch, tmp_path):
+    from flashdmoe.job import preflight
+
     opened, runs = _fake_ray(monkeypatch)
+    checks = []
+    monkeypatch.setattr(preflight, "check_ray_address",
+                        lambda address, *, timeout_s, notice: checks.append((address, timeout_s)))
     assert cli.main(["run", "--config", str(TINY), "--address", "auto", "--workers", "4", "--backend", backend,
                      "--output", str(tmp_path), "--no-progress", "--gpus-per-worker", "0.5",
-                     "--placement-timeout", "7"]) == 0
+                     "--placement-timeout", "7", "--connect-timeout", "9"]) == 0
     ranks, address, options = opened[0]
     assert ranks.config == MoEConfig.from_yaml(TINY).replace(world_size=4) and address == "auto"
-    assert options == dict(backend=backend, gpus_per_worker=0.5, placement_timeout_s=7.0)
+    # the address is checked once, here within --connect-timeout: the cluster does not probe it again
+    assert checks == [("auto", 9.0)]
+    assert options == dict(backend=backend, gpus_per_worker=0.5, placement_timeout_s=7.0, check_address=False)
     assert runs[0][0] is ranks and ranks.closed
     assert set(runs[0][1]) == {"verify", "output_dir", "progress", "console", "on_step"}
     assert runs[0][1]["verify"] is True and runs[0][1]["output_dir"] == tmp_path and runs[0][1]["progress"] is False
@@ -224,7 +231,9 @@ def test_run_opens_ray_ranks_with_its_arguments(backend, monkeypatch, tmp_path):
                      "--mps-pipe-dir", "/tmp/mps/pipe", "--mps-log-dir", "/tmp/mps/log"]) == 0
     ranks, address, options = opened[1]
     assert ranks.config == MoEConfig.from_yaml(TINY) and address is None
-    assert options == dict(backend=backend, max_retries=3, mps_pipe_dir="/tmp/mps/pipe", mps_log_dir="/tmp/mps/log")
+    assert options == dict(backend=backend, max_retries=3, mps_pipe_dir="/tmp/mps/pipe", mps_log_dir="/tmp/mps/log",
+                           check_address=False)
+    assert checks[1] == (None, preflight.DEFAULT_CONNECT_TIMEOUT_S)
     assert runs[1][1]["verify"] is False and runs[1][1]["output_dir"] == Path("results") and runs[1][1]["progress"]
 
 

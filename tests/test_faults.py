@@ -35,7 +35,7 @@ import ray
 
 from flashdmoe import cli
 from flashdmoe.config import MoEConfig
-from flashdmoe.job import WorkerFault
+from flashdmoe.job import ClusterUnreachable, WorkerFault
 from flashdmoe.job.verification import verify_step
 from job_checks import check_results_schema
 from ray_actors import cluster as ray_cluster
@@ -442,3 +442,15 @@ def test_cli_unreachable_address_exits_2_at_once(tmp_path, capsys):
     # the CLI's own check of --address answers before the cluster's probe would
     assert f"error: --address 127.0.0.1:{port}: nothing answers there" in error, error
     assert "Traceback" not in error and not ray.is_initialized() and not (tmp_path / "out").exists()
+
+
+@pytest.mark.timeout(60)
+def test_cluster_probes_the_address_it_is_given():
+    # the Python API's own check (flashdmoe run checks --address first and turns this one off)
+    assert not ray.is_initialized()
+    port = _closed_port()
+    started = time.monotonic()
+    with pytest.raises(ClusterUnreachable, match=f"address='127.0.0.1:{port}': nothing answers at 127.0.0.1:{port} "
+                                                 "within 2s"):
+        MoECluster(TINY, address=f"127.0.0.1:{port}", connect_timeout_s=2)
+    assert time.monotonic() - started < 15 and not ray.is_initialized()
