@@ -63,6 +63,7 @@ struct ExpertTask {
 };
 // The queue's shape for a number of row tiles.
 struct TaskCounts {
+  int row_tiles;
   int tasks1;  // GEMM1 tasks (they come first)
   int tiles1;  // GEMM1 column tiles per row tile (a GEMM2 tile waits for all of them)
   int tiles2;  // GEMM2 column tiles per row tile
@@ -71,19 +72,28 @@ struct TaskCounts {
 template <typename Variant>
 __device__ __forceinline__ TaskCounts task_counts(const MoEParams& p, int row_tiles) {
   TaskCounts counts;
+  counts.row_tiles = row_tiles;
   counts.tiles1 = gemm1_column_tiles<Variant>(p);
   counts.tiles2 = gemm2_column_tiles<Variant>(p);
   counts.tasks1 = row_tiles * counts.tiles1;
   counts.total = counts.tasks1 + row_tiles * counts.tiles2;
   return counts;
 }
+// Within each GEMM the row tiles are taken in groups of kTaskGroupRows, and inside a group the column
+// tile varies slowest: the tasks in flight at one time then read a few weight panels, each fetched from
+// HBM once and shared through L2 by the group's row tiles, and the group's rows stay in L2 over its
+// column tiles. Row-major order had every block on a different panel: with few experts and wide
+// layers (E = 8, I = 14336) each task re-read its 2-7 MB panel from HBM.
 __device__ __forceinline__ ExpertTask decode_task(int task, const TaskCounts& counts) {
   ExpertTask job;
   job.gemm = task >= counts.tasks1 ? FfnGemm::Gemm2 : FfnGemm::Gemm1;
   const int index = job.gemm == FfnGemm::Gemm2 ? task - counts.tasks1 : task;
   const int col_tiles = job.gemm == FfnGemm::Gemm2 ? counts.tiles2 : counts.tiles1;
-  job.row_tile = index / col_tiles;
-  job.col_tile = index % col_tiles;
+  const int first_row = index / (kTaskGroupRows * col_tiles) * kTaskGroupRows;
+  const int group_rows = min(kTaskGroupRows, counts.row_tiles - first_row);
+  const int in_group = index - first_row * col_tiles;
+  job.row_tile = first_row + in_group % group_rows;
+  job.col_tile = in_group / group_rows;
   return job;
 }
 
