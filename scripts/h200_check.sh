@@ -44,11 +44,10 @@ if ! skip bench && [ "$(left)" -gt 150 ]; then
   cp /tmp/bench/single-gpu.md /tmp/bench/single-gpu.png /tmp/bench/single-gpu.json "$OUT/" 2>/dev/null
 fi
 if ! skip bench && ! skip swiglu && [ "$(left)" -gt 120 ]; then
-  # the issue-15 swiglu shapes (Mixtral, Qwen3-30B-A3B, DeepSeek-V2-Lite, OLMoE, decode rows)
+  # the issue-15 swiglu shapes (Mixtral, Qwen3-30B-A3B, DeepSeek-V2-Lite, DeepSeek-V3, OLMoE, decode rows)
   t=$(date +%s)
-  timeout 150 python3 -m flashdmoe bench --suite single-gpu --activation swiglu --entries fused,fused_graph,grouped_mm \
-    --configs '4096,4096,14336,8,2;8192,2048,768,128,8;16384,2048,1408,64,6;4096,2048,1024,64,8;1,2048,768,128,8;128,4096,1408,64,6' \
-    --output /tmp/bench_swiglu > /tmp/bench_swiglu.log 2>&1
+  timeout 150 python3 -m flashdmoe bench --suite single-gpu --configs issue-15-swiglu \
+    --entries fused,fused_graph,grouped_mm --output /tmp/bench_swiglu > /tmp/bench_swiglu.log 2>&1
   note "bench single-gpu (swiglu) rc=$? in $(( $(date +%s) - t )) s"; tail -30 /tmp/bench_swiglu.log
   cp /tmp/bench_swiglu/single-gpu.md "$OUT/single-gpu-swiglu.md" 2>/dev/null
 fi

@@ -24,12 +24,14 @@ from flashdmoe.bench import (
     rank_scenarios,
     registry,
     report,
+    kernel_profile,
     single_gpu,
     timing,
+    workload,
 )
 from flashdmoe.bench import cli as bench_cli
 from flashdmoe.bench.entries import ENTRY_TYPES, BenchEntry, MoEInputs, MoEProblem, PreparedRun
-from flashdmoe.bench.results import BenchShape, ConfigResult, EntryResult, SuiteResult, parse_shapes
+from flashdmoe.bench.results import BenchConfig, BenchShape, ConfigResult, EntryResult, SuiteResult, parse_configs
 from flashdmoe.bench.suite import SuiteOptions
 from flashdmoe.bench.workload import make_inputs
 from flashdmoe.ranks import Problem, RankContext, RankOutcome, RunResult, run_ranks, scenarios
@@ -158,7 +160,7 @@ def test_configs_entries_and_reference_limit_options(tmp_path):
 @pytest.mark.parametrize(
     "arguments",
     [["--entries", "bogus"], ["--suite", "no-such-suite"], ["--configs", "1,2,3"], ["--repeats", "0"],
-     ["--configs", "8,16,16,4,5"]],
+     ["--configs", "8,16,16,4,5"], ["--configs", "8,16,16,4,2,tanh"], ["--configs", "no-such-set"]],
 )
 def test_bad_options_exit_with_code_2(tmp_path, arguments, capsys):
     assert main([*QUICK_ARGS, "--output", str(tmp_path), *arguments]) == 2
@@ -166,16 +168,115 @@ def test_bad_options_exit_with_code_2(tmp_path, arguments, capsys):
     assert not (tmp_path / "single-gpu.json").exists()
 
 
-def test_parse_shapes():
-    assert parse_shapes("8192,2048,2048,32,2;128,4096,1408,64,6") == [
-        BenchShape(8192, 2048, 2048, 32, 2), BenchShape(128, 4096, 1408, 64, 6)
+def test_parse_configs():
+    assert parse_configs("8192,2048,2048,32,2;128,4096,1408,64,6") == [
+        BenchConfig(BenchShape(8192, 2048, 2048, 32, 2)), BenchConfig(BenchShape(128, 4096, 1408, 64, 6))
+    ]
+    assert parse_configs(" 1,2048,768,128,8, swiglu ; 8,16,16,4,2") == [
+        BenchConfig(BenchShape(1, 2048, 768, 128, 8), "swiglu"), BenchConfig(BenchShape(8, 16, 16, 4, 2))
     ]
     with pytest.raises(ValueError, match="expected 5 comma-separated integers"):
-        parse_shapes("8,16,a,4,2")
+        parse_configs("8,16,a,4,2")
     with pytest.raises(ValueError, match="top_k=5"):
-        parse_shapes("8,16,16,4,5")
+        parse_configs("8,16,16,4,5")
     with pytest.raises(ValueError, match="tokens=0"):
-        parse_shapes("0,16,16,4,1")
+        parse_configs("0,16,16,4,1")
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [("8,16,16,4,2,tanh", r"--configs entry '8,16,16,4,2,tanh': activation 'tanh': expected one of"),
+     ("8,16,16,4,2,", r"activation '': expected one of"),
+     ("8,16,16,4,2,gelu,1", r"--configs entry '8,16,16,4,2,gelu,1': expected T,H,I,E,k or T,H,I,E,k,activation"),
+     ("gelu,8,16,16,4,2", r"--configs entry 'gelu,8,16,16,4,2': expected 5 comma-separated integers"),
+     (" ; ", r"--configs ' ; ': expected at least one")],
+)
+def test_parse_configs_rejects_bad_entries_naming_the_argument(text, message):
+    with pytest.raises(ValueError, match=message):
+        parse_configs(text)
+
+
+def _bench_options(*arguments):
+    parser = bench_cli.configure_parser(argparse.ArgumentParser())
+    return bench_cli.options_from_args(parser.parse_args(["--device", "cpu", *arguments]),
+                                       Console(record=True, width=200))
+
+
+def test_named_config_sets_are_the_issue_15_table():
+    options = _bench_options("--configs", "issue-15")
+    rows = [(*shape.to_dict().values(), options.activation_of(index)) for index, shape in enumerate(options.shapes)]
+    assert rows == [
+        (8192, 2048, 2048, 32, 2, "gelu"), (16384, 2048, 2048, 64, 2, "gelu"), (16384, 4096, 1024, 128, 2, "gelu"),
+        (4096, 2048, 2048, 64, 2, "gelu"), (128, 4096, 1408, 64, 6, "gelu"),
+        (4096, 4096, 14336, 8, 2, "swiglu"), (8192, 2048, 768, 128, 8, "swiglu"),
+        (16384, 2048, 1408, 64, 6, "swiglu"), (8192, 7168, 2048, 256, 8, "swiglu"),
+        (4096, 2048, 1024, 64, 8, "swiglu"), (1, 2048, 768, 128, 8, "swiglu"), (32, 7168, 2048, 256, 8, "swiglu"),
+        (128, 4096, 1408, 64, 6, "swiglu"),
+    ]
+    named = single_gpu.SUITE.named_configs
+    assert named["issue-15"] == named["issue-15-gelu"] + named["issue-15-swiglu"]
+    # a set's own activations win over --activation
+    swiglu = _bench_options("--configs", "issue-15-swiglu", "--activation", "relu")
+    assert {swiglu.activation_of(index) for index in range(len(swiglu.shapes))} == {"swiglu"}
+
+
+def test_per_config_activation_options():
+    options = _bench_options("--configs", "24,32,64,4,2,swiglu;9,16,32,4,3", "--activation", "relu")
+    assert [options.activation_of(0), options.activation_of(1)] == ["swiglu", "relu"]
+    plain = _bench_options("--configs", "24,32,64,4,2")
+    assert plain.shape_activations == () and plain.activation_of(0) == "gelu"  # the suite's default
+    with pytest.raises(ValueError, match=r"--configs 'issue-16': expected 'T,H,I,E,k\[,activation\];...' or a named "
+                                         r"set of the single-gpu suite \(\['issue-15'"):
+        _bench_options("--configs", "issue-16")
+    with pytest.raises(ValueError, match="--configs: the training suite takes no activation per entry"):
+        _bench_options("--suite", "training", "--configs", "24,32,64,4,2,swiglu")
+    with pytest.raises(ValueError, match="shape_activations has 1 entries: expected one per shape"):
+        SuiteOptions(suite="single-gpu", device="cpu", dtype="float32", activation="gelu",
+                     shapes=[BenchShape(8, 8, 8, 2, 1)] * 2, entries=["reference"], shape_activations=("gelu",))
+
+
+def test_a_run_mixing_activations_has_an_act_column(tmp_path):
+    code = main([*QUICK_ARGS, "--output", str(tmp_path), "--configs", "24,32,64,4,2,swiglu;9,16,32,4,3",
+                 "--activation", "silu", "--entries", "per_expert_loop,reference", "--dtype", "float32"])
+    assert code == 0
+    results = json.loads((tmp_path / "single-gpu.json").read_text())
+    assert [(c["shape"]["act"], c["activation"]) for c in results["configs"]] == [("swiglu", "swiglu"),
+                                                                                  ("silu", "silu")]
+    assert [c["flops"] for c in results["configs"]] == [metrics.moe_flops(24, 32, 64, 4, 2, "swiglu"),
+                                                         metrics.moe_flops(9, 16, 32, 4, 3, "silu")]
+    assert results["settings"]["activation"] == "per configuration (column act)"
+    for config in results["configs"]:
+        assert [e["correct"] for e in config["entries"]] == [True, True]  # each against its own activation
+    assert "| T | H | I | E | k | act | floor ms |" in (tmp_path / "single-gpu.md").read_text()
+
+
+def test_input_sets_that_fit_hold_at_most_two_deepseek_v3_layers(monkeypatch):
+    deepseek_v3 = BenchShape(8192, 7168, 2048, 256, 8)
+    weights = 256 * (7168 * 4096 + 2048 * 7168) * 2
+    assert weights == pytest.approx(22.5e9, rel=0.01)
+    assert workload.input_set_bytes(deepseek_v3, "swiglu", 2) == weights + 2 * (8192 * 7168 + 256 * 7168)
+    assert single_gpu._input_sets_that_fit(deepseek_v3, "swiglu", torch.bfloat16, torch.device("cpu")) is None
+    for free, fit in ((140e9, 2), (100e9, 1), (20e9, 1)):  # an H200's ~140 GB free; never below one set
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device, free=free: (int(free), int(141e9)))
+        monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 0)
+        monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 0)
+        assert single_gpu._input_sets_that_fit(deepseek_v3, "swiglu", torch.bfloat16, torch.device("cuda")) == fit
+    with pytest.raises(ValueError, match="per_set_bytes=0"):
+        workload.sets_that_fit(0, 0, 10)
+
+
+def test_floor_counts_the_experts_routed_to_and_records_the_expectation(quick_run):
+    _, _, results = quick_run
+    for config, shape in zip(results["configs"], single_gpu.QUICK_SHAPES):
+        active = config["details"]["active_experts_per_set"]
+        assert len(active) == config["input_sets"] and all(1 <= count <= shape.experts for count in active)
+        mean_floor = sum(metrics.bytes_floor(count, shape.tokens, shape.hidden, shape.ffn, "gelu", 2)
+                         for count in active) / len(active)
+        assert config["bytes_floor"] == round(mean_floor)
+        assert config["details"]["expected_active_experts"] == pytest.approx(
+            shape.experts * (1 - (1 - shape.top_k / shape.experts) ** shape.tokens))
+    assert metrics.expected_active_experts(1, 128, 8) == pytest.approx(8.0)
+    assert metrics.expected_active_experts(8192, 256, 8) == pytest.approx(256.0)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -304,6 +405,73 @@ def test_wrong_and_failing_entries_are_reported(monkeypatch):
     assert crashing.status == "error" and crashing.reason == "RuntimeError: device fell over"
 
 
+class _ProfiledLoopEntry(BenchEntry):
+    """The per-expert loop, declaring a kernel of its own as the fused entries do."""
+
+    name = "profiled_loop"
+    label = "loop with a kernel"
+    profiled_kernel = "moe_forward_kernel"
+
+    def prepare(self, inputs: MoEInputs, problem: MoEProblem) -> PreparedRun:
+        return PreparedRun(lambda: baselines.per_expert_loop(inputs.x, inputs.router_weight, inputs.w1, inputs.w2,
+                                                             **problem.kwargs()))
+
+
+def test_kernel_time_is_null_on_the_cpu_and_profiled_after_the_timed_runs(monkeypatch):
+    monkeypatch.setitem(ENTRY_TYPES, "profiled_loop", _ProfiledLoopEntry)
+    options = SuiteOptions(
+        suite="single-gpu", device="cpu", dtype="float32", activation="gelu",
+        shapes=[BenchShape(16, 16, 32, 4, 2)], entries=["profiled_loop", "per_expert_loop"], repeats=2, warmup=0,
+    )
+    result = single_gpu.run_single_gpu(options)
+    profiled, loop = result.configs[0].entries
+    assert profiled.status == loop.status == "ok" and profiled.correct is True
+    assert profiled.kernel_ms is None and loop.kernel_ms is None
+    assert profiled.details["kernel_profile"] == {"kernel": "moe_forward_kernel", "launches": 0,
+                                                  "reason": "no CUDA kernels on cpu"}
+    assert "kernel_profile" not in loop.details  # no kernel of its own: not profiled at all
+    assert json.loads(report.json_text(result))["configs"][0]["entries"][0]["kernel_ms"] is None
+    markdown = report.markdown_report(result)
+    assert "| ms (median) | p10–p90 ms | kernel ms (profiler) | TFLOP/s |" in markdown
+    cells = [line.split(" | ") for line in markdown.splitlines() if "| loop with a kernel |" in line][0]
+    assert cells[cells.index("loop with a kernel") + 3] == "–"
+
+    # The profile is a pass of its own after the timed runs, over the same prepared runs.
+    order = []
+    real_measure = single_gpu.measure
+    monkeypatch.setattr(single_gpu, "measure", lambda runs, **kw: order.append(("measure", len(runs)))
+                        or real_measure(runs, **kw))
+    monkeypatch.setattr(kernel_profile, "profile_kernel", lambda runs, **kw: order.append(("profile", len(runs)))
+                        or kernel_profile.KernelTime(0.25, 6))
+    options.entries = ["profiled_loop"]
+    options.input_sets = 3
+    timed = single_gpu.run_single_gpu(options).configs[0].entries[0]
+    assert order == [("measure", 3), ("profile", 3)]
+    assert timed.kernel_ms == 0.25 and timed.details["kernel_profile"]["launches"] == 6
+
+
+def test_kernel_time_from_profiler_events():
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+
+    def event(name, microseconds, device_type=cuda):
+        return argparse.Namespace(name=name, device_time=microseconds, device_type=device_type)
+
+    events = [event("void moe_forward_kernel<bf16, V>(LaunchParams)", 640.0), event("Memset (Device)", 2.0),
+              event("void moe_forward_kernel<bf16, V>(LaunchParams)", 600.0),
+              event("void moe_forward_kernel<bf16, V>(LaunchParams)", 700.0),
+              event("moe_forward_kernel host op", 5000.0, cpu)]  # a host event summing its kernels: not counted
+    assert kernel_profile.kernel_time_from_events(events, "moe_forward_kernel") == kernel_profile.KernelTime(0.64, 3)
+    renamed = kernel_profile.kernel_time_from_events(events[1:2], "moe_forward_kernel")
+    assert renamed == kernel_profile.KernelTime(None, 0, "no 'moe_forward_kernel' kernel in the profile")
+    calls = []
+    on_cpu = kernel_profile.profile_kernel([lambda: calls.append(1)], device="cpu", kernel_name="moe_forward_kernel")
+    assert on_cpu.milliseconds is None and calls == []  # nothing runs off CUDA
+    with pytest.raises(ValueError, match="runs=\\[\\]"):
+        kernel_profile.profile_kernel([], device="cpu", kernel_name="k")
+    with pytest.raises(ValueError, match="calls=0"):
+        kernel_profile.profile_kernel([lambda: None], device="cpu", kernel_name="k", calls=0)
+
+
 # ------------------------------------------------------------------------------------------------
 # Metrics and timing
 
@@ -382,6 +550,12 @@ def test_quick_run_on_gpu(tmp_path):
             assert entry["status"] != "ok" or entry["correct"] is True, entry
         if config["shape"]["H"] % 64 == 0:  # the kernel's shape rule
             assert by_name["fused"]["status"] == by_name["fused_graph"]["status"] == "ok", by_name
+            for name in ("fused", "fused_graph"):  # the kernel alone, eager and inside graph replays
+                fused = by_name[name]
+                assert fused["details"]["kernel_profile"]["launches"] == kernel_profile.PROFILED_CALLS, fused
+                assert 0 < fused["kernel_ms"] <= 1.5 * fused["median_ms"], fused
+        for name in ("grouped_mm", "per_expert_loop", "reference"):
+            assert by_name[name]["kernel_ms"] is None
 
 
 # ------------------------------------------------------------------------------------------------------------

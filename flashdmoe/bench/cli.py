@@ -17,9 +17,9 @@ import torch
 from rich.console import Console
 
 from flashdmoe.bench import report
-from flashdmoe.bench.results import parse_shapes
+from flashdmoe.bench.results import BenchConfig, parse_configs
 from flashdmoe.bench.registry import SUITES, get_suite
-from flashdmoe.bench.suite import SuiteOptions
+from flashdmoe.bench.suite import Suite, SuiteOptions
 from flashdmoe.bench.workload import DTYPES
 from flashdmoe.outputs import OutputWriteError, check_output_dir
 
@@ -61,9 +61,11 @@ def configure_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         help="the suite's full-size shapes even on the CPU (minutes to hours there); the default on a GPU",
     )
     parser.add_argument(
-        "--configs", default=None, metavar="'T,H,I,E,k;...'",
-        help="shapes to run instead of the suite's (e.g. '8192,2048,2048,32,2;128,4096,1408,64,6'; "
-             "expert-parallel: T is the total over all ranks)",
+        "--configs", default=None, metavar="'T,H,I,E,k[,act];...' or NAME",
+        help="shapes to run instead of the suite's (e.g. '8192,2048,2048,32,2;1,2048,768,128,8,swiglu'; "
+             "single-gpu: an entry's own activation, when given, overrides --activation; expert-parallel: T is "
+             "the total over all ranks), or a named set: single-gpu: issue-15 (the 13 shapes of the forward "
+             "targets, gelu and swiglu), issue-15-gelu, issue-15-swiglu",
     )
     parser.add_argument(
         "--entries", default=None, metavar="NAME,...",
@@ -101,6 +103,23 @@ def _positive(name: str, value: int | None, minimum: int) -> None:
         raise ValueError(f"{name} {value}: expected an integer >= {minimum}")
 
 
+def _configs(suite: Suite, text: str) -> list[BenchConfig]:
+    """``--configs``: one of the suite's named sets, or parsed entries. Raises ValueError."""
+    if text.strip() in suite.named_configs:
+        return list(suite.named_configs[text.strip()])
+    if "," not in text:  # not a shape: a name
+        named = sorted(suite.named_configs) or "none"
+        raise ValueError(f"--configs {text!r}: expected 'T,H,I,E,k[,activation];...' or a named set of the "
+                         f"{suite.name} suite ({named})")
+    configs = parse_configs(text)
+    if not suite.per_config_activation:
+        own = next((config for config in configs if config.activation), None)
+        if own is not None:
+            raise ValueError(f"--configs: the {suite.name} suite takes no activation per entry (got "
+                             f"{own.activation!r}); expected T,H,I,E,k entries and --activation")
+    return configs
+
+
 def options_from_args(args: argparse.Namespace, console: Console) -> SuiteOptions:
     """Validate the parsed options and resolve the suite's defaults. Raises ValueError."""
     suite = get_suite(args.suite)
@@ -112,8 +131,12 @@ def options_from_args(args: argparse.Namespace, console: Console) -> SuiteOption
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is visible to torch; use --device cpu")
     quick = args.quick or _quick_by_default(args, device)
+    shape_activations: tuple[str | None, ...] = ()
     if args.configs:
-        shapes = parse_shapes(args.configs)
+        configs = _configs(suite, args.configs)
+        shapes = [config.shape for config in configs]
+        if any(config.activation for config in configs):
+            shape_activations = tuple(config.activation for config in configs)
     else:
         shapes = list(suite.quick_shapes if quick else suite.default_shapes)
         if quick and not args.quick:
@@ -143,6 +166,7 @@ def options_from_args(args: argparse.Namespace, console: Console) -> SuiteOption
         max_input_sets=QUICK_MAX_INPUT_SETS if quick else SuiteOptions.max_input_sets,
         seed=args.seed,
         console=console,
+        shape_activations=shape_activations,
     )
     if suite.validate is not None:
         suite.validate(options)

@@ -60,10 +60,13 @@ class PreparedRun:
 
 
 class BenchEntry:
-    """Base of all entries: ``name`` (used by --entries and in JSON) and ``label`` (for tables)."""
+    """Base of all entries: ``name`` (used by --entries and in JSON) and ``label`` (for tables);
+    ``profiled_kernel``: the CUDA kernel (a substring of its name) whose time alone the suite reads from
+    the profiler beside the timed runs, or None."""
 
     name: str = ""
     label: str = ""
+    profiled_kernel: str | None = None
 
     def prepare(self, inputs: MoEInputs, problem: MoEProblem) -> PreparedRun:
         raise NotImplementedError(f"{type(self).__name__} must implement prepare()")
@@ -84,6 +87,7 @@ class FusedEntry(BenchEntry):
 
     name = "fused"
     label = "fused kernel"
+    profiled_kernel = "moe_forward_kernel"
 
     def prepare(self, inputs: MoEInputs, problem: MoEProblem) -> PreparedRun:
         import flashdmoe

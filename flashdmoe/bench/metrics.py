@@ -62,6 +62,11 @@ def bytes_floor(
     return active_experts * expert_bytes + 2 * tokens * hidden * element_size
 
 
+def expected_active_experts(tokens: int, experts: int, top_k: int) -> float:
+    """Distinct experts T tokens hit when each picks k of E uniformly: ``E * (1 - (1 - k/E)^T)``."""
+    return experts * (1.0 - (1.0 - top_k / experts) ** tokens)
+
+
 def active_expert_count(experts: torch.Tensor) -> int:
     """Distinct experts chosen at least once in experts [T, k] (int64)."""
     return int(torch.unique(experts).numel())

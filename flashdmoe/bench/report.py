@@ -138,6 +138,7 @@ DEFAULT_LAYOUT = Layout(
         Column("entry", lambda config, entry: entry.label),
         Column("ms (median)", lambda config, entry: number_text(entry.median_ms, 3)),
         Column("p10–p90 ms", lambda config, entry: spread_text(entry)),
+        Column("kernel ms (profiler)", lambda config, entry: number_text(entry.kernel_ms, 3)),
         Column("TFLOP/s", lambda config, entry: tflops_text(entry.tflops)),
         Column("% of ceiling", lambda config, entry: number_text(entry.percent_of_ceiling, 1)),
         Column("% of floor", lambda config, entry: number_text(entry.percent_of_floor, 1)),
@@ -148,6 +149,7 @@ DEFAULT_LAYOUT = Layout(
     terminal=(
         Column("entry", lambda config, entry: entry.name, "left"),
         Column("ms", lambda config, entry: number_text(entry.median_ms, 3)),
+        Column("kernel ms", lambda config, entry: number_text(entry.kernel_ms, 3)),
         Column("TFLOP/s", lambda config, entry: tflops_text(entry.tflops)),
         Column("% ceil", lambda config, entry: number_text(entry.percent_of_ceiling, 1)),
         Column("% floor", lambda config, entry: number_text(entry.percent_of_floor, 1)),

@@ -9,6 +9,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from flashdmoe.validation import ACTIVATIONS
+
 # Entry statuses: "ok" (timed), "unavailable" (backend/baseline cannot run here, with a reason),
 # "skipped" (excluded by an option, with a reason), "error" (it was expected to run and failed).
 ENTRY_STATUSES = ("ok", "unavailable", "skipped", "error")
@@ -42,35 +44,59 @@ class BenchShape:
         return {"T": self.tokens, "H": self.hidden, "I": self.ffn, "E": self.experts, "k": self.top_k}
 
 
-def parse_shapes(text: str) -> list[BenchShape]:
-    """Parse ``"T,H,I,E,k;T,H,I,E,k"`` into shapes; raises ValueError naming the bad part."""
-    shapes = []
+@dataclass(frozen=True)
+class BenchConfig:
+    """One configuration of ``--configs``: a shape and, optionally, its own activation (None: the run's
+    ``--activation``, or the suite's default)."""
+
+    shape: BenchShape
+    activation: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.activation is not None and self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation={self.activation!r}: expected one of {ACTIVATIONS} or None")
+
+
+CONFIGS_FORMAT = "T,H,I,E,k or T,H,I,E,k,activation"
+
+
+def parse_configs(text: str) -> list[BenchConfig]:
+    """Parse ``"T,H,I,E,k[,activation];..."`` (e.g. ``"8192,2048,2048,32,2;1,2048,768,128,8,swiglu"``);
+    raises ValueError naming ``--configs`` and the bad part."""
+    configs = []
     for part in text.split(";"):
         part = part.strip()
         if not part:
             continue
         fields = [item.strip() for item in part.split(",")]
-        if len(fields) != 5:
-            raise ValueError(
-                f"--configs entry {part!r}: expected 5 comma-separated integers T,H,I,E,k"
-            )
+        if len(fields) not in (5, 6):
+            raise ValueError(f"--configs entry {part!r}: expected {CONFIGS_FORMAT} (5 integers, then an optional "
+                             f"activation, one of {ACTIVATIONS})")
         try:
-            values = [int(item) for item in fields]
+            values = [int(item) for item in fields[:5]]
         except ValueError:
-            raise ValueError(
-                f"--configs entry {part!r}: expected 5 comma-separated integers T,H,I,E,k"
-            ) from None
-        shapes.append(BenchShape(*values))
-    if not shapes:
-        raise ValueError(f"--configs {text!r}: expected at least one 'T,H,I,E,k' entry")
-    return shapes
+            raise ValueError(f"--configs entry {part!r}: expected 5 comma-separated integers T,H,I,E,k, then an "
+                             f"optional activation") from None
+        activation = fields[5] if len(fields) == 6 else None
+        if activation is not None and activation not in ACTIVATIONS:
+            raise ValueError(f"--configs entry {part!r}: activation {activation!r}: expected one of {ACTIVATIONS}")
+        try:
+            shape = BenchShape(*values)
+        except ValueError as error:
+            raise ValueError(f"--configs entry {part!r}: {error}") from None
+        configs.append(BenchConfig(shape, activation))
+    if not configs:
+        raise ValueError(f"--configs {text!r}: expected at least one '{CONFIGS_FORMAT}' entry")
+    return configs
 
 
 @dataclass
 class EntryResult:
     """One timed entry (fused kernel, a baseline, ...) on one configuration.
 
-    Times are milliseconds. ``max_relative_error`` is max|y - y_ref| / max|y_ref| over the compared
+    Times are milliseconds; ``kernel_ms`` is the median device time of the entry's own CUDA kernel per
+    launch, from the profiler in a pass after the timed runs (None for entries without one, off CUDA, or
+    when the profile has no such kernel). ``max_relative_error`` is max|y - y_ref| / max|y_ref| over the compared
     tokens (see ConfigResult.compared_tokens); ``None`` when the entry did not run.
     """
 
@@ -82,6 +108,7 @@ class EntryResult:
     p10_ms: float | None = None
     p90_ms: float | None = None
     samples_ms: list[float] = field(default_factory=list)
+    kernel_ms: float | None = None
     tflops: float | None = None
     percent_of_ceiling: float | None = None
     percent_of_floor: float | None = None

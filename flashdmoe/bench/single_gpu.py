@@ -1,6 +1,10 @@
 """The ``single-gpu`` suite: the fused kernel beside the unfused baselines on one device (torch
 ``grouped_mm``, a per-expert loop, the reference), each timed on rotated input sets and checked against
-:func:`flashdmoe.reference.moe`.
+:func:`flashdmoe.reference.moe`. Entries with a kernel of their own (the fused ones) also get its time
+alone from the profiler, in a pass after their timed runs (:mod:`flashdmoe.bench.kernel_profile`).
+
+Each configuration may carry its own activation (``--configs 'T,H,I,E,k,swiglu'`` or a named set);
+when a run mixes activations, ``act`` joins the shape columns.
 """
 
 from __future__ import annotations
@@ -8,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from flashdmoe import reference
-from flashdmoe.bench import hardware, metrics
+from flashdmoe.bench import hardware, kernel_profile, metrics
 from flashdmoe.bench.entries import (
     ENTRY_TYPES,
     BenchEntry,
@@ -17,10 +21,16 @@ from flashdmoe.bench.entries import (
     MoEProblem,
     describe_error,
 )
-from flashdmoe.bench.results import BenchShape, ConfigResult, EntryResult, SuiteResult
+from flashdmoe.bench.results import BenchConfig, BenchShape, ConfigResult, EntryResult, SuiteResult
 from flashdmoe.bench.suite import Suite, SuiteOptions
 from flashdmoe.bench.timing import measure
-from flashdmoe.bench.workload import free_device_memory, rotated_input_sets, torch_dtype
+from flashdmoe.bench.workload import (
+    free_device_memory,
+    input_set_bytes,
+    rotated_input_sets,
+    sets_that_fit,
+    torch_dtype,
+)
 
 SINGLE_GPU_SHAPES = (
     BenchShape(8192, 2048, 2048, 32, 2),  # the FlashDMoE paper's per-GPU problem
@@ -30,6 +40,24 @@ SINGLE_GPU_SHAPES = (
     BenchShape(128, 4096, 1408, 64, 6),  # decode-sized: bound by reading the active experts
 )
 QUICK_SHAPES = (BenchShape(64, 64, 128, 8, 2), BenchShape(40, 32, 64, 4, 1))
+
+# The forward targets' table (issue 15), in its order: the shapes above in gelu, then swiglu model layers.
+ISSUE_15_GELU = tuple(BenchConfig(shape, "gelu") for shape in SINGLE_GPU_SHAPES)
+ISSUE_15_SWIGLU = (
+    BenchConfig(BenchShape(4096, 4096, 14336, 8, 2), "swiglu"),  # Mixtral 8x7B
+    BenchConfig(BenchShape(8192, 2048, 768, 128, 8), "swiglu"),  # Qwen3-30B-A3B
+    BenchConfig(BenchShape(16384, 2048, 1408, 64, 6), "swiglu"),  # DeepSeek-V2-Lite
+    BenchConfig(BenchShape(8192, 7168, 2048, 256, 8), "swiglu"),  # a DeepSeek-V3 layer: 22.5 GB of weights
+    BenchConfig(BenchShape(4096, 2048, 1024, 64, 8), "swiglu"),  # OLMoE
+    BenchConfig(BenchShape(1, 2048, 768, 128, 8), "swiglu"),  # decode, Qwen3-30B-A3B's layer
+    BenchConfig(BenchShape(32, 7168, 2048, 256, 8), "swiglu"),  # decode, DeepSeek-V3's layer
+    BenchConfig(BenchShape(128, 4096, 1408, 64, 6), "swiglu"),  # decode
+)
+NAMED_CONFIGS = {
+    "issue-15": ISSUE_15_GELU + ISSUE_15_SWIGLU,
+    "issue-15-gelu": ISSUE_15_GELU,
+    "issue-15-swiglu": ISSUE_15_SWIGLU,
+}
 
 
 def run_single_gpu(options: SuiteOptions) -> SuiteResult:
@@ -41,16 +69,19 @@ def run_single_gpu(options: SuiteOptions) -> SuiteResult:
     console.log("measuring copy bandwidth")
     copy_bandwidth, _ = hardware.measure_copy_bandwidth(device)
 
+    activations = [options.activation_of(index) for index in range(len(options.shapes))]
+    mixed = len(set(activations)) > 1
     configs = []
-    for config_index, shape in enumerate(options.shapes):
-        problem = MoEProblem(shape.top_k, options.activation, options.normalize_topk)
-        console.log(f"[{config_index + 1}/{len(options.shapes)}] {shape.label}")
+    for config_index, (shape, activation) in enumerate(zip(options.shapes, activations)):
+        problem = MoEProblem(shape.top_k, activation, options.normalize_topk)
+        console.log(f"[{config_index + 1}/{len(options.shapes)}] {shape.label} {activation}")
         with torch.no_grad():  # forward-only benchmark: no autograd bookkeeping in any entry
-            configs.append(
-                _run_single_gpu_config(
-                    shape, config_index, problem, dtype, device, options, copy_bandwidth, ceiling_tflops,
-                )
+            config = _run_single_gpu_config(
+                shape, config_index, problem, dtype, device, options, copy_bandwidth, ceiling_tflops,
             )
+        if mixed:
+            config.shape["act"] = activation
+        configs.append(config)
         free_device_memory(device)
 
     return SuiteResult(
@@ -59,7 +90,7 @@ def run_single_gpu(options: SuiteOptions) -> SuiteResult:
         settings={
             "device": str(device),
             "dtype": options.dtype,
-            "activation": options.activation,
+            "activation": "per configuration (column act)" if mixed else activations[0],
             "normalize_topk": options.normalize_topk,
             "repeats": options.repeats,
             "warmup": options.warmup,
@@ -69,7 +100,12 @@ def run_single_gpu(options: SuiteOptions) -> SuiteResult:
             "error_tolerance": metrics.ERROR_TOLERANCES[options.dtype],
             "near_tie_log_gap": metrics.NEAR_TIE_LOG_GAP,
             "flops_formula": "2*T*k*H*I*(2, or 3 for swiglu) + 2*T*H*E",
-            "bytes_floor_formula": "(active experts' W1+W2 bytes + x bytes + y bytes) / copy bandwidth",
+            "bytes_floor_formula": "(active experts' W1+W2 bytes + x bytes + y bytes) / copy bandwidth, "
+                                   "active experts = the distinct experts the reference router picks on each "
+                                   "input set, averaged over the sets",
+            "notes": [f"kernel ms (profiler) = median device time of the fused entries' moe_forward_kernel per "
+                      f"launch, from torch.profiler over {kernel_profile.PROFILED_CALLS} calls after the timed "
+                      f"runs (the timed ms also count what else a call puts on the stream)"],
         },
         configs=configs,
         ceiling_tflops=ceiling_tflops,
@@ -87,10 +123,19 @@ def _run_single_gpu_config(
     copy_bandwidth: float,
     ceiling_tflops: float | None,
 ) -> ConfigResult:
-    output_bytes = shape.tokens * shape.hidden * dtype.itemsize
+    activation = problem.activation
+    element = dtype.itemsize
+    output_bytes = shape.tokens * shape.hidden * element
+    count, limit = options.input_sets, options.max_input_sets
+    fit = _input_sets_that_fit(shape, activation, dtype, device)
+    if fit is not None:
+        limit = min(limit, fit)
+        if count is not None and count > fit:
+            options.console.log(f"    --input-sets {count}: {fit} fit in device memory with this shape")
+            count = fit
     input_sets = rotated_input_sets(
-        shape, activation=options.activation, dtype=dtype, device=device,
-        seed=options.seed + 1000 * config_index, count=options.input_sets, limit=options.max_input_sets,
+        shape, activation=activation, dtype=dtype, device=device,
+        seed=options.seed + 1000 * config_index, count=count, limit=limit,
         extra_bytes_per_set=output_bytes,
     )
 
@@ -106,18 +151,18 @@ def _run_single_gpu_config(
         )
         for s in input_sets[1:]
     ]
+    # The floor counts the experts actually routed to (what a forward on these inputs must read), not the
+    # expectation under uniform routing; both are in the JSON.
     floor_bytes = round(
         sum(
-            metrics.bytes_floor(
-                active, shape.tokens, shape.hidden, shape.ffn, options.activation, first.x.element_size()
-            )
+            metrics.bytes_floor(active, shape.tokens, shape.hidden, shape.ffn, activation, element)
             for active in active_experts
         )
         / len(active_experts)
     )
     floor_ms = floor_bytes / copy_bandwidth * 1e3
     flops = metrics.moe_flops(
-        shape.tokens, shape.hidden, shape.ffn, shape.experts, shape.top_k, options.activation
+        shape.tokens, shape.hidden, shape.ffn, shape.experts, shape.top_k, activation
     )
     tolerance = metrics.ERROR_TOLERANCES[options.dtype]
 
@@ -142,7 +187,7 @@ def _run_single_gpu_config(
     config = ConfigResult(
         label=shape.label,
         shape=shape.to_dict(),
-        activation=options.activation,
+        activation=activation,
         dtype=options.dtype,
         flops=flops,
         input_sets=len(input_sets),
@@ -151,10 +196,32 @@ def _run_single_gpu_config(
         floor_ms=floor_ms,
         compared_tokens=int(compare_rows.sum()),
         near_tie_tokens=int(near_ties.sum()),
-        details={"active_experts_per_set": active_experts},
+        details={
+            "active_experts_per_set": active_experts,
+            "expected_active_experts": metrics.expected_active_experts(shape.tokens, shape.experts, shape.top_k),
+        },
     )
     _add_speedups(config)
     return config
+
+
+def _input_sets_that_fit(
+    shape: BenchShape, activation: str, dtype: torch.dtype, device: torch.device
+) -> int | None:
+    """On CUDA, how many input sets the device can hold at once (None elsewhere). Held per set: the set, its
+    output, and grouped_mm's copy of its weights in another layout; coming and going beside them: the
+    oracle's float32 copy of one set's weights and its per-choice rows. A DeepSeek-V3 layer (22.5 GB of
+    bf16 weights) gets at most 2 sets on a 141 GB H200."""
+    if device.type != "cuda":
+        return None
+    element = dtype.itemsize
+    weights = metrics.bytes_floor(shape.experts, 0, shape.hidden, shape.ffn, activation, element)  # all experts
+    w1_cols = 2 * shape.ffn if activation == "swiglu" else shape.ffn
+    per_set = input_set_bytes(shape, activation, element) + shape.tokens * shape.hidden * element + weights
+    oracle = weights * 4 // element + shape.tokens * shape.top_k * (shape.hidden + w1_cols) * 4
+    free_bytes, _ = torch.cuda.mem_get_info(device)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)  # torch's, reusable
+    return sets_that_fit(per_set, oracle, free_bytes + cached)
 
 
 def _run_entry(
@@ -193,6 +260,16 @@ def _run_entry(
             )
     except Exception as error:
         return EntryResult(entry.name, entry.label, "error", reason=describe_error(error))
+    details = dict(prepared[0].details)
+    kernel_ms = None
+    if entry.profiled_kernel is not None:
+        with torch.no_grad(), entry.timing_context():
+            kernel = kernel_profile.profile_kernel(
+                [p.run for p in prepared], device=device, kernel_name=entry.profiled_kernel
+            )
+        kernel_ms = kernel.milliseconds
+        details["kernel_profile"] = {"kernel": entry.profiled_kernel, "launches": kernel.launches,
+                                     "reason": kernel.reason}
     return EntryResult(
         entry.name,
         entry.label,
@@ -201,8 +278,9 @@ def _run_entry(
         p10_ms=stats.p10_ms,
         p90_ms=stats.p90_ms,
         samples_ms=list(stats.samples_ms),
+        kernel_ms=kernel_ms,
         max_relative_error=error_report.max_relative_error,
-        details=dict(prepared[0].details),
+        details=details,
     )
 
 
@@ -223,4 +301,6 @@ SUITE = Suite(
     default_shapes=SINGLE_GPU_SHAPES,
     quick_shapes=QUICK_SHAPES,
     entry_names=("fused", "fused_graph", "grouped_mm", "per_expert_loop", "reference"),
+    per_config_activation=True,
+    named_configs=NAMED_CONFIGS,
 )

@@ -71,6 +71,26 @@ def rotated_input_sets(
     ]
 
 
+def input_set_bytes(shape: BenchShape, activation: str, element_size: int) -> int:
+    """Bytes of one :func:`make_inputs` set: x, router_weight, w1 and w2."""
+    w1_cols = 2 * shape.ffn if activation == "swiglu" else shape.ffn
+    return element_size * (
+        shape.tokens * shape.hidden
+        + shape.experts * shape.hidden
+        + shape.experts * shape.hidden * w1_cols
+        + shape.experts * shape.ffn * shape.hidden
+    )
+
+
+def sets_that_fit(per_set_bytes: int, transient_bytes: int, free_bytes: int) -> int:
+    """How many sets of ``per_set_bytes`` fit in ``free_bytes`` beside ``transient_bytes`` that come and go
+    while they are held; at least 1 (a set that does not fit fails where it is allocated, with torch's
+    out-of-memory message)."""
+    if per_set_bytes < 1:
+        raise ValueError(f"per_set_bytes={per_set_bytes}: expected a positive byte count")
+    return max(1, (free_bytes - transient_bytes) // per_set_bytes)
+
+
 def free_device_memory(device: torch.device) -> None:
     """Drop what the last configuration left (Python garbage, the CUDA caching allocator's free blocks)."""
     gc.collect()
