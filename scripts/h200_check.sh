@@ -44,9 +44,9 @@ if ! skip bench && [ "$(left)" -gt 150 ]; then
   cp /tmp/bench/single-gpu.md /tmp/bench/single-gpu.png /tmp/bench/single-gpu.json "$OUT/" 2>/dev/null
 fi
 if ! skip bench && ! skip swiglu && [ "$(left)" -gt 120 ]; then
-  # the issue-15 swiglu shapes (Mixtral, Qwen3-30B-A3B, DeepSeek-V2-Lite, DeepSeek-V3, OLMoE, decode rows)
+  # the swiglu shapes of the forward targets (Mixtral, Qwen3-30B-A3B, DeepSeek-V2-Lite, DeepSeek-V3, OLMoE, decode rows)
   t=$(date +%s)
-  timeout 150 python3 -m flashdmoe bench --suite single-gpu --configs issue-15-swiglu \
+  timeout 150 python3 -m flashdmoe bench --suite single-gpu --configs targets-swiglu \
     --entries fused,fused_graph,grouped_mm --output /tmp/bench_swiglu > /tmp/bench_swiglu.log 2>&1
   note "bench single-gpu (swiglu) rc=$? in $(( $(date +%s) - t )) s"; tail -30 /tmp/bench_swiglu.log
   cp /tmp/bench_swiglu/single-gpu.md "$OUT/single-gpu-swiglu.md" 2>/dev/null

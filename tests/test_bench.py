@@ -202,8 +202,8 @@ def _bench_options(*arguments):
                                        Console(record=True, width=200))
 
 
-def test_named_config_sets_are_the_issue_15_table():
-    options = _bench_options("--configs", "issue-15")
+def test_named_config_sets_are_the_targets_table():
+    options = _bench_options("--configs", "targets")
     rows = [(*shape.to_dict().values(), options.activation_of(index)) for index, shape in enumerate(options.shapes)]
     assert rows == [
         (8192, 2048, 2048, 32, 2, "gelu"), (16384, 2048, 2048, 64, 2, "gelu"), (16384, 4096, 1024, 128, 2, "gelu"),
@@ -214,9 +214,9 @@ def test_named_config_sets_are_the_issue_15_table():
         (128, 4096, 1408, 64, 6, "swiglu"),
     ]
     named = single_gpu.SUITE.named_configs
-    assert named["issue-15"] == named["issue-15-gelu"] + named["issue-15-swiglu"]
+    assert named["targets"] == named["targets-gelu"] + named["targets-swiglu"]
     # a set's own activations win over --activation
-    swiglu = _bench_options("--configs", "issue-15-swiglu", "--activation", "relu")
+    swiglu = _bench_options("--configs", "targets-swiglu", "--activation", "relu")
     assert {swiglu.activation_of(index) for index in range(len(swiglu.shapes))} == {"swiglu"}
 
 
@@ -225,9 +225,9 @@ def test_per_config_activation_options():
     assert [options.activation_of(0), options.activation_of(1)] == ["swiglu", "relu"]
     plain = _bench_options("--configs", "24,32,64,4,2")
     assert plain.shape_activations == () and plain.activation_of(0) == "gelu"  # the suite's default
-    with pytest.raises(ValueError, match=r"--configs 'issue-16': expected 'T,H,I,E,k\[,activation\];...' or a named "
-                                         r"set of the single-gpu suite \(\['issue-15'"):
-        _bench_options("--configs", "issue-16")
+    with pytest.raises(ValueError, match=r"--configs 'nonsense': expected 'T,H,I,E,k\[,activation\];...' or a named "
+                                         r"set of the single-gpu suite \(\['targets'"):
+        _bench_options("--configs", "nonsense")
     with pytest.raises(ValueError, match="--configs: the training suite takes no activation per entry"):
         _bench_options("--suite", "training", "--configs", "24,32,64,4,2,swiglu")
     with pytest.raises(ValueError, match="shape_activations has 1 entries: expected one per shape"):

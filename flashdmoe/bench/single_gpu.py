@@ -41,9 +41,9 @@ SINGLE_GPU_SHAPES = (
 )
 QUICK_SHAPES = (BenchShape(64, 64, 128, 8, 2), BenchShape(40, 32, 64, 4, 1))
 
-# The forward targets' table (issue 15), in its order: the shapes above in gelu, then swiglu model layers.
-ISSUE_15_GELU = tuple(BenchConfig(shape, "gelu") for shape in SINGLE_GPU_SHAPES)
-ISSUE_15_SWIGLU = (
+# The forward targets' table, in its order: the shapes above in gelu, then swiglu model layers.
+TARGETS_GELU = tuple(BenchConfig(shape, "gelu") for shape in SINGLE_GPU_SHAPES)
+TARGETS_SWIGLU = (
     BenchConfig(BenchShape(4096, 4096, 14336, 8, 2), "swiglu"),  # Mixtral 8x7B
     BenchConfig(BenchShape(8192, 2048, 768, 128, 8), "swiglu"),  # Qwen3-30B-A3B
     BenchConfig(BenchShape(16384, 2048, 1408, 64, 6), "swiglu"),  # DeepSeek-V2-Lite
@@ -54,9 +54,9 @@ ISSUE_15_SWIGLU = (
     BenchConfig(BenchShape(128, 4096, 1408, 64, 6), "swiglu"),  # decode
 )
 NAMED_CONFIGS = {
-    "issue-15": ISSUE_15_GELU + ISSUE_15_SWIGLU,
-    "issue-15-gelu": ISSUE_15_GELU,
-    "issue-15-swiglu": ISSUE_15_SWIGLU,
+    "targets": TARGETS_GELU + TARGETS_SWIGLU,
+    "targets-gelu": TARGETS_GELU,
+    "targets-swiglu": TARGETS_SWIGLU,
 }
 
 
