@@ -9,8 +9,11 @@ waits for the GPU: each launch returns a :class:`flashdmoe.launch_report.LaunchR
 single-rank forward and an emulated team's forward can be captured in a CUDA graph.
 
 Per call the host does: the cached plan of the launch (shape rules, workspace layout and the parsed
-launch options, once per shape and options), output allocation, the pooled workspace
-(:mod:`flashdmoe.workspace_pool`), one extension call with the addresses, one event record.
+launch options, once per shape and options), output allocation (``y`` and one routing block), the pooled
+workspace (:mod:`flashdmoe.workspace_pool`), one extension call with the addresses (which zeroes the sync
+words, launches, copies the status back and records the slot's event), and the report's bookkeeping.
+:func:`flashdmoe.moe` remembers whole call signatures and goes straight to :func:`launch_one` for one
+rank (:mod:`flashdmoe.api`).
 
 Backward: grouped GEMMs and element-wise kernels on the GPU from the routing the forward saved (and, one
 rank, its pre-activations) (:func:`flashdmoe.expert_backward.expert_backward`, one rank and emulated teams); across processes
@@ -60,10 +63,11 @@ class DebugKnobs:
     # Expert GEMM variant (EXPERT_VARIANTS); FLASHDMOE_EXPERT_VARIANT overrides the default.
     expert_variant: str = os.environ.get("FLASHDMOE_EXPERT_VARIANT", DEFAULT_EXPERT_VARIANT)
 
-    def key(self) -> tuple:
-        """Every knob a prepared launch depends on."""
-        return (self.withhold_phase, self.silent_rank, self.max_blocks, self.timeout_ms, self.gate_split,
-                self.expert_variant)
+    def __setattr__(self, name, value) -> None:
+        # Every setting bumps ``generation``: launches prepared under other knobs are not reused (a prepared
+        # launch and a remembered call are keyed by it, so a forward reads one integer, not every knob).
+        object.__setattr__(self, name, value)
+        object.__setattr__(self, "generation", getattr(self, "generation", 0) + 1)
 
 
 debug = DebugKnobs()
@@ -173,8 +177,14 @@ def workspace_bytes_held() -> int:
 
 
 def _current_stream_handle(device_index: int) -> int:
-    """The raw ``cudaStream_t`` of the device's current stream (without a torch.cuda.Stream per call)."""
+    """The raw ``cudaStream_t`` of the device's current stream (without a torch.cuda.Stream per call).
+    Asked at every launch: the user may switch streams (``torch.cuda.stream``) between calls."""
     return torch._C._cuda_getCurrentRawStream(device_index)
+
+
+def _current_device() -> int:
+    """The current CUDA device (CUDA is initialised once a CUDA tensor exists)."""
+    return torch._C._cuda_getDevice()
 
 
 def _team_kind(team) -> str:
@@ -192,15 +202,24 @@ def _check_dtype(x: torch.Tensor, name: str = "x") -> None:
 class _Plan:
     """A launch prepared once per (ranks' token counts, shapes, options, debug knobs) and team."""
 
-    __slots__ = ("prepared", "stride", "workspace_bytes", "shape", "status_bytes", "skip")
+    __slots__ = ("launch", "prepared", "stride", "workspace_bytes", "shape", "layout", "status_bytes", "skip",
+                 "top_k", "experts", "routing_words", "routing_stride", "generation")
 
-    def __init__(self, prepared, stride: int, shape: LaunchShape, skip: bool) -> None:
+    def __init__(self, launch, prepared, stride: int, shape: LaunchShape, skip: bool, top_k: int,
+                 experts: int) -> None:
+        self.launch = launch  # the extension's launch function (the one that prepared it)
         self.prepared = prepared
         self.stride = stride  # bytes between consecutive ranks' workspaces
         self.workspace_bytes = stride * len(shape.ranks)
         self.shape = shape
-        self.status_bytes = status_layout().bytes * len(shape.ranks)
+        self.layout = status_layout()
+        self.status_bytes = self.layout.bytes * len(shape.ranks)
         self.skip = skip  # one rank with no tokens: nothing to launch
+        self.top_k = top_k
+        self.experts = experts
+        self.routing_words = 3 * shape.tokens[0] * top_k + experts  # one rank's FusedRouting block
+        self.routing_stride = 4 * shape.tokens[0] * top_k  # bytes between its expert, weight, row, counts
+        self.generation = debug.generation  # the debug knobs it was made under
 
 
 _single_plans: dict = {}
@@ -248,14 +267,14 @@ def _make_plan(ext, kind, team, tokens, H, I, E, top_k, dtype, activation, norma
     prepared = ext.prepare_forward(shared, rank_args)
     shape = LaunchShape(ranks=ranks, tokens=tokens, local_experts=L,
                         row_bytes=H * torch.empty((), dtype=dtype).element_size(), timeout_ms=timeout)
-    return _Plan(prepared, stride, shape, kind == "single" and tokens[0] == 0)
+    return _Plan(ext.launch, prepared, stride, shape, kind == "single" and tokens[0] == 0, top_k, E)
 
 
 def _plan(ext, kind, team, xs, router_weight, w2s, top_k, activation, normalize_topk, capacity_factor) -> _Plan:
     tokens = (xs[0].shape[0],) if len(xs) == 1 else tuple(x.shape[0] for x in xs)
     E, H = router_weight.shape
     I = w2s[0].shape[1]
-    key = (tokens, H, I, E, top_k, xs[0].dtype, activation, normalize_topk, capacity_factor, debug.key())
+    key = (tokens, H, I, E, top_k, xs[0].dtype, activation, normalize_topk, capacity_factor, debug.generation)
     cache = _single_plans if kind == "single" else team.launch_plans
     plan = cache.get(key)
     if plan is None:
@@ -267,14 +286,77 @@ def _plan(ext, kind, team, xs, router_weight, w2s, top_k, activation, normalize_
     return plan
 
 
+def _poison(y: torch.Tensor, routing: FusedRouting) -> None:
+    y.fill_(float("nan"))
+    routing.weight.fill_(float("nan"))
+    for t in (routing.expert, routing.row, routing.counts):
+        t.fill_(-7)
+
+
 def _empty_outputs(x: torch.Tensor, top_k: int, experts: int):
     y = torch.empty_like(x)
     routing = FusedRouting.empty(x.shape[0], top_k, experts, x.device)
     if debug.poison_outputs:
-        y.fill_(float("nan"))
-        routing.weight.fill_(float("nan"))
-        for t in (routing.expert, routing.row, routing.counts):
-            t.fill_(-7)
+        _poison(y, routing)
+    return y, routing
+
+
+def single_plan(x, router_weight, w2, *, top_k, activation, normalize_topk, capacity_factor) -> _Plan:
+    """The prepared one-rank launch of these shapes and options (cached; :func:`launch_one` runs it).
+
+    Raises ``ValueError`` for a dtype or shapes the kernel does not take."""
+    _check_dtype(x)
+    return _plan(extension.loaded(), "single", None, [x], router_weight, [w2], top_k, activation, normalize_topk,
+                 capacity_factor)
+
+
+def launch_one(plan: _Plan, x, router_weight, w1, w2, saved_pre=None, weight_addresses=None):
+    """Launch ``plan`` (:func:`single_plan`) for one rank, no team; does not wait. Returns
+    ``(y, FusedRouting)``; the inputs are those :func:`fused_forward` takes, already checked against the
+    plan by the caller (``weight_addresses``: the weights' ``data_ptr()`` when the caller has read them).
+    Launches on ``x``'s device and that device's current stream (asked per call: the user may switch
+    streams or devices between calls)."""
+    index = x.device.index
+    if index != _current_device():
+        with torch.cuda.device(index):
+            return launch_one(plan, x, router_weight, w1, w2, saved_pre, weight_addresses)
+    capturing = torch.cuda.is_current_stream_capturing()
+    status_checks.before_launch(index, None, capturing)  # may raise an earlier launch's error
+    y = torch.empty_like(x)
+    routing = FusedRouting(torch.empty(plan.routing_words, dtype=torch.int32, device=x.device),
+                           x.shape[0], plan.top_k, plan.experts)
+    if debug.poison_outputs:
+        _poison(y, routing)
+    if plan.skip:
+        routing.counts.zero_()
+        if status_checks.sync_checks() and not capturing:
+            status_checks.settle_through()  # debug mode: what this call queued (a weight scan) raises here
+        return y, routing
+    handle = _current_stream_handle(index)
+    if capturing:  # from the graph's pool, alive until the launch is recorded (see workspace_pool)
+        captured_workspace = torch.empty(plan.workspace_bytes, dtype=torch.uint8, device=x.device)
+        workspace = captured_workspace.data_ptr()
+    else:
+        workspace = _pool.address(x.device, index, handle, plan.workspace_bytes)
+    router_address, w1_address, w2_address = weight_addresses or (router_weight.data_ptr(), w1.data_ptr(),
+                                                                  w2.data_ptr())
+    block = routing.block.data_ptr()
+    size = plan.routing_stride
+    addresses = [router_address, x.data_ptr(), w1_address, w2_address, y.data_ptr(), block, block + size,
+                 block + 2 * size, block + 3 * size, 0 if saved_pre is None else saved_pre.data_ptr(), workspace]
+    slot = status_checks.claim_slot(index, capturing)
+    try:
+        info = plan.launch(plan.prepared, addresses, 1, handle, slot.address, 0 if capturing else slot.event.handle)
+    except Exception:
+        slot.give_back()
+        raise
+    if capturing:
+        report = LaunchReport(plan.shape, status_checks.next_launch_id(), index, info, plan.layout,
+                              slot.view[:plan.status_bytes], None, None, True, None, (routing,))
+    else:
+        report = LaunchReport(plan.shape, status_checks.next_launch_id(), index, info, plan.layout,
+                              slot.view[:plan.status_bytes], slot.event, slot.give_back, False, None, (routing,))
+    status_checks.launched(report, slot, None)
     return y, routing
 
 
@@ -292,6 +374,18 @@ def run_forward(xs, router_weight, w1s, w2s, *, top_k, activation, normalize_top
     Raises ``ValueError`` for shapes the kernel or the team's buffers do not take, and the errors of
     earlier launches checked now (see :mod:`flashdmoe.status_checks`).
     """
+    index = xs[0].device.index
+    if index != _current_device():
+        with torch.cuda.device(index):
+            return _run_forward(xs, router_weight, w1s, w2s, top_k=top_k, activation=activation,
+                                normalize_topk=normalize_topk, capacity_factor=capacity_factor, team=team,
+                                saved_pre=saved_pre)
+    return _run_forward(xs, router_weight, w1s, w2s, top_k=top_k, activation=activation,
+                        normalize_topk=normalize_topk, capacity_factor=capacity_factor, team=team, saved_pre=saved_pre)
+
+
+def _run_forward(xs, router_weight, w1s, w2s, *, top_k, activation, normalize_topk, capacity_factor, team,
+                 saved_pre):
     kind = _team_kind(team)
     x0 = xs[0]
     device = x0.device
@@ -322,6 +416,8 @@ def run_forward(xs, router_weight, w1s, w2s, *, top_k, activation, normalize_top
     outputs = [_empty_outputs(x, top_k, E) for x in xs]
     if plan.skip:
         outputs[0][1].counts.zero_()
+        if status_checks.sync_checks() and not capturing:
+            status_checks.settle_through()
         return outputs
 
     handle = _current_stream_handle(device.index)
@@ -380,8 +476,9 @@ def fused_forward(x, router_weight, w1, w2, *, top_k, activation, normalize_topk
                 or not saved_pre.is_contiguous():
             raise ValueError(f"saved_pre: expected a contiguous {list(want)} {x.dtype} tensor on {x.device}, got "
                              f"{list(saved_pre.shape)} {saved_pre.dtype} on {saved_pre.device}")
-    return run_forward([x], router_weight, [w1], [w2], top_k=top_k, activation=activation,
-                       normalize_topk=normalize_topk, capacity_factor=capacity_factor, saved_pre=saved_pre)[0]
+    plan = single_plan(x, router_weight, w2, top_k=top_k, activation=activation, normalize_topk=normalize_topk,
+                       capacity_factor=capacity_factor)
+    return launch_one(plan, x, router_weight, w1, w2, saved_pre)
 
 
 def _needs_grad(*tensors) -> bool:

@@ -231,7 +231,13 @@ class LaunchReport:
 
     def ready(self) -> bool:
         """Whether the status words are on the host (never blocks)."""
-        return self._raw is not None or self._completion is None or bool(self._completion.query())
+        completion = self._completion
+        if self._raw is not None or completion is None:
+            return True
+        if completion.query():
+            self._completion = None  # done: keeping the status needs no wait
+            return True
+        return False
 
     def wait(self) -> None:
         """Block until the status words are on the host."""
@@ -242,15 +248,19 @@ class LaunchReport:
         """Copy the finished status bytes out of the pinned slot and hand the slot back (eager launches)."""
         if self._raw is not None or self.captured:
             return
-        self.wait()
+        completion = self._completion
+        if completion is not None:
+            completion.synchronize()
         self._raw = bytes(self._source) if self._source is not None else b""
-        self._source = None
-        self._completion = None
-        if self._release is not None:
-            release, self._release = self._release, None
+        self._source = self._completion = None
+        release = self._release
+        if release is not None:
+            self._release = None
             release()
 
     def _bytes(self):
+        if self._raw is not None:
+            return self._raw
         if self.captured:
             return self._source
         self.keep_status()
@@ -260,8 +270,8 @@ class LaunchReport:
     def clean(self) -> bool:
         """No rank reported an error or a status flag (the common case, checked without decoding)."""
         raw, layout = self._bytes(), self._layout
-        error, flags = layout.error_word, layout.status_flags
-        for at in range(0, len(self._shape.ranks) * layout.bytes, layout.bytes):
+        error, flags, size = layout.error_word, layout.status_flags, layout.bytes
+        for at in range(0, len(self._shape.ranks) * size, size):
             if raw[at + error:at + error + 8] != _ZERO8 or raw[at + flags:at + flags + 4] != _ZERO4:
                 return False
         return True
@@ -275,7 +285,8 @@ class LaunchReport:
     def exception(self) -> Exception | None:
         """The exception this launch's status calls for, or ``None``: :class:`flashdmoe.KernelTimeout` when
         a rank's watchdog fired, ``RuntimeError`` for another error kind, ``ValueError`` when a rank's
-        router logits were not finite (NaN or Inf in ``x`` or ``router_weight``)."""
+        router logits were not finite (NaN or Inf in ``x`` or ``router_weight``). Keeps the status first
+        (waiting for the launch)."""
         if self.clean():
             return None
         words = self.error_words()

@@ -78,12 +78,20 @@ class MoELayer(nn.Module):
         Returns:
             ``y [T, H]`` in ``x``'s dtype, or ``(y, aux)``.
         """
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend={self.backend!r}: expected one of {', '.join(BACKENDS)}")
+        backend = self.backend
+        if backend not in BACKENDS:
+            raise ValueError(f"backend={backend!r}: expected one of {', '.join(BACKENDS)}")
+        # The registered parameters straight from their dict (nn.Module.__getattr__ costs a Python call each);
+        # torch.func.functional_call swaps them there too. A name no longer registered (a parametrization, an
+        # old-style weight_norm hook's plain attribute) is read as an attribute.
+        params = self._parameters
+        router_weight, w1, w2 = params.get("router_weight"), params.get("w1"), params.get("w2")
+        if router_weight is None or w1 is None or w2 is None:
+            router_weight, w1, w2 = self.router_weight, self.w1, self.w2
         config = self.config
-        return moe(x, self.router_weight, self.w1, self.w2, top_k=config.top_k, activation=config.activation,
+        return moe(x, router_weight, w1, w2, top_k=config.top_k, activation=config.activation,
                    normalize_topk=config.normalize_topk, capacity_factor=config.capacity_factor,
-                   team=self.team, backend=self.backend, return_aux=return_aux)
+                   team=self.team, backend=backend, return_aux=return_aux)
 
     def extra_repr(self) -> str:
         config = self.config

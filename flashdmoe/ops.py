@@ -95,7 +95,8 @@ def moe_forward(
 def _moe_forward_cuda(x, router_weight, w1, w2, top_k, activation="gelu", normalize_topk=True,
                       capacity_factor=None):
     _check_inputs(x, router_weight, w1, w2, top_k, activation, capacity_factor)
-    check_finite_weights((("router_weight", router_weight), ("w1", w1), ("w2", w2)))
+    # queued, not waited for: its error surfaces where the kernel's do (flashdmoe.weight_checks)
+    check_finite_weights((("router_weight", router_weight), ("w1", w1), ("w2", w2)), asynchronous=True)
     from flashdmoe import cuda_backend
 
     # The kernel reads dense row-major operands; a transposed view (a Hugging Face expert layout that

@@ -19,6 +19,12 @@ A launch's watchdog timeout raises :class:`flashdmoe.KernelTimeout` and marks it
 then raises ``TeamFailed``); non-finite router logits (NaN / Inf in ``x`` or ``router_weight``) raise
 ``ValueError``. Each error is raised once; the message names the launch it came from.
 
+The asynchronous scans of new weights for NaN / Inf (:class:`flashdmoe.weight_checks.WeightScan`, queued
+on the stream ahead of the launch that first uses the weights) share this queue and these points: their
+``ValueError`` names the weight. In debug mode a call settles, oldest first, everything queued up to and
+including its own launch, so a scan's error is raised by the call that queued it (after its launch: an
+NVSHMEM rank never leaves its peers waiting).
+
 Inside a CUDA-graph capture nothing is checked (CUDA forbids event queries while a capture is under way):
 a captured launch copies its status into a slot of its own at every replay, and :func:`synchronize`
 checks those slots after the device is idle. The first forward on a device must run outside a capture
@@ -28,6 +34,7 @@ checks those slots after the device is idle. The first forward on a device must 
 from __future__ import annotations
 
 import collections
+import functools
 import itertools
 import os
 import threading
@@ -67,19 +74,17 @@ class _Slot:
 
 
 class _Event:
-    """A CUDA event of the extension's (recorded by its launch right after the status copy)."""
+    """A CUDA event of the extension's (recorded by its launch right after the status copy).
 
-    __slots__ = ("handle", "_ext")
+    ``query()`` (never blocks) and ``synchronize()`` call the extension directly (no Python frame of
+    their own: a query runs at nearly every forward)."""
+
+    __slots__ = ("handle", "query", "synchronize")
 
     def __init__(self, ext: Any) -> None:
-        self._ext = ext
         self.handle = ext.event_create()
-
-    def query(self) -> bool:
-        return self._ext.event_query(self.handle)
-
-    def synchronize(self) -> None:
-        self._ext.event_synchronize(self.handle)
+        self.query = functools.partial(ext.event_query, self.handle)
+        self.synchronize = functools.partial(ext.event_synchronize, self.handle)
 
 
 def _allocate_pinned(nbytes: int) -> torch.Tensor:
@@ -173,13 +178,15 @@ def last_report() -> LaunchReport | None:
 def check_errors() -> None:
     """Raise the error of any fused launch that has finished and was not checked yet; never blocks.
 
-    Checks, oldest first, every eager launch of this process whose completion event has fired, and raises
-    the first error found (:class:`flashdmoe.KernelTimeout` for a watchdog timeout, which also marks the
-    launch's team failed; ``ValueError`` for non-finite router logits; ``RuntimeError`` for another error
-    word). Launches still running are left for later; CUDA-graph replays are checked by
-    :func:`synchronize` only. Outside this function, errors surface at the next fused forward (launches
-    that have finished by then), before a team's next use (waiting for its last launch), and at the call
-    itself in debug mode (:func:`set_sync_checks`); see :mod:`flashdmoe.status_checks`.
+    Checks, oldest first, every eager launch of this process whose completion event has fired (and every
+    finished asynchronous weight scan, :mod:`flashdmoe.weight_checks`), up to the first still running, and
+    raises the first error found (:class:`flashdmoe.KernelTimeout` for a watchdog timeout, which also marks
+    the launch's team failed; ``ValueError`` for non-finite router logits, or naming a weight that holds
+    NaN / Inf; ``RuntimeError`` for another error word). Launches still running are left for later;
+    CUDA-graph replays are checked by :func:`synchronize` only. Outside this function, errors surface at
+    the next fused forward (launches that have finished by then), before a team's next use (waiting for its
+    last launch), and at the call itself in debug mode (:func:`set_sync_checks`); see
+    :mod:`flashdmoe.status_checks`.
     """
     _poll()
 
@@ -192,7 +199,7 @@ def synchronize(device: int | torch.device | None = None) -> None:
     status its latest replay left; each error is raised once). Errors as :func:`check_errors`.
     """
     if device is None:
-        devices = sorted(_state.devices)
+        devices = sorted(set(_state.devices) | {entry.device for entry in list(_state.pending)})
     else:
         devices = [torch.device("cuda", device).index if isinstance(device, int) else torch.device(device).index]
         if devices == [None]:
@@ -255,10 +262,13 @@ def claim_slot(device: int, capturing: bool) -> _Slot:
                 )
             return slots.graph_free.pop()
     while True:
+        try:
+            return slots.eager_free.pop()  # atomic under the GIL
+        except IndexError:
+            pass
         with _state.lock:
-            if slots.eager_free:
-                return slots.eager_free.pop()
-            oldest = next((r for r in _state.pending if not r.checked and r.device == device), None)
+            oldest = next((r for r in _state.pending
+                           if not r.checked and r.device == device and isinstance(r, LaunchReport)), None)
         if oldest is None:
             raise RuntimeError(f"no status slot free on cuda:{device} and no unchecked launch holds one")
         settle(oldest)
@@ -270,20 +280,33 @@ def next_launch_id() -> int:
 
 def launched(report: LaunchReport, slot: _Slot, team: Any) -> None:
     """Record a started launch (the extension recorded the slot's event behind the status copy), or a
-    captured launch's graph slot; then, in debug mode, check it at once."""
+    captured launch's graph slot; then, in debug mode, check it (and what was queued before it) at once."""
     _state.local.report = report
     if report.captured:
         slots = _state.devices[report.device]
         with _state.lock:
             slots.graph_reports[slots.graph_slot_number(slot)] = report
         return
-    with _state.lock:
-        _state.pending.append(report)
+    _state.pending.append(report)  # atomic under the GIL; _take holds the lock to pop
     if team is not None:
         team.unchecked_launch = report
     if _state.sync_checks:
-        settle(report)
-        _poll()
+        settle_through(report)
+
+
+def queued(entry: Any) -> None:
+    """Record a check queued on the device without a launch of its own (a
+    :class:`flashdmoe.weight_checks.WeightScan`); it is checked with the launches, oldest first."""
+    _state.pending.append(entry)
+
+
+def settle_through(last: Any = None) -> None:
+    """Wait for and check every unchecked entry, oldest first, up to and including ``last`` (``None``: all
+    of them): debug mode's check at the call. Raises the first error found."""
+    while (entry := _take(lambda entry: True)) is not None:
+        _raise_if_failed(entry)
+        if entry is last:
+            return
 
 
 def settle(report: LaunchReport) -> None:
@@ -331,16 +354,28 @@ def _take(accept: Callable[[LaunchReport], bool] = lambda report: report.ready()
 
 
 def _poll() -> None:
-    while (report := _take()) is not None:
-        _raise_if_failed(report)
+    """Check finished entries, oldest first, up to the first one still running (never blocks)."""
+    pending, lock = _state.pending, _state.lock
+    while pending:
+        with lock:
+            if not pending:
+                return
+            head = pending[0]
+            if head.checked:  # checked elsewhere (settle): only drop it
+                pending.popleft()
+                continue
+            if not head.ready():
+                return
+            head.checked = True
+            pending.popleft()
+        _raise_if_failed(head)
 
 
 def _raise_if_failed(report: LaunchReport) -> None:
-    report.keep_status()
+    error = report.exception()  # keeps the status first (waiting for it), which frees its slot
     team = report.team
     if team is not None and getattr(team, "unchecked_launch", None) is report:
         team.unchecked_launch = None
-    error = report.exception()
     if error is None:
         return
     _fail_team(team, error)

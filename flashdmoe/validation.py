@@ -18,6 +18,7 @@ __all__ = [
     "MAX_CAPACITY",
     "MoESizes",
     "check_capacity",
+    "check_finite_input",
     "validate_capacity_factor",
     "validate_moe_inputs",
 ]
@@ -101,6 +102,14 @@ def check_capacity(capacity_factor: float | None, tokens: int, top_k: int, exper
             f"{experts}) = {rows:.3g} rows per (source rank, expert), more than {MAX_CAPACITY} (2**31 - 1); a factor "
             f">= E / k = {experts / top_k:g} already keeps every choice: use one, or None / null for dropless"
         )
+
+
+def check_finite_input(x: torch.Tensor) -> None:
+    """Raise ``ValueError`` if the CPU tensor ``x`` holds NaN / Inf (a host read; CUDA inputs are checked by
+    the kernel instead, which flags non-finite router logits, without a device synchronisation)."""
+    if x.numel() and not bool(torch.isfinite(x).all()):
+        bad = int((~torch.isfinite(x)).sum())
+        raise ValueError(f"x: contains {bad} non-finite value(s) (NaN or Inf); expected finite input")
 
 
 def validate_moe_inputs(
@@ -213,10 +222,8 @@ def validate_moe_inputs(
 
     # A data-dependent check: eager only (a traced graph cannot branch on values; the op's CPU
     # implementation checks x when it runs).
-    if (x.device.type == "cpu" and tokens > 0 and not torch.compiler.is_compiling()
-            and not bool(torch.isfinite(x).all())):
-        bad = int((~torch.isfinite(x)).sum())
-        raise ValueError(f"x: contains {bad} non-finite value(s) (NaN or Inf); expected finite input")
+    if x.device.type == "cpu" and not torch.compiler.is_compiling():
+        check_finite_input(x)
 
     return MoESizes(
         tokens=tokens,

@@ -29,6 +29,7 @@ class WorkspacePool:
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[int, int], torch.Tensor] = {}
+        self._addresses: dict[tuple[int, int], tuple[int, int]] = {}  # key -> (data_ptr, bytes)
         self._lock = threading.Lock()
 
     def get(self, device: torch.device, stream_handle: int, nbytes: int) -> torch.Tensor:
@@ -46,7 +47,16 @@ class WorkspacePool:
                 # The old buffer goes back to torch's caching allocator, which reuses it only for work on
                 # this stream, ordered after the launches that used it.
                 buffer = self._buffers[key] = torch.empty(size, dtype=torch.uint8, device=device)
+                self._addresses[key] = (buffer.data_ptr(), size)
         return buffer
+
+    def address(self, device: torch.device, index: int, stream_handle: int, nbytes: int) -> int:
+        """The device address of :meth:`get`'s buffer (``index``: ``device.index``), remembered with the
+        buffer: no tensor call on a launch that fits."""
+        entry = self._addresses.get((index, stream_handle))
+        if entry is not None and entry[1] >= nbytes:
+            return entry[0]
+        return self.get(device, stream_handle, nbytes).data_ptr()
 
     def held_bytes(self) -> int:
         return sum(buffer.numel() for buffer in self._buffers.values())
@@ -54,4 +64,5 @@ class WorkspacePool:
     def release(self) -> None:
         """Drop every buffer (torch's caching allocator keeps the memory until ``empty_cache``)."""
         with self._lock:
+            self._addresses.clear()
             self._buffers.clear()

@@ -3,21 +3,27 @@
 On a GPU (the default when one is present): for each shape, the GPU is first held busy by a long
 ``torch.cuda._sleep``, then ``--calls`` forwards are issued back to back; the host time per call is pure
 Python + binding + CUDA API work (nothing can wait for the GPU, which has not reached them yet). Also
-printed: the parts (input validation, backend choice, the fused path alone), and the GPU time per call of
-back-to-back eager calls and of CUDA-graph replays (CUDA events), so that what the host adds shows.
+printed: the parts of a remembered call (its signature, the launch alone, ``MoELayer`` around it), and
+the GPU time per call of back-to-back eager calls and of CUDA-graph replays (CUDA events), so that what
+the host adds shows.
 
 ``--stand-in`` (no GPU needed): the same host path on CPU tensors with the extension and the CUDA
-stream / event calls replaced by tests/fake_cuda.py, so the Python work per call (validation, plan
-lookup, output and workspace handling, report, status bookkeeping) is measured without the CUDA API
-(whose calls -- a memset, the launch, the status copy, an event record -- come on top, and CUDA
-allocations cost more than CPU ones).
+stream / event calls replaced by tests/fake_cuda.py, so the Python work per call (call signature, launch
+bookkeeping, output and workspace handling, report, status checks) is measured without the CUDA API
+(whose calls -- a memset, the launch, the status copy, an event record, the event query that checks the
+previous launch, and the two output allocations -- come on top). What device tensors get is timed: the
+NaN scan of ``x`` that CPU tensors get at every call is left out, and the process runs with glibc's
+allocator kept off ``mmap`` (re-executed with ``MALLOC_MMAP_THRESHOLD_``) so that allocating ``y`` costs
+about what torch's CUDA caching allocator costs, whatever its size. The fake extension's own ``launch``
+(Python, in place of one C++ call) is timed apart and is included in the totals.
 
-    python scripts/host_overhead.py [--stand-in] [--calls 40] [--trials 15]
+    python scripts/host_overhead.py [--stand-in] [--calls N] [--trials N]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -29,10 +35,13 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import flashdmoe  # noqa: E402
-from flashdmoe import api, cuda_backend, validation  # noqa: E402
+from flashdmoe import api, cuda_backend, status_checks  # noqa: E402
 
 # (T, H, I, E, k, activation): decode, a small batch, the paper's shape.
 SHAPES = [(1, 2048, 768, 128, 8, "swiglu"), (128, 4096, 1408, 64, 6, "swiglu"), (8192, 2048, 2048, 32, 2, "gelu")]
+
+# glibc serves large blocks with mmap / munmap at every allocation; these keep them on its heap instead.
+_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 32), "MALLOC_TRIM_THRESHOLD_": str(1 << 36)}
 
 
 def make_inputs(T, H, I, E, k, activation, device, dtype=torch.bfloat16, seed=0):
@@ -64,17 +73,27 @@ def per_call_us(fn, calls: int, trials: int, before=None, after=None) -> float:
 
 
 def host_parts(x, router, w1, w2, k, activation, calls, trials, before=None, after=None) -> dict[str, float]:
-    """µs per call of the whole call and of its parts."""
+    """µs per call of the whole call and of its parts (the call is remembered after its first run)."""
     full = lambda: flashdmoe.moe(x, router, w1, w2, top_k=k, activation=activation, backend="cuda")  # noqa: E731
-    fused = lambda: cuda_backend.moe_cuda(x, router, w1, w2, top_k=k, activation=activation)  # noqa: E731
-    validate = lambda: validation.validate_moe_inputs(x, router, w1, w2, top_k=k, activation=activation,  # noqa: E731
-                                                      capacity_factor=None)
-    resolve = lambda: api.resolve_backend(x, "cuda")  # noqa: E731
+    full()
+    options = (k, activation, True, None, "cuda", False)
+    key, _ = api._signature(x, router, w1, w2, *options)
+    plan = api._calls[key].plan
+    config = flashdmoe.MoEConfig(hidden=x.shape[1], ffn=w2.shape[1], experts=router.shape[0], top_k=k,
+                                 tokens_per_rank=x.shape[0], activation=activation,
+                                 dtype=str(x.dtype).removeprefix("torch."))
+    layer = flashdmoe.MoELayer(config, device=x.device)
+    with torch.no_grad():
+        for mine, theirs in zip((layer.router_weight, layer.w1, layer.w2), (router, w1, w2)):
+            mine.copy_(theirs)
+    layer.backend = "cuda"
+    layer(x)
     return {
         "flashdmoe.moe": per_call_us(full, calls, trials, before, after),
-        "  validate_moe_inputs": per_call_us(validate, calls * 10, trials),
-        "  resolve_backend": per_call_us(resolve, calls * 10, trials),
-        "  cuda_backend.moe_cuda": per_call_us(fused, calls, trials, before, after),
+        "  call signature": per_call_us(lambda: api._signature(x, router, w1, w2, *options), calls * 10, trials),
+        "  cuda_backend.launch_one": per_call_us(
+            lambda: cuda_backend.launch_one(plan, x, router, w1, w2, None, key[1:4]), calls, trials, before, after),
+        "MoELayer forward": per_call_us(lambda: layer(x), calls, trials, before, after),
     }
 
 
@@ -127,33 +146,32 @@ def stand_in_report(args) -> None:
     sys.path.insert(0, str(REPO / "tests"))
     from fake_cuda import FakeExtension, fake_cuda
 
+    from flashdmoe import validation
+
     patch = pytest.MonkeyPatch()
+    # Each launch has finished by the next call (as at small T), so every call also checks one.
+    fake = FakeExtension(finish_at_once=True, record=False)
     try:
-        # Each launch has finished by the next call (as at small T), so every call also checks one.
-        with fake_cuda(patch, FakeExtension(finish_at_once=True)):
+        with fake_cuda(patch, fake):
+            patch.setattr(validation, "check_finite_input", lambda x: None)  # CPU tensors only: see above
             empty = per_call_us(lambda: torch.empty(4), 2000, args.trials)
             print(f"calibration: torch.empty(4) on this CPU takes {empty:.2f} us")
-            for T, H, I, E, k, activation in SHAPES[:2]:
+            for T, H, I, E, k, activation in SHAPES:
                 x, router, w1, w2 = make_inputs(T, H, 64, E, k, activation, "cpu")  # I: only a size here
                 with torch.no_grad():
                     parts = host_parts(x, router, w1, w2, k, activation, args.calls, args.trials,
                                        after=flashdmoe.synchronize)
-                    # Validation scans CPU tensors (never CUDA ones) for NaN: time it without the scan, and
-                    # time what a device tensor gets, the remembered check (meta tensors: no data, no scan).
-                    parts["  validate_moe_inputs"] = per_call_us(
-                        lambda: validation.validate_moe_inputs(x[:0], router, w1, w2, top_k=k, activation=activation,
-                                                               capacity_factor=None), args.calls * 10, args.trials)
-                    meta = [t.to("meta") for t in (x, router, w1, w2)]
-                    parts["  api._validate (device, remembered)"] = per_call_us(
-                        lambda: api._validate(*meta, top_k=k, activation=activation, capacity_factor=None,
-                                              world_size=1), args.calls * 10, args.trials)
-                    parts["device-tensor estimate"] = (parts["  api._validate (device, remembered)"]
-                                                       + parts["  resolve_backend"] + parts["  cuda_backend.moe_cuda"])
-                print(f"stand-in T={T} H={H} I={I} E={E} k={k} {activation} (CPU tensors, fake extension; "
-                      "flashdmoe.moe includes validation's CPU-only NaN scan; the estimate for device tensors is "
-                      "remembered validation + backend choice + the fused path):")
+                    key, _ = api._signature(x, router, w1, w2, k, activation, True, None, "cuda", False)
+                    plan = api._calls[key].plan
+                    slot = status_checks.claim_slot(None, False)
+                    addresses = [0] * (1 + 10)
+                    parts["  (the fake's launch)"] = per_call_us(
+                        lambda: fake.launch(plan.prepared, addresses, 1, 7, slot.address, slot.event.handle),
+                        args.calls * 10, args.trials)
+                    slot.give_back()
+                print(f"stand-in T={T} H={H} I={I} E={E} k={k} {activation} (CPU tensors, fake extension):")
                 for name, value in parts.items():
-                    print(f"  {name:<28} {value:8.1f} us/call (host)")
+                    print(f"  {name:<28} {value:8.2f} us/call (host)")
     finally:
         patch.undo()
 
@@ -161,11 +179,15 @@ def stand_in_report(args) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stand-in", action="store_true", help="CPU only: fake extension and CUDA calls")
-    parser.add_argument("--calls", type=int, default=40, help="forwards per trial (default 40)")
-    parser.add_argument("--trials", type=int, default=15,
-                        help="trials; the median is printed (the minimum with --stand-in) (default 15)")
+    parser.add_argument("--calls", type=int, help="forwards per trial (default 40; --stand-in: 20)")
+    parser.add_argument("--trials", type=int,
+                        help="trials; the median is printed (default 15), the minimum with --stand-in (default 300)")
     args = parser.parse_args(argv)
+    args.calls = args.calls or (20 if args.stand_in else 40)
+    args.trials = args.trials or (300 if args.stand_in else 15)
     if args.stand_in:
+        if any(os.environ.get(name) != value for name, value in _MALLOC_ENV.items()):
+            os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **_MALLOC_ENV})
         global STATISTIC
         STATISTIC = min
         stand_in_report(args)

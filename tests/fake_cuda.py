@@ -1,10 +1,12 @@
 """A CPU stand-in for the ``flashdmoe_cuda`` extension and the few ``torch.cuda`` calls a fused forward
 makes, so that ``flashdmoe.cuda_backend.run_forward`` and the error-surfacing state machine run without a
-GPU (tests/test_status_checks.py, scripts/host_overhead.py).
+GPU (tests/test_status_checks.py, tests/test_host_path.py, scripts/host_overhead.py).
 
 The fake ``launch`` writes the status blocks a test scripted straight into the host slot (where the real
 extension's asynchronous copy would land) and leaves the launch's event "running" until the test
-completes it, so every check point of :mod:`flashdmoe.status_checks` can be driven by hand.
+completes it, so every check point of :mod:`flashdmoe.status_checks` can be driven by hand. The
+asynchronous weight scans (:mod:`flashdmoe.weight_checks`) run on the CPU tensors and record a fake
+event of their own (``ext.scan_events``), driven the same way.
 """
 
 from __future__ import annotations
@@ -77,6 +79,12 @@ class FakeExtension:
     events: dict = field(default_factory=dict)  # handle -> FakeEvent
     # True: every launch's event has completed by the next call (a GPU faster than the host).
     finish_at_once: bool = False
+    # False: launches are not recorded in ``launches`` (scripts/host_overhead.py times the Python around
+    # the launch, not the fake's bookkeeping).
+    record: bool = True
+    scan_events: list = field(default_factory=list)  # the weight scans' events, in order
+    # True: a weight scan has finished by the next check point; False: it runs until a test completes it.
+    scans_finish_at_once: bool = True
 
     def check_shapes(self, T, H, I, E, k, world_size=1):
         return self.shape_error
@@ -98,15 +106,17 @@ class FakeExtension:
             raise self.fail_launch
         shared, ranks = prepared
         assert len(addresses) == 1 + ADDRESSES_PER_RANK * len(ranks)
-        blocks = self.script.pop(0) if self.script else [_CLEAN_BLOCK] * len(ranks)
         if status_host:
-            data = b"".join(blocks)
+            data = b"".join(self.script.pop(0)) if self.script else _CLEAN_BLOCK * len(ranks)
             ctypes.memmove(status_host, data, len(data))
         if status_event:
-            self.events[status_event].record()
-            self.events[status_event].done = self.finish_at_once
-        self.launches.append({"sequence": sequence, "stream": stream, "ranks": len(ranks), "event": status_event,
-                              "status_host": status_host, "workspace": addresses[ADDRESSES_PER_RANK::ADDRESSES_PER_RANK]})
+            event = self.events[status_event]
+            event.records += 1
+            event.done = self.finish_at_once
+        if self.record:
+            self.launches.append({"sequence": sequence, "stream": stream, "ranks": len(ranks), "event": status_event,
+                                  "status_host": status_host, "addresses": list(addresses),
+                                  "workspace": addresses[ADDRESSES_PER_RANK::ADDRESSES_PER_RANK]})
         return (132, 1, 200_000)
 
     def new_event(self) -> FakeEvent:
@@ -114,12 +124,20 @@ class FakeExtension:
         self.events[event.handle] = event
         return event
 
+    def record_scan_event(self, device) -> FakeEvent:
+        """A weight scan's event, recorded (finished at once unless ``scans_finish_at_once`` is False)."""
+        event = FakeEvent(handle=-1 - len(self.scan_events))
+        event.record()
+        event.done = self.scans_finish_at_once
+        self.scan_events.append(event)
+        return event
+
 
 @contextlib.contextmanager
 def fake_cuda(monkeypatch, ext: FakeExtension | None = None, *, capturing=lambda: False):
     """Run the fused path on CPU tensors: the fake extension, fake events, unpinned slots, and CPU tensors
     accepted as CUDA by ``flashdmoe.moe``. Yields (ext, events, synchronized devices)."""
-    from flashdmoe import api, cuda_backend, extension, status_checks
+    from flashdmoe import api, cuda_backend, extension, status_checks, weight_checks
 
     ext = ext or FakeExtension()
     events: list[FakeEvent] = []
@@ -135,6 +153,8 @@ def fake_cuda(monkeypatch, ext: FakeExtension | None = None, *, capturing=lambda
     for cache in caches:
         cache.cache_clear()
     cuda_backend._single_plans.clear()
+    api.forget_calls()
+    weight_checks.forget()
     monkeypatch.setattr(cuda_backend, "_pool", cuda_backend.WorkspacePool())
     monkeypatch.setattr(status_checks, "_state", status_checks._State())
     monkeypatch.setattr(status_checks, "_allocate_pinned", lambda n: torch.zeros(n, dtype=torch.uint8))
@@ -143,10 +163,17 @@ def fake_cuda(monkeypatch, ext: FakeExtension | None = None, *, capturing=lambda
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", capturing)
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(cuda_backend, "_current_stream_handle", lambda index: 7)
+    monkeypatch.setattr(cuda_backend, "_current_device", lambda: None)  # CPU tensors' device index
     monkeypatch.setattr(api, "cuda_unavailable_reason", lambda x: None)
+    monkeypatch.setattr(weight_checks, "_scans_asynchronously", lambda tensor: True)
+    monkeypatch.setattr(weight_checks, "_allocate_pinned", lambda n: torch.empty(n, dtype=torch.uint8))
+    monkeypatch.setattr(weight_checks, "_pinned", [])
+    monkeypatch.setattr(weight_checks, "_record_event", ext.record_scan_event)
     try:
         yield ext, events, synchronized
     finally:
         for cache in caches:
             cache.cache_clear()
         cuda_backend._single_plans.clear()
+        api.forget_calls()
+        weight_checks.forget()

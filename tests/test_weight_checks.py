@@ -1,5 +1,9 @@
 """NaN / Inf in router_weight, w1, w2: ValueError naming the weight, scanned once per version of a weight
-(flashdmoe.weight_checks), through flashdmoe.moe, moe_expert_parallel, MoELayer and the registered op."""
+(flashdmoe.weight_checks), through flashdmoe.moe, moe_expert_parallel, MoELayer and the registered op.
+
+On the CPU and the reference backend the scan raises at the call; fused CUDA forwards queue it and its
+error surfaces where the kernel's do (the GPU tests below; tests/test_host_path.py drives the same
+state machine on the CPU)."""
 
 from __future__ import annotations
 
@@ -49,16 +53,33 @@ def fresh_cache():
 
 
 @pytest.fixture
+def fused():
+    """The fused kernel (Hopper), with errors reported asynchronously (the default) during the test."""
+    from flashdmoe import extension
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("fused kernel targets Hopper (sm_90a)")
+    extension.load()  # a build failure on Hopper is a test failure, not a skip
+    previous = flashdmoe.set_sync_checks(False)
+    yield
+    flashdmoe.set_sync_checks(previous)
+    try:
+        flashdmoe.synchronize()
+    except ValueError:  # a failing test's unchecked scan must not leak into the next test
+        pass
+
+
+@pytest.fixture
 def scans(monkeypatch):
     """The tensors each scan reduced, in order (one list per scan)."""
     seen: list[list[torch.Tensor]] = []
-    original = weight_checks._sums_finite
+    original = weight_checks._extremes
 
     def spy(tensors):
         seen.append(list(tensors))
         return original(tensors)
 
-    monkeypatch.setattr(weight_checks, "_sums_finite", spy)
+    monkeypatch.setattr(weight_checks, "_extremes", spy)
     return seen
 
 
@@ -221,32 +242,105 @@ def test_cuda_weights_raise_at_the_call_then_cost_no_scan(seed, name, scans):
 
 
 @pytest.mark.gpu
-def test_fused_forward_with_seen_weights_does_not_synchronise(seed):
-    """The fused forward's promise (no host synchronisation) holds once the weights have been seen."""
-    from flashdmoe import extension
-
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("fused kernel targets Hopper (sm_90a)")
-    extension.load()
+def test_fused_forward_with_new_or_seen_weights_does_not_synchronise(fused, seed, scans):
+    """The fused forward's promise (no host synchronisation) holds for new weights too: their scan is
+    queued, not waited for."""
+    call(random_inputs(seed + 1, device="cuda", dtype=torch.bfloat16, sizes=KERNEL_SIZES), backend="cuda")
+    flashdmoe.synchronize()  # the warm-up: the device's first forward allocates its pinned status slots
     inputs = random_inputs(seed, device="cuda", dtype=torch.bfloat16, sizes=KERNEL_SIZES)
-    call(inputs, backend="cuda")
-    flashdmoe.synchronize()
-    torch.cuda._sleep(1_000_000_000)  # the GPU stays busy well past the next call
-    call(inputs, backend="cuda")
-    busy = not torch.cuda.current_stream().query()
-    flashdmoe.synchronize()
-    assert busy, "the second forward waited for the GPU"
+    scans.clear()
+    busy = []
+    for _ in range(3):
+        torch.cuda._sleep(1_000_000_000)  # the GPU stays busy well past the next call
+        call(inputs, backend="cuda")
+        busy.append(not torch.cuda.current_stream().query())
+        flashdmoe.synchronize()
+        with torch.no_grad():
+            inputs["w1"].mul_(0.5)  # a new version: scanned at the next forward
+    assert busy == [True, True, True], "a forward waited for the GPU"
+    assert len(scans) == 3 and all(len(scan) in (1, 3) for scan in scans)
 
 
 @pytest.mark.gpu
-def test_capture_skips_the_scan_and_the_next_eager_call_makes_it(seed, scans):
-    """Weights first used inside a CUDA-graph capture are not scanned (a capture cannot read device
-    values); the capture succeeds, and the next eager call with them scans and raises."""
-    from flashdmoe import extension
+@pytest.mark.parametrize("name", WEIGHTS)
+def test_fused_scan_error_names_the_weight_at_synchronize(fused, seed, name):
+    inputs = random_inputs(seed, device="cuda", dtype=torch.bfloat16, sizes=KERNEL_SIZES)
+    call(inputs, backend="cuda")
+    flashdmoe.synchronize()
+    poison(inputs[name], math.nan, seed)
+    torch.cuda._sleep(1_000_000_000)
+    call(inputs, backend="cuda")  # returns while the GPU is busy: nothing raised yet
+    busy = not torch.cuda.current_stream().query()
+    with pytest.raises(ValueError, match=rf"^{name}: contains 1 non-finite value\(s\) \(NaN or Inf\)"):
+        flashdmoe.synchronize()
+    assert busy
+    if name == "router_weight":  # the launch that ran on it also flagged its logits, raised once after
+        with pytest.raises(ValueError, match="router logits contain NaN or Inf"):
+            flashdmoe.synchronize()
+    flashdmoe.synchronize()
 
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("fused kernel targets Hopper (sm_90a)")
-    extension.load()
+
+@pytest.mark.gpu
+def test_fused_scan_errors_surface_at_the_documented_points(fused, seed):
+    """The next call (before its launch), check_errors, and the call itself in debug mode; after each error
+    the weight is forgotten, so the next forward with it scans, and fails, again."""
+    inputs = random_inputs(seed, device="cuda", dtype=torch.bfloat16, sizes=KERNEL_SIZES)
+    poison(inputs["w2"], math.inf, seed)
+    call(inputs, backend="cuda")
+    launched = flashdmoe.last_report().launch_id
+    torch.cuda.synchronize()  # the scan has finished: the next forward raises its error
+    with pytest.raises(ValueError, match=r"^w2: contains 1 non-finite"):
+        call(inputs, backend="cuda")
+    assert flashdmoe.last_report().launch_id == launched, "the call that raised launched nothing"
+    call(inputs, backend="cuda")
+    torch.cuda.synchronize()
+    with pytest.raises(ValueError, match=r"^w2: contains 1 non-finite"):
+        flashdmoe.check_errors()
+    flashdmoe.check_errors()  # raised once
+    previous = flashdmoe.set_sync_checks(True)
+    try:
+        with pytest.raises(ValueError, match=r"^w2: contains 1 non-finite"):
+            call(inputs, backend="cuda")
+        assert flashdmoe.last_report().launch_id == launched + 2, "debug mode raises after the launch"
+    finally:
+        flashdmoe.set_sync_checks(previous)
+    flashdmoe.synchronize()
+
+
+@pytest.mark.gpu
+def test_training_steps_scan_without_waiting_and_catch_a_nan_step(fused, seed):
+    """Every optimizer step forgets the scans (fused optimizers do not bump versions); the forward after
+    it scans again without waiting, and a step that wrote NaN is reported at synchronize."""
+    config = MoEConfig(hidden=KERNEL_SIZES[1], ffn=KERNEL_SIZES[2], experts=KERNEL_SIZES[3], top_k=K,
+                       tokens_per_rank=KERNEL_SIZES[0], seed=seed, dtype="bfloat16")
+    layer = flashdmoe.MoELayer(config, device="cuda")
+    layer.backend = "cuda"
+    x = random_inputs(seed, device="cuda", dtype=torch.bfloat16, sizes=KERNEL_SIZES)["x"]
+    optimizer = torch.optim.SGD(layer.parameters(), lr=1e-3, fused=True)
+    busy = []
+    for _ in range(3):
+        layer(x).float().square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        flashdmoe.synchronize()
+        torch.cuda._sleep(1_000_000_000)
+        layer(x)
+        busy.append(not torch.cuda.current_stream().query())
+        flashdmoe.synchronize()
+    assert busy == [True, True, True], "the forward after an optimizer step waited for the GPU"
+    layer(x).float().square().mean().backward()
+    layer.w1.grad.view(-1)[7] = math.nan
+    optimizer.step()
+    layer(x)
+    with pytest.raises(ValueError, match=r"^w1: contains 1 non-finite"):
+        flashdmoe.synchronize()
+
+
+@pytest.mark.gpu
+def test_capture_skips_the_scan_and_the_next_eager_call_makes_it(fused, seed, scans):
+    """Weights first used inside a CUDA-graph capture are not scanned (a capture cannot queue a check
+    that is read later); the capture succeeds, and the next eager call with them queues the scan, whose
+    error surfaces at synchronize."""
     warm = random_inputs(seed, device="cuda", dtype=torch.bfloat16, sizes=KERNEL_SIZES)
     bad = random_inputs(seed + 1, device="cuda", dtype=torch.bfloat16, sizes=KERNEL_SIZES)
     poison(bad["w1"], math.nan, seed)
@@ -262,6 +356,7 @@ def test_capture_skips_the_scan_and_the_next_eager_call_makes_it(seed, scans):
         with torch.cuda.graph(graph):
             call(bad, backend="cuda")
         assert len(scans) == 1, "nothing was scanned inside the capture"
-        with pytest.raises(ValueError, match=r"^w1: contains 1 non-finite"):
-            call(bad, backend="cuda")
-    flashdmoe.synchronize()
+        call(bad, backend="cuda")
+        assert len(scans) == 2
+    with pytest.raises(ValueError, match=r"^w1: contains 1 non-finite"):
+        flashdmoe.synchronize()
