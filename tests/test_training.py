@@ -14,7 +14,7 @@ import torch
 
 from conftest import next_seed
 from grad_checks import GradConfig, Sizes, check_config, draw_config, forward_routing, make_problem
-from training_checks import MoEModel, TrainingSetup, assert_follows, loss_band, make_task, tolerances, train
+from training_checks import Curve, MoEModel, TrainingSetup, assert_follows, loss_band, make_task, tolerances, train
 
 # every test draws its inputs through next_seed(): the seed fixture prints its seed on failure
 pytestmark = pytest.mark.usefixtures("seed")
@@ -68,5 +68,28 @@ def test_training_follows_the_float64_reference(dtype, seed):
     output_tolerance, gradient_tolerance = tolerances(dtype, CPU_SETUP)
     band = loss_band(want, outputs=CPU_SETUP.tokens * CPU_SETUP.outputs, output_tolerance=output_tolerance,
                      gradient_tolerance=gradient_tolerance)
-    used = assert_follows(got, want, band, what=f"{dtype} reference", max_relative_band=0.25)
-    print(f"{dtype}: loss {want.loss[0]:.4f} -> {want.loss[-1]:.4f}; largest fraction of the band used {used:.3f}")
+    used, compared = assert_follows(got, want, band, what=f"{dtype} reference", max_relative_band=0.25,
+                                    tokens=CPU_SETUP.tokens, output_tolerance=output_tolerance,
+                                    gradient_tolerance=gradient_tolerance)
+    print(f"{dtype}: loss {want.loss[0]:.4f} -> {want.loss[-1]:.4f}; {compared} steps compared, largest fraction "
+          f"of the band used {used:.3f}")
+
+
+def test_assert_follows_refuses_a_token_rerouted_away_from_a_tie():
+    # Synthetic curves: two tokens, top-1; step 1 routes token 0 differently. Its float64 margin decides.
+    def curve(losses, second_routing, margin0):
+        c = Curve(loss=losses, output_square=[1.0] * 3, grad_norm=[1.0] * 3, step_norm=[0.0] * 3)
+        c.routing = [torch.tensor([[0], [1]]), torch.tensor([[second_routing], [1]]), torch.tensor([[0], [1]])]
+        c.margin = [torch.tensor([margin0, 1.0])] * 3
+        c.logit_scale, c.logit_sensitivity = [1.0] * 3, [1.0] * 3
+        return c
+
+    want = curve([4.0, 3.0, 1.0], 0, margin0=1e-9)
+    band = [1e-4] * 3  # narrower than loss / tokens: a rerouted token ends the comparison
+    kwargs = dict(what="synthetic", max_relative_band=0.25, tokens=2, output_tolerance=1e-6, gradient_tolerance=0.0)
+    near_tie = curve([4.0, 3.5, 1.0], 2, margin0=1e-9)  # step 1's loss is off, but the routing changed at a tie
+    assert assert_follows(near_tie, want, band, **kwargs) == (0.0, 1)
+    far = curve([4.0, 3.5, 1.0], 2, margin0=1e-9)
+    want_far = curve([4.0, 3.0, 1.0], 0, margin0=0.5)  # token 0 was no tie in the float64 run
+    with pytest.raises(AssertionError, match=r"step 1: tokens \[0\] routed differently"):
+        assert_follows(far, want_far, band, **kwargs)
