@@ -3,7 +3,7 @@
 # multi-process tests under MPS; then Ray), the single-GPU and training benchmarks, the host-overhead
 # script, optionally Nsight Compute. Each step has its own timeout; logs under $OUT (at most eight files
 # come back), a summary table last. Skip steps with SKIP="mp ray bench training host" (any subset);
-# GPU_TESTS overrides the one-process test files; NCU=1 adds Nsight Compute on the expert-bound shape; PROFILE=1 the backward's per-kernel profile.
+# GPU_TESTS overrides the one-process test files, BENCH_CONFIGS the single-gpu bench shapes; NCU=1 adds Nsight Compute on the expert-bound shape; PROFILE=1 the backward's per-kernel profile.
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 start=$(date +%s)
@@ -52,7 +52,7 @@ if ! skip bench && [ "$(left)" -gt 150 ]; then
   # the forward targets' 13 shapes (docs/design.md §12: design shapes in gelu, then swiglu model layers
   # and decode rows), the public call eager and replayed beside grouped_mm
   t=$(date +%s)
-  timeout $(( $(left) - 10 )) python3 -m flashdmoe bench --suite single-gpu --configs targets --entries fused,fused_graph,grouped_mm \
+  timeout $(( $(left) - 10 )) python3 -m flashdmoe bench --suite single-gpu --configs "${BENCH_CONFIGS:-targets}" --entries fused,fused_graph,grouped_mm \
     --output /tmp/bench > /tmp/bench.log 2>&1
   note "bench single-gpu (targets) rc=$? in $(( $(date +%s) - t )) s"; tail -45 /tmp/bench.log
   cp /tmp/bench/single-gpu.md /tmp/bench/single-gpu.png /tmp/bench/single-gpu.json "$OUT/" 2>/dev/null
