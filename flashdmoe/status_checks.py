@@ -146,6 +146,9 @@ class _State:
         self.pending: collections.deque[LaunchReport] = collections.deque()  # eager launches, oldest first
         self.devices: dict[int, _DeviceSlots] = {}
         self.launch_ids = itertools.count(1)  # next() is atomic under the GIL
+        # Eager launches recorded so far: a check queued since the last one belongs to the call about to
+        # launch, and that call does not raise it before its own launch (see queued()).
+        self.eager_launches = 0
         self.sync_checks = os.environ.get("FLASHDMOE_SYNC_CHECKS", "0") == "1"
         self.local = threading.local()
 
@@ -245,7 +248,7 @@ def before_launch(device: int, team: Any, capturing: bool) -> None:
     if unchecked is not None:
         settle(unchecked)
     if _state.pending:
-        _poll()
+        _poll(launching=True)
 
 
 def claim_slot(device: int, capturing: bool) -> _Slot:
@@ -287,6 +290,7 @@ def launched(report: LaunchReport, slot: _Slot, team: Any) -> None:
         with _state.lock:
             slots.graph_reports[slots.graph_slot_number(slot)] = report
         return
+    _state.eager_launches += 1
     _state.pending.append(report)  # atomic under the GIL; _take holds the lock to pop
     if team is not None:
         team.unchecked_launch = report
@@ -296,7 +300,10 @@ def launched(report: LaunchReport, slot: _Slot, team: Any) -> None:
 
 def queued(entry: Any) -> None:
     """Record a check queued on the device without a launch of its own (a
-    :class:`flashdmoe.weight_checks.WeightScan`); it is checked with the launches, oldest first."""
+    :class:`flashdmoe.weight_checks.WeightScan`); it is checked with the launches, oldest first. A check
+    queued by a forward before its launch surfaces after that launch (at the next forward, check_errors(),
+    synchronize()), never from the forward's own pre-launch poll, however fast the device ran it."""
+    entry.queued_after = _state.eager_launches
     _state.pending.append(entry)
 
 
@@ -353,8 +360,9 @@ def _take(accept: Callable[[LaunchReport], bool] = lambda report: report.ready()
     return None
 
 
-def _poll() -> None:
-    """Check finished entries, oldest first, up to the first one still running (never blocks)."""
+def _poll(launching: bool = False) -> None:
+    """Check finished entries, oldest first, up to the first one still running (never blocks); before a
+    launch (``launching``), also up to the first check queued by the launching call itself."""
     pending, lock = _state.pending, _state.lock
     while pending:
         with lock:
@@ -365,6 +373,8 @@ def _poll() -> None:
                 pending.popleft()
                 continue
             if not head.ready():
+                return
+            if launching and getattr(head, "queued_after", None) == _state.eager_launches:
                 return
             head.checked = True
             pending.popleft()

@@ -183,8 +183,8 @@ class WeightScan:
     Holds weak references to the weights (a scan never keeps a weight alive) and their cache keys, so a
     failed weight is forgotten again when its error is raised."""
 
-    __slots__ = ("device", "checked", "captured", "team", "_names", "_tensors", "_keys", "_buffer", "_host",
-                 "_event", "_values")
+    __slots__ = ("device", "checked", "captured", "team", "queued_after", "_names", "_tensors", "_keys", "_buffer",
+                 "_host", "_event", "_values")
 
     def __init__(self, device: int, names: list[str], tensors: list[torch.Tensor], keys: list[_Key],
                  buffer: torch.Tensor, host: torch.Tensor, event: Any) -> None:

@@ -286,6 +286,20 @@ def test_a_failed_scan_surfaces_at_the_next_call_before_its_launch(slow_scans, s
         forward(x, router, w1, w2)
 
 
+def test_a_scan_done_before_its_forward_launches_surfaces_at_the_next_call(fake, seed):
+    # A fast GPU may finish a call's scan before that call's pre-launch poll: it still launches.
+    ext, _, _ = fake
+    ext.scans_finish_at_once = True
+    ext.finish_at_once = True
+    x, router, w1, w2 = inputs(seed)
+    poison(w2, seed)
+    forward(x, router, w1, w2)
+    assert len(ext.launches) == 1 and ext.scan_events[0].query()
+    with pytest.raises(ValueError, match=r"^w2: contains 1 non-finite"):
+        forward(x, router, w1, w2)
+    assert len(ext.launches) == 1, "the call that raised launched nothing"
+
+
 def test_synchronize_waits_for_a_scan(slow_scans, seed):
     ext, _, synchronized = slow_scans
     x, router, w1, w2 = inputs(seed)
