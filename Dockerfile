@@ -21,6 +21,8 @@ SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 
 # python3 is 3.12 on Ubuntu 24.04 (the version the GPU machines run); -dev for pybind11's Python.h;
 # g++ is nvcc's host compiler; wget is what KubeRay's default readiness/liveness probes call.
+# libibverbs1 + ibverbs-providers (libmlx5) are the RDMA user space that NVSHMEM's InfiniBand transport and
+# NCCL's load across nodes (k8s/components/multinode); ibverbs-utils (ibv_devinfo) checks a pod's HCAs.
 # Apt packages follow the pinned base image's Ubuntu archive snapshot rather than exact versions:
 # Ubuntu drops superseded .debs from its mirrors, so exact pins break rebuilds within weeks.
 # hadolint ignore=DL3008
@@ -28,6 +30,9 @@ RUN apt-get update \
     && apt-get install -y --no-install-recommends \
         ca-certificates \
         g++ \
+        ibverbs-providers \
+        ibverbs-utils \
+        libibverbs1 \
         python3 \
         python3-dev \
         python3-venv \

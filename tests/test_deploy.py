@@ -15,6 +15,12 @@ Nothing here needs a cluster or a Docker engine (docs/design.md §11, issue 6):
   ``disabled``), a NetworkPolicy per workload that admits the Ray ports from this namespace only (the
   KubeRay operator's job-API polling excepted), no service-account token, read-only root file systems
   with emptyDirs for /tmp, Ray's session dir and the image user's HOME;
+- N nodes x 8 GPUs (overlays using k8s/components/multinode): the overlay's local-config settings (node
+  count, run config) reach every worker group and the RayJob's command; one worker pod per node (required
+  anti-affinity on the host name) with 8 GPUs, the RDMA devices, IPC_LOCK as the only added capability,
+  /dev/shm for the object store and NCCL/NVSHMEM, the InfiniBand environment with multicast off, a
+  preferred topology affinity, and a NetworkPolicy letting the workload's pods reach each other on every
+  port; the image installs the verbs libraries;
 - `kubectl kustomize` renders every overlay (and the base with the token-secret component) and the
   rendered objects pass the same checks;
 - hadolint passes on the Dockerfile with no finding at any level.
@@ -83,6 +89,34 @@ RAY_CLIENT_PORTS = {6379, 8265, 10001}
 OPERATOR_POD_LABELS = {"app.kubernetes.io/name": "kuberay-operator"}
 OPERATOR_PORTS = {8265}
 
+#: N nodes x 8 GPUs (k8s/components/multinode): overlays using it hold their node count and run config
+#: in a local-config ConfigMap of this name.
+MULTINODE_COMPONENT = COMPONENTS_DIR / "multinode"
+MULTINODE_SETTINGS = "flashdmoe-multinode-run"
+GPUS_PER_NODE = 8
+#: The RDMA shared device plugin's resource (NVIDIA Network Operator's default naming).
+RDMA_RESOURCE = "rdma/rdma_shared_device_a"
+HOSTNAME_KEY = "kubernetes.io/hostname"
+#: The GPU workers' environment across nodes: multicast off, NVSHMEM's IB RC transport (IBGDA off), the
+#: unique-id bootstrap and NCCL's / gloo's sockets on the pod network, NCCL's InfiniBand on.
+MULTINODE_ENV = {
+    **MULTICAST_OFF_ENV,
+    "NVSHMEM_REMOTE_TRANSPORT": "ibrc",
+    "NVSHMEM_IB_ENABLE_IBGDA": "0",
+    "NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME": "eth0",
+    "NVSHMEM_BOOTSTRAP_UID_SOCK_FAMILY": "AF_INET",
+    "NCCL_SOCKET_IFNAME": "eth0",
+    "NCCL_IB_DISABLE": "0",
+    "GLOO_SOCKET_IFNAME": "eth0",
+    "NVIDIA_DRIVER_CAPABILITIES": "compute,utility",
+}
+#: Set, but to the cluster's own HCA names (a placeholder value that must not be empty).
+MULTINODE_ENV_SET = ("NCCL_IB_HCA",)
+#: /dev/shm beyond Ray's object store, per GPU process: NCCL's and NVSHMEM's host-side segments.
+SHM_HEADROOM_PER_GPU = 1 << 30
+#: The RDMA user space NVSHMEM's and NCCL's InfiniBand transports load (libibverbs and its mlx5 provider).
+RDMA_PACKAGES = ("libibverbs1", "ibverbs-providers")
+
 
 # --------------------------------------------------------------------------------------------------
 # Loading and rendering
@@ -101,6 +135,45 @@ def base_manifest_files() -> list[Path]:
 
 def overlay_dirs() -> list[Path]:
     return sorted(path.parent for path in OVERLAYS_DIR.glob("*/kustomization.yaml"))
+
+
+def kustomization(directory: Path) -> dict[str, Any]:
+    return load_yaml_documents(directory / "kustomization.yaml")[0]
+
+
+def is_multinode(directory: Path) -> bool:
+    """Whether a kustomization directory uses k8s/components/multinode."""
+    return any((directory / component).resolve() == MULTINODE_COMPONENT.resolve()
+               for component in kustomization(directory).get("components", []))
+
+
+def multinode_overlay_dirs() -> list[Path]:
+    return [directory for directory in overlay_dirs() if is_multinode(directory)]
+
+
+def multinode_settings(directory: Path) -> dict[str, str]:
+    """The data of a multi-node overlay's local-config ConfigMap (its node count and run config)."""
+    found = [document for resource in kustomization(directory).get("resources", [])
+             if (directory / resource).is_file()
+             for document in load_yaml_documents(directory / resource)
+             if document.get("kind") == "ConfigMap" and document["metadata"]["name"] == MULTINODE_SETTINGS]
+    assert len(found) == 1, f"{directory}: expected one ConfigMap {MULTINODE_SETTINGS} among its resources"
+    (settings,) = found
+    annotations = settings["metadata"].get("annotations", {})
+    assert annotations.get("config.kubernetes.io/local-config") == "true", (
+        f"{directory}: {MULTINODE_SETTINGS} must be local-config (read by kustomize, not applied)")
+    return settings["data"]
+
+
+def workloads_of(directory: Path | None) -> set[str]:
+    """The workload components a manifest set holds: all three, the plain Job aside across nodes."""
+    if directory is not None and is_multinode(directory):
+        return {"rayjob", "raycluster"}
+    return {"rayjob", "raycluster", "job"}
+
+
+def set_directory(set_id: str) -> Path | None:
+    return OVERLAYS_DIR / set_id.removeprefix("overlay-") if set_id.startswith("overlay-") else None
 
 
 def require_tool(name: str) -> str:
@@ -611,6 +684,126 @@ def check_network_policies(objects: list[dict[str, Any]]) -> list[str]:
     return problems
 
 
+_QUANTITY_FACTORS = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
+                     "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40, "Pi": 1 << 50, "Ei": 1 << 60}
+
+
+def quantity_bytes(quantity: Any) -> int:
+    """Bytes of a Kubernetes quantity (``32Gi``, ``17179869184``); ValueError for anything else."""
+    match = re.fullmatch(r"(\d+)([kMGTPE]i?|)", str(quantity))
+    if match is None or match.group(2) not in _QUANTITY_FACTORS:
+        raise ValueError(f"quantity={quantity!r}: expected digits and a binary or decimal suffix")
+    return int(match.group(1)) * _QUANTITY_FACTORS[match.group(2)]
+
+
+def check_multinode_workers(objects: list[dict[str, Any]], nodes: int) -> list[str]:
+    """Every Ray workload runs ``nodes`` GPU worker pods, one per node: replicas = min = max = nodes; each
+    pod with its node's 8 GPUs and the RDMA devices (request = limit), a required anti-affinity on the
+    host name and a preferred affinity on a topology label (both selecting the workers' own labels),
+    IPC_LOCK as the only added capability, /dev/shm in memory holding Ray's object store plus
+    SHM_HEADROOM_PER_GPU per GPU, and the multi-node environment (MULTINODE_ENV)."""
+    problems = []
+    clusters = [obj for obj in objects if cluster_spec(obj) is not None]
+    if not clusters:
+        problems.append("no RayJob or RayCluster to run across nodes")
+    for obj in clusters:
+        name = object_name(obj)
+        groups = cluster_spec(obj).get("workerGroupSpecs", [])
+        if len(groups) != 1:
+            problems.append(f"{name}: expected one GPU worker group, found {len(groups)}")
+            continue
+        (group,) = groups
+        where = f"{name} worker group {group.get('groupName')}"
+        counts = {key: group.get(key) for key in ("replicas", "minReplicas", "maxReplicas")}
+        if any(count != nodes for count in counts.values()):
+            problems.append(f"{where}: {counts}, expected {nodes} each (one pod per node, no autoscaling)")
+        if group.get("numOfHosts", 1) != 1:
+            problems.append(f"{where}: numOfHosts {group['numOfHosts']}, expected 1")
+        template = group["template"]
+        labels = template.get("metadata", {}).get("labels", {})
+        pod = template["spec"]
+        if gpus_of_pod(template) != GPUS_PER_NODE:
+            problems.append(f"{where}: {gpus_of_pod(template)} GPUs per pod, expected the node's {GPUS_PER_NODE}")
+
+        def own(selector: dict[str, Any]) -> bool:
+            return bool(selector.get("matchLabels")) and _selects(selector, labels)
+
+        affinity = pod.get("affinity", {})
+        apart = affinity.get("podAntiAffinity", {}).get("requiredDuringSchedulingIgnoredDuringExecution", [])
+        if not any(term.get("topologyKey") == HOSTNAME_KEY and own(term.get("labelSelector", {})) for term in apart):
+            problems.append(f"{where}: needs a required podAntiAffinity on {HOSTNAME_KEY} selecting its own pods "
+                            "(one GPU worker per node)")
+        together = affinity.get("podAffinity", {})
+        if together.get("requiredDuringSchedulingIgnoredDuringExecution"):
+            problems.append(f"{where}: a required podAffinity leaves the run pending when one topology domain lacks "
+                            f"{nodes} free nodes; make it preferred")
+        if not any(term.get("podAffinityTerm", {}).get("topologyKey") not in (None, HOSTNAME_KEY)
+                   and own(term.get("podAffinityTerm", {}).get("labelSelector", {}))
+                   for term in together.get("preferredDuringSchedulingIgnoredDuringExecution", [])):
+            problems.append(f"{where}: needs a preferred podAffinity on a topology label (not the host name) "
+                            "selecting its own pods")
+        volumes = {volume["name"]: volume for volume in pod.get("volumes", [])}
+        store = quantity_bytes(group.get("rayStartParams", {}).get("object-store-memory", "0"))
+        needed = store + GPUS_PER_NODE * SHM_HEADROOM_PER_GPU
+        for container in pod["containers"]:
+            at = f"{where} container {container['name']}"
+            resources = container.get("resources", {})
+            requested = resources.get("requests", {}).get(RDMA_RESOURCE)
+            limited = resources.get("limits", {}).get(RDMA_RESOURCE)
+            if limited is None or int(limited) < 1 or requested != limited:
+                problems.append(f"{at}: {RDMA_RESOURCE} request {requested} / limit {limited}, expected equal and >= 1")
+            capabilities = container.get("securityContext", {}).get("capabilities", {})
+            if capabilities.get("add") != ["IPC_LOCK"]:
+                problems.append(f"{at}: capabilities.add {capabilities.get('add')}, expected exactly ['IPC_LOCK']")
+            env = {item["name"]: item.get("value") for item in container.get("env", [])}
+            for variable, value in MULTINODE_ENV.items():
+                if env.get(variable) != value:
+                    problems.append(f"{at}: {variable} is {env.get(variable)!r}, expected {value!r}")
+            for variable in MULTINODE_ENV_SET:
+                if not env.get(variable):
+                    problems.append(f"{at}: {variable} must name the HCAs to use")
+            mounts = {mount["mountPath"]: mount["name"] for mount in container.get("volumeMounts", [])}
+            shm = volumes.get(mounts.get("/dev/shm", ""), {}).get("emptyDir", {})
+            size = quantity_bytes(shm["sizeLimit"]) if "sizeLimit" in shm else 0
+            if shm.get("medium") != "Memory" or size < needed:
+                problems.append(f"{at}: /dev/shm {shm or 'missing'}, expected a Memory emptyDir of at least "
+                                f"{needed >> 30} GiB (the object store's {store >> 30} GiB plus "
+                                f"{SHM_HEADROOM_PER_GPU >> 30} GiB per GPU)")
+    return problems
+
+
+def check_multinode_network(objects: list[dict[str, Any]]) -> list[str]:
+    """Every Ray workload's GPU workers admit the workload's other pods (its head and the workers on the
+    other nodes) on every port: Ray's workers, the NVSHMEM unique-id bootstrap and NCCL / gloo listen on
+    ephemeral ports. (check_network_policies keeps every rule inside the namespace.)"""
+    policies = [obj for obj in objects if obj["kind"] == "NetworkPolicy"
+                and "Ingress" in obj["spec"].get("policyTypes", [])]
+    problems = []
+    for obj in objects:
+        if cluster_spec(obj) is None:
+            continue
+        head = cluster_spec(obj)["headGroupSpec"]["template"].get("metadata", {}).get("labels", {})
+        for group in cluster_spec(obj).get("workerGroupSpecs", []):
+            labels = group["template"].get("metadata", {}).get("labels", {})
+            guards = [policy for policy in policies if _selects(policy["spec"]["podSelector"], labels)]
+            if not any("ports" not in rule and any(
+                    "podSelector" in peer and "namespaceSelector" not in peer
+                    and _selects(peer["podSelector"], labels) and _selects(peer["podSelector"], head)
+                    for peer in rule.get("from", []))
+                    for policy in guards for rule in policy["spec"].get("ingress", [])):
+                problems.append(f"{object_name(obj)} worker group {group['groupName']}: no NetworkPolicy admits its "
+                                "head and the workers on the other nodes on every port (ephemeral ports of Ray's "
+                                "workers, the NVSHMEM bootstrap, NCCL and gloo)")
+    return problems
+
+
+def check_dockerfile_rdma(text: str) -> list[str]:
+    """The image installs the RDMA user space that NVSHMEM's and NCCL's InfiniBand transports load."""
+    installs = " ".join(re.findall(r"apt-get install[^&\n]*", re.sub(r"\\\n", " ", text)))
+    return [f"Dockerfile: no apt-get install of {package} (RDMA user space for the multi-node transports)"
+            for package in RDMA_PACKAGES if not re.search(rf"(?<![\w.-]){re.escape(package)}(?![\w.-])", installs)]
+
+
 # --------------------------------------------------------------------------------------------------
 # Tests: parsing
 
@@ -623,7 +816,10 @@ def test_k8s_tree_has_the_expected_pieces():
     kinds = sorted(obj["kind"] for path in base_manifest_files() for obj in load_yaml_documents(path))
     assert kinds == ["Job", "NetworkPolicy", "NetworkPolicy", "NetworkPolicy", "PersistentVolumeClaim", "RayCluster",
                      "RayJob"], kinds
-    assert [path.name for path in overlay_dirs()] == ["h200x4", "h200x8"]
+    assert [path.name for path in overlay_dirs()] == ["h200x4", "h200x8", "h200x8-2nodes"]
+    assert [path.name for path in multinode_overlay_dirs()] == ["h200x8-2nodes"]
+    assert sorted(path.parent.name for path in COMPONENTS_DIR.glob("*/kustomization.yaml")) == [
+        "multinode", "token-secret"]
 
 
 @pytest.mark.parametrize("path", all_yaml_files(), ids=lambda path: str(path.relative_to(K8S_DIR)))
@@ -650,7 +846,8 @@ def test_every_base_file_is_a_kustomize_resource():
 def test_core_kinds_validate_strictly(manifest_set, version: str):
     set_id, objects = manifest_set
     core = [obj for obj in objects if obj["kind"] not in CRD_FILES]
-    assert {obj["kind"] for obj in core} == {"PersistentVolumeClaim", "Job", "NetworkPolicy"}, set_id
+    jobs = {"Job"} if "job" in workloads_of(set_directory(set_id)) else set()
+    assert {obj["kind"] for obj in core} == {"PersistentVolumeClaim", "NetworkPolicy"} | jobs, set_id
     for obj in core:
         validate_core(obj, version)
 
@@ -804,23 +1001,27 @@ def test_token_secret_component_for_older_operators(tmp_path: Path, crd_validato
 
 def test_component_selector_picks_one_workload(manifest_set):
     """docs/deploy.md applies `-l 'app.kubernetes.io/component in (results,<workload>)'`."""
-    _, objects = manifest_set
+    set_id, objects = manifest_set
     components = {}
     for obj in objects:
         component = obj["metadata"].get("labels", {}).get(COMPONENT_LABEL)
         assert component, f"{object_name(obj)} has no {COMPONENT_LABEL} label"
         components.setdefault(component, []).append(obj["kind"])
-    assert {component: sorted(kinds) for component, kinds in components.items()} == {
+    expected = {
         "results": ["PersistentVolumeClaim"],
         "rayjob": ["NetworkPolicy", "RayJob"],
         "raycluster": ["NetworkPolicy", "RayCluster"],
         "job": ["Job", "NetworkPolicy"],
     }
+    workloads = workloads_of(set_directory(set_id))
+    assert {component: sorted(kinds) for component, kinds in components.items()} == {
+        component: kinds for component, kinds in expected.items() if component in workloads | {"results"}}
 
 
 def test_dockerfile_contract():
     facts = dockerfile_facts()
     text = DOCKERFILE.read_text()
+    assert check_dockerfile_rdma(text) == []
     for variable, value in MULTICAST_OFF_ENV.items():
         assert re.search(rf"\b{variable}={value}\b", facts["env"]), f"Dockerfile ENV lacks {variable}={value}"
     assert re.search(r"\bFLASHDMOE_CUDA_ARCH=sm_90a\b", facts["env"])
@@ -833,6 +1034,86 @@ def test_dockerfile_contract():
 
 
 # --------------------------------------------------------------------------------------------------
+# Tests: N nodes x 8 GPUs (k8s/components/multinode)
+
+
+@pytest.mark.parametrize("directory", multinode_overlay_dirs(), ids=lambda path: path.name)
+def test_multinode_overlay_runs_its_settings(directory: Path):
+    """The settings' node count reaches every worker group, and the settings' config (world_size 8 x nodes)
+    is what the RayJob runs and both workloads are annotated with."""
+    settings = multinode_settings(directory)
+    nodes = int(settings["nodes"])
+    assert nodes >= 2, f"{directory}: a multi-node overlay with nodes={nodes}"
+    assert read_world_size(settings["config"]) == GPUS_PER_NODE * nodes, settings
+    objects = rendered(directory)
+    for obj in objects:
+        if cluster_spec(obj) is not None:
+            assert obj["metadata"]["annotations"][CONFIG_ANNOTATION] == settings["config"], object_name(obj)
+            assert [group["replicas"] for group in cluster_spec(obj)["workerGroupSpecs"]] == [nodes]
+    ray_job = next(obj for obj in objects if obj["kind"] == "RayJob")
+    assert command_config(ray_job)[0] == settings["config"]
+    assert check_gpus_match_config(objects) == []
+
+
+@pytest.mark.parametrize("directory", multinode_overlay_dirs(), ids=lambda path: path.name)
+def test_multinode_workers_one_per_node_with_gpus_rdma_shm_and_environment(directory: Path):
+    nodes = int(multinode_settings(directory)["nodes"])
+    problems = check_multinode_workers(rendered(directory), nodes)
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("directory", multinode_overlay_dirs(), ids=lambda path: path.name)
+def test_multinode_network_policies_admit_the_workers_to_each_other(directory: Path):
+    objects = rendered(directory)
+    problems = check_multinode_network(objects) + check_network_policies(objects)
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("directory", multinode_overlay_dirs(), ids=lambda path: path.name)
+def test_multinode_worker_pods_are_identical_across_workloads(directory: Path):
+    """The RayCluster's GPU workers get the RayJob's pod spec (a replacement in the component)."""
+    objects = {obj["kind"]: obj for obj in rendered(directory)}
+    job_group = cluster_spec(objects["RayJob"])["workerGroupSpecs"][0]
+    cluster_group = cluster_spec(objects["RayCluster"])["workerGroupSpecs"][0]
+    assert job_group["template"]["spec"] == cluster_group["template"]["spec"]
+    assert job_group["rayStartParams"] == cluster_group["rayStartParams"]
+
+
+def render_multinode(tmp_path: Path, nodes: str, config: str) -> subprocess.CompletedProcess[str]:
+    """The base with the multinode component and the given settings, as a new overlay would have them."""
+    overlay = tmp_path / f"nodes-{nodes}"
+    overlay.mkdir()
+    (overlay / "run.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "ConfigMap",
+        "metadata": {"name": MULTINODE_SETTINGS, "annotations": {"config.kubernetes.io/local-config": "true"}},
+        "data": {"nodes": nodes, "config": config},
+    }))
+    (overlay / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1",
+        "kind": "Kustomization",
+        "resources": [os.path.relpath(BASE_DIR, overlay), "run.yaml"],
+        "components": [os.path.relpath(MULTINODE_COMPONENT, overlay)],
+    }))
+    return kustomize_build(overlay)
+
+
+def test_multinode_node_count_is_set_in_one_place(tmp_path: Path, crd_validators):
+    """Changing the settings' nodes alone changes every worker group; the GPU cross-check then asks for a
+    config of the new size, so the node count and the config cannot silently disagree."""
+    result = render_multinode(tmp_path, "3", "configs/h200x8-2nodes.yaml")
+    assert result.returncode == 0, result.stderr
+    objects = [obj for obj in yaml.safe_load_all(result.stdout) if obj]
+    assert "ConfigMap" not in {obj["kind"] for obj in objects}, "the local-config settings must not be emitted"
+    problems = (check_multinode_workers(objects, 3) + check_multinode_network(objects) + check_pod_hardening(objects)
+                + check_gpu_pods(objects) + [problem for obj in objects if obj["kind"] in CRD_FILES
+                                             for problem in validate_custom_resource(obj, crd_validators)])
+    assert not problems, "\n".join(problems)
+    assert sorted(check_gpus_match_config(objects)) == [
+        f"{kind}: requests 24 GPUs but configs/h200x8-2nodes.yaml has world_size 16"
+        for kind in ("RayCluster/flashdmoe-interactive", "RayJob/flashdmoe-run")]
+
+
+# --------------------------------------------------------------------------------------------------
 # Tests: tools
 
 
@@ -840,7 +1121,8 @@ def test_dockerfile_contract():
 def test_kustomize_renders(directory: Path):
     result = kustomize_build(directory)
     assert result.returncode == 0, result.stderr
-    assert len([obj for obj in yaml.safe_load_all(result.stdout) if obj]) == 7
+    # PVC + per workload its object and its NetworkPolicy
+    assert len([obj for obj in yaml.safe_load_all(result.stdout) if obj]) == 1 + 2 * len(workloads_of(directory))
 
 
 def test_hadolint_passes_on_the_dockerfile():
@@ -1038,6 +1320,158 @@ def test_network_policy_check_rejects_open_doors():
     everyone["spec"]["podSelector"] = {}
     assert check_network_policies([everyone]) == ["NetworkPolicy/flashdmoe-embedded: selects every pod of the "
                                                   "namespace; select the workload's pods"]
+
+
+def multinode_object(kind: str) -> dict[str, Any]:
+    """The RayJob or RayCluster of the first multi-node overlay, as rendered (a fresh copy)."""
+    return next(obj for obj in rendered(multinode_overlay_dirs()[0]) if obj["kind"] == kind)
+
+
+def multinode_worker(obj: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """(worker group, pod spec, container) of a rendered multi-node RayJob / RayCluster."""
+    group = cluster_spec(obj)["workerGroupSpecs"][0]
+    return group, group["template"]["spec"], group["template"]["spec"]["containers"][0]
+
+
+def test_multinode_check_rejects_wrong_counts_and_placement():
+    nodes = int(multinode_settings(multinode_overlay_dirs()[0])["nodes"])
+    ray_job = multinode_object("RayJob")
+    assert check_multinode_workers([ray_job], nodes) == []
+    group, pod, container = multinode_worker(ray_job)
+    group["maxReplicas"] = nodes + 1
+    container["resources"]["limits"][GPU_RESOURCE] = container["resources"]["requests"][GPU_RESOURCE] = 4
+    pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0]["topologyKey"] = \
+        "topology.kubernetes.io/zone"
+    pod["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"] = [
+        pod["affinity"]["podAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"].pop()["podAffinityTerm"]]
+    problems = check_multinode_workers([ray_job], nodes)
+    expected = [f"'maxReplicas': {nodes + 1}}}, expected {nodes} each", "4 GPUs per pod",
+                f"required podAntiAffinity on {HOSTNAME_KEY}", "a required podAffinity leaves the run pending",
+                "needs a preferred podAffinity on a topology label"]
+    assert len(problems) == len(expected) and all(any(e in p for p in problems) for e in expected), problems
+
+    ray_cluster = multinode_object("RayCluster")
+    _, pod, _ = multinode_worker(ray_cluster)
+    # Anti-affinity against some other pods does not keep this workload's workers apart.
+    pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0]["labelSelector"] = {
+        "matchLabels": {"app.kubernetes.io/component": "job"}}
+    problems = check_multinode_workers([ray_cluster], nodes)
+    assert len(problems) == 1 and "required podAntiAffinity" in problems[0], problems
+    assert any("expected 1 each" in p for p in check_multinode_workers([multinode_object("RayJob")], 1))
+    assert check_multinode_workers([], nodes) == ["no RayJob or RayCluster to run across nodes"]
+
+
+def test_multinode_check_rejects_missing_rdma_extra_capabilities_and_small_shm():
+    nodes = int(multinode_settings(multinode_overlay_dirs()[0])["nodes"])
+    ray_job = multinode_object("RayJob")
+    group, pod, container = multinode_worker(ray_job)
+    del container["resources"]["limits"][RDMA_RESOURCE]
+    container["securityContext"]["capabilities"]["add"] = ["IPC_LOCK", "SYS_ADMIN"]
+    next(v for v in pod["volumes"] if v["name"] == "dshm")["emptyDir"]["sizeLimit"] = "16Gi"
+    problems = check_multinode_workers([ray_job], nodes)
+    expected = [f"{RDMA_RESOURCE} request 1 / limit None", "capabilities.add ['IPC_LOCK', 'SYS_ADMIN']",
+                "/dev/shm {'medium': 'Memory', 'sizeLimit': '16Gi'}, expected a Memory emptyDir of at least 24 GiB"]
+    assert len(problems) == len(expected) and all(any(e in p for p in problems) for e in expected), problems
+
+    ray_job = multinode_object("RayJob")
+    group, pod, container = multinode_worker(ray_job)
+    del container["securityContext"]["capabilities"]["add"]
+    container["resources"]["requests"][RDMA_RESOURCE] = 2
+    # A larger object store must take the /dev/shm volume with it.
+    group["rayStartParams"]["object-store-memory"] = str(30 << 30)
+    next(v for v in pod["volumes"] if v["name"] == "dshm")["emptyDir"]["medium"] = ""
+    problems = check_multinode_workers([ray_job], nodes)
+    expected = [f"{RDMA_RESOURCE} request 2 / limit 1", "capabilities.add None",
+                "expected a Memory emptyDir of at least 38 GiB (the object store's 30 GiB"]
+    assert len(problems) == len(expected) and all(any(e in p for p in problems) for e in expected), problems
+
+
+def test_multinode_check_rejects_single_node_or_multicast_environment():
+    nodes = int(multinode_settings(multinode_overlay_dirs()[0])["nodes"])
+    ray_cluster = multinode_object("RayCluster")
+    _, _, container = multinode_worker(ray_cluster)
+    # The base's single-node environment: loopback sockets, no network transport.
+    container["env"] = copy.deepcopy(base_object("RayCluster")["spec"]["workerGroupSpecs"][0]["template"]["spec"]
+                                     ["containers"][0]["env"])
+    problems = check_multinode_workers([ray_cluster], nodes)
+    expected = ["NVSHMEM_REMOTE_TRANSPORT is 'none', expected 'ibrc'", "NVSHMEM_IB_ENABLE_IBGDA is None",
+                "NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME is 'lo', expected 'eth0'", "NVSHMEM_BOOTSTRAP_UID_SOCK_FAMILY is None",
+                "NCCL_SOCKET_IFNAME is 'lo'", "NCCL_IB_DISABLE is '1', expected '0'", "GLOO_SOCKET_IFNAME is 'lo'",
+                "NCCL_IB_HCA must name the HCAs"]
+    assert len(problems) == len(expected) and all(any(e in p for p in problems) for e in expected), problems
+
+    ray_job = multinode_object("RayJob")
+    _, _, container = multinode_worker(ray_job)
+    env = {item["name"]: item for item in container["env"]}
+    env["NVSHMEM_DISABLE_NVLS"]["value"] = "0"
+    env["NCCL_IB_HCA"]["value"] = ""
+    container["env"] = [item for item in container["env"] if item["name"] != "TORCH_SYMM_MEM_DISABLE_MULTICAST"]
+    problems = check_multinode_workers([ray_job], nodes)
+    expected = ["NVSHMEM_DISABLE_NVLS is '0', expected '1'", "TORCH_SYMM_MEM_DISABLE_MULTICAST is None",
+                "NCCL_IB_HCA must name the HCAs"]
+    assert len(problems) == len(expected) and all(any(e in p for p in problems) for e in expected), problems
+
+
+def test_multinode_network_check_rejects_port_limited_or_missing_peer_rule():
+    objects = rendered(multinode_overlay_dirs()[0])
+    assert check_multinode_network(objects) == []
+    run = next(obj for obj in objects if obj["metadata"]["name"] == "flashdmoe-run")
+    # The rule between the workload's own pods limited to Ray's client ports: the bootstrap is cut off.
+    run["spec"]["ingress"][0]["ports"] = [{"protocol": "TCP", "port": 6379}]
+    assert check_multinode_network(objects) == [
+        "RayJob/flashdmoe-run worker group gpu: no NetworkPolicy admits its head and the workers on the other nodes "
+        "on every port (ephemeral ports of Ray's workers, the NVSHMEM bootstrap, NCCL and gloo)"]
+    interactive = next(obj for obj in objects if obj["metadata"]["name"] == "flashdmoe-interactive")
+    # Workers admitting only each other: the head (the driver) cannot reach them.
+    interactive["spec"]["ingress"][0]["from"] = [{"podSelector": {"matchLabels": {"flashdmoe.io/role": "gpu-worker"}}}]
+    problems = check_multinode_network(objects)
+    assert len(problems) == 2 and "RayCluster/flashdmoe-interactive worker group gpu" in problems[0], problems
+
+
+def test_multinode_settings_must_be_a_local_config(tmp_path: Path):
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": MULTINODE_SETTINGS},
+        "data": {"nodes": "2", "config": "configs/h200x8-2nodes.yaml"}}))
+    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({"resources": ["run.yaml"]}))
+    with pytest.raises(AssertionError, match="must be local-config"):
+        multinode_settings(tmp_path)
+
+
+def test_multinode_component_rejects_a_base_it_does_not_fit(tmp_path: Path):
+    """The component's index-based patches test what they address: a reordered base fails the build."""
+    base = tmp_path / "base"
+    shutil.copytree(BASE_DIR, base)
+    ray_job = base / "rayjob.yaml"
+    ray_job.write_text(ray_job.read_text().replace("            volumes:\n              - name: dshm",
+                                                   "            volumes:\n              - name: shm", 1))
+    component = tmp_path / "components" / "multinode"
+    shutil.copytree(MULTINODE_COMPONENT, component)
+    overlay = tmp_path / "overlays" / "nodes"
+    overlay.mkdir(parents=True)
+    shutil.copy(multinode_overlay_dirs()[0] / "run.yaml", overlay / "run.yaml")
+    (overlay / "kustomization.yaml").write_text(yaml.safe_dump({
+        "resources": ["../../base", "run.yaml"], "components": ["../../components/multinode"]}))
+    result = kustomize_build(overlay)
+    assert result.returncode != 0 and "volumes/0/name" in result.stderr, result.stderr
+
+
+def test_quantity_bytes():
+    assert quantity_bytes("32Gi") == 32 << 30 and quantity_bytes("17179869184") == 16 << 30
+    assert quantity_bytes("2G") == 2 * 10**9 and quantity_bytes(512) == 512
+    for bad in ("32GB", "1.5Gi", "ki", "-1"):
+        with pytest.raises(ValueError, match="quantity="):
+            quantity_bytes(bad)
+
+
+def test_dockerfile_rdma_check_rejects_an_image_without_verbs():
+    text = DOCKERFILE.read_text()
+    assert check_dockerfile_rdma(text) == []
+    stripped = re.sub(r"^\s*(libibverbs1|ibverbs-providers) \\\n", "", text, flags=re.MULTILINE)
+    assert check_dockerfile_rdma(stripped) == [
+        f"Dockerfile: no apt-get install of {package} (RDMA user space for the multi-node transports)"
+        for package in RDMA_PACKAGES]
+    # Mentioned in a comment is not installed.
+    assert len(check_dockerfile_rdma("# libibverbs1 ibverbs-providers\nRUN apt-get install -y wget\n")) == 2
 
 
 def test_kustomize_build_fails_on_a_broken_overlay(tmp_path: Path):
