@@ -120,6 +120,10 @@ class MoEConfig:
         step_timeout_s: on Ray, the longest one call (a step) may take on any rank before the team counts
             as hung and is replaced (seconds, finite, > 0); ``None``: derived from the layer's size
             (``ray_actors.cluster.default_step_timeout_s``, 20 s for small layers).
+        nodes: on Ray, how many nodes the ranks span (>= 1, dividing ``world_size``): each of ``nodes``
+            distinct nodes runs ``world_size // nodes`` ranks (one per GPU), rank ``r`` on node
+            ``r // ranks_per_node`` (node-major); 1 keeps every rank on one node. Ignored by runs whose
+            ranks share one process (``--in-process``).
     """
 
     hidden: int
@@ -135,10 +139,11 @@ class MoEConfig:
     seed: int = 0
     steps: int = 1
     step_timeout_s: float | None = None
+    nodes: int = 1
 
     def __post_init__(self) -> None:
         minimums = {"hidden": 1, "ffn": 1, "experts": 1, "top_k": 1, "tokens_per_rank": 0,
-                    "world_size": 1, "seed": 0, "steps": 1}
+                    "world_size": 1, "seed": 0, "steps": 1, "nodes": 1}
         for name, minimum in minimums.items():
             value = getattr(self, name)
             if not _is_int(value):
@@ -152,6 +157,11 @@ class MoEConfig:
             raise ValueError(
                 f"experts={self.experts!r}: expected a multiple of world_size={self.world_size} "
                 "(each rank holds experts // world_size experts)"
+            )
+        if self.world_size % self.nodes != 0:
+            raise ValueError(
+                f"nodes={self.nodes!r}: expected a divisor of world_size={self.world_size} "
+                "(every node runs world_size // nodes ranks)"
             )
         if self.top_k > self.experts:
             raise ValueError(f"top_k={self.top_k!r}: expected 1 <= top_k <= experts={self.experts}")
@@ -231,6 +241,11 @@ class MoEConfig:
     def torch_dtype(self) -> torch.dtype:
         """``torch.dtype`` named by :attr:`dtype`."""
         return CONFIG_DTYPES[self.dtype]
+
+    @property
+    def ranks_per_node(self) -> int:
+        """``world_size // nodes``: ranks (GPUs) per node on Ray."""
+        return self.world_size // self.nodes
 
     @property
     def local_experts(self) -> int:

@@ -3,13 +3,19 @@ rank, a :class:`flashdmoe.job.executor.RankExecutor` for :func:`flashdmoe.job.ru
 of its own (:meth:`MoECluster.forward`, :meth:`MoECluster.backward`, :meth:`MoECluster.step`).
 
 ``MoECluster(config)`` starts an embedded Ray on 127.0.0.1 (or connects to ``address``), checks the
-config and the cluster's resources before any actor starts, reserves a STRICT_PACK placement group with
-one bundle per rank (``{"GPU": g}`` or ``{"CPU": 1}``; waiting at most ``placement_timeout_s``), starts
-one worker per bundle and bootstraps the team: on CPUs a gloo group whose TCP store rank 0 hosts on a
-fresh port, on GPUs an NVSHMEM team (``flashdmoe.team.Team.nvshmem``) from a fresh unique id made by
-rank 0's actor (``Team.make_unique_id``) and handed by the driver to every rank, sized for
-``max_tokens`` tokens per rank. All ``setup`` calls are submitted before any is awaited, because team
-initialisation is collective. A cluster that cannot place the ranks raises
+config and the cluster's resources before any actor starts, reserves a placement group
+(:class:`ray_actors.placement.Placement`; waiting at most ``placement_timeout_s``): on one node
+(``nodes=1``, the default) a STRICT_PACK group with one bundle per rank (``{"GPU": g}`` or
+``{"CPU": 1}``), over ``nodes`` nodes a STRICT_SPREAD group with one bundle per node holding its
+``world_size // nodes`` ranks, ranks node-major (rank ``r`` on node ``r // G`` as local rank ``r % G``).
+It starts one worker per rank in its bundle and bootstraps the team: on CPUs a gloo group whose TCP store
+rank 0 hosts on a socket it holds from the moment the port is chosen, on GPUs an NVSHMEM team
+(``flashdmoe.team.Team.nvshmem``) from a fresh unique id made by rank 0's actor (``Team.make_unique_id``)
+and handed by the driver to every rank, sized for ``max_tokens`` tokens per rank. On one node the store
+and gloo's connections stay on 127.0.0.1; across nodes they use the address Ray reports for each rank's
+node (the store: rank 0's node address), and so does NVSHMEM's unique-id bootstrap (see
+:meth:`ray_actors.worker.MoEWorker.setup`). All ``setup`` calls are submitted before any is awaited,
+because team initialisation is collective. A cluster that cannot place the ranks raises
 :class:`flashdmoe.job.executor.ClusterTooSmall` naming what was asked for and what it has.
 
 Several ranks on one GPU: ``gpus_per_worker=g < 1`` schedules each actor with ``num_gpus=g`` and gives it
@@ -30,7 +36,11 @@ timeout is three quarters of that bound, so the ranks waiting on a hung peer giv
 watchdog every rank is alive, so every worker first closes its team (collective; bounded by
 ``teardown_timeout_s``) before the actors are replaced; after a death or a hang the workers are killed
 directly (a hung worker of an embedded Ray also by its pid, since a stopped process cannot act on Ray's
-request to exit). Starting the workers is bounded too (``startup_timeout_s``) and retried the same way.
+request to exit). A lost node (every worker on it dies) is a ``worker_died`` fault like any other: the new
+team is placed afresh, on a spare node if the cluster has one; if it no longer has enough nodes, the
+driver waits up to ``placement_timeout_s`` for the placement group and then raises :class:`NoNewTeam`
+(a :class:`~flashdmoe.job.executor.WorkerFault`, not retried) naming the lost nodes. Starting the workers
+is bounded too (``startup_timeout_s``) and retried the same way.
 Each recovery is recorded in :attr:`MoECluster.faults` (with every rank's report), which the results
 carry. An interrupted call (``KeyboardInterrupt``) leaves its workers busy: :meth:`close` then kills
 them at once instead of asking them to leave their teams.
@@ -68,9 +78,10 @@ from flashdmoe.job.executor import ClusterTooSmall, ClusterUnreachable, RankExec
 from flashdmoe.job.results import fault_entry, forward_flops, step_record, worker_entry
 from flashdmoe.team import TeamFailed
 from ray_actors.embedded import start_embedded_ray
+from ray_actors.placement import Placement, format_resources
 from ray_actors.worker import CRASH_POINTS, CollectiveFailed, RemoteMoEWorker, gpu_env_vars
 
-__all__ = ["BACKENDS", "MoECluster", "default_step_timeout_s"]
+__all__ = ["BACKENDS", "MoECluster", "NoNewTeam", "default_step_timeout_s"]
 
 #: ``backend`` values: ``auto`` (the fused kernel when the cluster has a GPU per worker and the dtype is one
 #: it runs, else the reference), ``reference`` (CPU expert parallelism over gloo, reference experts) or
@@ -189,8 +200,9 @@ def _is_worker_process(pid: int) -> bool:
         return False
 
 
-def _cpus_and_gpus(resources: dict[str, float]) -> str:
-    return f"{resources.get('CPU', 0.0):g} CPU, {resources.get('GPU', 0.0):g} GPU"
+class NoNewTeam(WorkerFault):
+    """The team broke and no new one could be placed within ``placement_timeout_s``: the cluster lost
+    nodes (or another job holds their resources). Not retried: the wait was the placement timeout."""
 
 
 class MoECluster(RankExecutor):
@@ -201,6 +213,8 @@ class MoECluster(RankExecutor):
         address: Ray cluster to connect to; ``None`` starts an embedded Ray on 127.0.0.1 (or joins the
             cluster of the Ray job this driver runs in, from ``RAY_ADDRESS``).
         workers: number of ranks ``P``; default ``config.world_size`` (the config is re-validated with it).
+        nodes: number of nodes the ranks span, dividing ``P``; default ``config.nodes`` (1: every rank on one
+            node). Each node runs ``P // nodes`` ranks (one per GPU), node-major.
         backend: one of :data:`BACKENDS`.
         gpus_per_worker: GPU share per rank on the CUDA backend, ``0 < g <= 1`` (the actors' ``num_gpus``);
             below 1 several ranks share a GPU under MPS and each gets
@@ -218,7 +232,8 @@ class MoECluster(RankExecutor):
         check_address: whether to probe ``address`` before ``ray.init``; False where the caller has just
             checked it (``flashdmoe run``, within ``--connect-timeout``), so that it is checked once.
         placement_timeout_s: longest to wait for the cluster to place the ranks (the placement group) before
-            :class:`~flashdmoe.job.executor.ClusterTooSmall`.
+            :class:`~flashdmoe.job.executor.ClusterTooSmall` (at start) or :class:`NoNewTeam` (replacing a
+            broken team).
         num_cpus: CPUs of the embedded Ray (default ``max(os.cpu_count(), P)``).
         max_tokens: most tokens any rank passes to one forward on the CUDA backend with several ranks (it
             sizes the NVSHMEM team's symmetric buffers); default ``config.tokens_per_rank`` (at least 1).
@@ -232,16 +247,16 @@ class MoECluster(RankExecutor):
     Raises:
         ValueError: bad config or arguments, before any actor starts.
         ClusterUnreachable: nothing answers at ``address``, or no cluster is running for ``address="auto"``.
-        ClusterTooSmall: the cluster cannot place the ranks (too few CPUs or GPUs in all or on one node,
-            or not free within ``placement_timeout_s``).
+        ClusterTooSmall: the cluster cannot place the ranks (too few CPUs or GPUs in all, on one node, or
+            too few nodes large enough; or not free within ``placement_timeout_s``).
         WorkerFault: the workers could not be started within the retries.
     """
 
     kind = "ray"
 
     def __init__(self, config: MoEConfig | dict[str, Any] | str | Path, address: str | None = None,
-                 workers: int | None = None, *, backend: str = "auto", gpus_per_worker: float = 1.0,
-                 max_retries: int = 2, collective_timeout_s: float | None = None,
+                 workers: int | None = None, *, nodes: int | None = None, backend: str = "auto",
+                 gpus_per_worker: float = 1.0, max_retries: int = 2, collective_timeout_s: float | None = None,
                  call_timeout_s: float | None = None, placement_timeout_s: float = 120.0,
                  num_cpus: int | None = None, max_tokens: int | None = None,
                  mps_pipe_dir: str | os.PathLike | None = None, mps_log_dir: str | os.PathLike | None = None,
@@ -249,13 +264,16 @@ class MoECluster(RankExecutor):
                  connect_timeout_s: float = 10.0, check_address: bool = True) -> None:
         started = time.perf_counter()
         config = _load_config(config)
-        if workers is not None:
-            if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-                raise ValueError(f"workers={workers!r}: expected an integer >= 1")
+        if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
+            raise ValueError(f"workers={workers!r}: expected an integer >= 1")
+        if nodes is not None and (isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1):
+            raise ValueError(f"nodes={nodes!r}: expected an integer >= 1")
+        changes = {name: value for name, value in (("world_size", workers), ("nodes", nodes)) if value is not None}
+        if changes:
             try:
-                config = config.replace(world_size=workers)
-            except ValueError as error:
-                raise ValueError(f"workers={workers}: {error}") from None
+                config = config.replace(**changes)
+            except ValueError as error:  # the config's own message names the field
+                raise ValueError(f"workers={workers}: {error}" if workers is not None else str(error)) from None
         if backend not in BACKENDS:
             raise ValueError(f"backend={backend!r}: expected one of {', '.join(BACKENDS)}")
         if isinstance(gpus_per_worker, bool) or not isinstance(gpus_per_worker, (int, float)) \
@@ -295,6 +313,7 @@ class MoECluster(RankExecutor):
         self.faults: list[dict[str, Any]] = []
         self.actors: list[Any] = []
         self.node_infos: list[dict[str, Any]] = []
+        self.placement: Placement | None = None  # set once the backend is known
         self._placement_group = None
         self._last_xs: list[torch.Tensor] | None = None
         self._owns_ray = False
@@ -307,6 +326,7 @@ class MoECluster(RankExecutor):
         try:
             self._connect(address, num_cpus)
             self.backend = self._resolve_backend(backend)
+            self.placement = Placement(self.world_size, config.nodes, self._bundle())
             self.transport = "gloo" if self.backend == "reference" else "nvshmem" if self.world_size > 1 else "single"
             self.call_timeout_s = (call_timeout_s or config.step_timeout_s
                                    or default_step_timeout_s(config, self.backend))
@@ -389,37 +409,29 @@ class MoECluster(RankExecutor):
     def _bundle(self) -> dict[str, float]:
         return {"GPU": self.gpus_per_worker} if self.backend == "cuda" else {"CPU": 1.0}
 
-    def _check_one_node_fits(self) -> None:
-        """STRICT_PACK puts every rank on one node: refuse at once when no node is large enough."""
-        bundle = self._bundle()
-        needed = {resource: amount * self.world_size for resource, amount in bundle.items()}
-        nodes = [node.get("Resources", {}) for node in ray.nodes() if node.get("Alive")]
-        if any(all(node.get(resource, 0.0) >= amount for resource, amount in needed.items()) for node in nodes):
-            return
-        largest = max(nodes, key=lambda node: tuple(node.get(resource, 0.0) for resource in needed), default={})
-        raise ClusterTooSmall(
-            f"{self.world_size} workers x {bundle} must share one node (STRICT_PACK), which needs "
-            f"{_cpus_and_gpus(needed)} on one node; the Ray cluster's largest of {len(nodes)} node(s) has "
-            f"{_cpus_and_gpus(largest)}")
-
     def _place(self) -> Any:
-        """Reserve the STRICT_PACK placement group (at most ``placement_timeout_s``)."""
-        bundle = self._bundle()
-        group = placement_group([dict(bundle) for _ in range(self.world_size)], strategy="STRICT_PACK")
+        """Reserve the placement group (at most ``placement_timeout_s``)."""
+        placement = self.placement
+        group = placement_group(placement.bundles(), strategy=placement.strategy)
         self._placement_group = group
         try:
             ray.get(group.ready(), timeout=self.placement_timeout_s)
         except ray.exceptions.GetTimeoutError:
+            alive = sum(1 for node in ray.nodes() if node.get("Alive"))
             raise ClusterTooSmall(
-                f"could not place {self.world_size} workers x {bundle} on one node within "
-                f"{self.placement_timeout_s:g}s (STRICT_PACK placement group still pending): the Ray cluster has "
-                f"{_cpus_and_gpus(ray.cluster_resources())} in all and {_cpus_and_gpus(ray.available_resources())} "
-                "free; other actors or jobs hold the rest (wait longer with --placement-timeout)") from None
+                f"could not place {placement.describe()} within {self.placement_timeout_s:g}s ({placement.strategy} placement group "
+                f"still pending): the Ray cluster has {format_resources(ray.cluster_resources())} in all and "
+                f"{format_resources(ray.available_resources())} free, on {alive} alive node(s); other actors or jobs "
+                "hold the rest, or nodes are missing (wait longer with --placement-timeout)") from None
         return group
 
-    def _start(self) -> None:
-        """Reserve the placement group, start the workers and bootstrap a fresh team on them."""
-        self._check_one_node_fits()
+    def _start(self, check_fits: bool = True) -> None:
+        """Reserve the placement group, start the workers and bootstrap a fresh team on them. With
+        ``check_fits``, a cluster whose nodes are too few or too small is refused at once; without (replacing
+        a team, when a lost node may yet be replaced), the placement group is waited for."""
+        placement = self.placement
+        if check_fits:
+            placement.check_fits(ray.nodes())
         group = self._place()
         if self.backend == "cuda":
             # multicast off; when ranks share a GPU, their MPS share and the daemon's directories
@@ -428,8 +440,8 @@ class MoECluster(RankExecutor):
             options = dict(num_cpus=1)
         self.actors = [
             RemoteMoEWorker.options(
-                scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=group,
-                                                                     placement_group_bundle_index=rank),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=group, placement_group_bundle_index=placement.bundle_index(rank)),
                 max_restarts=0, **options).remote()
             for rank in range(self.world_size)
         ]
@@ -439,24 +451,28 @@ class MoECluster(RankExecutor):
         # every actor process up before any rendezvous starts its clock (gloo's store timeout, NVSHMEM's init)
         pids = self._gather([worker.ping.remote() for worker in self.actors], "start", timeout_s=bound)
         self._pids = {rank: pid for rank, pid in enumerate(pids) if isinstance(pid, int)}
+        # one node: every socket of the bootstrap on loopback; several: on the addresses Ray reports
+        across_nodes = placement.nodes > 1
         if self.backend == "cuda" and self.world_size == 1:
             # a single-rank team needs no bootstrap
             rendezvous = {"backend": "cuda", "unique_id": None, "max_tokens": self.max_tokens}
             team_id = "single"
         elif self.backend == "cuda":
             # a fresh unique id per team: a failed team's id is never reused
-            unique_id = self._gather([self.actors[0].make_unique_id.remote(self.config.dtype)], "make_unique_id",
-                                     ranks=[0], timeout_s=bound)[0]
-            rendezvous = {"backend": "cuda", "unique_id": unique_id, "max_tokens": self.max_tokens}
+            unique_id = self._gather([self.actors[0].make_unique_id.remote(self.config.dtype, across_nodes)],
+                                     "make_unique_id", ranks=[0], timeout_s=bound)[0]
+            rendezvous = {"backend": "cuda", "unique_id": unique_id, "max_tokens": self.max_tokens,
+                          "across_nodes": across_nodes}
             team_id = "nvshmem-" + hashlib.sha256(bytes(unique_id)).hexdigest()[:16]
         else:
-            port = self._gather([self.actors[0].free_port.remote()], "free_port", ranks=[0], timeout_s=bound)[0]
-            rendezvous = {"backend": "gloo", "address": "127.0.0.1", "port": port,
+            host, port = self._gather([self.actors[0].open_store.remote(across_nodes)], "open_store", ranks=[0],
+                                      timeout_s=bound)[0]
+            rendezvous = {"backend": "gloo", "address": host, "port": port, "across_nodes": across_nodes,
                           "timeout_s": self.collective_timeout_s, "rendezvous_s": bound}
-            team_id = f"gloo-127.0.0.1:{port}"
+            team_id = f"gloo-{host}:{port}"
         config_dict = self.config.to_dict()
         # all submitted before any is awaited: team initialisation blocks until every rank has joined
-        refs = [worker.setup.remote(rank, self.world_size, config_dict, rendezvous)
+        refs = [worker.setup.remote(rank, self.world_size, config_dict, rendezvous, placement.local_rank(rank))
                 for rank, worker in enumerate(self.actors)]
         self.node_infos = [worker_entry(**info, generation=self.generation, team_id=team_id)
                            for info in self._gather(refs, "setup", timeout_s=bound)]
@@ -508,11 +524,27 @@ class MoECluster(RankExecutor):
     def _restart(self, close_teams: bool = False, hung: Sequence[int] = ()) -> bool | None:
         """Replace the team: optionally let every worker close its team first (returns whether all did;
         ``None`` when not asked), then kill the workers (``hung`` ranks by pid too, see :meth:`_stop_workers`)
-        and bootstrap a new team on new ones."""
+        and bootstrap a new team on new ones, waiting up to ``placement_timeout_s`` for the placement."""
         closed = self._close_teams() if close_teams else None
         self._stop_workers(hung)
-        self._start()
+        self._start(check_fits=False)
         return closed
+
+    def _lost_nodes(self) -> str:
+        """The current team's nodes that Ray no longer reports alive, with their ranks (``""`` if none)."""
+        try:
+            alive = {node["NodeID"] for node in ray.nodes() if node.get("Alive")}
+        except Exception as error:  # the GCS itself unreachable: nothing to add
+            _log.debug("ray.nodes: %s", error)
+            return ""
+        lost: dict[str, list[int]] = {}
+        addresses: dict[str, str] = {}
+        for info in self.node_infos:
+            if info["node_id"] and info["node_id"] not in alive:
+                lost.setdefault(info["node_id"], []).append(info["rank"])
+                addresses[info["node_id"]] = info["node_ip"] or "?"
+        return "; ".join(f"node {node_id[:12]} ({addresses[node_id]}) with rank(s) {ranks}"
+                         for node_id, ranks in lost.items())
 
     def close(self) -> None:
         """Tear the team down (each worker leaves its group), stop the workers, and stop Ray if this
@@ -635,6 +667,8 @@ class MoECluster(RankExecutor):
                 if fault is not None:  # the restart itself failed
                     fault["recovered"] = False
                     self.faults.append(fault)
+                    if isinstance(error, NoNewTeam):  # it already waited the placement timeout
+                        raise
                 fault = fault_entry(call=what, step=step, attempt=attempt, kind=error.kind, ranks=error.ranks,
                                     error=str(error), reports=error.reports)
                 if attempt >= self.max_retries:
@@ -655,13 +689,16 @@ class MoECluster(RankExecutor):
         rank is alive: each closes its team before the actors are replaced."""
         started = time.perf_counter()
         hung = [report["rank"] for report in fault["reports"] if report["error"] == "stuck"]
+        lost = self._lost_nodes()
+        if lost:
+            fault["error"] += f" (lost: {lost})"
         # closing an NVSHMEM team is collective: only when every rank answered
         close_teams = fault["kind"] in ("kernel_timeout", "team_failed") and not hung
         try:
             fault["teams_closed"] = self._restart(close_teams=close_teams, hung=hung)
-        except ClusterTooSmall as error:  # e.g. the dead workers' resources not released in time
-            raise WorkerFault(fault["kind"], fault["ranks"], f"no new team after {fault['error']}: {error}",
-                              fault["reports"]) from error
+        except ClusterTooSmall as error:  # the cluster lost nodes, or the resources are held elsewhere
+            raise NoNewTeam(fault["kind"], fault["ranks"], f"no new team after {fault['error']}: {error}",
+                            fault["reports"]) from error
         fault.update(recovered=True, recovery_s=time.perf_counter() - started, generation=self.generation)
 
     # -- the layer -----------------------------------------------------------------------------------------

@@ -1,12 +1,15 @@
 """``MoEWorker``: the Ray actor that is one rank of the expert-parallel MoE (docs/design.md §11).
 
 One actor per GPU (``num_gpus=1``) or, on a cluster without GPUs, per CPU (``num_cpus=1``); the driver
-(:class:`ray_actors.cluster.MoECluster`) places them in a STRICT_PACK placement group, one bundle each.
+(:class:`ray_actors.cluster.MoECluster`) places them (:mod:`ray_actors.placement`): on one node in a
+STRICT_PACK placement group, one bundle each; across nodes, node-major, in one bundle per node.
 A worker:
 
 1. joins the team (:meth:`MoEWorker.setup`):
-   - CPU: ``torch.distributed`` gloo over a TCP store on ``127.0.0.1:<port>`` (rank 0's node; STRICT_PACK
-     keeps every rank on that node), and runs :func:`flashdmoe.ep_gloo.expert_parallel_moe`;
+   - CPU: ``torch.distributed`` gloo over a TCP store that rank 0 hosts (:meth:`MoEWorker.open_store`) on
+     ``127.0.0.1`` when every rank is on its node, else on its node's address as Ray reports it; gloo's
+     own connections likewise on loopback, else on the interface of each rank's node address. Runs
+     :func:`flashdmoe.ep_gloo.expert_parallel_moe`;
    - GPU, one rank: ``flashdmoe.team.Team.single()``; several ranks:
      ``Team.nvshmem(unique_id, rank, world_size, max_tokens=..., hidden=H, top_k=k, local_experts=E // P,
      dtype=...)`` with the 128-byte NVSHMEM unique id that rank 0 made (:meth:`MoEWorker.make_unique_id`);
@@ -57,6 +60,7 @@ from flashdmoe.errors import BackendUnavailable, KernelTimeout
 from flashdmoe.job.data import output_gradient
 from flashdmoe.job.results import rank_step_entry
 from flashdmoe.team import Team, TeamFailed
+from ray_actors.netif import interface_of
 
 __all__ = ["CRASH_POINTS", "GPU_ENVIRONMENT", "CollectiveFailed", "MoEWorker", "RemoteMoEWorker", "gpu_env_vars",
            "mps_share_percentage"]
@@ -148,6 +152,7 @@ class MoEWorker:
 
     def __init__(self) -> None:
         self.rank: int | None = None
+        self.local_rank: int | None = None
         self.world_size: int | None = None
         self.config: MoEConfig | None = None
         self.backend: str | None = None
@@ -156,31 +161,59 @@ class MoEWorker:
         self.device = torch.device("cpu")
         self.faults: list[dict[str, Any]] = []  # what _fault_guard caught (fault_reports)
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None  # (x leaf, y) awaiting backward
+        self._store_socket: socket.socket | None = None  # rank 0: the gloo store's listening socket
 
     # -- rendezvous ------------------------------------------------------------------------------
 
     def node_info(self) -> dict[str, Any]:
-        """Where this actor runs: ``pid``, ``hostname``, Ray ``node_id``, assigned ``gpu_ids`` and ``mps``: the
-        MPS variables this process sees (``pipe_dir``, ``log_dir``, ``thread_percentage``; ``None`` where
-        unset)."""
+        """Where this actor runs: ``pid``, ``hostname``, Ray ``node_id`` and ``node_ip`` (the node's address as
+        Ray reports it), assigned ``gpu_ids`` and ``mps``: the MPS variables this process sees (``pipe_dir``,
+        ``log_dir``, ``thread_percentage``; ``None`` where unset)."""
         return {"pid": os.getpid(), "hostname": socket.gethostname(),
-                "node_id": ray.get_runtime_context().get_node_id(),
+                "node_id": ray.get_runtime_context().get_node_id(), "node_ip": ray.util.get_node_ip_address(),
                 "gpu_ids": [str(gpu) for gpu in ray.get_gpu_ids()],
                 "mps": {"pipe_dir": os.environ.get("CUDA_MPS_PIPE_DIRECTORY"),
                         "log_dir": os.environ.get("CUDA_MPS_LOG_DIRECTORY"),
                         "thread_percentage": os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")}}
 
-    def free_port(self) -> int:
-        """A TCP port free on 127.0.0.1 of this node, for the gloo store rank 0 will host."""
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind(("127.0.0.1", 0))
-            return sock.getsockname()[1]
+    def open_store(self, across_nodes: bool = False) -> tuple[str, int]:
+        """Rank 0 only: listen for the gloo store on a fresh port and keep the socket until :meth:`setup`
+        hands it to the store (so the port cannot be taken meanwhile, and the store listens on exactly this
+        address). On ``127.0.0.1``, or with ``across_nodes`` on this node's address as Ray reports it.
 
-    def make_unique_id(self, dtype: str = "bfloat16") -> bytes:
+        Returns:
+            ``(address, port)`` for every rank's rendezvous.
+        """
+        address = ray.util.get_node_ip_address() if across_nodes else "127.0.0.1"
+        if self._store_socket is not None:
+            self._store_socket.close()
+        family = socket.AF_INET6 if ":" in address else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.bind((address, 0))
+            sock.listen(max(128, (self.world_size or 0) * 2))
+        except BaseException:
+            sock.close()
+            raise
+        self._store_socket = sock
+        return address, sock.getsockname()[1]
+
+    def _bind_to_node(self, variable: str, across_nodes: bool) -> None:
+        """Point a library's interface variable at loopback (one node) or at the interface of this node's
+        Ray address (across nodes); a value already in the environment wins."""
+        if variable in os.environ:
+            return
+        os.environ[variable] = interface_of(ray.util.get_node_ip_address()) if across_nodes else "lo"
+
+    def make_unique_id(self, dtype: str = "bfloat16", across_nodes: bool = False) -> bytes:
         """Rank 0 only: a fresh 128-byte NVSHMEM unique id for :meth:`setup` on every rank. Loads (or, on
         first use, builds) the CUDA extension first, while no peer waits yet, so the other ranks find it
-        cached. ``dtype``: the config's dtype name (checked against the kernel's)."""
+        cached. ``dtype``: the config's dtype name (checked against the kernel's). ``across_nodes``: the team
+        spans nodes, so the id must carry this node's routable address: NVSHMEM's bootstrap interface
+        (``NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME``) is set to the one holding the address Ray reports for it."""
         os.environ.update(GPU_ENVIRONMENT)
+        if across_nodes:
+            self._bind_to_node("NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME", True)
         if dtype not in CONFIG_DTYPES:
             raise ValueError(f"dtype={dtype!r}: expected one of {', '.join(CONFIG_DTYPES)}")
         if not torch.cuda.is_available():
@@ -190,50 +223,71 @@ class MoEWorker:
         return bytes(Team.make_unique_id())
 
     def setup(self, rank: int, world_size: int, config_dict: dict[str, Any],
-              rendezvous: dict[str, Any]) -> dict[str, Any]:
+              rendezvous: dict[str, Any], local_rank: int | None = None) -> dict[str, Any]:
         """Join the team and build this rank's expert shard. Collective: the driver submits it to every
         rank before waiting on any (team initialisation blocks until all ranks arrive).
 
         Args:
             rank, world_size: this rank and ``P``.
             config_dict: :meth:`MoEConfig.to_dict` of the layer (``world_size`` equal to ``P``).
-            rendezvous: ``{"backend": "gloo", "address": "127.0.0.1", "port": int, "timeout_s": float,
-                "rendezvous_s": float}`` (the group's collective timeout; how long the ranks may take to meet
-                at rank 0's store, default ``timeout_s``) or
-                ``{"backend": "cuda", "unique_id": bytes | None, "max_tokens": int}``: the unique id from
-                rank 0's :meth:`make_unique_id` (``None`` for one rank) and the most tokens any rank will
-                pass per forward, which sizes the team's symmetric buffers.
+            rendezvous: ``{"backend": "gloo", "address": str, "port": int, "across_nodes": bool,
+                "timeout_s": float, "rendezvous_s": float}`` (rank 0's :meth:`open_store`; the group's
+                collective timeout; how long the ranks may take to meet at rank 0's store, default
+                ``timeout_s``) or ``{"backend": "cuda", "unique_id": bytes | None, "max_tokens": int,
+                "across_nodes": bool}``: the unique id from rank 0's :meth:`make_unique_id` (``None`` for one
+                rank) and the most tokens any rank will pass per forward, which sizes the team's symmetric
+                buffers. ``across_nodes``: the team spans nodes, so gloo's connections
+                (``GLOO_SOCKET_IFNAME``) and NVSHMEM's bootstrap (``NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME``) use
+                the interface of the address Ray reports for this node instead of loopback (a value already
+                set in the environment wins).
+            local_rank: this rank's index among the ranks of its node (default ``rank``: one node).
 
         Returns:
-            :meth:`node_info` plus ``rank``, ``device``, ``device_name`` (the GPU's, else ``None``) and
-            ``team`` (``Team.describe()``, or ``None`` on gloo): the fields of a results ``workers[]`` entry
-            (:func:`flashdmoe.job.results.worker_entry`) but ``generation`` and ``team_id``.
+            :meth:`node_info` plus ``rank``, ``local_rank``, ``device``, ``device_name`` (the GPU's, else
+            ``None``) and ``team`` (``Team.describe()``, or ``None`` on gloo): the fields of a results
+            ``workers[]`` entry (:func:`flashdmoe.job.results.worker_entry`) but ``generation`` and
+            ``team_id``.
         """
         config = MoEConfig.from_dict(config_dict)
         if config.world_size != world_size or not 0 <= rank < world_size:
             raise ValueError(f"rank={rank}, world_size={world_size}: expected 0 <= rank < world_size == "
                              f"config.world_size={config.world_size}")
+        if local_rank is None:
+            local_rank = rank
+        if isinstance(local_rank, bool) or not isinstance(local_rank, int) or not 0 <= local_rank <= rank:
+            raise ValueError(f"local_rank={local_rank!r}: expected an integer in [0, rank={rank}]")
         backend = rendezvous.get("backend")
+        across_nodes = bool(rendezvous.get("across_nodes", False))
         if backend == "gloo":
             import torch.distributed as dist
 
             from flashdmoe.ep_gloo import TrafficCounter
 
-            # loopback only: every rank is on this node (STRICT_PACK)
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+            self._bind_to_node("GLOO_SOCKET_IFNAME", across_nodes)
             collective_s = float(rendezvous.get("timeout_s", 120))
             rendezvous_s = float(rendezvous.get("rendezvous_s", collective_s))
+            listen_fd = None
+            if rank == 0:
+                sock = self._store_socket
+                if sock is None or sock.getsockname()[1] != int(rendezvous["port"]):
+                    raise ValueError(f"rendezvous['port']={rendezvous.get('port')!r}: rank 0 holds no store socket "
+                                     "on it; call open_store() on rank 0 first")
+                self._store_socket = None
+                listen_fd = sock.detach()  # the store owns it from here
             # The store's rendezvous gets the longer startup bound (ranks may arrive seconds apart); once
             # every rank has connected to it, collectives run under the group's timeout, which the driver
             # keeps below its own bound on a call, so a peer that stops answering is reported, not waited on.
             store = dist.TCPStore(rendezvous["address"], int(rendezvous["port"]), world_size, is_master=rank == 0,
-                                  timeout=datetime.timedelta(seconds=rendezvous_s), wait_for_workers=True)
+                                  timeout=datetime.timedelta(seconds=rendezvous_s), wait_for_workers=True,
+                                  master_listen_fd=listen_fd)
             dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                                     timeout=datetime.timedelta(seconds=collective_s))
             self.traffic = TrafficCounter()
             self.device = torch.device("cpu")
         elif backend == "cuda":
             os.environ.update(GPU_ENVIRONMENT)
+            if across_nodes:
+                self._bind_to_node("NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME", True)
             if not torch.cuda.is_available():
                 raise BackendUnavailable(f"rank {rank}: backend 'cuda' but this actor sees no CUDA device "
                                          f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
@@ -253,6 +307,7 @@ class MoEWorker:
         else:
             raise ValueError(f"rendezvous['backend']={backend!r}: expected 'gloo' or 'cuda'")
         self.rank, self.world_size, self.config, self.backend = rank, world_size, config, backend
+        self.local_rank = local_rank
         # torch imports this (and sympy, ~1-2 s) lazily inside the first backward with an explicit
         # gradient; importing it here keeps that one-time cost out of the first step's timing
         importlib.import_module("torch.fx.experimental.symbolic_shapes")
@@ -263,8 +318,8 @@ class MoEWorker:
         self.faults = []
         describe = getattr(self.team, "describe", None)
         device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None
-        return {**self.node_info(), "rank": rank, "device": str(self.device), "device_name": device_name,
-                "team": describe() if callable(describe) else None}
+        return {**self.node_info(), "rank": rank, "local_rank": local_rank, "device": str(self.device),
+                "device_name": device_name, "team": describe() if callable(describe) else None}
 
     # -- compute ---------------------------------------------------------------------------------
 
@@ -538,6 +593,9 @@ class MoEWorker:
         """
         had_team = self.backend is not None
         self._pending = None
+        if self._store_socket is not None:  # opened for a team that never formed
+            self._store_socket.close()
+            self._store_socket = None
         if self.backend == "gloo":
             import torch.distributed as dist
 

@@ -72,6 +72,9 @@ def test_defaults_and_derived_sizes():
         ("capacity_factor", "1.0", "real number > 0"),
         ("dtype", "float64", "float32, bfloat16, float16"),
         ("dtype", "fp16", "float32, bfloat16, float16"),
+        ("nodes", 0, ">= 1"),
+        ("nodes", 1.0, "integer"),
+        ("nodes", 3, "divisor of world_size=2"),
     ],
 )
 def test_invalid_field_names_field_value_and_range(field, value, expected_text):
@@ -90,6 +93,8 @@ def test_valid_edge_values_are_accepted():
     assert config_with(capacity_factor=2).capacity_factor == 2.0
     assert isinstance(config_with(capacity_factor=2).capacity_factor, float)
     assert config_with(world_size=8, experts=8).local_experts == 1
+    assert (config_with().nodes, config_with().ranks_per_node) == (1, 2)
+    assert config_with(world_size=8, experts=8, nodes=4).ranks_per_node == 2
 
 
 def test_config_is_immutable_and_replace_revalidates():

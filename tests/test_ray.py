@@ -35,13 +35,13 @@ import pytest
 import ray
 import torch
 
-from closeness import assert_normwise_close
-from flashdmoe import cli, numerics, reference
+from flashdmoe import cli
 from flashdmoe.config import MoEConfig, make_weights
 from flashdmoe.job import WorkerFault, run_job, tolerance_for
 from flashdmoe.job.data import StepInputs
 from flashdmoe.job.verification import compare, verify_step
 from job_checks import check_results_schema
+from ray_checks import check_against_reference as _check_against_reference
 from ray_actors import cluster as ray_cluster
 from ray_actors import worker
 from ray_actors.cluster import MoECluster
@@ -50,50 +50,11 @@ REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "tiny.yaml"
 #: The `ray` command of this Python's Ray (a dependency), also where the environment is not activated.
 RAY = shutil.which("ray") or str(Path(sys.executable).with_name("ray"))
-# float32 gloo ranks against the single-process reference: summation orders differ (the router gradient
-# is all-reduced over ranks); the problems here reduce over at most 64 terms, three forward and three
-# backward reductions in a row.
-TOLERANCE = numerics.reorder_tolerance(torch.float32, 64, depth=6)
-
-
 def _config(**changes) -> MoEConfig:
     values = dict(hidden=16, ffn=24, experts=6, top_k=2, tokens_per_rank=12, activation="gelu",
                   normalize_topk=True, capacity_factor=None, dtype="float32", world_size=2, seed=3, steps=3)
     values.update(changes)
     return MoEConfig.from_dict(values)
-
-
-def _assert_close(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
-    assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} vs {tuple(want.shape)}"
-    if want.numel():
-        assert_normwise_close(got, want, TOLERANCE, name)
-
-
-def _check_against_reference(cluster: MoECluster, tokens: list[int], seed: int) -> None:
-    """Random batches (``tokens[r]`` rows on rank r) and output gradients through the cluster vs the reference."""
-    config = cluster.config
-    generator = torch.Generator().manual_seed(seed)
-    xs = [torch.randn(count, config.hidden, generator=generator) for count in tokens]
-    dys = [torch.randn(count, config.hidden, generator=generator) for count in tokens]
-    ys = cluster.forward(xs)
-    dxs, grads = cluster.backward(dys)
-
-    router, w1, w2 = make_weights(config)
-    local = config.local_experts
-    ref_xs = [x.clone().requires_grad_() for x in xs]
-    ref_router = router.clone().requires_grad_()
-    ref_w1s = [w1[r * local:(r + 1) * local].clone().requires_grad_() for r in range(config.world_size)]
-    ref_w2s = [w2[r * local:(r + 1) * local].clone().requires_grad_() for r in range(config.world_size)]
-    want = reference.moe_expert_parallel(ref_xs, ref_router, ref_w1s, ref_w2s, top_k=config.top_k,
-                                         activation=config.activation, normalize_topk=config.normalize_topk,
-                                         capacity_factor=config.capacity_factor)
-    torch.autograd.backward(want, dys)
-    for rank in range(config.world_size):
-        _assert_close(f"y[{rank}]", ys[rank], want[rank].detach())
-        _assert_close(f"dx[{rank}]", dxs[rank], ref_xs[rank].grad)
-        _assert_close(f"dw1[{rank}]", grads["w1"][rank], ref_w1s[rank].grad)
-        _assert_close(f"dw2[{rank}]", grads["w2"][rank], ref_w2s[rank].grad)
-    _assert_close("d router_weight", grads["router_weight"], ref_router.grad)
 
 
 class TestEmbeddedRay:

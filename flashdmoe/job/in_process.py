@@ -140,7 +140,7 @@ class InProcessRanks(RankExecutor):
         device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None
         mps = {"pipe_dir": os.environ.get("CUDA_MPS_PIPE_DIRECTORY"), "log_dir": os.environ.get("CUDA_MPS_LOG_DIRECTORY"),
                "thread_percentage": os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")}
-        return [worker_entry(rank=rank, pid=os.getpid(), hostname=socket.gethostname(), device=str(self.device),
+        return [worker_entry(rank=rank, local_rank=rank, pid=os.getpid(), hostname=socket.gethostname(), device=str(self.device),
                              device_name=device_name, gpu_ids=[], generation=1, mps=dict(mps))
                 for rank in range(self.config.world_size)]
 

@@ -16,7 +16,9 @@ Schema version 1 (:data:`SCHEMA_VERSION`); the key lists below (``*_FIELDS``) ar
     (``"gloo"``, ``"nvshmem"``, ``"emulated"`` or ``"single"``); ``world_size``; ``steps``;
     ``startup_s`` (starting the ranks); ``wall_s`` (first step to the end of verification).
 ``WORKER_FIELDS`` (``workers[]``)
-    ``rank``; ``pid``; ``hostname``; ``node_id`` (Ray node, ``null`` in-process); ``device``;
+    ``rank``; ``local_rank`` (index among the ranks of its node: ``rank % (world_size // nodes)`` on Ray);
+    ``pid``; ``hostname``; ``node_id`` (Ray node, ``null`` in-process); ``node_ip`` (that node's address as
+    Ray reports it, ``null`` in-process); ``device``;
     ``device_name`` (GPU name or ``null``); ``gpu_ids`` (Ray's assignment); ``generation`` (team
     bootstraps so far, 1 + recoveries); ``team_id``; ``team`` (``Team.describe()`` or ``null``); ``mps``
     (``{"pipe_dir", "log_dir", "thread_percentage"}``: the CUDA MPS variables the rank's process sees,
@@ -95,8 +97,8 @@ STEPS_LOG_FILENAME = "steps.jsonl"
 RESULTS_FIELDS = ("schema_version", "created", "config", "run", "workers", "steps", "metrics", "verification",
                   "retries", "faults", "environment", "output", "plot")
 RUN_FIELDS = ("executor", "backend", "requested_backend", "transport", "world_size", "steps", "startup_s", "wall_s")
-WORKER_FIELDS = ("rank", "pid", "hostname", "node_id", "device", "device_name", "gpu_ids", "generation", "team_id",
-                 "team", "mps")
+WORKER_FIELDS = ("rank", "local_rank", "pid", "hostname", "node_id", "node_ip", "device", "device_name",
+                 "gpu_ids", "generation", "team_id", "team", "mps")
 STEP_FIELDS = ("step", "attempts", "tokens", "forward_ms", "backward_ms", "latency_ms", "tokens_per_s", "dropped",
                "bytes_sent", "ranks")
 STEP_LINE_FIELDS = ("run_started", *STEP_FIELDS)
