@@ -463,9 +463,12 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``flashdmoe`` console script; returns the exit status."""
     args = build_parser().parse_args(argv)
     from flashdmoe.errors import BackendUnavailable
+    from flashdmoe.interrupts import redeliver_dropped_interrupts
 
     try:
-        return int(args.handler(args) or 0)
+        # a Ctrl-C that lands in an at-fork callback of ray.init's process starts would be dropped
+        with redeliver_dropped_interrupts():
+            return int(args.handler(args) or 0)
     except (ValueError, FileNotFoundError, BackendUnavailable) as error:
         print(f"error: {error}", file=sys.stderr)
         return _EXIT_BAD_INPUT

@@ -347,7 +347,8 @@ class MoECluster(RankExecutor):
     def _connect(self, address: str | None, num_cpus: int | None) -> None:
         if ray.is_initialized():
             return  # the caller's Ray session; leave it running at close()
-        self._owns_ray = True  # also when ray.init is interrupted: close() shuts down what it started
+        self._owns_ray = True  # also when ray.init is interrupted: close() shuts Ray down (start_embedded_ray has
+        # already stopped the processes of an embedded one)
         if address is None and not os.environ.get("RAY_ADDRESS"):
             # always a new embedded Ray (loopback, token auth: ray_actors.embedded); address=None would
             # join a `ray start` cluster recorded in /tmp/ray (and then refuse num_cpus)

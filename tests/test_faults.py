@@ -12,7 +12,8 @@ Each fault has its expected outcome asserted, a time bound, and a check that no 
   it is not a fault;
 - retries spent on a hang: ``WorkerFault`` within the bound, and the hung worker killed at close;
 - an interrupt (SIGINT) while a worker hangs, during startup and in the middle of a run: the driver stops
-  promptly (``flashdmoe run`` exits 130) and Ray's processes are gone;
+  promptly (``flashdmoe run`` exits 130) and Ray's processes are gone; also one whose KeyboardInterrupt
+  Python drops (raised in an at-fork callback while ray.init forks the raylet; flashdmoe.interrupts);
 - an address where nothing listens: exit 2 within seconds.
 """
 
@@ -301,7 +302,8 @@ def _long_config(tmp_path: Path, steps: int) -> Path:
 class _Run:
     """``flashdmoe run`` in a subprocess with its own Ray temp dir; records every process it spawns."""
 
-    def __init__(self, tmp_path: Path, config: Path, *extra: str) -> None:
+    def __init__(self, tmp_path: Path, config: Path, *extra: str, prelude: str = "") -> None:
+        """``prelude``: Python run in the ``flashdmoe run`` process before the command (fault injection)."""
         self.temp_dir = _short_temp_dir()
         self.output = tmp_path / "out"
         self.log = tmp_path / "run.log"
@@ -309,10 +311,13 @@ class _Run:
             [str(REPO), os.environ.get("PYTHONPATH", "")]))
         env.pop("RAY_ADDRESS", None)
         self.stdout = tmp_path / "run.out"
-        self._out, self._err = open(self.stdout, "w"), open(self.log, "w")
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "flashdmoe", "run", "--config", str(config), "--no-progress", "--output",
-             str(self.output), *extra], cwd=REPO, env=env, stdout=self._out, stderr=self._err)
+        command = ["-c", f"{prelude}\nimport sys\nfrom flashdmoe.cli import main\nsys.exit(main(sys.argv[1:]))"] \
+            if prelude else ["-m", "flashdmoe"]
+        # the child writes through its own copies of the descriptors: this process keeps none open
+        with open(self.stdout, "w") as out, open(self.log, "w") as err:
+            self.process = subprocess.Popen(
+                [sys.executable, *command, "run", "--config", str(config), "--no-progress", "--output",
+                 str(self.output), *extra], cwd=REPO, env=env, stdout=out, stderr=err)
         self.spawned: set[int] = set()
 
     def _children(self) -> dict[int, str]:
@@ -337,21 +342,23 @@ class _Run:
         return sorted(pid for pid, cmdline in children.items() if cmdline.startswith(title))
 
     def finish(self, within_s: float) -> int:
-        try:
-            code = self.process.wait(timeout=within_s)
-        except subprocess.TimeoutExpired:
+        """The run's exit status, waited for at most ``within_s`` (recording the processes it spawns meanwhile)."""
+        deadline = time.monotonic() + within_s
+        while self.process.poll() is None and time.monotonic() < deadline:
+            self._children()
+            time.sleep(0.1)
+        if self.process.poll() is None:
             self.process.kill()
             self.process.wait()
             pytest.fail(f"flashdmoe run still running after {within_s:g}s: {self.text()}")
-        finally:
-            self._out.close()
-            self._err.close()
-        return code
+        return self.process.returncode
 
     def text(self) -> str:
-        self._out.flush()
-        self._err.flush()
-        return f"\nstdout:\n{self.stdout.read_text()[-3000:]}\nstderr:\n{self.log.read_text()[-3000:]}"
+        """The run's exit status (or that it still runs) and the tails of its output."""
+        code = self.process.poll()
+        status = "still running" if code is None else f"exit status {code}"
+        return (f"\n{status}\nstdout:\n{self.stdout.read_text()[-3000:]}\n"
+                f"stderr:\n{self.log.read_text()[-3000:]}")
 
     def assert_nothing_left(self) -> None:
         _assert_all_gone(self.spawned | _session_processes(self.temp_dir), "flashdmoe run's processes")
@@ -370,6 +377,46 @@ def test_cli_interrupt_during_startup_exits_130(tmp_path):
         assert run.finish(within_s=60) == 130, run.text()
         assert time.monotonic() - started < 30
         assert "interrupted" in run.log.read_text() and "Traceback" not in run.log.read_text(), run.text()
+        assert not (run.output / "results.json").exists()
+    finally:
+        if run.process.poll() is None:
+            run.process.kill()
+        run.assert_nothing_left()
+
+
+#: In the ``flashdmoe run`` process: the KeyboardInterrupt of a Ctrl-C that arrives while ray.init forks the
+#: raylet, raised where Python's SIGINT handler would raise it then (the fork's first Python code, an at-fork
+#: callback, whose exceptions Python drops).
+_INTERRUPT_IN_RAYLET_FORK = """
+import os, sys
+
+_fired = []
+
+def _interrupt_in_raylet_fork():
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_name != "start_ray_process":
+        frame = frame.f_back
+    if frame is not None and frame.f_locals.get("process_type") == "raylet" and not _fired:
+        _fired.append(True)
+        print("injected: KeyboardInterrupt in the raylet's fork", file=sys.stderr, flush=True)
+        raise KeyboardInterrupt
+
+os.register_at_fork(after_in_parent=_interrupt_in_raylet_fork)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_cli_interrupt_dropped_in_an_at_fork_callback_still_exits_130(tmp_path):
+    """A Ctrl-C whose KeyboardInterrupt Python drops (it landed in an at-fork callback of one of ray.init's
+    process starts) still stops the run: without flashdmoe.interrupts the run carried on and exited 0."""
+    run = _Run(tmp_path, TINY, prelude=_INTERRUPT_IN_RAYLET_FORK)
+    try:
+        started = time.monotonic()
+        assert run.finish(within_s=60) == 130, run.text()
+        assert time.monotonic() - started < 30, run.text()
+        log = run.log.read_text()
+        assert "injected: KeyboardInterrupt in the raylet's fork" in log, run.text()
+        assert "interrupted" in log and "Traceback" not in log and "Exception ignored" not in log, run.text()
         assert not (run.output / "results.json").exists()
     finally:
         if run.process.poll() is None:
