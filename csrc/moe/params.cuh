@@ -142,9 +142,13 @@ struct MoEParams {
 
 // The kernel's argument: every rank this launch runs (P virtual ranks for an emulated team, else one).
 // Rank i owns blocks [rank[i].first_block, + rank[i].blocks); all ranks get the same number of blocks.
+// Sized by the launch (kCapacity 1 for one rank, kMaxRanks for an emulated team): the driver copies the
+// whole struct into every launch, and a rank's parameters are ~1.3 KB.
+template <int kCapacity>
 struct LaunchParams {
+  static constexpr int kRankCapacity = kCapacity;
   int ranks;
-  MoEParams rank[kMaxRanks];
+  MoEParams rank[kCapacity];
 };
 
 // One allocation holds a rank's local scratch; the first `sync_bytes` (the status block included) are
