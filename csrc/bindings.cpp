@@ -6,7 +6,6 @@
 // the sequence number and the stream, so a forward parses no dicts.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
-#include <climits>
 #include <cstdint>
 #include <memory>
 #include <vector>
@@ -79,36 +78,9 @@ std::unique_ptr<PreparedForward> prepare_forward(const py::dict& shared, const p
   return prepared;
 }
 
-// Every rank's status block (the first kStatusBytes of its workspace) into `host` (pinned, num_ranks *
-// kStatusBytes), asynchronously on `stream`: one strided copy when the workspaces sit at one pitch.
-void copy_status_back(int num_ranks, const uintptr_t* addresses, void* host, cudaStream_t stream) {
-  auto workspace = [&](int i) {
-    return reinterpret_cast<const char*>(addresses[1 + kAddressesPerRank * i + kAddrWorkspace]);
-  };
-  const char* first = workspace(0);
-  ptrdiff_t pitch = static_cast<ptrdiff_t>(kStatusBytes);
-  bool strided = true;
-  if (num_ranks > 1) {
-    pitch = workspace(1) - first;
-    for (int i = 2; i < num_ranks; ++i) strided = strided && workspace(i) - first == pitch * i;
-    strided = strided && pitch >= static_cast<ptrdiff_t>(kStatusBytes) && pitch <= INT_MAX;
-  }
-  cudaError_t status = cudaSuccess;
-  if (strided) {
-    status = cudaMemcpy2DAsync(host, kStatusBytes, first, static_cast<size_t>(pitch), kStatusBytes, num_ranks,
-                               cudaMemcpyDeviceToHost, stream);
-  } else {
-    for (int i = 0; i < num_ranks && status == cudaSuccess; ++i)
-      status = cudaMemcpyAsync(static_cast<char*>(host) + i * kStatusBytes, workspace(i), kStatusBytes,
-                               cudaMemcpyDeviceToHost, stream);
-  }
-  if (status != cudaSuccess)
-    throw std::runtime_error(std::string("copying the status words back: ") + cudaGetErrorString(status));
-}
-
-// One forward: zero the sync words, launch the kernel and, when `status_host` is not 0, copy every
-// rank's status block into it (pinned memory) and record `status_event` (when not 0) behind the copy;
-// nothing waits. Returns (grid, blocks per SM, shared memory bytes per block).
+// One forward: launch the kernel, which writes every rank's status block into `status_host` (pinned
+// memory; 0: nowhere) as it exits, and record `status_event` (when not 0) behind it; nothing waits.
+// Two CUDA calls. Returns (grid, blocks per SM, shared memory bytes per block).
 py::tuple launch(PreparedForward& prepared, const std::vector<uintptr_t>& addresses, uint32_t sequence,
                  uintptr_t stream, uintptr_t status_host, uintptr_t status_event) {
   const int num_ranks = prepared.args.num_ranks;
@@ -120,8 +92,7 @@ py::tuple launch(PreparedForward& prepared, const std::vector<uintptr_t>& addres
   LaunchInfo info;
   {
     py::gil_scoped_release release;
-    info = launch_prepared(prepared, addresses.data(), sequence, cuda_stream);
-    if (status_host != 0) copy_status_back(num_ranks, addresses.data(), as_ptr<void>(status_host), cuda_stream);
+    info = launch_prepared(prepared, addresses.data(), sequence, as_ptr<void>(status_host), cuda_stream);
     if (status_event != 0) {
       const cudaError_t status = cudaEventRecord(reinterpret_cast<cudaEvent_t>(status_event), cuda_stream);
       if (status != cudaSuccess)
@@ -234,8 +205,9 @@ PYBIND11_MODULE(flashdmoe_cuda, m) {
         "Parse and check a launch's options once: shape rules, workspace layout, peer tables (no CUDA call).", py::arg("shared"),
         py::arg("ranks"));
   m.def("launch", &launch,
-        "Zero the sync words, launch the fused forward, copy the status blocks into `status_host` (pinned; "
-        "0: no copy) and record `status_event` (0: none), all asynchronously on `stream`. Returns (grid, "
+        "Launch the fused forward (the workspaces' sync words must be zero: zeroed once at allocation, then "
+        "reset by each launch's exit), whose last block writes the status blocks into `status_host` (pinned; "
+        "0: nowhere), and record `status_event` (0: none), all asynchronously on `stream`. Returns (grid, "
         "blocks_per_sm, smem_bytes).",
         py::arg("prepared"), py::arg("addresses"), py::arg("sequence"), py::arg("stream"), py::arg("status_host"),
         py::arg("status_event"));

@@ -160,7 +160,7 @@ def _render_instances(variant: ExpertVariant, capacity: str) -> str:
     for dtype in variant.dtypes:
         element = _DTYPES[dtype][0]
         lines.append(f"template LaunchInfo launch_forward_variant<{element}, {variant.cpp_type}, {capacity}>("
-                     "PreparedLaunch&, const uintptr_t*, uint32_t, cudaStream_t);")
+                     "PreparedLaunch&, const uintptr_t*, uint32_t, void*, cudaStream_t);")
         if capacity == "1":
             lines.append(f"template KernelAttributes kernel_attributes_variant<{element}, {variant.cpp_type}>();")
     lines += ["}  // namespace flashdmoe", ""]

@@ -106,13 +106,14 @@ void prepare_launch(PreparedLaunch& prepared) {
 }
 
 LaunchInfo launch_prepared(PreparedLaunch& prepared, const uintptr_t* addresses, uint32_t sequence,
-                           cudaStream_t stream) {
+                           void* status_host, cudaStream_t stream) {
   return visit_expert_instance(prepared.args.dtype, prepared.args.expert_variant, [&](auto element, auto variant) {
     using Element = decltype(element);
     using Variant = decltype(variant);
     return prepared.args.num_ranks == 1
-               ? launch_forward_variant<Element, Variant, 1>(prepared, addresses, sequence, stream)
-               : launch_forward_variant<Element, Variant, kMaxRanks>(prepared, addresses, sequence, stream);
+               ? launch_forward_variant<Element, Variant, 1>(prepared, addresses, sequence, status_host, stream)
+               : launch_forward_variant<Element, Variant, kMaxRanks>(prepared, addresses, sequence, status_host,
+                                                                      stream);
   });
 }
 

@@ -102,11 +102,13 @@ WorkspaceLayout workspace_layout(int tokens, int hidden, int ffn, int experts, i
 // Checks `prepared.args` (shapes, workspace sizes, team buffers) and lays out every rank's parameters;
 // throws std::invalid_argument naming what is wrong. No CUDA call.
 void prepare_launch(PreparedLaunch& prepared);
-// One forward of a prepared launch: `addresses` holds the router, then kAddressesPerRank per rank.
-// Zeroes every rank's sync words and launches the persistent kernel on `stream` (throws
-// std::runtime_error / std::invalid_argument).
+// One forward of a prepared launch: `addresses` holds the router, then kAddressesPerRank per rank. One
+// CUDA call: the cooperative launch on `stream` (throws std::runtime_error / std::invalid_argument).
+// Every rank's sync words must be zero (a new workspace: zeroed once; after a launch: reset by its
+// exit). The kernel writes rank i's status block at `status_host` + i * kStatusBytes (pinned host
+// memory, addressed through UVA; null: nowhere).
 LaunchInfo launch_prepared(PreparedLaunch& prepared, const uintptr_t* addresses, uint32_t sequence,
-                           cudaStream_t stream);
+                           void* status_host, cudaStream_t stream);
 KernelAttributes kernel_attributes(DType dtype, int expert_variant);
 
 // The expert variants' names in id order (the table in flashdmoe/expert_variants.py, as compiled).
@@ -116,7 +118,7 @@ std::vector<std::string> expert_variant_names();
 // generated units: capacity 1 for a launch of one rank, kMaxRanks for an emulated team's.
 template <typename Element, typename Variant, int kRankCapacity>
 LaunchInfo launch_forward_variant(PreparedLaunch& prepared, const uintptr_t* addresses, uint32_t sequence,
-                                  cudaStream_t stream);
+                                  void* status_host, cudaStream_t stream);
 template <typename Element, typename Variant>
 KernelAttributes kernel_attributes_variant();
 

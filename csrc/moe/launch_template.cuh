@@ -74,7 +74,7 @@ inline ResidentGrid resident_grid(const void* kernel, int device, int smem_bytes
 // A rank's per-call addresses into its prepared parameters: inputs, outputs and the workspace pieces
 // (offsets in the prepared layout).
 inline void bind_addresses(const PreparedRank& prepared, const void* router, const uintptr_t* address,
-                           uint32_t sequence, MoEParams& p) {
+                           uint32_t sequence, void* status_host, MoEParams& p) {
   const WorkspaceLayout& ws = prepared.layout;
   char* base = reinterpret_cast<char*>(address[kAddrWorkspace]);
   p.sequence = sequence;
@@ -105,6 +105,10 @@ inline void bind_addresses(const PreparedRank& prepared, const void* router, con
   p.intermediate = base + ws.intermediate;
   p.gate_partial = reinterpret_cast<float*>(base + ws.gate_partial);
   p.gate_arrivals = reinterpret_cast<uint32_t*>(base + ws.gate_arrivals);
+  p.exit_counter = reinterpret_cast<uint32_t*>(base + ws.exit_counter);
+  p.sync_words = reinterpret_cast<uint32_t*>(base);
+  p.sync_words_count = static_cast<int>(ws.sync_bytes / 4);
+  p.status_host = status_host;
 }
 
 // cuTensorMapEncodeTiled through the runtime's driver entry point (the module does not link libcuda).
@@ -177,7 +181,7 @@ inline void refresh_expert_tensor_maps(const ForwardArgs& a, PreparedRank& prepa
 
 template <typename Element, typename Variant, int kRankCapacity>
 LaunchInfo launch_forward_variant(PreparedLaunch& prepared, const uintptr_t* addresses, uint32_t sequence,
-                                  cudaStream_t stream) {
+                                  void* status_host, cudaStream_t stream) {
   const ForwardArgs& a = prepared.args;
   if (a.num_ranks > kRankCapacity)
     throw std::invalid_argument("a launch of " + std::to_string(a.num_ranks) + " ranks on a kernel instance for " +
@@ -231,7 +235,8 @@ LaunchInfo launch_forward_variant(PreparedLaunch& prepared, const uintptr_t* add
       PreparedRank& rank = prepared.ranks[i];
       MoEParams& p = launch.rank[i];
       p = rank.params;
-      bind_addresses(rank, router, addresses + 1 + kAddressesPerRank * i, sequence, p);
+      void* rank_status = status_host == nullptr ? nullptr : static_cast<char*>(status_host) + kStatusBytes * i;
+      bind_addresses(rank, router, addresses + 1 + kAddressesPerRank * i, sequence, rank_status, p);
       if constexpr (Variant::kUseTma) {
         refresh_expert_tensor_maps(a, rank, p);
         p.maps = rank.params.maps;
@@ -239,10 +244,7 @@ LaunchInfo launch_forward_variant(PreparedLaunch& prepared, const uintptr_t* add
     }
   }
 
-  for (int i = 0; i < a.num_ranks; ++i)
-    throw_on_cuda_error(cudaMemsetAsync(reinterpret_cast<void*>(addresses[1 + kAddressesPerRank * i + kAddrWorkspace]),
-                                        0, prepared.ranks[i].layout.sync_bytes, stream),
-                        "zeroing sync words");
+  // No memset: the sync words are zero (the previous launch's exit reset them, finish_launch).
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(info.grid);
   config.blockDim = dim3(Variant::kBlockThreads);
