@@ -6,8 +6,8 @@
 // the sequence number and the stream, so a forward parses no dicts.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
-#include <climits>
 #include <cstdint>
+#include <memory>
 #include <vector>
 #include "backward/expert_grad.h"
 #include "moe/launch.h"
@@ -28,21 +28,15 @@ T get(const py::dict& d, const char* key) {
   return d[key].cast<T>();
 }
 
-// Everything a launch needs but the per-call addresses (x, weights, outputs, workspace), the sequence
-// number and the stream.
-struct PreparedForward {
-  ForwardArgs args;
-};
-
-// Per-call addresses, in this order after the router: per rank x, w1, w2, y, topk_expert, topk_weight,
-// topk_row, expert_counts, saved_pre (0: none), workspace.
-constexpr int kAddressesPerRank = 10;
+// A launch's options, checked and laid out once (moe/launch.h PreparedLaunch): a forward passes only
+// the per-call addresses (CallAddress order after the router), the sequence number and the stream.
+using PreparedForward = PreparedLaunch;
 
 // shared: the launch's common options; ranks: one dict per rank in the launch (tokens, capacity, rank,
 // silent, workspace_bytes, peer_recv / peer_comb / peer_signals).
-PreparedForward prepare_forward(const py::dict& shared, const py::list& ranks) {
-  PreparedForward prepared{};
-  ForwardArgs& a = prepared.args;
+std::unique_ptr<PreparedForward> prepare_forward(const py::dict& shared, const py::list& ranks) {
+  auto prepared = std::make_unique<PreparedForward>();
+  ForwardArgs& a = prepared->args;
   a.hidden = get<int>(shared, "hidden");
   a.ffn = get<int>(shared, "ffn");
   a.experts = get<int>(shared, "experts");
@@ -80,66 +74,25 @@ PreparedForward prepare_forward(const py::dict& shared, const py::list& ranks) {
       r.peer_signals[q] = as_ptr<uint32_t>(signals[q].cast<uintptr_t>());
     }
   }
+  prepare_launch(*prepared);
   return prepared;
 }
 
-// Every rank's status block (the first kStatusBytes of its workspace) into `host` (pinned, num_ranks *
-// kStatusBytes), asynchronously on `stream`: one strided copy when the workspaces sit at one pitch.
-void copy_status_back(const ForwardArgs& a, void* host, cudaStream_t stream) {
-  const char* first = static_cast<const char*>(a.ranks[0].workspace);
-  ptrdiff_t pitch = static_cast<ptrdiff_t>(kStatusBytes);
-  bool strided = true;
-  if (a.num_ranks > 1) {
-    pitch = static_cast<const char*>(a.ranks[1].workspace) - first;
-    for (int i = 2; i < a.num_ranks; ++i)
-      strided = strided && static_cast<const char*>(a.ranks[i].workspace) - first == pitch * i;
-    strided = strided && pitch >= static_cast<ptrdiff_t>(kStatusBytes) && pitch <= INT_MAX;
-  }
-  cudaError_t status = cudaSuccess;
-  if (strided) {
-    status = cudaMemcpy2DAsync(host, kStatusBytes, first, static_cast<size_t>(pitch), kStatusBytes, a.num_ranks,
-                               cudaMemcpyDeviceToHost, stream);
-  } else {
-    for (int i = 0; i < a.num_ranks && status == cudaSuccess; ++i)
-      status = cudaMemcpyAsync(static_cast<char*>(host) + i * kStatusBytes, a.ranks[i].workspace, kStatusBytes,
-                               cudaMemcpyDeviceToHost, stream);
-  }
-  if (status != cudaSuccess)
-    throw std::runtime_error(std::string("copying the status words back: ") + cudaGetErrorString(status));
-}
-
-// One forward: zero the sync words, launch the kernel and, when `status_host` is not 0, copy every
-// rank's status block into it (pinned memory) and record `status_event` (when not 0) behind the copy;
-// nothing waits. Returns (grid, blocks per SM, shared memory bytes per block).
-py::tuple launch(const PreparedForward& prepared, const std::vector<uintptr_t>& addresses, uint32_t sequence,
+// One forward: launch the kernel, which writes every rank's status block into `status_host` (pinned
+// memory; 0: nowhere) as it exits, and record `status_event` (when not 0) behind it; nothing waits.
+// Two CUDA calls. Returns (grid, blocks per SM, shared memory bytes per block).
+py::tuple launch(PreparedForward& prepared, const std::vector<uintptr_t>& addresses, uint32_t sequence,
                  uintptr_t stream, uintptr_t status_host, uintptr_t status_event) {
-  ForwardArgs a = prepared.args;
-  if (addresses.size() != static_cast<size_t>(1 + kAddressesPerRank * a.num_ranks))
+  const int num_ranks = prepared.args.num_ranks;
+  if (addresses.size() != static_cast<size_t>(1 + kAddressesPerRank * num_ranks))
     throw std::invalid_argument("addresses: expected the router and " + std::to_string(kAddressesPerRank) +
-                                " addresses per rank for " + std::to_string(a.num_ranks) + " ranks, got " +
+                                " addresses per rank for " + std::to_string(num_ranks) + " ranks, got " +
                                 std::to_string(addresses.size()));
-  a.router = as_ptr<const void>(addresses[0]);
-  a.sequence = sequence;
-  for (int i = 0; i < a.num_ranks; ++i) {
-    const uintptr_t* p = addresses.data() + 1 + kAddressesPerRank * i;
-    RankArgs& r = a.ranks[i];
-    r.x = as_ptr<const void>(p[0]);
-    r.w1 = as_ptr<const void>(p[1]);
-    r.w2 = as_ptr<const void>(p[2]);
-    r.y = as_ptr<void>(p[3]);
-    r.topk_expert = as_ptr<int>(p[4]);
-    r.topk_weight = as_ptr<float>(p[5]);
-    r.topk_row = as_ptr<int>(p[6]);
-    r.expert_counts = as_ptr<int>(p[7]);
-    r.saved_pre = as_ptr<void>(p[8]);
-    r.workspace = as_ptr<void>(p[9]);
-  }
   const auto cuda_stream = reinterpret_cast<cudaStream_t>(stream);
   LaunchInfo info;
   {
     py::gil_scoped_release release;
-    info = launch_forward(a, cuda_stream);
-    if (status_host != 0) copy_status_back(a, as_ptr<void>(status_host), cuda_stream);
+    info = launch_prepared(prepared, addresses.data(), sequence, as_ptr<void>(status_host), cuda_stream);
     if (status_event != 0) {
       const cudaError_t status = cudaEventRecord(reinterpret_cast<cudaEvent_t>(status_event), cuda_stream);
       if (status != cudaSuccess)
@@ -248,11 +201,13 @@ PYBIND11_MODULE(flashdmoe_cuda, m) {
   py::class_<PreparedForward>(m, "PreparedForward",
                               "A launch's options parsed once (shapes, dtype, knobs, peer tables); see launch().")
       .def_property_readonly("num_ranks", [](const PreparedForward& p) { return p.args.num_ranks; });
-  m.def("prepare_forward", &prepare_forward, "Parse a launch's options once (no CUDA call).", py::arg("shared"),
+  m.def("prepare_forward", &prepare_forward,
+        "Parse and check a launch's options once: shape rules, workspace layout, peer tables (no CUDA call).", py::arg("shared"),
         py::arg("ranks"));
   m.def("launch", &launch,
-        "Zero the sync words, launch the fused forward, copy the status blocks into `status_host` (pinned; "
-        "0: no copy) and record `status_event` (0: none), all asynchronously on `stream`. Returns (grid, "
+        "Launch the fused forward (the workspaces' sync words must be zero: zeroed once at allocation, then "
+        "reset by each launch's exit), whose last block writes the status blocks into `status_host` (pinned; "
+        "0: nowhere), and record `status_event` (0: none), all asynchronously on `stream`. Returns (grid, "
         "blocks_per_sm, smem_bytes).",
         py::arg("prepared"), py::arg("addresses"), py::arg("sequence"), py::arg("stream"), py::arg("status_host"),
         py::arg("status_event"));
@@ -280,7 +235,7 @@ PYBIND11_MODULE(flashdmoe_cuda, m) {
         py::arg("dtype"), py::arg("logits"), py::arg("expert"), py::arg("row_of_choice"), py::arg("dweight_row"),
         py::arg("dlogits"), py::arg("tokens"), py::arg("top_k"), py::arg("experts"), py::arg("normalize_topk"),
         py::arg("stream"));
-  m.attr("addresses_per_rank") = kAddressesPerRank;
+  m.attr("addresses_per_rank") = static_cast<int>(kAddressesPerRank);
   m.def("workspace_layout", &layout, py::arg("tokens"), py::arg("hidden"), py::arg("ffn"), py::arg("experts"),
         py::arg("top_k"), py::arg("dtype"), py::arg("world_size") = 1, py::arg("stream_rows") = 0);
   m.def("status_layout", &status_layout);

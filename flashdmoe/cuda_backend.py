@@ -1,5 +1,5 @@
-"""The fused CUDA backend: one persistent kernel launch per forward (plus a memset of its sync words and
-an asynchronous copy of its status words to pinned host memory).
+"""The fused CUDA backend: one persistent kernel launch per forward, whose last block writes the status
+words into pinned host memory and resets the workspace's sync words for the next launch.
 
 Forward runs ``csrc/`` through the ``flashdmoe_cuda`` extension, for one rank, for the ``P`` virtual
 ranks of an emulated team (one launch), or for this process's rank of an NVSHMEM team. A forward never
@@ -10,8 +10,8 @@ single-rank forward and an emulated team's forward can be captured in a CUDA gra
 
 Per call the host does: the cached plan of the launch (shape rules, workspace layout and the parsed
 launch options, once per shape and options), output allocation (``y`` and one routing block), the pooled
-workspace (:mod:`flashdmoe.workspace_pool`), one extension call with the addresses (which zeroes the sync
-words, launches, copies the status back and records the slot's event), and the report's bookkeeping.
+workspace (:mod:`flashdmoe.workspace_pool`), one extension call with the addresses (which launches and
+records the slot's event: two CUDA calls), and the report's bookkeeping.
 :func:`flashdmoe.moe` remembers whole call signatures and goes straight to :func:`launch_one` for one
 rank (:mod:`flashdmoe.api`).
 
@@ -202,14 +202,15 @@ def _check_dtype(x: torch.Tensor, name: str = "x") -> None:
 class _Plan:
     """A launch prepared once per (ranks' token counts, shapes, options, debug knobs) and team."""
 
-    __slots__ = ("launch", "prepared", "stride", "workspace_bytes", "shape", "layout", "status_bytes", "skip",
-                 "top_k", "experts", "routing_words", "routing_stride", "generation")
+    __slots__ = ("launch", "prepared", "stride", "sync_bytes", "workspace_bytes", "shape", "layout", "status_bytes",
+                 "skip", "top_k", "experts", "routing_words", "routing_stride", "generation")
 
-    def __init__(self, launch, prepared, stride: int, shape: LaunchShape, skip: bool, top_k: int,
+    def __init__(self, launch, prepared, stride: int, sync_bytes: int, shape: LaunchShape, skip: bool, top_k: int,
                  experts: int) -> None:
         self.launch = launch  # the extension's launch function (the one that prepared it)
         self.prepared = prepared
         self.stride = stride  # bytes between consecutive ranks' workspaces
+        self.sync_bytes = sync_bytes  # leading bytes of each rank's workspace that must be zero at a launch
         self.workspace_bytes = stride * len(shape.ranks)
         self.shape = shape
         self.layout = status_layout()
@@ -244,6 +245,7 @@ def _make_plan(ext, kind, team, tokens, H, I, E, top_k, dtype, activation, norma
             team.plan.check_batch(T, H, top_k, L, dtype, rank=rank)
     layouts = [_workspace_layout(ext, T, H, I, E, top_k, dtype_code, P, stream_rows) for T in tokens]
     stride = -(-max(layout["total_bytes"] for layout in layouts) // 256) * 256
+    sync_bytes = max(layout["sync_bytes"] for layout in layouts)
     percent = mps_thread_percentage() if kind == "nvshmem" else None
     variant = variant_id(FP32_EXPERT_VARIANT if dtype == torch.float32 else debug.expert_variant)
     timeout = timeout_ms()
@@ -267,7 +269,7 @@ def _make_plan(ext, kind, team, tokens, H, I, E, top_k, dtype, activation, norma
     prepared = ext.prepare_forward(shared, rank_args)
     shape = LaunchShape(ranks=ranks, tokens=tokens, local_experts=L,
                         row_bytes=H * torch.empty((), dtype=dtype).element_size(), timeout_ms=timeout)
-    return _Plan(ext.launch, prepared, stride, shape, kind == "single" and tokens[0] == 0, top_k, E)
+    return _Plan(ext.launch, prepared, stride, sync_bytes, shape, kind == "single" and tokens[0] == 0, top_k, E)
 
 
 def _plan(ext, kind, team, xs, router_weight, w2s, top_k, activation, normalize_topk, capacity_factor) -> _Plan:
@@ -284,6 +286,14 @@ def _plan(ext, kind, team, xs, router_weight, w2s, top_k, activation, normalize_
             cache.clear()
         cache[key] = plan
     return plan
+
+
+def _captured_workspace(plan: _Plan, device) -> torch.Tensor:
+    """A captured launch's workspace, from the graph's private pool, its sync words zeroed inside the
+    capture: between replays the graph's memory may hold its other tensors."""
+    workspace = torch.empty(plan.workspace_bytes, dtype=torch.uint8, device=device)
+    workspace.view(-1, plan.stride)[:, :plan.sync_bytes].zero_()
+    return workspace
 
 
 def _poison(y: torch.Tensor, routing: FusedRouting) -> None:
@@ -334,10 +344,10 @@ def launch_one(plan: _Plan, x, router_weight, w1, w2, saved_pre=None, weight_add
         return y, routing
     handle = _current_stream_handle(index)
     if capturing:  # from the graph's pool, alive until the launch is recorded (see workspace_pool)
-        captured_workspace = torch.empty(plan.workspace_bytes, dtype=torch.uint8, device=x.device)
+        captured_workspace = _captured_workspace(plan, x.device)
         workspace = captured_workspace.data_ptr()
     else:
-        workspace = _pool.address(x.device, index, handle, plan.workspace_bytes)
+        workspace = _pool.address(x.device, index, handle, plan.stride, plan.sync_bytes)
     router_address, w1_address, w2_address = weight_addresses or (router_weight.data_ptr(), w1.data_ptr(),
                                                                   w2.data_ptr())
     block = routing.block.data_ptr()
@@ -422,12 +432,13 @@ def _run_forward(xs, router_weight, w1s, w2s, *, top_k, activation, normalize_to
 
     handle = _current_stream_handle(device.index)
     if capturing:
-        workspace = torch.empty(plan.workspace_bytes, dtype=torch.uint8, device=device)
+        workspace = _captured_workspace(plan, device)
+        base = workspace.data_ptr()
         if kind == "emulated":
             team.clear_signals()
     else:
-        workspace = _pool.get(device, handle, plan.workspace_bytes)
-    base, stride = workspace.data_ptr(), plan.stride
+        base = _pool.address(device, device.index, handle, plan.stride, plan.sync_bytes, len(xs))
+    stride = plan.stride
     addresses = [router_weight.data_ptr()]
     pre_address = 0 if saved_pre is None else saved_pre.data_ptr()
     for i, (x, w1, w2, (y, routing)) in enumerate(zip(xs, w1s, w2s, outputs)):

@@ -1,8 +1,8 @@
 """What one launch of the fused kernel reported, decoded from its status words on request.
 
 Every rank of a launch has a status block (``csrc/moe/params.cuh``: error word, phase clock, traffic
-counters, status flags) that the extension copies into pinned host memory after the kernel, without
-waiting for it. A :class:`LaunchReport` holds that copy and decodes it when asked: the error and the
+counters, status flags) that the kernel's last block writes into pinned host memory as it exits; nothing
+waits for it. A :class:`LaunchReport` holds those bytes and decodes them when asked: the error and the
 non-finite flag when the launch is checked (:mod:`flashdmoe.status_checks`), the per-phase times and the
 bytes sent only when read, and the traffic against the routing (a GPU reduction) only in
 :meth:`LaunchReport.traffic`.
@@ -176,7 +176,7 @@ class LaunchReport:
                  layout: StatusLayout, source, completion=None, release: Callable[[], None] | None = None,
                  captured: bool = False, team: Any = None, routing: tuple = ()) -> None:
         """``source``: the status bytes of every rank (pinned memory), read once ``completion`` (an event
-        recorded after the status copy; ``None`` for a captured launch) has fired; ``release`` hands the
+        recorded after the kernel; ``None`` for a captured launch) has fired; ``release`` hands the
         pinned slot back once the bytes are kept; ``routing``: per rank an object with the ``expert`` and
         ``row`` tensors (:class:`flashdmoe.cuda_backend.FusedRouting`)."""
         self.launch_id = launch_id

@@ -1,8 +1,10 @@
 """When the fused kernel's errors reach the caller: a forward never waits for the GPU.
 
-After every launch the extension copies each rank's status block into a pinned host slot and this module
-records a CUDA event behind the copy; nothing waits. A launch is *checked* (its status decoded, its error
-raised) at the first of these points:
+Every launch writes each rank's status block into a pinned host slot: the kernel's last block to exit
+stores it there (through UVA) after every other block of the rank has finished, a timed-out launch
+included (every wait in the kernel is bounded by the watchdog, so every block exits). The extension
+records a CUDA event behind the kernel; nothing waits. A launch is *checked* (its status decoded, its
+error raised) at the first of these points:
 
 * the next fused forward in this process (any shape, any team), if the launch's event has completed:
   finished launches are checked oldest first before the new one is launched;
@@ -26,7 +28,7 @@ including its own launch, so a scan's error is raised by the call that queued it
 NVSHMEM rank never leaves its peers waiting).
 
 Inside a CUDA-graph capture nothing is checked (CUDA forbids event queries while a capture is under way):
-a captured launch copies its status into a slot of its own at every replay, and :func:`synchronize`
+a captured launch writes its status into a slot of its own at every replay, and :func:`synchronize`
 checks those slots after the device is idle. The first forward on a device must run outside a capture
 (it allocates the pinned slots), as torch's own warm-up rule asks.
 """
@@ -74,7 +76,7 @@ class _Slot:
 
 
 class _Event:
-    """A CUDA event of the extension's (recorded by its launch right after the status copy).
+    """A CUDA event of the extension's (recorded by its launch right after the kernel, which writes the status).
 
     ``query()`` (never blocks) and ``synchronize()`` call the extension directly (no Python frame of
     their own: a query runs at nearly every forward)."""
@@ -88,6 +90,8 @@ class _Event:
 
 
 def _allocate_pinned(nbytes: int) -> torch.Tensor:
+    """Page-locked host memory, which the kernel writes at the same address under unified addressing
+    (every 64-bit CUDA platform)."""
     return torch.zeros(nbytes, dtype=torch.uint8, pin_memory=True)
 
 
@@ -282,7 +286,7 @@ def next_launch_id() -> int:
 
 
 def launched(report: LaunchReport, slot: _Slot, team: Any) -> None:
-    """Record a started launch (the extension recorded the slot's event behind the status copy), or a
+    """Record a started launch (the extension recorded the slot's event behind the kernel), or a
     captured launch's graph slot; then, in debug mode, check it (and what was queued before it) at once."""
     _state.local.report = report
     if report.captured:

@@ -3,15 +3,16 @@
 On a GPU (the default when one is present): for each shape, the GPU is first held busy by a long
 ``torch.cuda._sleep``, then ``--calls`` forwards are issued back to back; the host time per call is pure
 Python + binding + CUDA API work (nothing can wait for the GPU, which has not reached them yet). Also
-printed: the parts of a remembered call (its signature, the launch alone, ``MoELayer`` around it), and
+printed: the parts of a remembered call (its signature, ``launch_one``, the extension's C++ launch alone
+-- so Python's share and C++'s show apart --, ``MoELayer`` around it), and
 the GPU time per call of back-to-back eager calls and of CUDA-graph replays (CUDA events), so that what
 the host adds shows.
 
 ``--stand-in`` (no GPU needed): the same host path on CPU tensors with the extension and the CUDA
 stream / event calls replaced by tests/fake_cuda.py, so the Python work per call (call signature, launch
 bookkeeping, output and workspace handling, report, status checks) is measured without the CUDA API
-(whose calls -- a memset, the launch, the status copy, an event record, the event query that checks the
-previous launch, and the two output allocations -- come on top). What device tensors get is timed: the
+(whose calls -- the launch, an event record, the event query that checks the previous launch, and the
+two output allocations -- come on top). What device tensors get is timed: the
 NaN scan of ``x`` that CPU tensors get at every call is left out, and the process runs with glibc's
 allocator kept off ``mmap`` (re-executed with ``MALLOC_MMAP_THRESHOLD_``) so that allocating ``y`` costs
 about what torch's CUDA caching allocator costs, whatever its size. The fake extension's own ``launch``
@@ -88,13 +89,37 @@ def host_parts(x, router, w1, w2, k, activation, calls, trials, before=None, aft
             mine.copy_(theirs)
     layer.backend = "cuda"
     layer(x)
-    return {
+    parts = {
         "flashdmoe.moe": per_call_us(full, calls, trials, before, after),
         "  call signature": per_call_us(lambda: api._signature(x, router, w1, w2, *options), calls * 10, trials),
         "  cuda_backend.launch_one": per_call_us(
             lambda: cuda_backend.launch_one(plan, x, router, w1, w2, None, key[1:4]), calls, trials, before, after),
         "MoELayer forward": per_call_us(lambda: layer(x), calls, trials, before, after),
     }
+    if x.is_cuda:
+        parts["  extension launch (C++)"] = extension_launch_us(plan, x, router, w1, w2, calls, trials, before, after)
+    return parts
+
+
+def extension_launch_us(plan, x, router, w1, w2, calls, trials, before, after) -> float:
+    """µs per call of the extension's ``launch`` alone (the prepared launch, one event record), on
+    outputs, workspace and a status slot taken once: what ``launch_one`` spends outside Python."""
+    index = x.device.index
+    handle = cuda_backend._current_stream_handle(index)
+    y = torch.empty_like(x)
+    routing = torch.empty(plan.routing_words, dtype=torch.int32, device=x.device)
+    workspace = cuda_backend._pool.address(x.device, index, handle, plan.stride, plan.sync_bytes)
+    block, size = routing.data_ptr(), plan.routing_stride
+    addresses = [router.data_ptr(), x.data_ptr(), w1.data_ptr(), w2.data_ptr(), y.data_ptr(), block, block + size,
+                 block + 2 * size, block + 3 * size, 0, workspace]
+    flashdmoe.synchronize()
+    slot = status_checks.claim_slot(index, False)
+    try:
+        launch = lambda: plan.launch(plan.prepared, addresses, 1, handle, slot.address, slot.event.handle)  # noqa: E731
+        return per_call_us(launch, calls, trials, before, after)
+    finally:
+        torch.cuda.synchronize()
+        slot.give_back()
 
 
 def gpu_report(args) -> None:

@@ -3,7 +3,7 @@ makes, so that ``flashdmoe.cuda_backend.run_forward`` and the error-surfacing st
 GPU (tests/test_status_checks.py, tests/test_host_path.py, scripts/host_overhead.py).
 
 The fake ``launch`` writes the status blocks a test scripted straight into the host slot (where the real
-extension's asynchronous copy would land) and leaves the launch's event "running" until the test
+kernel's last block writes them as it exits) and leaves the launch's event "running" until the test
 completes it, so every check point of :mod:`flashdmoe.status_checks` can be driven by hand. The
 asynchronous weight scans (:mod:`flashdmoe.weight_checks`) run on the CPU tensors and record a fake
 event of their own (``ext.scan_events``), driven the same way.

@@ -366,6 +366,47 @@ def test_workspaces_are_pooled_per_stream(fake, monkeypatch):
     assert cuda_backend.workspace_bytes_held() >= 2 * ext.prepared[0][1][0]["workspace_bytes"]
 
 
+def test_pool_zeroes_sync_words_only_when_a_launch_reaches_past_the_last_reset():
+    """The kernel's exit resets only its own sync words; the rest of its share was scratch. The pool
+    zeroes what a launch needs that the previous launch on the buffer did not reset, and nothing in a
+    steady loop."""
+    from flashdmoe.workspace_pool import WorkspacePool
+
+    pool = WorkspacePool()
+    device = torch.device("cpu")
+    buffer_of = lambda: pool._buffers[(None, 5)]  # noqa: E731  (CPU tensors: device.index is None)
+
+    def scratch_after_launch(stride, sync, ranks):
+        # What a launch leaves: its sync words reset by its exit, everything else of its shares written.
+        shares = buffer_of()[:stride * ranks].view(ranks, stride)
+        shares[:, sync:] = 0xAB
+        shares[:, :sync] = 0
+
+    address = pool.address(device, None, 5, stride=4096, sync_bytes=512)
+    assert address == buffer_of().data_ptr() and not buffer_of().any()  # allocated zeroed
+    scratch_after_launch(4096, 512, 1)
+    zero_calls = []
+    real_zero = torch.Tensor.zero_
+    try:
+        torch.Tensor.zero_ = lambda self: zero_calls.append(self.shape) or real_zero(self)
+        pool.address(device, None, 5, stride=4096, sync_bytes=512)  # the same shape: nothing to do
+        pool.address(device, None, 5, stride=4096, sync_bytes=256)  # fewer sync words: still zero
+        assert zero_calls == []
+        pool.address(device, None, 5, stride=4096, sync_bytes=1024)  # past the last reset: zeroed
+        assert len(zero_calls) == 1
+        assert not buffer_of()[:1024].any()
+        scratch_after_launch(4096, 1024, 1)
+        pool.address(device, None, 5, stride=2048, sync_bytes=512, ranks=2)  # another stride, two ranks
+        assert len(zero_calls) == 2
+        shares = buffer_of()[:4096].view(2, 2048)
+        assert not shares[:, :512].any() and shares[1, 1024:].eq(0xAB).all()  # only the sync words
+        scratch_after_launch(2048, 512, 2)
+        pool.address(device, None, 5, stride=2048, sync_bytes=512, ranks=1)
+        assert len(zero_calls) == 2
+    finally:
+        torch.Tensor.zero_ = real_zero
+
+
 def test_traffic_is_computed_on_request_from_the_routing(fake):
     ext, _, _ = fake
     team = emulated_team(P=2)

@@ -42,16 +42,24 @@ def test_generated_dispatch_reaches_exactly_the_table():
     assert VARIANTS[fp32].name == expert_variants.FP32_EXPERT_VARIANT
 
 
-def test_one_generated_unit_per_variant_instantiates_exactly_its_dtypes():
+def test_one_generated_unit_per_variant_and_rank_capacity_instantiates_exactly_its_dtypes():
+    """Per variant a unit of one-rank launches (which also answers kernel_attributes) and one of emulated
+    teams' launches (the kMaxRanks parameter struct)."""
     sources = expert_variants.generated_sources()
     units = {path: text for path, text in sources.items() if path.endswith(".cu")}
-    assert sorted(units) == sorted(expert_variants.instance_unit(v) for v in VARIANTS)
+    assert sorted(units) == sorted(expert_variants.instance_units())
+    assert len(units) == len(VARIANTS) * len(expert_variants.RANK_CAPACITIES) == len(set(units))
     for variant in VARIANTS:
-        text = units[expert_variants.instance_unit(variant)]
-        for function in ("launch_forward_variant", "kernel_attributes_variant"):
-            found = re.findall(rf"template \w+ {function}<(\w+), {CPP_VARIANT}>", text)
-            assert [ELEMENTS[element] for element, *_ in found] == list(variant.dtypes), (variant.name, function)
-            assert {_cpp_fields(f[1:]) for f in found} == {_fields(variant)}
+        for suffix, capacity in expert_variants.RANK_CAPACITIES.items():
+            text = units[expert_variants.instance_unit(variant, suffix)]
+            found = re.findall(rf"template \w+ launch_forward_variant<(\w+), {CPP_VARIANT}, (\w+)>\(", text)
+            assert [ELEMENTS[element] for element, *_ in found] == list(variant.dtypes), (variant.name, suffix)
+            assert {_cpp_fields(f[1:5]) for f in found} == {_fields(variant)}
+            assert {f[5] for f in found} == {capacity}
+            attributes = re.findall(rf"template \w+ kernel_attributes_variant<(\w+), {CPP_VARIANT}>", text)
+            want = list(variant.dtypes) if capacity == "1" else []
+            assert [ELEMENTS[element] for element, *_ in attributes] == want, (variant.name, suffix)
+    assert set(expert_variants.RANK_CAPACITIES.values()) == {"1", "kMaxRanks"}
 
 
 def test_csrc_names_no_variant_of_its_own():

@@ -1,4 +1,5 @@
 // (dtype, expert variant) dispatch and the shape rules of the fused forward.
+#include <algorithm>
 #include <stdexcept>
 #include "generated/expert_variants.h"  // written by the builder from flashdmoe/expert_variants.py
 #include "moe/launch.h"
@@ -54,9 +55,65 @@ std::vector<std::string> expert_variant_names() {
   return std::vector<std::string>(kExpertVariantNames, kExpertVariantNames + kExpertVariantCount);
 }
 
-LaunchInfo launch_forward(const ForwardArgs& args, cudaStream_t stream) {
-  return visit_expert_instance(args.dtype, args.expert_variant, [&](auto element, auto variant) {
-    return launch_forward_variant<decltype(element), decltype(variant)>(args, stream);
+// One rank's parameters: everything but the per-call addresses (the workspace pieces as offsets).
+static void prepare_rank(const ForwardArgs& a, const RankArgs& r, PreparedRank& out) {
+  const std::string shape_error = check_shapes(r.tokens, a.hidden, a.ffn, a.experts, a.top_k, a.world_size);
+  if (!shape_error.empty()) throw std::invalid_argument(shape_error);
+  const WorkspaceLayout ws =
+      workspace_layout(r.tokens, a.hidden, a.ffn, a.experts, a.top_k, a.dtype, a.world_size, a.stream_rows);
+  if (r.workspace_bytes < ws.total_bytes)
+    throw std::invalid_argument("rank " + std::to_string(r.rank) + ": workspace holds " +
+                                std::to_string(r.workspace_bytes) + " bytes, needs " + std::to_string(ws.total_bytes));
+  const int local_experts = a.experts / a.world_size;
+  if (static_cast<long long>(r.tokens) * std::min(a.top_k, local_experts) > a.stream_rows)
+    throw std::invalid_argument("rank " + std::to_string(r.rank) + ": " + std::to_string(r.tokens) +
+                                " tokens do not fit stream_rows=" + std::to_string(a.stream_rows));
+  if (r.rank < 0 || r.rank >= a.world_size) throw std::invalid_argument("rank out of range");
+
+  MoEParams p{};
+  p.tokens = r.tokens; p.hidden = a.hidden; p.ffn = a.ffn; p.experts = a.experts; p.top_k = a.top_k;
+  p.w1_cols = a.activation == Activation::Swiglu ? 2 * a.ffn : a.ffn;
+  p.capacity = r.capacity < r.tokens ? r.capacity : r.tokens;
+  p.activation = a.activation;
+  p.normalize_topk = a.normalize_topk;
+  p.rank = r.rank; p.world_size = a.world_size; p.local_experts = local_experts;
+  p.stream_rows = a.stream_rows;
+  p.silent = r.silent;
+  if (a.world_size > 1) {
+    for (int q = 0; q < a.world_size; ++q) {
+      if (!r.peer_recv[q] || !r.peer_comb[q] || !r.peer_signals[q])
+        throw std::invalid_argument("rank " + std::to_string(r.rank) + ": missing buffers of peer " + std::to_string(q));
+      p.peers[q] = {r.peer_recv[q], r.peer_comb[q], r.peer_signals[q]};
+    }
+  }
+  p.gate_tiles = ws.gate_tiles;
+  p.gate_splits = 1;  // set once the grid is known
+  p.max_row_tiles = ws.max_row_tiles;
+  p.timeout_ns = a.timeout_ns;
+  p.debug_withhold_phase = a.debug_withhold_phase;
+  out.params = p;
+  out.layout = ws;
+  for (const void*& base : out.map_base) base = nullptr;
+}
+
+void prepare_launch(PreparedLaunch& prepared) {
+  const ForwardArgs& a = prepared.args;
+  if (a.num_ranks < 1 || a.num_ranks > kMaxRanks || a.num_ranks > a.world_size)
+    throw std::invalid_argument("num_ranks=" + std::to_string(a.num_ranks) + " must be in [1, min(world_size, " +
+                                std::to_string(kMaxRanks) + ")]");
+  for (int i = 0; i < a.num_ranks; ++i) prepare_rank(a, a.ranks[i], prepared.ranks[i]);
+  prepared.grid = GridChoice{};
+}
+
+LaunchInfo launch_prepared(PreparedLaunch& prepared, const uintptr_t* addresses, uint32_t sequence,
+                           void* status_host, cudaStream_t stream) {
+  return visit_expert_instance(prepared.args.dtype, prepared.args.expert_variant, [&](auto element, auto variant) {
+    using Element = decltype(element);
+    using Variant = decltype(variant);
+    return prepared.args.num_ranks == 1
+               ? launch_forward_variant<Element, Variant, 1>(prepared, addresses, sequence, status_host, stream)
+               : launch_forward_variant<Element, Variant, kMaxRanks>(prepared, addresses, sequence, status_host,
+                                                                      stream);
   });
 }
 

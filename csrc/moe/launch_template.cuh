@@ -71,44 +71,25 @@ inline ResidentGrid resident_grid(const void* kernel, int device, int smem_bytes
   return known.back().grid;
 }
 
-// One rank's kernel parameters from its arguments and workspace.
-inline MoEParams rank_params(const ForwardArgs& a, const RankArgs& r) {
-  const std::string shape_error = check_shapes(r.tokens, a.hidden, a.ffn, a.experts, a.top_k, a.world_size);
-  if (!shape_error.empty()) throw std::invalid_argument(shape_error);
-  const WorkspaceLayout ws =
-      workspace_layout(r.tokens, a.hidden, a.ffn, a.experts, a.top_k, a.dtype, a.world_size, a.stream_rows);
-  if (r.workspace_bytes < ws.total_bytes)
-    throw std::invalid_argument("rank " + std::to_string(r.rank) + ": workspace holds " +
-                                std::to_string(r.workspace_bytes) + " bytes, needs " + std::to_string(ws.total_bytes));
-  const int local_experts = a.experts / a.world_size;
-  if (static_cast<long long>(r.tokens) * std::min(a.top_k, local_experts) > a.stream_rows)
-    throw std::invalid_argument("rank " + std::to_string(r.rank) + ": " + std::to_string(r.tokens) +
-                                " tokens do not fit stream_rows=" + std::to_string(a.stream_rows));
-  if (r.rank < 0 || r.rank >= a.world_size) throw std::invalid_argument("rank out of range");
-
-  char* base = static_cast<char*>(r.workspace);
-  MoEParams p{};
-  p.tokens = r.tokens; p.hidden = a.hidden; p.ffn = a.ffn; p.experts = a.experts; p.top_k = a.top_k;
-  p.w1_cols = a.activation == Activation::Swiglu ? 2 * a.ffn : a.ffn;
-  p.capacity = r.capacity < r.tokens ? r.capacity : r.tokens;
-  p.activation = a.activation;
-  p.normalize_topk = a.normalize_topk;
-  p.rank = r.rank; p.world_size = a.world_size; p.local_experts = local_experts;
-  p.stream_rows = a.stream_rows;
-  p.sequence = a.sequence;
-  p.silent = r.silent;
-  for (int q = 0; q < a.world_size; ++q) {
-    if (a.world_size == 1) {
-      p.peers[q] = {base + ws.own_recv, base + ws.own_comb, reinterpret_cast<uint32_t*>(base + ws.own_signals)};
-    } else {
-      if (!r.peer_recv[q] || !r.peer_comb[q] || !r.peer_signals[q])
-        throw std::invalid_argument("rank " + std::to_string(r.rank) + ": missing buffers of peer " + std::to_string(q));
-      p.peers[q] = {r.peer_recv[q], r.peer_comb[q], r.peer_signals[q]};
-    }
-  }
-  p.x = r.x; p.router = a.router; p.w1 = r.w1; p.w2 = r.w2; p.y = r.y;
-  p.topk_expert = r.topk_expert; p.topk_weight = r.topk_weight; p.topk_row = r.topk_row;
-  p.expert_counts = r.expert_counts;
+// A rank's per-call addresses into its prepared parameters: inputs, outputs and the workspace pieces
+// (offsets in the prepared layout).
+inline void bind_addresses(const PreparedRank& prepared, const void* router, const uintptr_t* address,
+                           uint32_t sequence, void* status_host, MoEParams& p) {
+  const WorkspaceLayout& ws = prepared.layout;
+  char* base = reinterpret_cast<char*>(address[kAddrWorkspace]);
+  p.sequence = sequence;
+  if (p.world_size == 1)
+    p.peers[0] = {base + ws.own_recv, base + ws.own_comb, reinterpret_cast<uint32_t*>(base + ws.own_signals)};
+  p.x = reinterpret_cast<const void*>(address[kAddrX]);
+  p.router = router;
+  p.w1 = reinterpret_cast<const void*>(address[kAddrW1]);
+  p.w2 = reinterpret_cast<const void*>(address[kAddrW2]);
+  p.y = reinterpret_cast<void*>(address[kAddrY]);
+  p.topk_expert = reinterpret_cast<int*>(address[kAddrTopkExpert]);
+  p.topk_weight = reinterpret_cast<float*>(address[kAddrTopkWeight]);
+  p.topk_row = reinterpret_cast<int*>(address[kAddrTopkRow]);
+  p.expert_counts = reinterpret_cast<int*>(address[kAddrExpertCounts]);
+  p.saved_pre = reinterpret_cast<void*>(address[kAddrSavedPre]);
   p.barrier_counter = reinterpret_cast<uint32_t*>(base + ws.barrier_counter);
   p.task_counter = reinterpret_cast<uint32_t*>(base + ws.task_counter);
   p.error_word = reinterpret_cast<unsigned long long*>(base + ws.error_word);
@@ -122,17 +103,12 @@ inline MoEParams rank_params(const ForwardArgs& a, const RankArgs& r) {
   p.tile_expert_offset = reinterpret_cast<int*>(base + ws.tile_expert_offset);
   p.expert_kept = reinterpret_cast<int*>(base + ws.expert_kept);
   p.intermediate = base + ws.intermediate;
-  p.saved_pre = r.saved_pre;
-  if (p.saved_pre != nullptr && (a.world_size != 1 || a.num_ranks != 1))
-    throw std::invalid_argument("saved_pre: a team's rows are numbered by owner, so only one rank saves pre-activations");
   p.gate_partial = reinterpret_cast<float*>(base + ws.gate_partial);
   p.gate_arrivals = reinterpret_cast<uint32_t*>(base + ws.gate_arrivals);
-  p.gate_tiles = ws.gate_tiles;
-  p.gate_splits = 1;  // set once the grid is known
-  p.max_row_tiles = ws.max_row_tiles;
-  p.timeout_ns = a.timeout_ns;
-  p.debug_withhold_phase = a.debug_withhold_phase;
-  return p;
+  p.exit_counter = reinterpret_cast<uint32_t*>(base + ws.exit_counter);
+  p.sync_words = reinterpret_cast<uint32_t*>(base);
+  p.sync_words_count = static_cast<int>(ws.sync_bytes / 4);
+  p.status_host = status_host;
 }
 
 // cuTensorMapEncodeTiled through the runtime's driver entry point (the module does not link libcuda).
@@ -171,77 +147,108 @@ inline CUtensorMap make_tensor_map(const void* base, const uint64_t* dims, const
   return map;
 }
 
-inline void make_expert_tensor_maps(const ForwardArgs& a, MoEParams& p) {
+// The rank's TMA descriptors for the addresses `p` holds, re-encoding only the maps whose base moved
+// since the rank's last launch (`prepared.params.maps` is the cache; the caller holds its mutex). Every
+// dim is fixed by the plan, so a map's base is its only per-call input.
+inline void refresh_expert_tensor_maps(const ForwardArgs& a, PreparedRank& prepared, const MoEParams& p) {
   const uint64_t L = p.local_experts, H = p.hidden, I = p.ffn, cols = p.w1_cols;
   // Rows of the receive and the intermediate buffer: every row this rank's experts can take.
   const uint64_t rows_in = p.world_size == 1 ? static_cast<uint64_t>(p.tokens) * p.top_k
                                              : static_cast<uint64_t>(p.world_size) * p.stream_rows;
+  ExpertTensorMaps& maps = prepared.params.maps;
+  auto refresh = [&](int which, const void* base, CUtensorMap& map, const uint64_t* dims, const TmaBox& box,
+                     const char* what) {
+    if (prepared.map_base[which] == base) return;
+    map = make_tensor_map(base, dims, box, a.dtype, what);
+    prepared.map_base[which] = base;
+  };
   const uint64_t w1_dims[3] = {cols, H, L}, w2_dims[3] = {H, I, L};
   const uint64_t recv_dims[2] = {H, rows_in > 0 ? rows_in : 1};
   const uint64_t mid_dims[2] = {I, rows_in > 0 ? rows_in : 1};
-  p.maps.w1 = make_tensor_map(p.w1, w1_dims, kWeightPanelBox, a.dtype, "w1");
-  p.maps.w2 = make_tensor_map(p.w2, w2_dims, kWeightPanelBox, a.dtype, "w2");
-  p.maps.recv = make_tensor_map(p.peers[p.rank].recv, recv_dims, kExpertRowBox, a.dtype, "the receive buffer");
-  p.maps.intermediate = make_tensor_map(p.intermediate, mid_dims, kExpertRowBox, a.dtype, "the intermediate buffer");
   // With no tokens the map is never read; it still needs a valid base.
   const uint64_t x_dims[2] = {H, p.tokens > 0 ? static_cast<uint64_t>(p.tokens) : 1};
   // The router box holds only the experts there are (E < 128 would otherwise load zero-filled rows).
   const uint64_t router_dims[2] = {H, static_cast<uint64_t>(p.experts)};
-  p.maps.gate_x = make_tensor_map(p.tokens > 0 ? p.x : p.intermediate, x_dims, kGateTokenBox, a.dtype, "x (gate)");
-  p.maps.router = make_tensor_map(p.router, router_dims, gate_router_box(p.experts), a.dtype, "the router");
+  refresh(PreparedRank::kMapW1, p.w1, maps.w1, w1_dims, kWeightPanelBox, "w1");
+  refresh(PreparedRank::kMapW2, p.w2, maps.w2, w2_dims, kWeightPanelBox, "w2");
+  refresh(PreparedRank::kMapRecv, p.peers[p.rank].recv, maps.recv, recv_dims, kExpertRowBox, "the receive buffer");
+  refresh(PreparedRank::kMapIntermediate, p.intermediate, maps.intermediate, mid_dims, kExpertRowBox,
+          "the intermediate buffer");
+  refresh(PreparedRank::kMapGateX, p.tokens > 0 ? p.x : p.intermediate, maps.gate_x, x_dims, kGateTokenBox,
+          "x (gate)");
+  refresh(PreparedRank::kMapRouter, p.router, maps.router, router_dims, gate_router_box(p.experts), "the router");
 }
 
-template <typename Element, typename Variant>
-LaunchInfo launch_forward_variant(const ForwardArgs& a, cudaStream_t stream) {
-  if (a.num_ranks < 1 || a.num_ranks > kMaxRanks || a.num_ranks > a.world_size)
-    throw std::invalid_argument("num_ranks=" + std::to_string(a.num_ranks) + " must be in [1, min(world_size, " +
-                                std::to_string(kMaxRanks) + ")]");
-  LaunchParams launch{};
-  launch.ranks = a.num_ranks;
-  for (int i = 0; i < a.num_ranks; ++i) {
-    launch.rank[i] = rank_params(a, a.ranks[i]);
-    if constexpr (Variant::kUseTma) make_expert_tensor_maps(a, launch.rank[i]);
-  }
-
-  const SmemLayout smem = make_smem_layout(a.experts, a.top_k, expert_scratch_bytes<Variant>(), a.world_size);
+template <typename Element, typename Variant, int kRankCapacity>
+LaunchInfo launch_forward_variant(PreparedLaunch& prepared, const uintptr_t* addresses, uint32_t sequence,
+                                  void* status_host, cudaStream_t stream) {
+  const ForwardArgs& a = prepared.args;
+  if (a.num_ranks > kRankCapacity)
+    throw std::invalid_argument("a launch of " + std::to_string(a.num_ranks) + " ranks on a kernel instance for " +
+                                std::to_string(kRankCapacity));
   // Forwards that save pre-activations for the backward run the variant's training instance (16-bit
-  // inputs only: float32's TF32 pre-activations would fall short of its backward's accuracy).
-  auto kernel = moe_forward_kernel<Element, Variant>;
-  if (a.ranks[0].saved_pre != nullptr) {
+  // inputs, one rank only: float32's TF32 pre-activations would fall short of its backward's accuracy,
+  // and a team's rows are numbered by owner).
+  auto kernel = moe_forward_kernel<Element, Variant, kRankCapacity>;
+  if (addresses[1 + kAddrSavedPre] != 0) {
     if constexpr (std::is_same_v<Element, float>)
       throw std::invalid_argument("saved_pre: float32 (TF32) forwards do not save pre-activations");
+    else if constexpr (kRankCapacity != 1)
+      throw std::invalid_argument("saved_pre: a team's rows are numbered by owner, so only one rank saves pre-activations");
+    else if (a.world_size != 1)
+      throw std::invalid_argument("saved_pre: a team's rows are numbered by owner, so only one rank saves pre-activations");
     else
-      kernel = moe_forward_kernel<Element, SavingPre<Variant>>;
+      kernel = moe_forward_kernel<Element, SavingPre<Variant>, kRankCapacity>;
   }
   int device = 0;
   throw_on_cuda_error(cudaGetDevice(&device), "cudaGetDevice");
-  const ResidentGrid resident =
-      resident_grid(reinterpret_cast<const void*>(kernel), device, smem.total_bytes, Variant::kBlockThreads);
-  int grid = resident.blocks_per_sm * resident.sms;
-  if (a.grid_percent > 0 && a.grid_percent < 100) grid = std::max(1, grid * a.grid_percent / 100);
-  if (a.max_blocks > 0 && a.max_blocks < grid) grid = a.max_blocks;
-  const int blocks_per_rank = grid / a.num_ranks;
-  if (blocks_per_rank < 1)
-    throw std::invalid_argument("a grid of " + std::to_string(grid) + " blocks cannot hold " +
-                                std::to_string(a.num_ranks) + " ranks");
-  grid = blocks_per_rank * a.num_ranks;
-  for (int i = 0; i < a.num_ranks; ++i) {
-    launch.rank[i].first_block = i * blocks_per_rank;
-    launch.rank[i].blocks = blocks_per_rank;
-    launch.rank[i].gate_splits =
-        a.gate_split ? gate_splits_for(launch.rank[i].gate_tiles, a.hidden, a.experts, blocks_per_rank) : 1;
+  const void* router = reinterpret_cast<const void*>(addresses[0]);
+
+  LaunchParams<kRankCapacity> launch;
+  launch.ranks = a.num_ranks;
+  LaunchInfo info;
+  {
+    std::lock_guard<std::mutex> lock(prepared.mutex);
+    GridChoice& choice = prepared.grid;
+    if (choice.kernel != reinterpret_cast<const void*>(kernel) || choice.device != device) {
+      const SmemLayout smem = make_smem_layout(a.experts, a.top_k, expert_scratch_bytes<Variant>(), a.world_size);
+      const ResidentGrid resident =
+          resident_grid(reinterpret_cast<const void*>(kernel), device, smem.total_bytes, Variant::kBlockThreads);
+      int grid = resident.blocks_per_sm * resident.sms;
+      if (a.grid_percent > 0 && a.grid_percent < 100) grid = std::max(1, grid * a.grid_percent / 100);
+      if (a.max_blocks > 0 && a.max_blocks < grid) grid = a.max_blocks;
+      const int blocks_per_rank = grid / a.num_ranks;
+      if (blocks_per_rank < 1)
+        throw std::invalid_argument("a grid of " + std::to_string(grid) + " blocks cannot hold " +
+                                    std::to_string(a.num_ranks) + " ranks");
+      for (int i = 0; i < a.num_ranks; ++i) {
+        MoEParams& p = prepared.ranks[i].params;
+        p.first_block = i * blocks_per_rank;
+        p.blocks = blocks_per_rank;
+        p.gate_splits = a.gate_split ? gate_splits_for(p.gate_tiles, a.hidden, a.experts, blocks_per_rank) : 1;
+      }
+      choice = {reinterpret_cast<const void*>(kernel), device,
+                {blocks_per_rank * a.num_ranks, resident.blocks_per_sm, smem.total_bytes}};
+    }
+    info = choice.info;
+    for (int i = 0; i < a.num_ranks; ++i) {
+      PreparedRank& rank = prepared.ranks[i];
+      MoEParams& p = launch.rank[i];
+      p = rank.params;
+      void* rank_status = status_host == nullptr ? nullptr : static_cast<char*>(status_host) + kStatusBytes * i;
+      bind_addresses(rank, router, addresses + 1 + kAddressesPerRank * i, sequence, rank_status, p);
+      if constexpr (Variant::kUseTma) {
+        refresh_expert_tensor_maps(a, rank, p);
+        p.maps = rank.params.maps;
+      }
+    }
   }
 
-  for (int i = 0; i < a.num_ranks; ++i) {
-    const RankArgs& r = a.ranks[i];
-    const WorkspaceLayout ws =
-        workspace_layout(r.tokens, a.hidden, a.ffn, a.experts, a.top_k, a.dtype, a.world_size, a.stream_rows);
-    throw_on_cuda_error(cudaMemsetAsync(r.workspace, 0, ws.sync_bytes, stream), "zeroing sync words");
-  }
+  // No memset: the sync words are zero (the previous launch's exit reset them, finish_launch).
   cudaLaunchConfig_t config{};
-  config.gridDim = dim3(grid);
+  config.gridDim = dim3(info.grid);
   config.blockDim = dim3(Variant::kBlockThreads);
-  config.dynamicSmemBytes = smem.total_bytes;
+  config.dynamicSmemBytes = info.smem_bytes;
   config.stream = stream;
   cudaLaunchAttribute cooperative{};
   cooperative.id = cudaLaunchAttributeCooperative;  // refused if the grid cannot be co-resident
@@ -249,13 +256,13 @@ LaunchInfo launch_forward_variant(const ForwardArgs& a, cudaStream_t stream) {
   config.attrs = &cooperative;
   config.numAttrs = 1;
   throw_on_cuda_error(cudaLaunchKernelEx(&config, kernel, launch), "launching moe_forward_kernel");
-  return {grid, resident.blocks_per_sm, smem.total_bytes};
+  return info;
 }
 
 template <typename Element, typename Variant>
 KernelAttributes kernel_attributes_variant() {
   cudaFuncAttributes attr{};
-  throw_on_cuda_error(cudaFuncGetAttributes(&attr, moe_forward_kernel<Element, Variant>), "cudaFuncGetAttributes");
+  throw_on_cuda_error(cudaFuncGetAttributes(&attr, moe_forward_kernel<Element, Variant, 1>), "cudaFuncGetAttributes");
   return {attr.numRegs, static_cast<int>(attr.localSizeBytes), attr.maxThreadsPerBlock,
           static_cast<int>(attr.sharedSizeBytes)};
 }

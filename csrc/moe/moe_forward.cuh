@@ -15,15 +15,10 @@ __device__ __forceinline__ void stamp_phase(const MoEParams& p, int slot) {
   if (block_in_rank(p) == 0 && threadIdx.x == 0) p.phase_clock[slot] = ptx::global_timer_ns();
 }
 
+// One rank's forward in one block. A failure (the watchdog) returns early, block-uniformly; the TMA
+// variant's producer warp also leaves before the combine.
 template <typename Element, typename Variant>
-__global__ void __launch_bounds__(Variant::kBlockThreads, Variant::kMinBlocksPerSm)
-    moe_forward_kernel(const __grid_constant__ LaunchParams launch) {
-  static_assert(!std::is_same_v<Element, float> || Variant::kMmaFamily == ExpertMma::MmaSync,
-                "fp32 inputs (TF32) run on the mma.sync tiles only: wgmma's TF32 form needs K-major weights");
-  extern __shared__ __align__(16) char raw_smem[];
-  // wgmma's 128-byte swizzle is computed from absolute shared addresses: align the base to its atom.
-  char* smem = raw_smem + ((1024u - (ptx::smem_addr(raw_smem) & 1023u)) & 1023u);
-  const MoEParams& p = launch.rank[blockIdx.x / launch.rank[0].blocks];
+__device__ __forceinline__ void forward_block(const MoEParams& p, char* smem) {
   const SmemLayout layout = make_smem_layout(p.experts, p.top_k, expert_scratch_bytes<Variant>(), p.world_size);
   // Worker threads run every phase; the TMA variant's producer warp joins only the gate and the expert GEMMs.
   const bool worker = threadIdx.x < kThreads;
@@ -69,6 +64,20 @@ __global__ void __launch_bounds__(Variant::kBlockThreads, Variant::kMinBlocksPer
   combine_tokens<Element>(p);
   sync_workers();
   if (threadIdx.x == 0) atomicMax(p.phase_clock + kPhaseClockSlots - 1, ptx::global_timer_ns());
+}
+
+template <typename Element, typename Variant, int kRankCapacity>
+__global__ void __launch_bounds__(Variant::kBlockThreads, Variant::kMinBlocksPerSm)
+    moe_forward_kernel(const __grid_constant__ LaunchParams<kRankCapacity> launch) {
+  static_assert(!std::is_same_v<Element, float> || Variant::kMmaFamily == ExpertMma::MmaSync,
+                "fp32 inputs (TF32) run on the mma.sync tiles only: wgmma's TF32 form needs K-major weights");
+  extern __shared__ __align__(16) char raw_smem[];
+  // wgmma's 128-byte swizzle is computed from absolute shared addresses: align the base to its atom.
+  char* smem = raw_smem + ((1024u - (ptx::smem_addr(raw_smem) & 1023u)) & 1023u);
+  const MoEParams& p = kRankCapacity == 1 ? launch.rank[0] : launch.rank[blockIdx.x / launch.rank[0].blocks];
+  forward_block<Element, Variant>(p, smem);
+  // Every early return above lands here: the exit count and the reset must see every block.
+  finish_launch(p);
 }
 
 }  // namespace flashdmoe

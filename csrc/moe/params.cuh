@@ -64,9 +64,10 @@ enum StatusFlag : uint32_t { kStatusNonFiniteLogits = 1u };
 constexpr int kPhaseClockSlots = 6;
 
 // A rank's status words (error word, phase clock, traffic counters, status flags) lead its workspace in
-// one kStatusBytes block, zeroed with the sync words before every launch: the host copies every rank's
-// block back with one strided copy (rank workspaces at a fixed pitch) and decodes it by these offsets
-// (flashdmoe/launch_report.py reads them from the extension).
+// one kStatusBytes block, part of the sync words: the rank's last block to exit writes the block into
+// the launch's pinned host slot and zeroes the sync words for the next launch (finish_launch,
+// common/sync.cuh); the host decodes the slot by these offsets (flashdmoe/launch_report.py reads them
+// from the extension).
 constexpr size_t kStatusBytes = 128;
 constexpr size_t kStatusErrorWord = 0;                                        // u64
 constexpr size_t kStatusPhaseClock = 8;                                       // u64 [kPhaseClockSlots]
@@ -133,6 +134,10 @@ struct MoEParams {
 
   float* gate_partial;       // [gate_tiles * gate_splits, kGateTileM, E] split gate: partial logits
   uint32_t* gate_arrivals;   // [kGateSplitMaxTiles] split gate: K ranges finished per gate tile
+  uint32_t* exit_counter;    // this rank's blocks that finished; the last one resets the sync words
+  uint32_t* sync_words;      // the workspace's first sync_words_count words: zero when a launch starts
+  int sync_words_count;
+  void* status_host;         // pinned host slot of this rank's status block (UVA address), or null
   int gate_tiles;
   int gate_splits;           // K ranges per gate tile (1: a tile on one block)
   int max_row_tiles;
@@ -142,18 +147,22 @@ struct MoEParams {
 
 // The kernel's argument: every rank this launch runs (P virtual ranks for an emulated team, else one).
 // Rank i owns blocks [rank[i].first_block, + rank[i].blocks); all ranks get the same number of blocks.
+// Sized by the launch (kCapacity 1 for one rank, kMaxRanks for an emulated team): the driver copies the
+// whole struct into every launch, and a rank's parameters are ~1.3 KB.
+template <int kCapacity>
 struct LaunchParams {
+  static constexpr int kRankCapacity = kCapacity;
   int ranks;
-  MoEParams rank[kMaxRanks];
+  MoEParams rank[kCapacity];
 };
 
 // One allocation holds a rank's local scratch; the first `sync_bytes` (the status block included) are
-// zeroed before every launch.
+// zero when a launch starts: zeroed once when the workspace is allocated, then by every launch's exit.
 // A single-rank team also keeps its recv / comb regions and (unused) signal words here (`own_*`, else
 // 0 bytes).
 struct WorkspaceLayout {
   size_t barrier_counter, task_counter, error_word, status_flags, phase_clock, traffic, result_rows_done,
-      row_tile_done, gate_arrivals;
+      row_tile_done, gate_arrivals, exit_counter;
   size_t sync_bytes;
   size_t gate_partial, slot_in_tile, tile_expert_count, tile_expert_offset, expert_kept;
   size_t intermediate, own_recv, own_comb, own_signals;
@@ -185,6 +194,7 @@ inline WorkspaceLayout make_workspace_layout(int tokens, int hidden, int ffn, in
   l.result_rows_done = take(4 * kMaxRanks);
   l.row_tile_done = take(4 * static_cast<size_t>(l.max_row_tiles));
   l.gate_arrivals = take(4 * kGateSplitMaxTiles);
+  l.exit_counter = take(4);
   l.sync_bytes = at;
   l.gate_partial = take(l.gate_tiles <= kGateSplitMaxTiles
                             ? 4 * static_cast<size_t>(gate_split_max_items(experts)) * gate_tile_rows * experts
