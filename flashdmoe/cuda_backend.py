@@ -55,11 +55,10 @@ class DebugKnobs:
     # 0: the whole resident grid; else at most this many blocks (tests of small grids).
     max_blocks: int = 0
     timeout_ms: int | None = None
-    # Small batches split each gate tile's K slabs over several blocks (E <= 256 only). Off by default
-    # (FLASHDMOE_GATE_SPLIT=1 turns it on): with the TMA-fed gate it saved only ~3 us on the 128-token
-    # shape, and it misrouted with E >= 512 (now refused there); the records in docs/benchmarks.md ran
-    # without it.
-    gate_split: bool = os.environ.get("FLASHDMOE_GATE_SPLIT", "0") == "1"
+    # Small batches split each gate tile's K slabs over several blocks; the kernel's gate_splits_for
+    # (csrc/moe/tile_config.cuh) decides how far, and keeps E > 256 unsplit (it misrouted there).
+    # None: on (the kernel decides); True / False (FLASHDMOE_GATE_SPLIT=1 / 0) force it for measurement.
+    gate_split: bool | None = {"1": True, "0": False}.get(os.environ.get("FLASHDMOE_GATE_SPLIT", ""))
     # Expert GEMM variant (EXPERT_VARIANTS); FLASHDMOE_EXPERT_VARIANT overrides the default.
     expert_variant: str = os.environ.get("FLASHDMOE_EXPERT_VARIANT", DEFAULT_EXPERT_VARIANT)
 
@@ -252,7 +251,8 @@ def _make_plan(ext, kind, team, tokens, H, I, E, top_k, dtype, activation, norma
         "dtype": dtype_code, "activation": ACTIVATION_CODES[activation], "normalize_topk": bool(normalize_topk),
         "timeout_ns": timeout * 1_000_000, "debug_withhold_phase": int(debug.withhold_phase),
         "expert_variant": variant, "max_blocks": int(debug.max_blocks),
-        "gate_split": bool(debug.gate_split), "grid_percent": 100 if percent is None else percent,
+        "gate_split": True if debug.gate_split is None else bool(debug.gate_split),
+        "grid_percent": 100 if percent is None else percent,
     }
     rank_args = []
     for rank, T, buf in zip(ranks, tokens, buffers):

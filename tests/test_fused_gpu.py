@@ -196,9 +196,9 @@ def test_zero_tokens(backend):
                                      (33, 64, 8, 2)])
 @pytest.mark.parametrize("split", [True, False])
 def test_small_batches_split_the_gate(backend, T, H, E, k, split):
-    """Few gate tiles, with the split gate on (each tile's K slabs split over several blocks, partial
-    logits summed in split order by the tile's last block; E <= 256 only, larger E stays unsplit) and
-    off. Correct against the reference, and bitwise repeatable."""
+    """Few gate tiles, with the split gate forced on (each tile's K slabs split over several blocks, partial
+    logits summed in split order by the tile's last block; E <= 256 only, larger E stays unsplit; the
+    default) and forced off. Correct against the reference, and bitwise repeatable."""
     backend.debug.gate_split = split
     try:
         x, router, w1, w2 = make_inputs(T, H, 128, E, k, "silu", torch.bfloat16)
@@ -210,7 +210,7 @@ def test_small_batches_split_the_gate(backend, T, H, E, k, split):
             assert torch.equal(y, again)
             assert torch.equal(routing.weight, again_routing.weight)
     finally:
-        backend.debug.gate_split = False
+        backend.debug.gate_split = None
 
 
 def test_bitwise_deterministic(backend):

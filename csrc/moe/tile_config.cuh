@@ -17,9 +17,10 @@ __host__ __device__ constexpr int gate_stages(int experts) {
   return experts <= kDeepGateMaxExperts ? kGateStagesDeep : kGateStagesShallow;
 }
 // Small batches: with fewer gate tiles than blocks, most SMs would idle while a few stream the whole
-// router. Each tile's K slabs are then split over several blocks (fp32 partial logits to the workspace,
-// summed in split order by the tile's last block: deterministic). Up to kGateSplitMaxTiles tiles are
-// split, into at most gate_split_max_items(E) (tile, K range) items in all.
+// router (at T = 1 one block reads a 512 KB router at ~0.65 us per K slab). Each tile's K slabs are then
+// split over several blocks (fp32 partial logits of the tile's token rows to the workspace, summed in
+// split order by the tile's last block: deterministic). Up to kGateSplitMaxTiles tiles are split, into
+// at most gate_split_max_items(E) (tile, K range) items in all. On in every public forward.
 constexpr int kGateSplitMaxTiles = 64;
 __host__ __device__ constexpr int gate_split_max_items(int experts) { return 256 * 64 / (experts > 64 ? experts : 64); }
 // K ranges per gate tile for a rank of `blocks` blocks. Only with the deep gate pipeline (E <= 256):
