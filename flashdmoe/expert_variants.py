@@ -64,6 +64,9 @@ VARIANTS: tuple[ExpertVariant, ...] = (
     ExpertVariant("WgmmaTmaPrefetch", tile_n=256, stages=4, blocks_per_sm=1, dtypes=("bf16", "fp16")),
     # fp32 inputs (TF32), and the portable comparison point for 16-bit inputs.
     ExpertVariant("MmaSync", tile_n=128, stages=3, blocks_per_sm=2, dtypes=("bf16", "fp16", "fp32")),
+    # Decode: half-width tiles give twice the tasks, so that a few tokens' experts put every SM on the
+    # weight stream (choose_variant). Same shared memory as the default (6 x 32 KB stages).
+    ExpertVariant("WgmmaTmaPrefetch", tile_n=128, stages=6, blocks_per_sm=1, dtypes=("bf16", "fp16")),
 )
 
 # name -> id, in id order.
@@ -78,6 +81,64 @@ def variant_id(name: str) -> int:
         raise ValueError(f"expert_variant={name!r} is not compiled into the kernel; expected one of "
                          f"{list(EXPERT_VARIANTS)}")
     return EXPERT_VARIANTS[name]
+
+
+# ---------------------------------------------------------------------------------------------
+# The variant a forward runs on (16-bit inputs; fp32 has its one variant)
+
+# What one SM pulls through TMA when all stream: the H200's ~4.3 TB/s of reads over 132 SMs. A lone SM
+# gets about the same (the T = 1 decode row's expert phase: 48-64 busy SMs, 1.3 TB/s), so a phase's time
+# is set by its busiest SM's bytes, A rows included (they come through the same TMA unit).
+_SM_STREAM_BYTES_PER_S = 4.3e12 / 132
+_HBM_BYTES_PER_S = 4.3e12
+_SLAB_K = 64          # kTmaSlabK
+_ROW_BOX_ROWS = 64    # kExpertRowBoxRows (csrc/moe/tma_boxes.cuh)
+
+
+def expert_phase_estimate(variant: ExpertVariant, tokens: int, hidden: int, ffn: int, experts: int, top_k: int,
+                          activation: str, blocks: int, element_bytes: int = 2) -> float:
+    """Seconds the expert phase of one rank would take on ``variant`` by the streaming model: the larger of
+    the rank's TMA bytes spread over ``blocks`` SMs, one row tile's GEMM1 + GEMM2 chain on one SM (it
+    cannot be split), and the distinct experts' weights at HBM speed. ``tokens`` per source rank;
+    expected row tiles from the expected number of (source, expert) segments hit."""
+    if tokens <= 0:
+        return 0.0
+    hit = 1.0 - (1.0 - top_k / experts) ** tokens   # P(a given expert gets a token of one source)
+    rows = tokens * top_k                           # rows this rank's experts take, over all sources
+    tiles = experts * hit + rows / _TILE_M          # segments hit, plus the full tiles' share
+    a_boxes = -(-min(_TILE_M, rows / tiles) // _ROW_BOX_ROWS)
+    a_slab = a_boxes * _ROW_BOX_ROWS * _SLAB_K * element_bytes
+    b_slab = variant.tile_n * _SLAB_K * element_bytes
+    out_cols = variant.tile_n // 2 if activation == "swiglu" else variant.tile_n
+    task1 = hidden // _SLAB_K * (a_slab + b_slab)
+    task2 = ffn // _SLAB_K * (a_slab + b_slab)
+    tasks1 = tiles * -(-ffn // out_cols)
+    tasks2 = tiles * -(-hidden // variant.tile_n)
+    spread = (tasks1 * task1 + tasks2 * task2) / blocks / _SM_STREAM_BYTES_PER_S
+    chain = (task1 + task2) / _SM_STREAM_BYTES_PER_S
+    w1_cols = 2 * ffn if activation == "swiglu" else ffn
+    weights = experts * hit * (hidden * w1_cols + ffn * hidden) * element_bytes / _HBM_BYTES_PER_S
+    return max(spread, chain, weights)
+
+
+def choose_variant(tokens: int, hidden: int, ffn: int, experts: int, top_k: int, activation: str,
+                   blocks: int) -> str:
+    """The TMA variant with the smallest :func:`expert_phase_estimate` for a 16-bit forward (``tokens``
+    per rank, ``blocks`` per rank); the default unless another is estimated at least 10% faster (the
+    model's own error is about that)."""
+    for name, value in (("tokens", tokens), ("hidden", hidden), ("ffn", ffn), ("experts", experts),
+                        ("top_k", top_k), ("blocks", blocks)):
+        if value < (0 if name == "tokens" else 1):
+            raise ValueError(f"{name}={value} must be {'>= 0' if name == 'tokens' else '>= 1'}")
+    default = VARIANTS[0]
+    best, best_time = default, expert_phase_estimate(default, tokens, hidden, ffn, experts, top_k, activation, blocks)
+    for variant in VARIANTS[1:]:
+        if variant.mma != default.mma:
+            continue
+        time = expert_phase_estimate(variant, tokens, hidden, ffn, experts, top_k, activation, blocks)
+        if time < 0.9 * best_time:
+            best, best_time = variant, time
+    return best.name
 
 
 # ---------------------------------------------------------------------------------------------
