@@ -306,7 +306,7 @@ def test_layer_uses_fused_kernel(backend):
 # Decode batches (T <= 128) on issue 15's decode layers: the narrow expert tile forced on every T (it is a
 # correct path whatever the public call picks), and the public call's own choice of variant. The split
 # gate is on (its default) throughout.
-NARROW_VARIANT = "tma-wgmma-128x128-6stage-prefetch"
+NARROW_VARIANT = "tma-wgmma-128x128-6stage-prefetch-abox16"
 DECODE_LAYERS = {"qwen3-30b-a3b": (2048, 768, 128, 8), "deepseek-v2-lite": (4096, 1408, 64, 6)}
 
 

@@ -14,16 +14,16 @@ from flashdmoe.expert_variants import EXPERT_VARIANTS, VARIANTS, ExpertVariant
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 ELEMENTS = {"__nv_bfloat16": "bf16", "__half": "fp16", "float": "fp32"}
 DTYPE_CODES = {"DType::BFloat16": "bf16", "DType::Float16": "fp16", "DType::Float32": "fp32"}
-CPP_VARIANT = r"ExpertVariant<ExpertMma::(\w+), (\d+), (\d+), (\d+)>"
+CPP_VARIANT = r"ExpertVariant<ExpertMma::(\w+), (\d+), (\d+), (\d+), (\d+)>"
 
 
 def _fields(variant: ExpertVariant):
-    return variant.mma, variant.tile_n, variant.stages, variant.blocks_per_sm
+    return variant.mma, variant.tile_n, variant.stages, variant.blocks_per_sm, variant.row_box
 
 
 def _cpp_fields(match):
-    mma, tile_n, stages, blocks = match
-    return mma, int(tile_n), int(stages), int(blocks)
+    mma, tile_n, stages, blocks, row_box = match
+    return mma, int(tile_n), int(stages), int(blocks), int(row_box)
 
 
 def test_generated_dispatch_reaches_exactly_the_table():
@@ -87,6 +87,10 @@ def test_variant_id_rejects_an_unknown_name():
 
 def test_the_table_refuses_variants_the_kernel_cannot_compile():
     tma = VARIANTS[0]
+    with pytest.raises(ValueError, match=r"row_box=24: expected one of 8, 16, 32, 64, 128"):
+        dataclasses.replace(tma, row_box=24)
+    with pytest.raises(ValueError, match=r"row_box=16: only TMA variants load A in boxes"):
+        dataclasses.replace(VARIANTS[1], row_box=16)
     with pytest.raises(ValueError, match=r"fp32 \(TF32\) inputs run on the MmaSync tiles only"):
         dataclasses.replace(tma, dtypes=("bf16", "fp32"))
     with pytest.raises(ValueError, match=r"mma='Wgmma' is not an ExpertMma enumerator"):
@@ -98,7 +102,7 @@ def test_the_table_refuses_variants_the_kernel_cannot_compile():
 # ---------------------------------------------------------------------------------------------------------
 # The variant a forward runs on
 
-NARROW = "tma-wgmma-128x128-6stage-prefetch"
+NARROW = "tma-wgmma-128x128-6stage-prefetch-abox16"
 # (T, H, I, E, k, activation): decode rows of issue 15's table, and large-T rows.
 DECODE_ONE_TOKEN = [(1, 2048, 768, 128, 8, "swiglu"), (1, 4096, 1408, 64, 6, "gelu"), (1, 4096, 14336, 8, 2, "swiglu")]
 WIDE_ENOUGH = [(8, 2048, 768, 128, 8, "swiglu"), (128, 4096, 1408, 64, 6, "swiglu"), (128, 4096, 1408, 64, 6, "gelu"),
@@ -107,7 +111,7 @@ WIDE_ENOUGH = [(8, 2048, 768, 128, 8, "swiglu"), (128, 4096, 1408, 64, 6, "swigl
 
 def test_the_narrow_tile_is_in_the_table_for_16_bit_inputs():
     narrow = VARIANTS[EXPERT_VARIANTS[NARROW]]
-    assert (narrow.mma, narrow.tile_n, narrow.dtypes) == ("WgmmaTmaPrefetch", 128, ("bf16", "fp16"))
+    assert (narrow.mma, narrow.tile_n, narrow.row_box, narrow.dtypes) == ("WgmmaTmaPrefetch", 128, 16, ("bf16", "fp16"))
     # the same shared memory as the default: stages x (A + B) bytes per stage
     default = VARIANTS[0]
     assert narrow.stages * (128 + narrow.tile_n) == default.stages * (128 + default.tile_n)
@@ -132,11 +136,13 @@ def test_batches_that_fill_the_grid_keep_the_default(shape):
     assert expert_variants.choose_variant(*shape, blocks=132) == expert_variants.DEFAULT_EXPERT_VARIANT
 
 
-def test_fewer_blocks_per_rank_need_fewer_tokens_to_fill_them():
-    """An emulated team of 8 on one GPU gives each rank 16 blocks: a token's tasks already fill them."""
+def test_fewer_blocks_per_rank_take_longer_until_a_chain_binds():
+    """An emulated team of 8 on one GPU gives each rank 16 blocks: its share of the stream is slower; with
+    all 132 the one-token estimate is a row tile's GEMM1 -> GEMM2 chain, which more blocks cannot shorten."""
     shape = DECODE_ONE_TOKEN[0]
-    assert expert_variants.choose_variant(*shape, blocks=132) == NARROW
-    assert expert_variants.choose_variant(*shape, blocks=16) == expert_variants.DEFAULT_EXPERT_VARIANT
+    for variant in (VARIANTS[0], VARIANTS[EXPERT_VARIANTS[NARROW]]):
+        few, all_, more = (expert_variants.expert_phase_estimate(variant, *shape, blocks=b) for b in (16, 132, 264))
+        assert few > all_ == more
 
 
 def test_the_estimate_is_the_weight_floor_at_least():

@@ -171,7 +171,8 @@ inline CUtensorMap make_tensor_map(const void* base, const uint64_t* dims, const
   return map;
 }
 
-inline void make_expert_tensor_maps(const ForwardArgs& a, MoEParams& p) {
+// row_box: the variant's A row box (expert_row_box(Variant::kRowBoxRows)).
+inline void make_expert_tensor_maps(const ForwardArgs& a, MoEParams& p, const TmaBox& row_box) {
   const uint64_t L = p.local_experts, H = p.hidden, I = p.ffn, cols = p.w1_cols;
   // Rows of the receive and the intermediate buffer: every row this rank's experts can take.
   const uint64_t rows_in = p.world_size == 1 ? static_cast<uint64_t>(p.tokens) * p.top_k
@@ -181,8 +182,8 @@ inline void make_expert_tensor_maps(const ForwardArgs& a, MoEParams& p) {
   const uint64_t mid_dims[2] = {I, rows_in > 0 ? rows_in : 1};
   p.maps.w1 = make_tensor_map(p.w1, w1_dims, kWeightPanelBox, a.dtype, "w1");
   p.maps.w2 = make_tensor_map(p.w2, w2_dims, kWeightPanelBox, a.dtype, "w2");
-  p.maps.recv = make_tensor_map(p.peers[p.rank].recv, recv_dims, kExpertRowBox, a.dtype, "the receive buffer");
-  p.maps.intermediate = make_tensor_map(p.intermediate, mid_dims, kExpertRowBox, a.dtype, "the intermediate buffer");
+  p.maps.recv = make_tensor_map(p.peers[p.rank].recv, recv_dims, row_box, a.dtype, "the receive buffer");
+  p.maps.intermediate = make_tensor_map(p.intermediate, mid_dims, row_box, a.dtype, "the intermediate buffer");
   // With no tokens the map is never read; it still needs a valid base.
   const uint64_t x_dims[2] = {H, p.tokens > 0 ? static_cast<uint64_t>(p.tokens) : 1};
   // The router box holds only the experts there are (E < 128 would otherwise load zero-filled rows).
@@ -200,7 +201,7 @@ LaunchInfo launch_forward_variant(const ForwardArgs& a, cudaStream_t stream) {
   launch.ranks = a.num_ranks;
   for (int i = 0; i < a.num_ranks; ++i) {
     launch.rank[i] = rank_params(a, a.ranks[i]);
-    if constexpr (Variant::kUseTma) make_expert_tensor_maps(a, launch.rank[i]);
+    if constexpr (Variant::kUseTma) make_expert_tensor_maps(a, launch.rank[i], expert_row_box(Variant::kRowBoxRows));
   }
 
   const SmemLayout smem = make_smem_layout(a.experts, a.top_k, expert_scratch_bytes<Variant>(), a.world_size);

@@ -55,12 +55,17 @@ constexpr int kWarpStagingBytes = 16 * 128;
 // MmaSync: mma.sync with all threads loading by cp.async (moe/tile_gemm.cuh); the only path for fp32
 // inputs (TF32), and the portable comparison point.
 enum class ExpertMma : int { MmaSync = 0, WgmmaTmaPrefetch = 1 };
-template <ExpertMma kMma, int kTileNArg, int kStagesArg, int kBlocksPerSm>
+// kRowBoxRowsArg: rows of the TMA box A is loaded in (TMA variants; a tile loads the boxes holding its
+// rows): 64 (one warpgroup's) for full tiles at two requests per slab, 16 for decode tiles of a row or two.
+template <ExpertMma kMma, int kTileNArg, int kStagesArg, int kBlocksPerSm, int kRowBoxRowsArg>
 struct ExpertVariant {
   static constexpr ExpertMma kMmaFamily = kMma;
   static constexpr bool kUseTma = kMma == ExpertMma::WgmmaTmaPrefetch;
   static constexpr int kTileN = kTileNArg;
   static constexpr int kStages = kStagesArg;
+  static constexpr int kRowBoxRows = kRowBoxRowsArg;
+  // Whole 8-row swizzle atoms per box (each box lands 1 KB-aligned), whole boxes per tile.
+  static_assert(kRowBoxRows % 8 == 0 && kExpertTileM % kRowBoxRows == 0, "A row boxes must tile the 128 rows");
   static constexpr int kMinBlocksPerSm = kBlocksPerSm;
   static constexpr int kBlockThreads = kUseTma ? kThreads + 32 : kThreads;  // + the producer warp
   static constexpr int kPipelineBytes = kStages * (kExpertTileM + kTileN) * 64 * 2;

@@ -24,15 +24,15 @@ struct TmaBox {
   }
 };
 
-// Expert GEMM A: one K slab of 64 rows (one m64 warpgroup's) of the receive buffer (GEMM1) or the
-// intermediate (GEMM2). A tile loads only the boxes that hold its rows: a decode tile of a few rows
-// streams 8 KB of A per slab beside its weights instead of 16 KB.
-constexpr int kExpertRowBoxRows = 64;
-constexpr TmaBox kExpertRowBox{{kTmaSlabK, kExpertRowBoxRows, 1}, 2};
-static_assert(kExpertTileM % kExpertRowBoxRows == 0, "a tile's A stage is whole row boxes");
+// Expert GEMM A: one K slab of box_rows rows (the variant's ExpertVariant::kRowBoxRows) of the receive
+// buffer (GEMM1) or the intermediate (GEMM2). A tile loads only the boxes that hold its rows: a decode
+// tile of a few rows streams box_rows x 128 bytes of A per slab beside its weights, not 16 KB.
+__host__ __device__ constexpr TmaBox expert_row_box(int box_rows) {
+  return {{kTmaSlabK, static_cast<uint32_t>(box_rows), 1}, 2};
+}
 // Row boxes per K slab of a tile of `rows` rows (at least one: a tile always has a row).
-__host__ __device__ constexpr int expert_row_boxes(int rows) {
-  return rows <= kExpertRowBoxRows ? 1 : (rows + kExpertRowBoxRows - 1) / kExpertRowBoxRows;
+__host__ __device__ constexpr int expert_row_boxes(int rows, int box_rows) {
+  return rows <= box_rows ? 1 : (rows + box_rows - 1) / box_rows;
 }
 // Expert GEMM B: one 64-column panel of one K slab of one local expert's weights ([L][K][N]).
 constexpr uint32_t kWeightPanelColumns = 64;
