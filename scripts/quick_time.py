@@ -62,12 +62,7 @@ def main():
     activation = os.environ.get("QUICK_ACTIVATION", "gelu")
     # QUICK_SHAPES="T/H/I/E/k,...": shapes besides docs/design.md §12's (e.g. to separate per-tile from per-slab cost).
     shapes = parse_shapes(os.environ.get("QUICK_SHAPES", ""), activation) or [s + (activation,) for s in SHAPES]
-    for (T, H, I, E, k, activation), variant, split in [(s, v, g) for s in shapes for v in wanted for g in splits]:
-        cuda_backend.debug.expert_variant = None if variant == "auto" else variant
-        cuda_backend.debug.gate_split = GATE_SPLIT[split]
-        if variant == "auto":
-            blocks = torch.cuda.get_device_properties(0).multi_processor_count
-            variant = f"auto:{choose_variant(T, H, I, E, k, activation, blocks)}"
+    for T, H, I, E, k, activation in shapes:
         cols = 2 * I if activation == "swiglu" else I
         sets = []
         for _ in range(3):
@@ -76,53 +71,67 @@ def main():
             w1 = (torch.randn(E, H, cols, device="cuda") / math.sqrt(H)).bfloat16()
             w2 = (torch.randn(E, I, H, device="cuda") / math.sqrt(I)).bfloat16()
             sets.append((x, r, w1, w2))
-        run = lambda s: cuda_backend.fused_forward(*s, top_k=k, activation=activation, normalize_topk=True,
-                                                   capacity_factor=None)
-        # Events around each forward, no synchronisation in between (a forward never waits): the host runs
-        # ahead, so "ms" is the GPU's time per forward (memset + kernel + status copy), not the host's too.
-        for i in range(5):
-            run(sets[i % 3])
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(21)]
-        for i, (a, b) in enumerate(events):
-            a.record()
-            run(sets[i % 3])
-            b.record()
-        flashdmoe.synchronize()
-        times = [a.elapsed_time(b) for a, b in events]
-        from torch.profiler import ProfilerActivity, profile
+        for variant in wanted:
+            for split in splits:
+                time_one(sets, T, H, I, E, k, activation, variant, split)
+        del sets, x, r, w1, w2  # before the next shape's inputs (DeepSeek-V3's are 22 GB a set)
+        torch.cuda.empty_cache()
 
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for i in range(6):
-                run(sets[i % 3])
-            torch.cuda.synchronize()
-        flashdmoe.synchronize()
-        kern = [e.device_time for e in prof.events() if "moe_forward_kernel" in e.name]
-        kernel_ms = statistics.median(kern) / 1000 if kern else float("nan")
-        import time as _t
 
-        h0 = _t.perf_counter()
-        for i in range(10):
+def time_one(sets, T, H, I, E, k, activation, variant, split):
+    cols = 2 * I if activation == "swiglu" else I
+    cuda_backend.debug.expert_variant = None if variant == "auto" else variant
+    cuda_backend.debug.gate_split = GATE_SPLIT[split]
+    if variant == "auto":
+        blocks = torch.cuda.get_device_properties(0).multi_processor_count
+        variant = f"auto:{choose_variant(T, H, I, E, k, activation, blocks)}"
+    run = lambda s: cuda_backend.fused_forward(*s, top_k=k, activation=activation, normalize_topk=True,
+                                               capacity_factor=None)
+    # Events around each forward, no synchronisation in between (a forward never waits): the host runs
+    # ahead, so "ms" is the GPU's time per forward (memset + kernel + status copy), not the host's too.
+    for i in range(5):
+        run(sets[i % 3])
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(21)]
+    for i, (a, b) in enumerate(events):
+        a.record()
+        run(sets[i % 3])
+        b.record()
+    flashdmoe.synchronize()
+    times = [a.elapsed_time(b) for a, b in events]
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(6):
             run(sets[i % 3])
-        h1 = _t.perf_counter()
-        flashdmoe.synchronize()
-        host_us = (h1 - h0) / 10 * 1e6
-        ms = statistics.median(times)
-        flops = 2 * T * k * H * (cols + I) + 2 * T * H * E
-        phases = " ".join(f"{k}={v:.3f}" for k, v in (flashdmoe.last_report().phase_ms or {}).items())
-        if os.environ.get("QUICK_PROFILE") == str(T):  # where the host time of a call goes (QUICK_PROFILE=T)
-            import cProfile
-            import pstats
+        torch.cuda.synchronize()
+    flashdmoe.synchronize()
+    kern = [e.device_time for e in prof.events() if "moe_forward_kernel" in e.name]
+    kernel_ms = statistics.median(kern) / 1000 if kern else float("nan")
+    import time as _t
 
-            profiler = cProfile.Profile()
-            profiler.enable()
-            for i in range(20):
-                run(sets[i % 3])
-            profiler.disable()
-            flashdmoe.synchronize()
-            pstats.Stats(profiler).sort_stats("tottime").print_stats(12)
-        print(f"{variant:>16} {T:>6} {H:>5} {I:>5} {E:>4} {k:>2} {ms:>8.3f} {flops / ms / 1e9:>7.1f}  kernel {kernel_ms:.3f} ms"
-              f" ({flops / kernel_ms / 1e9:.0f} TF/s)  host {host_us:.0f} us/call  phases(ms) {phases}"
-              f"  {activation} gate_split={split} floor {bytes_floor_ms(T, H, I, E, k, activation):.3f} ms")
+    h0 = _t.perf_counter()
+    for i in range(10):
+        run(sets[i % 3])
+    h1 = _t.perf_counter()
+    flashdmoe.synchronize()
+    host_us = (h1 - h0) / 10 * 1e6
+    ms = statistics.median(times)
+    flops = 2 * T * k * H * (cols + I) + 2 * T * H * E
+    phases = " ".join(f"{k}={v:.3f}" for k, v in (flashdmoe.last_report().phase_ms or {}).items())
+    if os.environ.get("QUICK_PROFILE") == str(T):  # where the host time of a call goes (QUICK_PROFILE=T)
+        import cProfile
+        import pstats
+
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for i in range(20):
+            run(sets[i % 3])
+        profiler.disable()
+        flashdmoe.synchronize()
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(12)
+    print(f"{variant:>16} {T:>6} {H:>5} {I:>5} {E:>4} {k:>2} {ms:>8.3f} {flops / ms / 1e9:>7.1f}  kernel {kernel_ms:.3f} ms"
+          f" ({flops / kernel_ms / 1e9:.0f} TF/s)  host {host_us:.0f} us/call  phases(ms) {phases}"
+          f"  {activation} gate_split={split} floor {bytes_floor_ms(T, H, I, E, k, activation):.3f} ms")
 
 
 if __name__ == "__main__":
