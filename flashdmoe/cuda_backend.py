@@ -30,9 +30,10 @@ import torch
 
 from flashdmoe import extension, reference, status_checks
 from flashdmoe.expert_backward import expert_backward, packed_rows
-# Expert GEMM variants (name -> id), the default, and the one fp32 inputs run on whatever
-# debug.expert_variant says: the table in flashdmoe/expert_variants.py.
-from flashdmoe.expert_variants import DEFAULT_EXPERT_VARIANT, EXPERT_VARIANTS, FP32_EXPERT_VARIANT, variant_id
+# Expert GEMM variants (name -> id), the default, the choice per shape, and the one fp32 inputs run on
+# whatever debug.expert_variant says: the table in flashdmoe/expert_variants.py.
+from flashdmoe.expert_variants import (DEFAULT_EXPERT_VARIANT, EXPERT_VARIANTS, FP32_EXPERT_VARIANT, choose_variant,
+                                       variant_id)
 from flashdmoe.kernel_codes import ACTIVATION_CODES, DTYPE_CODES
 from flashdmoe.launch_report import LaunchReport, LaunchShape, StatusLayout
 from flashdmoe.team import mps_thread_percentage
@@ -55,13 +56,13 @@ class DebugKnobs:
     # 0: the whole resident grid; else at most this many blocks (tests of small grids).
     max_blocks: int = 0
     timeout_ms: int | None = None
-    # Small batches split each gate tile's K slabs over several blocks (E <= 256 only). Off by default
-    # (FLASHDMOE_GATE_SPLIT=1 turns it on): with the TMA-fed gate it saved only ~3 us on the 128-token
-    # shape, and it misrouted with E >= 512 (now refused there); the records in docs/benchmarks.md ran
-    # without it.
-    gate_split: bool = os.environ.get("FLASHDMOE_GATE_SPLIT", "0") == "1"
-    # Expert GEMM variant (EXPERT_VARIANTS); FLASHDMOE_EXPERT_VARIANT overrides the default.
-    expert_variant: str = os.environ.get("FLASHDMOE_EXPERT_VARIANT", DEFAULT_EXPERT_VARIANT)
+    # Small batches split each gate tile's K slabs over several blocks; the kernel's gate_splits_for
+    # (csrc/moe/tile_config.cuh) decides how far, and keeps E > 256 unsplit (it misrouted there).
+    # None: on (the kernel decides); True / False (FLASHDMOE_GATE_SPLIT=1 / 0) force it for measurement.
+    gate_split: bool | None = {"1": True, "0": False}.get(os.environ.get("FLASHDMOE_GATE_SPLIT", ""))
+    # Expert GEMM variant (EXPERT_VARIANTS). None: chosen per shape (expert_variants.choose_variant);
+    # a name (FLASHDMOE_EXPERT_VARIANT) forces it for measurement.
+    expert_variant: str | None = os.environ.get("FLASHDMOE_EXPERT_VARIANT") or None
 
     def __setattr__(self, name, value) -> None:
         # Every setting bumps ``generation``: launches prepared under other knobs are not reused (a prepared
@@ -182,6 +183,11 @@ def _current_stream_handle(device_index: int) -> int:
     return torch._C._cuda_getCurrentRawStream(device_index)
 
 
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def _current_device() -> int:
     """The current CUDA device (CUDA is initialised once a CUDA tensor exists)."""
     return torch._C._cuda_getDevice()
@@ -247,14 +253,21 @@ def _make_plan(ext, kind, team, tokens, H, I, E, top_k, dtype, activation, norma
     stride = -(-max(layout["total_bytes"] for layout in layouts) // 256) * 256
     sync_bytes = max(layout["sync_bytes"] for layout in layouts)
     percent = mps_thread_percentage() if kind == "nvshmem" else None
-    variant = variant_id(FP32_EXPERT_VARIANT if dtype == torch.float32 else debug.expert_variant)
+    if dtype == torch.float32:
+        variant = variant_id(FP32_EXPERT_VARIANT)
+    elif debug.expert_variant is not None:
+        variant = variant_id(debug.expert_variant)
+    else:  # each launch's rank gets an equal share of the grid (and of the MPS share of the SMs)
+        blocks = max(1, _multiprocessors(_current_device()) * (100 if percent is None else percent) // 100 // len(ranks))
+        variant = variant_id(choose_variant(max(tokens), H, I, E, top_k, activation, blocks))
     timeout = timeout_ms()
     shared = {
         "hidden": H, "ffn": I, "experts": E, "top_k": top_k, "world_size": P, "stream_rows": stream_rows,
         "dtype": dtype_code, "activation": ACTIVATION_CODES[activation], "normalize_topk": bool(normalize_topk),
         "timeout_ns": timeout * 1_000_000, "debug_withhold_phase": int(debug.withhold_phase),
         "expert_variant": variant, "max_blocks": int(debug.max_blocks),
-        "gate_split": bool(debug.gate_split), "grid_percent": 100 if percent is None else percent,
+        "gate_split": True if debug.gate_split is None else bool(debug.gate_split),
+        "grid_percent": 100 if percent is None else percent,
     }
     rank_args = []
     for rank, T, buf in zip(ranks, tokens, buffers):

@@ -29,16 +29,21 @@ _DTYPES = {
 _TILE_M = 128  # kExpertTileM
 
 
+_ROW_BOX_DEFAULT = 64  # one m64 warpgroup's rows
+
+
 @dataclass(frozen=True)
 class ExpertVariant:
-    """One expert-GEMM variant: the C++ ``ExpertVariant<ExpertMma::mma, tile_n, stages, blocks_per_sm>``
-    and the input dtypes it is compiled for."""
+    """One expert-GEMM variant: the C++ ``ExpertVariant<ExpertMma::mma, tile_n, stages, blocks_per_sm,
+    row_box>`` and the input dtypes it is compiled for. ``row_box``: rows of the TMA box A is loaded in
+    (a tile loads the boxes that hold its rows; TMA variants only)."""
 
     mma: str
     tile_n: int
     stages: int
     blocks_per_sm: int
     dtypes: tuple[str, ...]
+    row_box: int = _ROW_BOX_DEFAULT
 
     def __post_init__(self):
         if self.mma not in _FAMILIES:
@@ -49,15 +54,23 @@ class ExpertVariant:
         if "fp32" in self.dtypes and self.mma != "MmaSync":
             # wgmma's TF32 form needs K-major B; the [K, N] expert weights are N-major.
             raise ValueError(f"dtypes={self.dtypes!r}: fp32 (TF32) inputs run on the MmaSync tiles only")
+        # Whole 8-row swizzle atoms, whole boxes per 128-row tile.
+        if self.row_box not in (8, 16, 32, 64, 128):
+            raise ValueError(f"row_box={self.row_box}: expected one of 8, 16, 32, 64, 128")
+        if self.mma != "WgmmaTmaPrefetch" and self.row_box != _ROW_BOX_DEFAULT:
+            raise ValueError(f"row_box={self.row_box}: only TMA variants load A in boxes (leave it at "
+                             f"{_ROW_BOX_DEFAULT})")
 
     @property
     def name(self) -> str:
         prefix, suffix = _FAMILIES[self.mma]
-        return f"{prefix}{_TILE_M}x{self.tile_n}-{self.stages}stage{suffix}"
+        boxes = "" if self.row_box == _ROW_BOX_DEFAULT else f"-abox{self.row_box}"
+        return f"{prefix}{_TILE_M}x{self.tile_n}-{self.stages}stage{suffix}{boxes}"
 
     @property
     def cpp_type(self) -> str:
-        return f"ExpertVariant<ExpertMma::{self.mma}, {self.tile_n}, {self.stages}, {self.blocks_per_sm}>"
+        return (f"ExpertVariant<ExpertMma::{self.mma}, {self.tile_n}, {self.stages}, {self.blocks_per_sm}, "
+                f"{self.row_box}>")
 
 
 VARIANTS: tuple[ExpertVariant, ...] = (
@@ -65,6 +78,10 @@ VARIANTS: tuple[ExpertVariant, ...] = (
     ExpertVariant("WgmmaTmaPrefetch", tile_n=256, stages=4, blocks_per_sm=1, dtypes=("bf16", "fp16")),
     # fp32 inputs (TF32), and the portable comparison point for 16-bit inputs.
     ExpertVariant("MmaSync", tile_n=128, stages=3, blocks_per_sm=2, dtypes=("bf16", "fp16", "fp32")),
+    # Decode: half-width tiles give twice the tasks, so that a few tokens' experts put every SM on the
+    # weight stream, and A comes in 16-row boxes, so that a tile of a token or two streams 2 KB of A per
+    # K slab beside 16 KB of weights (choose_variant). Same shared memory as the default (6 x 32 KB stages).
+    ExpertVariant("WgmmaTmaPrefetch", tile_n=128, stages=6, blocks_per_sm=1, dtypes=("bf16", "fp16"), row_box=16),
 )
 
 # name -> id, in id order.
@@ -79,6 +96,65 @@ def variant_id(name: str) -> int:
         raise ValueError(f"expert_variant={name!r} is not compiled into the kernel; expected one of "
                          f"{list(EXPERT_VARIANTS)}")
     return EXPERT_VARIANTS[name]
+
+
+# ---------------------------------------------------------------------------------------------
+# The variant a forward runs on (16-bit inputs; fp32 has its one variant)
+
+# What one SM pulls through TMA, A rows (L2 hits) and weights alike: ~6.4 TB/s over 132 SMs. Fitted to the
+# expert phases measured at 971b0b0 with 128-row A boxes (docs/perf-notes.md): 128/4096/1408/64/6 gelu
+# (0.389 ms) and 32/7168/2048/256/8 swiglu (3.31 ms) both move 48-49 GB/s of A + B per SM; the T = 1 and
+# T = 8 decode rows reach 34-36 GB/s (GEMM2 waits for its row tile's GEMM1: wave tails the model leaves
+# out). The weights themselves come from HBM at ~4.3 TB/s.
+_SM_STREAM_BYTES_PER_S = 6.4e12 / 132
+_HBM_BYTES_PER_S = 4.3e12
+_SLAB_K = 64          # kTmaSlabK
+
+
+def expert_phase_estimate(variant: ExpertVariant, tokens: int, hidden: int, ffn: int, experts: int, top_k: int,
+                          activation: str, blocks: int, element_bytes: int = 2) -> float:
+    """Seconds the expert phase of one rank would take on ``variant`` by the streaming model: the larger of
+    the rank's TMA bytes spread over ``blocks`` SMs, one row tile's GEMM1 + GEMM2 chain on one SM (it
+    cannot be split), and the distinct experts' weights at HBM speed. ``tokens`` per source rank;
+    expected row tiles from the expected number of (source, expert) segments hit."""
+    if tokens <= 0:
+        return 0.0
+    hit = 1.0 - (1.0 - top_k / experts) ** tokens   # P(a given expert gets a token of one source)
+    rows = tokens * top_k                           # rows this rank's experts take, over all sources
+    tiles = experts * hit + rows / _TILE_M          # segments hit, plus the full tiles' share
+    a_boxes = -(-min(_TILE_M, rows / tiles) // variant.row_box)
+    a_slab = a_boxes * variant.row_box * _SLAB_K * element_bytes
+    b_slab = variant.tile_n * _SLAB_K * element_bytes
+    out_cols = variant.tile_n // 2 if activation == "swiglu" else variant.tile_n
+    task1 = hidden // _SLAB_K * (a_slab + b_slab)
+    task2 = ffn // _SLAB_K * (a_slab + b_slab)
+    tasks1 = tiles * -(-ffn // out_cols)
+    tasks2 = tiles * -(-hidden // variant.tile_n)
+    spread = (tasks1 * task1 + tasks2 * task2) / blocks / _SM_STREAM_BYTES_PER_S
+    chain = (task1 + task2) / _SM_STREAM_BYTES_PER_S
+    w1_cols = 2 * ffn if activation == "swiglu" else ffn
+    weights = experts * hit * (hidden * w1_cols + ffn * hidden) * element_bytes / _HBM_BYTES_PER_S
+    return max(spread, chain, weights)
+
+
+def choose_variant(tokens: int, hidden: int, ffn: int, experts: int, top_k: int, activation: str,
+                   blocks: int) -> str:
+    """The TMA variant with the smallest :func:`expert_phase_estimate` for a 16-bit forward (``tokens``
+    per rank, ``blocks`` per rank); the default unless another is estimated at least 10% faster (the
+    model's own error is about that)."""
+    for name, value in (("tokens", tokens), ("hidden", hidden), ("ffn", ffn), ("experts", experts),
+                        ("top_k", top_k), ("blocks", blocks)):
+        if value < (0 if name == "tokens" else 1):
+            raise ValueError(f"{name}={value} must be {'>= 0' if name == 'tokens' else '>= 1'}")
+    default = VARIANTS[0]
+    best, best_time = default, expert_phase_estimate(default, tokens, hidden, ffn, experts, top_k, activation, blocks)
+    for variant in VARIANTS[1:]:
+        if variant.mma != default.mma:
+            continue
+        time = expert_phase_estimate(variant, tokens, hidden, ffn, experts, top_k, activation, blocks)
+        if time < 0.9 * best_time:
+            best, best_time = variant, time
+    return best.name
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,5 +1,14 @@
 """Quick device-side timing of the fused forward on the shapes of docs/design.md §12 (CUDA events, median of 20
-after warm-up, 3 rotated input sets). A development probe; the benchmark of record is `flashdmoe bench`."""
+after warm-up, 3 rotated input sets). A development probe; the benchmark of record is `flashdmoe bench`.
+
+Environment knobs:
+  QUICK_SHAPES="T/H/I/E/k[/activation],..." shapes to time; "decode" = the decode rows of issue 15's table.
+  QUICK_ACTIVATION=relu  activation of shapes that name none (gelu by default).
+  QUICK_VARIANTS=a,b     expert variants to force; "auto" = what the public call picks (printed).
+  QUICK_GATE_SPLIT=auto,on,off  split-gate settings to compare (auto by default).
+Each row prints the graph-free event time, the kernel time from the profiler, the kernel's phase split and
+the weight-bytes floor (the distinct experts' weights expected hit, at 4.3 TB/s).
+"""
 
 import math
 import os
@@ -9,10 +18,31 @@ import torch
 
 import flashdmoe
 from flashdmoe import cuda_backend, extension
-from flashdmoe.expert_variants import EXPERT_VARIANTS, variant_id
+from flashdmoe.expert_variants import EXPERT_VARIANTS, choose_variant, variant_id
 
 SHAPES = [(8192, 2048, 2048, 32, 2), (16384, 2048, 2048, 64, 2), (16384, 4096, 1024, 128, 2),
           (4096, 2048, 2048, 64, 2), (128, 4096, 1408, 64, 6)]
+DECODE_SHAPES = [(1, 2048, 768, 128, 8, "swiglu"), (2, 2048, 768, 128, 8, "swiglu"), (8, 2048, 768, 128, 8, "swiglu"),
+                 (32, 2048, 768, 128, 8, "swiglu"), (128, 4096, 1408, 64, 6, "swiglu"),
+                 (128, 4096, 1408, 64, 6, "gelu"), (32, 7168, 2048, 256, 8, "swiglu"),
+                 (1, 4096, 14336, 8, 2, "swiglu")]
+GATE_SPLIT = {"auto": None, "on": True, "off": False}
+
+
+def parse_shapes(text: str, activation: str):
+    if text == "decode":
+        return DECODE_SHAPES
+    shapes = []
+    for item in (s for s in text.split(",") if s):
+        fields = item.split("/")
+        shapes.append(tuple(int(v) for v in fields[:5]) + (fields[5] if len(fields) > 5 else activation,))
+    return shapes
+
+
+def bytes_floor_ms(T, H, I, E, k, activation):
+    hit = E * (1 - (1 - k / E) ** T)
+    w1_cols = 2 * I if activation == "swiglu" else I
+    return hit * (H * w1_cols + I * H) * 2 / 4.3e12 * 1e3
 
 
 def main():
@@ -22,66 +52,86 @@ def main():
     print(f"{'variant':>16} {'T':>6} {'H':>5} {'I':>5} {'E':>4} {'k':>2} {'ms':>8} {'TF/s':>7}")
     wanted = [v for v in os.environ.get("QUICK_VARIANTS", "").split(",") if v] or list(EXPERT_VARIANTS)
     for name in wanted:
-        variant_id(name)  # an unknown name fails here, before any timing
-    # QUICK_SHAPES="T/H/I/E/k,...": shapes besides docs/design.md §12's (e.g. to separate per-tile from per-slab cost).
-    shapes = [tuple(int(v) for v in s.split("/")) for s in os.environ.get("QUICK_SHAPES", "").split(",") if s] or SHAPES
+        if name != "auto":
+            variant_id(name)  # an unknown name fails here, before any timing
+    splits = [v for v in os.environ.get("QUICK_GATE_SPLIT", "auto").split(",") if v]
+    for name in splits:
+        if name not in GATE_SPLIT:
+            raise ValueError(f"QUICK_GATE_SPLIT={name!r}: expected a list of {sorted(GATE_SPLIT)}")
     # QUICK_ACTIVATION=relu: how much of a tile's time the GEMM1 epilogue's activation takes.
     activation = os.environ.get("QUICK_ACTIVATION", "gelu")
-    for (T, H, I, E, k), variant in [(s, v) for s in shapes for v in wanted]:
-        cuda_backend.debug.expert_variant = variant
+    # QUICK_SHAPES="T/H/I/E/k,...": shapes besides docs/design.md §12's (e.g. to separate per-tile from per-slab cost).
+    shapes = parse_shapes(os.environ.get("QUICK_SHAPES", ""), activation) or [s + (activation,) for s in SHAPES]
+    for T, H, I, E, k, activation in shapes:
+        cols = 2 * I if activation == "swiglu" else I
         sets = []
         for _ in range(3):
             x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
             r = (torch.randn(E, H, device="cuda") / math.sqrt(H)).bfloat16()
-            w1 = (torch.randn(E, H, I, device="cuda") / math.sqrt(H)).bfloat16()
+            w1 = (torch.randn(E, H, cols, device="cuda") / math.sqrt(H)).bfloat16()
             w2 = (torch.randn(E, I, H, device="cuda") / math.sqrt(I)).bfloat16()
             sets.append((x, r, w1, w2))
-        run = lambda s: cuda_backend.fused_forward(*s, top_k=k, activation=activation, normalize_topk=True,
-                                                   capacity_factor=None)
-        # Events around each forward, no synchronisation in between (a forward never waits): the host runs
-        # ahead, so "ms" is the GPU's time per forward (memset + kernel + status copy), not the host's too.
-        for i in range(5):
-            run(sets[i % 3])
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(21)]
-        for i, (a, b) in enumerate(events):
-            a.record()
-            run(sets[i % 3])
-            b.record()
-        flashdmoe.synchronize()
-        times = [a.elapsed_time(b) for a, b in events]
-        from torch.profiler import ProfilerActivity, profile
+        for variant in wanted:
+            for split in splits:
+                time_one(sets, T, H, I, E, k, activation, variant, split)
+        del sets, x, r, w1, w2  # before the next shape's inputs (DeepSeek-V3's are 22 GB a set)
+        torch.cuda.empty_cache()
 
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for i in range(6):
-                run(sets[i % 3])
-            torch.cuda.synchronize()
-        flashdmoe.synchronize()
-        kern = [e.device_time for e in prof.events() if "moe_forward_kernel" in e.name]
-        kernel_ms = statistics.median(kern) / 1000 if kern else float("nan")
-        import time as _t
 
-        h0 = _t.perf_counter()
-        for i in range(10):
+def time_one(sets, T, H, I, E, k, activation, variant, split):
+    cols = 2 * I if activation == "swiglu" else I
+    cuda_backend.debug.expert_variant = None if variant == "auto" else variant
+    cuda_backend.debug.gate_split = GATE_SPLIT[split]
+    if variant == "auto":
+        blocks = torch.cuda.get_device_properties(0).multi_processor_count
+        variant = f"auto:{choose_variant(T, H, I, E, k, activation, blocks)}"
+    run = lambda s: cuda_backend.fused_forward(*s, top_k=k, activation=activation, normalize_topk=True,
+                                               capacity_factor=None)
+    # Events around each forward, no synchronisation in between (a forward never waits): the host runs
+    # ahead, so "ms" is the GPU's time per forward (memset + kernel + status copy), not the host's too.
+    for i in range(5):
+        run(sets[i % 3])
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(21)]
+    for i, (a, b) in enumerate(events):
+        a.record()
+        run(sets[i % 3])
+        b.record()
+    flashdmoe.synchronize()
+    times = [a.elapsed_time(b) for a, b in events]
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(6):
             run(sets[i % 3])
-        h1 = _t.perf_counter()
-        flashdmoe.synchronize()
-        host_us = (h1 - h0) / 10 * 1e6
-        ms = statistics.median(times)
-        flops = 2 * T * k * H * I * 2 + 2 * T * H * E
-        phases = " ".join(f"{k}={v:.3f}" for k, v in (flashdmoe.last_report().phase_ms or {}).items())
-        if os.environ.get("QUICK_PROFILE") == str(T):  # where the host time of a call goes (QUICK_PROFILE=T)
-            import cProfile
-            import pstats
+        torch.cuda.synchronize()
+    flashdmoe.synchronize()
+    kern = [e.device_time for e in prof.events() if "moe_forward_kernel" in e.name]
+    kernel_ms = statistics.median(kern) / 1000 if kern else float("nan")
+    import time as _t
 
-            profiler = cProfile.Profile()
-            profiler.enable()
-            for i in range(20):
-                run(sets[i % 3])
-            profiler.disable()
-            flashdmoe.synchronize()
-            pstats.Stats(profiler).sort_stats("tottime").print_stats(12)
-        print(f"{variant:>16} {T:>6} {H:>5} {I:>5} {E:>4} {k:>2} {ms:>8.3f} {flops / ms / 1e9:>7.1f}  kernel {kernel_ms:.3f} ms"
-              f" ({flops / kernel_ms / 1e9:.0f} TF/s)  host {host_us:.0f} us/call  phases(ms) {phases}")
+    h0 = _t.perf_counter()
+    for i in range(10):
+        run(sets[i % 3])
+    h1 = _t.perf_counter()
+    flashdmoe.synchronize()
+    host_us = (h1 - h0) / 10 * 1e6
+    ms = statistics.median(times)
+    flops = 2 * T * k * H * (cols + I) + 2 * T * H * E
+    phases = " ".join(f"{k}={v:.3f}" for k, v in (flashdmoe.last_report().phase_ms or {}).items())
+    if os.environ.get("QUICK_PROFILE") == str(T):  # where the host time of a call goes (QUICK_PROFILE=T)
+        import cProfile
+        import pstats
+
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for i in range(20):
+            run(sets[i % 3])
+        profiler.disable()
+        flashdmoe.synchronize()
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(12)
+    print(f"{variant:>16} {T:>6} {H:>5} {I:>5} {E:>4} {k:>2} {ms:>8.3f} {flops / ms / 1e9:>7.1f}  kernel {kernel_ms:.3f} ms"
+          f" ({flops / kernel_ms / 1e9:.0f} TF/s)  host {host_us:.0f} us/call  phases(ms) {phases}"
+          f"  {activation} gate_split={split} floor {bytes_floor_ms(T, H, I, E, k, activation):.3f} ms")
 
 
 if __name__ == "__main__":

@@ -164,6 +164,7 @@ def fake_cuda(monkeypatch, ext: FakeExtension | None = None, *, capturing=lambda
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(cuda_backend, "_current_stream_handle", lambda index: 7)
     monkeypatch.setattr(cuda_backend, "_current_device", lambda: None)  # CPU tensors' device index
+    monkeypatch.setattr(cuda_backend, "_multiprocessors", lambda index: 132)  # an H200's SMs (variant choice)
     monkeypatch.setattr(api, "cuda_unavailable_reason", lambda x: None)
     monkeypatch.setattr(weight_checks, "_scans_asynchronously", lambda tensor: True)
     monkeypatch.setattr(weight_checks, "_allocate_pinned", lambda n: torch.empty(n, dtype=torch.uint8))

@@ -196,9 +196,9 @@ def test_zero_tokens(backend):
                                      (33, 64, 8, 2)])
 @pytest.mark.parametrize("split", [True, False])
 def test_small_batches_split_the_gate(backend, T, H, E, k, split):
-    """Few gate tiles, with the split gate on (each tile's K slabs split over several blocks, partial
-    logits summed in split order by the tile's last block; E <= 256 only, larger E stays unsplit) and
-    off. Correct against the reference, and bitwise repeatable."""
+    """Few gate tiles, with the split gate forced on (each tile's K slabs split over several blocks, partial
+    logits summed in split order by the tile's last block; E <= 256 only, larger E stays unsplit; the
+    default) and forced off. Correct against the reference, and bitwise repeatable."""
     backend.debug.gate_split = split
     try:
         x, router, w1, w2 = make_inputs(T, H, 128, E, k, "silu", torch.bfloat16)
@@ -210,7 +210,7 @@ def test_small_batches_split_the_gate(backend, T, H, E, k, split):
             assert torch.equal(y, again)
             assert torch.equal(routing.weight, again_routing.weight)
     finally:
-        backend.debug.gate_split = False
+        backend.debug.gate_split = None
 
 
 def test_bitwise_deterministic(backend):
@@ -301,3 +301,53 @@ def test_layer_uses_fused_kernel(backend):
     ref = reference.moe(x, layer.router_weight, layer.w1, layer.w2, top_k=2, activation=cfg.activation)
     err = ((y.float() - ref.float()).norm() / ref.float().norm()).item()
     assert err < numerics.kernel_tolerance(torch.bfloat16)
+
+
+# Decode batches (T <= 128) on issue 15's decode layers: the narrow expert tile forced on every T (it is a
+# correct path whatever the public call picks), and the public call's own choice of variant. The split
+# gate is on (its default) throughout.
+NARROW_VARIANT = "tma-wgmma-128x128-6stage-prefetch-abox16"
+DECODE_LAYERS = {"qwen3-30b-a3b": (2048, 768, 128, 8), "deepseek-v2-lite": (4096, 1408, 64, 6)}
+
+
+@pytest.mark.parametrize("T", [1, 2, 8, 32, 128])
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("capacity_factor", [None, 1.0])
+def test_decode_on_the_narrow_tile(backend, monkeypatch, T, activation, dtype, capacity_factor):
+    monkeypatch.setattr(backend.debug, "expert_variant", NARROW_VARIANT)
+    H, I, E, k = DECODE_LAYERS["qwen3-30b-a3b"]
+    x, router, w1, w2 = make_inputs(T, H, I, E, k, activation, dtype)
+    check_against_reference(backend, x, router, w1, w2, top_k=k, activation=activation, normalize=True,
+                            capacity_factor=capacity_factor)
+
+
+@pytest.mark.parametrize("layer", sorted(DECODE_LAYERS))
+@pytest.mark.parametrize("T", [1, 2, 8, 32, 128])
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+def test_decode_as_the_public_call_picks(backend, monkeypatch, layer, T, activation):
+    """The variant and gate split the public call picks per shape (the narrow tile at one token), and a
+    second call bitwise the first (the split gate sums its partials in a fixed order)."""
+    monkeypatch.setattr(backend.debug, "expert_variant", None)
+    monkeypatch.setattr(backend.debug, "gate_split", None)
+    H, I, E, k = DECODE_LAYERS[layer]
+    x, router, w1, w2 = make_inputs(T, H, I, E, k, activation, torch.bfloat16)
+    y, routing = check_against_reference(backend, x, router, w1, w2, top_k=k, activation=activation, normalize=True,
+                                         capacity_factor=None)
+    again, again_routing = backend.fused_forward(x, router, w1, w2, top_k=k, activation=activation,
+                                                 normalize_topk=True, capacity_factor=None)
+    assert torch.equal(y, again) and torch.equal(routing.weight, again_routing.weight)
+
+
+def test_one_token_on_a_deep_ffn(backend, monkeypatch):
+    """Mixtral's layer at T = 1: the narrow tile is picked for its 32 GEMM2 tasks, each 14336 deep."""
+    from flashdmoe import expert_variants
+
+    monkeypatch.setattr(backend.debug, "expert_variant", None)
+
+    T, H, I, E, k = 1, 4096, 14336, 8, 2
+    blocks = torch.cuda.get_device_properties(0).multi_processor_count
+    assert expert_variants.choose_variant(T, H, I, E, k, "swiglu", blocks) == NARROW_VARIANT
+    x, router, w1, w2 = make_inputs(T, H, I, E, k, "swiglu", torch.bfloat16)
+    check_against_reference(backend, x, router, w1, w2, top_k=k, activation="swiglu", normalize=True,
+                            capacity_factor=None)

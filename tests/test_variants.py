@@ -14,16 +14,16 @@ from flashdmoe.expert_variants import EXPERT_VARIANTS, VARIANTS, ExpertVariant
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 ELEMENTS = {"__nv_bfloat16": "bf16", "__half": "fp16", "float": "fp32"}
 DTYPE_CODES = {"DType::BFloat16": "bf16", "DType::Float16": "fp16", "DType::Float32": "fp32"}
-CPP_VARIANT = r"ExpertVariant<ExpertMma::(\w+), (\d+), (\d+), (\d+)>"
+CPP_VARIANT = r"ExpertVariant<ExpertMma::(\w+), (\d+), (\d+), (\d+), (\d+)>"
 
 
 def _fields(variant: ExpertVariant):
-    return variant.mma, variant.tile_n, variant.stages, variant.blocks_per_sm
+    return variant.mma, variant.tile_n, variant.stages, variant.blocks_per_sm, variant.row_box
 
 
 def _cpp_fields(match):
-    mma, tile_n, stages, blocks = match
-    return mma, int(tile_n), int(stages), int(blocks)
+    mma, tile_n, stages, blocks, row_box = match
+    return mma, int(tile_n), int(stages), int(blocks), int(row_box)
 
 
 def test_generated_dispatch_reaches_exactly_the_table():
@@ -95,9 +95,107 @@ def test_variant_id_rejects_an_unknown_name():
 
 def test_the_table_refuses_variants_the_kernel_cannot_compile():
     tma = VARIANTS[0]
+    with pytest.raises(ValueError, match=r"row_box=24: expected one of 8, 16, 32, 64, 128"):
+        dataclasses.replace(tma, row_box=24)
+    with pytest.raises(ValueError, match=r"row_box=16: only TMA variants load A in boxes"):
+        dataclasses.replace(VARIANTS[1], row_box=16)
     with pytest.raises(ValueError, match=r"fp32 \(TF32\) inputs run on the MmaSync tiles only"):
         dataclasses.replace(tma, dtypes=("bf16", "fp32"))
     with pytest.raises(ValueError, match=r"mma='Wgmma' is not an ExpertMma enumerator"):
         dataclasses.replace(tma, mma="Wgmma")
     with pytest.raises(ValueError, match=r"dtypes=\('int8',\)"):
         dataclasses.replace(tma, dtypes=("int8",))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The variant a forward runs on
+
+NARROW = "tma-wgmma-128x128-6stage-prefetch-abox16"
+# (T, H, I, E, k, activation): decode rows of issue 15's table, and large-T rows.
+DECODE_ONE_TOKEN = [(1, 2048, 768, 128, 8, "swiglu"), (1, 4096, 1408, 64, 6, "gelu"), (1, 4096, 14336, 8, 2, "swiglu")]
+WIDE_ENOUGH = [(8, 2048, 768, 128, 8, "swiglu"), (128, 4096, 1408, 64, 6, "swiglu"), (128, 4096, 1408, 64, 6, "gelu"),
+               (32, 7168, 2048, 256, 8, "swiglu"), (8192, 2048, 2048, 32, 2, "gelu"), (4096, 4096, 14336, 8, 2, "swiglu")]
+
+
+def test_the_narrow_tile_is_in_the_table_for_16_bit_inputs():
+    narrow = VARIANTS[EXPERT_VARIANTS[NARROW]]
+    assert (narrow.mma, narrow.tile_n, narrow.row_box, narrow.dtypes) == ("WgmmaTmaPrefetch", 128, 16, ("bf16", "fp16"))
+    # the same shared memory as the default: stages x (A + B) bytes per stage
+    default = VARIANTS[0]
+    assert narrow.stages * (128 + narrow.tile_n) == default.stages * (128 + default.tile_n)
+
+
+@pytest.mark.parametrize("shape", DECODE_ONE_TOKEN)
+def test_one_token_picks_the_narrow_tile(shape):
+    """With the wide tile a token's k experts give fewer GEMM1 or GEMM2 tasks than the 132 SMs (48 GEMM1
+    tasks at Qwen3's 1/2048/768/128/8, 32 GEMM2 tasks at Mixtral's 1/4096/14336/8/2): the narrow tile
+    doubles them and is estimated at least 10% faster."""
+    T, H, I, E, k, act = shape
+    wide_tasks = min(k * -(-I // (128 if act == "swiglu" else 256)), k * -(-H // 256))
+    assert wide_tasks < 132
+    assert expert_variants.choose_variant(*shape, blocks=132) == NARROW
+    narrow = expert_variants.expert_phase_estimate(VARIANTS[EXPERT_VARIANTS[NARROW]], *shape, blocks=132)
+    wide = expert_variants.expert_phase_estimate(VARIANTS[0], *shape, blocks=132)
+    assert narrow < 0.9 * wide
+
+
+@pytest.mark.parametrize("shape", WIDE_ENOUGH)
+def test_batches_that_fill_the_grid_keep_the_default(shape):
+    assert expert_variants.choose_variant(*shape, blocks=132) == expert_variants.DEFAULT_EXPERT_VARIANT
+
+
+def test_fewer_blocks_per_rank_take_longer_until_a_chain_binds():
+    """An emulated team of 8 on one GPU gives each rank 16 blocks: its share of the stream is slower; with
+    all 132 the one-token estimate is a row tile's GEMM1 -> GEMM2 chain, which more blocks cannot shorten."""
+    shape = DECODE_ONE_TOKEN[0]
+    for variant in (VARIANTS[0], VARIANTS[EXPERT_VARIANTS[NARROW]]):
+        few, all_, more = (expert_variants.expert_phase_estimate(variant, *shape, blocks=b) for b in (16, 132, 264))
+        assert few > all_ == more
+
+
+def test_the_estimate_is_the_weight_floor_at_least():
+    T, H, I, E, k, act = 32, 7168, 2048, 256, 8, "swiglu"
+    hit = E * (1 - (1 - k / E) ** T)
+    floor = hit * (H * 2 * I + I * H) * 2 / 4.3e12
+    for variant in VARIANTS:
+        assert expert_variants.expert_phase_estimate(variant, T, H, I, E, k, act, blocks=132) >= floor
+    assert expert_variants.expert_phase_estimate(VARIANTS[0], 0, H, I, E, k, act, blocks=132) == 0.0
+
+
+@pytest.mark.parametrize("name,value", [("tokens", -1), ("hidden", 0), ("experts", 0), ("top_k", 0), ("blocks", 0)])
+def test_choose_variant_refuses_bad_sizes(name, value):
+    sizes = dict(tokens=1, hidden=2048, ffn=768, experts=128, top_k=8, activation="swiglu", blocks=132)
+    sizes[name] = value
+    with pytest.raises(ValueError, match=rf"^{name}={value} must be"):
+        expert_variants.choose_variant(**sizes)
+
+
+def test_the_plan_launches_the_chosen_variant_unless_forced(monkeypatch):
+    """The public call picks the variant per shape (and turns the split gate on); the debug knobs force
+    either for measurement."""
+    import torch
+
+    import flashdmoe
+    from fake_cuda import fake_cuda
+
+    monkeypatch.setattr(cuda_backend.debug, "timeout_ms", None)
+    g = torch.Generator().manual_seed(5)
+    H, I, E, k = 256, 768, 128, 8
+    w1 = (torch.randn(E, H, 2 * I, generator=g) / H ** 0.5).bfloat16()
+    w2 = (torch.randn(E, I, H, generator=g) / I ** 0.5).bfloat16()
+    router = (torch.randn(E, H, generator=g) / H ** 0.5).bfloat16()
+
+    def planned(tokens):
+        x = torch.randn(tokens, H, generator=g).bfloat16()
+        with torch.no_grad():
+            flashdmoe.moe(x, router, w1, w2, top_k=k, activation="swiglu", backend="cuda")
+        shared = ext.prepared[-1][0]
+        return shared["expert_variant"], shared["gate_split"]
+
+    with fake_cuda(monkeypatch) as (ext, _, _):
+        assert cuda_backend.debug.expert_variant is None and cuda_backend.debug.gate_split is None
+        assert planned(1) == (EXPERT_VARIANTS[NARROW], True)
+        assert planned(4096) == (EXPERT_VARIANTS[expert_variants.DEFAULT_EXPERT_VARIANT], True)
+        monkeypatch.setattr(cuda_backend.debug, "expert_variant", expert_variants.DEFAULT_EXPERT_VARIANT)
+        monkeypatch.setattr(cuda_backend.debug, "gate_split", False)
+        assert planned(1) == (EXPERT_VARIANTS[expert_variants.DEFAULT_EXPERT_VARIANT], False)

@@ -77,10 +77,14 @@ __device__ __forceinline__ int task_k_tiles(const MoEParams& p, FfnGemm gemm) {
   return (gemm == FfnGemm::Gemm2 ? p.ffn : p.hidden) / static_cast<int>(kTmaSlabK);
 }
 
-// The TMA loads of one K slab of a task, one loader per operand. A: the task's 128 rows.
-__device__ __forceinline__ void load_a_slab(uint32_t dst, const MoEParams& p, FfnGemm gemm, int a_row, int k0,
-                                            uint32_t bar) {
-  tma::load_2d(dst, gemm == FfnGemm::Gemm1 ? &p.maps.recv : &p.maps.intermediate, bar, k0, a_row);
+// The TMA loads of one K slab of a task, one loader per operand. A: the kBoxRows-row boxes that hold
+// the task's rows (a_boxes of them, from row a_row).
+template <int kBoxRows>
+__device__ __forceinline__ void load_a_slab(uint32_t dst, const MoEParams& p, FfnGemm gemm, int a_row, int a_boxes,
+                                            int k0, uint32_t bar) {
+  const CUtensorMap* rows = gemm == FfnGemm::Gemm1 ? &p.maps.recv : &p.maps.intermediate;
+  for (int box = 0; box < a_boxes; ++box)
+    tma::load_2d(dst + box * expert_row_box(kBoxRows).bytes(), rows, bar, k0, a_row + box * kBoxRows);
 }
 // B: the task's kPanels weight panels of its local expert, the first half from cols.lo, the second from cols.hi.
 template <int kPanels>
@@ -101,7 +105,7 @@ template <typename Element, typename Variant>
 __device__ bool produce_tasks(const MoEParams& p, const DestTables& tables, char* smem,
                               StagePipeline<Variant::kStages>& stages, TaskRing<Variant::kStages>& ring,
                               const TaskCounts& counts) {
-  using Gemm = TmaTileGemm<Element, Variant::kTileN, Variant::kStages>;
+  using Gemm = TmaTileGemm<Element, Variant::kTileN, Variant::kStages, Variant::kRowBoxRows>;
   typename Gemm::State stage{};
   typename TaskRing<Variant::kStages>::State slot{};
   uint32_t ready_seen = 0;
@@ -121,12 +125,14 @@ __device__ bool produce_tasks(const MoEParams& p, const DestTables& tables, char
     if (!ready) return false;
     const int k_tiles = task_k_tiles(p, job.gemm);
     const int a_row = a_first_row(p, tile, job.gemm);
+    const int a_boxes = expert_row_boxes(tile.rows, Variant::kRowBoxRows);
     const WeightColumns cols = weight_columns<Variant>(p, job.gemm, job.col_tile);
     auto load_slab = [&](uint32_t a_dst, uint32_t b_dst, int k0, uint32_t bar) {
-      load_a_slab(a_dst, p, job.gemm, a_row, k0, bar);
+      load_a_slab<Variant::kRowBoxRows>(a_dst, p, job.gemm, a_row, a_boxes, k0, bar);
       load_b_slab<Gemm::kPanels>(b_dst, p, job.gemm, cols, tile.local, k0, bar);
     };
-    if (!Gemm::produce(smem, stages, stage, k_tiles, p, load_slab)) return false;  // the error word stops the consumers
+    // the error word stops the consumers
+    if (!Gemm::produce(smem, stages, stage, k_tiles, Gemm::stage_tx_bytes(a_boxes), p, load_slab)) return false;
   }
 }
 
@@ -135,7 +141,7 @@ template <typename Element, typename Variant>
 __device__ bool consume_tasks(const MoEParams& p, const DestTables& tables, char* smem,
                               StagePipeline<Variant::kStages>& stages, TaskRing<Variant::kStages>& ring,
                               const TaskCounts& counts) {
-  using Gemm = TmaTileGemm<Element, Variant::kTileN, Variant::kStages>;
+  using Gemm = TmaTileGemm<Element, Variant::kTileN, Variant::kStages, Variant::kRowBoxRows>;
   typename Gemm::State stage{};
   for (typename TaskRing<Variant::kStages>::State slot{};; slot.advance()) {
     const int task = ring.take(slot, p);

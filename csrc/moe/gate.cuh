@@ -217,15 +217,21 @@ __device__ void gate_tile(const MoEParams& p, int tile, char* smem, const SmemLa
 
 // One K range of a split tile: partial logits to the workspace; the tile's last block to arrive sums
 // the partials in split order (the same sum whichever block is last) and finishes the tile.
+// Only the tile's token rows are written and summed: a decode tile of one token over 32 splits would
+// otherwise have its last block alone read 32 x 32 padding-row partials (512 KB with E = 128), which
+// cost more than the split saved.
 template <typename Element, int STAGES, bool kTma>
 __device__ void gate_split_item(const MoEParams& p, int item, char* smem, const SmemLayout& layout,
                                 GateFeed<STAGES>& feed) {
   __shared__ int last_to_arrive;
   const int E = p.experts, splits = p.gate_splits;
   const int tile = item / splits, split = item % splits;
+  const int tile_tokens = min(kGateTileM, p.tokens - tile * kGateTileM);
   float* partial = p.gate_partial + static_cast<size_t>(item) * kGateTileM * E;
   router_gemm<Element, STAGES, kTma>(p, tile, split_begin<Element>(p, split), split_begin<Element>(p, split + 1), smem,
-                                     layout, feed, [&](int row, int expert, float v) { partial[row * E + expert] = v; });
+                                     layout, feed, [&](int row, int expert, float v) {
+                                       if (row < tile_tokens) partial[row * E + expert] = v;
+                                     });
   // Every writer fences its own partials (not only the arriving thread: the stores come from all
   // workers), and every reader fences after learning it is last.
   __threadfence();
@@ -237,9 +243,20 @@ __device__ void gate_split_item(const MoEParams& p, int item, char* smem, const 
   const int stride = gate_logits_stride(E);
   float* logits = gate_logits<STAGES>(smem);
   const float* first = p.gate_partial + static_cast<size_t>(tile) * splits * kGateTileM * E;
-  for (int i = threadIdx.x; i < kGateTileM * E; i += kThreads) {
+  const size_t split_stride = static_cast<size_t>(kGateTileM) * E;
+  for (int i = threadIdx.x; i < tile_tokens * E; i += kThreads) {
+    // Eight splits' loads in flight at a time, summed in split order.
+    constexpr int kBatch = 8;
     float sum = 0.f;
-    for (int s = 0; s < splits; ++s) sum += __ldcg(first + static_cast<size_t>(s) * kGateTileM * E + i);
+    int s = 0;
+    for (; s + kBatch <= splits; s += kBatch) {
+      float v[kBatch];
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) v[j] = __ldcg(first + (s + j) * split_stride + i);
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) sum += v[j];
+    }
+    for (; s < splits; ++s) sum += __ldcg(first + s * split_stride + i);
     logits[(i / E) * stride + i % E] = sum;
   }
   sync_workers();

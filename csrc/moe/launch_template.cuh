@@ -149,8 +149,10 @@ inline CUtensorMap make_tensor_map(const void* base, const uint64_t* dims, const
 
 // The rank's TMA descriptors for the addresses `p` holds, re-encoding only the maps whose base moved
 // since the rank's last launch (`prepared.params.maps` is the cache; the caller holds its mutex). Every
-// dim is fixed by the plan, so a map's base is its only per-call input.
-inline void refresh_expert_tensor_maps(const ForwardArgs& a, PreparedRank& prepared, const MoEParams& p) {
+// dim is fixed by the plan, so a map's base is its only per-call input. row_box: the variant's A row box
+// (expert_row_box(Variant::kRowBoxRows)).
+inline void refresh_expert_tensor_maps(const ForwardArgs& a, PreparedRank& prepared, const MoEParams& p,
+                                       const TmaBox& row_box) {
   const uint64_t L = p.local_experts, H = p.hidden, I = p.ffn, cols = p.w1_cols;
   // Rows of the receive and the intermediate buffer: every row this rank's experts can take.
   const uint64_t rows_in = p.world_size == 1 ? static_cast<uint64_t>(p.tokens) * p.top_k
@@ -171,8 +173,8 @@ inline void refresh_expert_tensor_maps(const ForwardArgs& a, PreparedRank& prepa
   const uint64_t router_dims[2] = {H, static_cast<uint64_t>(p.experts)};
   refresh(PreparedRank::kMapW1, p.w1, maps.w1, w1_dims, kWeightPanelBox, "w1");
   refresh(PreparedRank::kMapW2, p.w2, maps.w2, w2_dims, kWeightPanelBox, "w2");
-  refresh(PreparedRank::kMapRecv, p.peers[p.rank].recv, maps.recv, recv_dims, kExpertRowBox, "the receive buffer");
-  refresh(PreparedRank::kMapIntermediate, p.intermediate, maps.intermediate, mid_dims, kExpertRowBox,
+  refresh(PreparedRank::kMapRecv, p.peers[p.rank].recv, maps.recv, recv_dims, row_box, "the receive buffer");
+  refresh(PreparedRank::kMapIntermediate, p.intermediate, maps.intermediate, mid_dims, row_box,
           "the intermediate buffer");
   refresh(PreparedRank::kMapGateX, p.tokens > 0 ? p.x : p.intermediate, maps.gate_x, x_dims, kGateTokenBox,
           "x (gate)");
@@ -238,7 +240,7 @@ LaunchInfo launch_forward_variant(PreparedLaunch& prepared, const uintptr_t* add
       void* rank_status = status_host == nullptr ? nullptr : static_cast<char*>(status_host) + kStatusBytes * i;
       bind_addresses(rank, router, addresses + 1 + kAddressesPerRank * i, sequence, rank_status, p);
       if constexpr (Variant::kUseTma) {
-        refresh_expert_tensor_maps(a, rank, p);
+        refresh_expert_tensor_maps(a, rank, p, expert_row_box(Variant::kRowBoxRows));
         p.maps = rank.params.maps;
       }
     }

@@ -17,9 +17,10 @@ __host__ __device__ constexpr int gate_stages(int experts) {
   return experts <= kDeepGateMaxExperts ? kGateStagesDeep : kGateStagesShallow;
 }
 // Small batches: with fewer gate tiles than blocks, most SMs would idle while a few stream the whole
-// router. Each tile's K slabs are then split over several blocks (fp32 partial logits to the workspace,
-// summed in split order by the tile's last block: deterministic). Up to kGateSplitMaxTiles tiles are
-// split, into at most gate_split_max_items(E) (tile, K range) items in all.
+// router (at T = 1 one block reads a 512 KB router at ~0.65 us per K slab). Each tile's K slabs are then
+// split over several blocks (fp32 partial logits of the tile's token rows to the workspace, summed in
+// split order by the tile's last block: deterministic). Up to kGateSplitMaxTiles tiles are split, into
+// at most gate_split_max_items(E) (tile, K range) items in all. On in every public forward.
 constexpr int kGateSplitMaxTiles = 64;
 __host__ __device__ constexpr int gate_split_max_items(int experts) { return 256 * 64 / (experts > 64 ? experts : 64); }
 // K ranges per gate tile for a rank of `blocks` blocks. Only with the deep gate pipeline (E <= 256):
@@ -54,12 +55,17 @@ constexpr int kWarpStagingBytes = 16 * 128;
 // MmaSync: mma.sync with all threads loading by cp.async (moe/tile_gemm.cuh); the only path for fp32
 // inputs (TF32), and the portable comparison point.
 enum class ExpertMma : int { MmaSync = 0, WgmmaTmaPrefetch = 1 };
-template <ExpertMma kMma, int kTileNArg, int kStagesArg, int kBlocksPerSm>
+// kRowBoxRowsArg: rows of the TMA box A is loaded in (TMA variants; a tile loads the boxes holding its
+// rows): 64 (one warpgroup's) for full tiles at two requests per slab, 16 for decode tiles of a row or two.
+template <ExpertMma kMma, int kTileNArg, int kStagesArg, int kBlocksPerSm, int kRowBoxRowsArg>
 struct ExpertVariant {
   static constexpr ExpertMma kMmaFamily = kMma;
   static constexpr bool kUseTma = kMma == ExpertMma::WgmmaTmaPrefetch;
   static constexpr int kTileN = kTileNArg;
   static constexpr int kStages = kStagesArg;
+  static constexpr int kRowBoxRows = kRowBoxRowsArg;
+  // Whole 8-row swizzle atoms per box (each box lands 1 KB-aligned), whole boxes per tile.
+  static_assert(kRowBoxRows % 8 == 0 && kExpertTileM % kRowBoxRows == 0, "A row boxes must tile the 128 rows");
   static constexpr int kMinBlocksPerSm = kBlocksPerSm;
   static constexpr int kBlockThreads = kUseTma ? kThreads + 32 : kThreads;  // + the producer warp
   static constexpr int kPipelineBytes = kStages * (kExpertTileM + kTileN) * 64 * 2;

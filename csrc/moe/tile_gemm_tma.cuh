@@ -1,7 +1,7 @@
 // Block tile GEMM on Hopper warpgroup MMA fed by TMA, warp-specialised: 128 x BN tile (BN = 128 or 256),
 // two consumer warpgroups of 64 rows each issuing wgmma.m64nBNk16 from shared memory. A producer warp
-// (the block's threads past the kThreads workers; lane 0 issues) loads each 64-deep K slab of A (128
-// contiguous rows, K-major) and B ([K, N] weights as MN-major 64-column panels) into one of STAGES
+// (the block's threads past the kThreads workers; lane 0 issues) loads each 64-deep K slab of A (up to
+// 128 contiguous rows in ROW_BOX-row boxes, K-major) and B ([K, N] weights as MN-major 64-column panels) into one of STAGES
 // shared-memory stages and arms the stage's "full" mbarrier with the byte count; the consumers wait on
 // it, run wgmma, and release the stage on its "empty" mbarrier. No block-wide barrier inside the K
 // loop, so loads run up to STAGES slabs ahead. TMA's 128-byte swizzle is the one wgmma's descriptors
@@ -16,7 +16,7 @@
 
 namespace flashdmoe {
 
-template <typename Element, int BN, int STAGES>
+template <typename Element, int BN, int STAGES, int ROW_BOX>
 struct TmaTileGemm {
   using Pipeline = StagePipeline<STAGES>;
   using State = PipelineState<STAGES>;
@@ -28,10 +28,16 @@ struct TmaTileGemm {
   static constexpr int kPanelBytes = kBlockK * 64 * 2;  // one 64-column B panel: 64 K rows x 128 bytes
   static constexpr int kPipelineBytes = STAGES * (kStageBytesA + kStageBytesB);
   static constexpr uint32_t kAtomBytes = 1024;  // 8 rows x 128 bytes: the swizzle repeat
-  // A stage is filled by one A box and kPanels weight panel boxes: its expect_tx byte count.
-  static constexpr uint32_t kStageTxBytes = kExpertRowBox.bytes() + kPanels * kWeightPanelBox.bytes();
-  static_assert(kExpertRowBox.dims[0] == kBlockK && kExpertRowBox.dims[1] == kBlockM &&
-                kExpertRowBox.bytes() == kStageBytesA, "an A stage is one row box");
+  // A stage is filled by `a_boxes` A row boxes (as many as the tile has rows for) and kPanels weight
+  // panel boxes: its expect_tx byte count. A rows past those boxes keep stale data: they feed only
+  // accumulator rows past the tile's rows, which are never stored (a wgmma row of D reads only its own
+  // row of A), or the warpgroup that has none of the tile's rows and skips its wgmma.
+  static constexpr TmaBox kRowBox = expert_row_box(ROW_BOX);
+  __host__ __device__ static constexpr uint32_t stage_tx_bytes(int a_boxes) {
+    return a_boxes * kRowBox.bytes() + kPanels * kWeightPanelBox.bytes();
+  }
+  static_assert(kRowBox.dims[0] == kBlockK && kBlockM % kRowBox.dims[1] == 0 &&
+                kBlockM / kRowBox.dims[1] * kRowBox.bytes() == kStageBytesA, "an A stage is whole row boxes");
   static_assert(kWeightPanelBox.dims[0] * kPanels == kBlockN && kWeightPanelBox.dims[1] == kBlockK &&
                 kWeightPanelBox.bytes() == kPanelBytes && kPanels * kPanelBytes == kStageBytesB,
                 "a B stage is kPanels weight panel boxes");
@@ -61,13 +67,15 @@ struct TmaTileGemm {
   }
 
   // Producer lane: the tile's k_tiles slabs into the ring from position `at` on (advanced past them),
-  // each once the consumers released the stage. load(a_dst, b_dst, k0, bar) issues a slab's TMA loads.
+  // each once the consumers released the stage. load(a_dst, b_dst, k0, bar) issues a slab's TMA loads,
+  // tx_bytes of them (stage_tx_bytes).
   template <typename Load>
-  __device__ static bool produce(char* smem, Pipeline& pipe, State& at, int k_tiles, const MoEParams& p, Load&& load) {
+  __device__ static bool produce(char* smem, Pipeline& pipe, State& at, int k_tiles, uint32_t tx_bytes,
+                                 const MoEParams& p, Load&& load) {
     const uint32_t base = ptx::smem_addr(smem);
     for (int kt = 0; kt < k_tiles; ++kt, at.advance()) {
       if (!pipe.producer_acquire(at, p)) return false;
-      const uint32_t full = pipe.producer_commit(at, kStageTxBytes);
+      const uint32_t full = pipe.producer_commit(at, tx_bytes);
       load(a_stage(base, at.index()), b_stage(base, at.index()), kt * kBlockK, full);
     }
     return true;

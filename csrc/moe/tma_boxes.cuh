@@ -24,8 +24,16 @@ struct TmaBox {
   }
 };
 
-// Expert GEMM A: one K slab of a 128-row tile of the receive buffer (GEMM1) or the intermediate (GEMM2).
-constexpr TmaBox kExpertRowBox{{kTmaSlabK, kExpertTileM, 1}, 2};
+// Expert GEMM A: one K slab of box_rows rows (the variant's ExpertVariant::kRowBoxRows) of the receive
+// buffer (GEMM1) or the intermediate (GEMM2). A tile loads only the boxes that hold its rows: a decode
+// tile of a few rows streams box_rows x 128 bytes of A per slab beside its weights, not 16 KB.
+__host__ __device__ constexpr TmaBox expert_row_box(int box_rows) {
+  return {{kTmaSlabK, static_cast<uint32_t>(box_rows), 1}, 2};
+}
+// Row boxes per K slab of a tile of `rows` rows (at least one: a tile always has a row).
+__host__ __device__ constexpr int expert_row_boxes(int rows, int box_rows) {
+  return rows <= box_rows ? 1 : (rows + box_rows - 1) / box_rows;
+}
 // Expert GEMM B: one 64-column panel of one K slab of one local expert's weights ([L][K][N]).
 constexpr uint32_t kWeightPanelColumns = 64;
 constexpr TmaBox kWeightPanelBox{{kWeightPanelColumns, kTmaSlabK, 1}, 3};
