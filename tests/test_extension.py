@@ -381,11 +381,34 @@ def test_real_csrc_compiles_for_sm_90a(toolchain, tmp_path, capsys, record_prope
     printed = _run_in_fresh_process("module = import_extension(argv[0])\nprint(repr((module.__name__, module.expert_variants())))",
                                     so_path)
     assert printed == repr(("flashdmoe_cuda", list(expert_variants.EXPERT_VARIANTS)))
-    # One kernel per (variant, dtype) of the table, and one training instance (saving pre-activations) per
+    # prepare_forward checks a launch once, with no CUDA call (so no driver needed): bad input is a
+    # ValueError naming what is wrong.
+    printed = _run_in_fresh_process(
+        "module = import_extension(argv[0])\n"
+        "shared = dict(hidden=256, ffn=128, experts=8, top_k=2, world_size=1, stream_rows=64, dtype=0, activation=1,\n"
+        "              normalize_topk=True, timeout_ns=10**9, debug_withhold_phase=0, expert_variant=0, max_blocks=0,\n"
+        "              gate_split=False, grid_percent=100)\n"
+        "rank = dict(workspace_bytes=1 << 30, tokens=32, capacity=32, rank=0, silent=False, peer_recv=[], peer_comb=[],\n"
+        "            peer_signals=[])\n"
+        "errors = []\n"
+        "for change, where in (({'hidden': 200}, shared), ({'workspace_bytes': 64}, rank)):\n"
+        "    try:\n"
+        "        module.prepare_forward(dict(shared, **change) if where is shared else shared,\n"
+        "                               [dict(rank, **change) if where is rank else rank])\n"
+        "    except ValueError as error:\n"
+        "        errors.append(str(error))\n"
+        "print(repr((module.prepare_forward(shared, [rank]).num_ranks, errors)))\n",
+        so_path)
+    ranks, errors = eval(printed)  # noqa: S307  (our own repr)
+    assert ranks == 1 and len(errors) == 2, printed
+    assert "hidden size H=200" in errors[0] and "workspace holds 64 bytes" in errors[1], errors
+    # Per (variant, dtype) of the table one kernel for each rank capacity of the parameter struct
+    # (expert_variants.RANK_CAPACITIES), and one training instance (saving pre-activations, one rank) per
     # 16-bit (variant, dtype); nothing else.
     kernels = [entry.name for entry in report if "moe_forward_kernel" in entry.name]
     training = [name for name in kernels if "SavingPre" in name]
-    assert len(kernels) - len(training) == sum(len(variant.dtypes) for variant in expert_variants.VARIANTS), kernels
+    assert len(kernels) - len(training) == len(expert_variants.RANK_CAPACITIES) * sum(
+        len(variant.dtypes) for variant in expert_variants.VARIANTS), kernels
     assert len(training) == sum(len([d for d in variant.dtypes if d != "fp32"]) for variant in expert_variants.VARIANTS)
 
     generated = len(extension.collect_sources(source_dir).generated_units())

@@ -317,7 +317,7 @@ def test_emulated_launch_sequence_numbers_and_report(fake):
     report = flashdmoe.last_report()
     flashdmoe.synchronize()
     assert report.ranks == (0, 1) and report.tokens == (16, 5)
-    # Both ranks' workspaces at one pitch in one buffer (one strided status copy).
+    # Both ranks' workspaces at one pitch in one buffer.
     first, second = ext.launches[-1]["workspace"]
     assert second - first == ext.prepared[-1][1][0]["workspace_bytes"] > 0
     assert len(ext.prepared) == 1, "the launch was prepared once for both forwards"

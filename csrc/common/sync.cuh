@@ -82,7 +82,7 @@ __device__ __forceinline__ bool grid_barrier(const MoEParams& p, uint32_t phase,
 // reset), and all of them have counted themselves out. A launch that times out still reaches this in
 // every block (every wait is bounded by the watchdog), so the reset runs after a failure too. Not
 // inlined: as a call it adds no register pressure to the phases before it (fewer spills in mma.sync).
-__device__ __noinline__ void finish_launch(const MoEParams& p) {
+static __device__ __noinline__ void finish_launch(const MoEParams& p) {
   __shared__ int last_block;
   __syncthreads();
   if (threadIdx.x == 0) {
