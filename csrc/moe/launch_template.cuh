@@ -230,7 +230,9 @@ LaunchInfo launch_forward_variant(const ForwardArgs& a, cudaStream_t stream) {
     launch.rank[i].first_block = i * blocks_per_rank;
     launch.rank[i].blocks = blocks_per_rank;
     launch.rank[i].gate_splits =
-        a.gate_split ? gate_splits_for(launch.rank[i].gate_tiles, a.hidden, a.experts, blocks_per_rank) : 1;
+        a.gate_split ? gate_splits_for(launch.rank[i].tokens, launch.rank[i].gate_tiles, a.hidden, a.experts,
+                                       blocks_per_rank)
+                     : 1;
   }
 
   for (int i = 0; i < a.num_ranks; ++i) {
