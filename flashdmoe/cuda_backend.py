@@ -259,7 +259,7 @@ def _make_plan(ext, kind, team, tokens, H, I, E, top_k, dtype, activation, norma
         variant = variant_id(debug.expert_variant)
     else:  # each launch's rank gets an equal share of the grid (and of the MPS share of the SMs)
         blocks = max(1, _multiprocessors(_current_device()) * (100 if percent is None else percent) // 100 // len(ranks))
-        variant = variant_id(choose_variant(max(tokens), H, I, E, top_k, activation, blocks))
+        variant = variant_id(choose_variant(max(tokens), H, I, E, top_k, activation, blocks, P))
     timeout = timeout_ms()
     shared = {
         "hidden": H, "ffn": I, "experts": E, "top_k": top_k, "world_size": P, "stream_rows": stream_rows,

@@ -13,6 +13,7 @@ Importing this module needs neither torch nor a GPU: the names are known before 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 # ExpertMma enumerator (csrc/moe/tile_config.cuh) -> (name prefix, name suffix).
@@ -112,16 +113,18 @@ _SLAB_K = 64          # kTmaSlabK
 
 
 def expert_phase_estimate(variant: ExpertVariant, tokens: int, hidden: int, ffn: int, experts: int, top_k: int,
-                          activation: str, blocks: int, element_bytes: int = 2) -> float:
+                          activation: str, blocks: int, world_size: int = 1, element_bytes: int = 2) -> float:
     """Seconds the expert phase of one rank would take on ``variant`` by the streaming model: the larger of
     the rank's TMA bytes spread over ``blocks`` SMs, one row tile's GEMM1 + GEMM2 chain on one SM (it
-    cannot be split), and the distinct experts' weights at HBM speed. ``tokens`` per source rank;
-    expected row tiles from the expected number of (source, expert) segments hit."""
+    cannot be split), and the distinct local experts' weights at HBM speed. ``tokens`` per source rank
+    (``world_size`` of them, ``experts / world_size`` local experts each); expected row tiles from the
+    expected number of (source, local expert) segments hit."""
     if tokens <= 0:
         return 0.0
     hit = 1.0 - (1.0 - top_k / experts) ** tokens   # P(a given expert gets a token of one source)
     rows = tokens * top_k                           # rows this rank's experts take, over all sources
-    tiles = experts * hit + rows / _TILE_M          # segments hit, plus the full tiles' share
+    tiles = experts * hit + rows / _TILE_M          # world_size x local experts segments, plus full tiles
+    local_hit = experts / world_size * (1.0 - (1.0 - top_k / experts) ** (tokens * world_size))
     a_boxes = -(-min(_TILE_M, rows / tiles) // variant.row_box)
     a_slab = a_boxes * variant.row_box * _SLAB_K * element_bytes
     b_slab = variant.tile_n * _SLAB_K * element_bytes
@@ -133,25 +136,27 @@ def expert_phase_estimate(variant: ExpertVariant, tokens: int, hidden: int, ffn:
     spread = (tasks1 * task1 + tasks2 * task2) / blocks / _SM_STREAM_BYTES_PER_S
     chain = (task1 + task2) / _SM_STREAM_BYTES_PER_S
     w1_cols = 2 * ffn if activation == "swiglu" else ffn
-    weights = experts * hit * (hidden * w1_cols + ffn * hidden) * element_bytes / _HBM_BYTES_PER_S
+    weights = local_hit * (hidden * w1_cols + ffn * hidden) * element_bytes / _HBM_BYTES_PER_S
     return max(spread, chain, weights)
 
 
 def choose_variant(tokens: int, hidden: int, ffn: int, experts: int, top_k: int, activation: str,
-                   blocks: int) -> str:
+                   blocks: int, world_size: int = 1) -> str:
     """The TMA variant with the smallest :func:`expert_phase_estimate` for a 16-bit forward (``tokens``
-    per rank, ``blocks`` per rank); the default unless another is estimated at least 10% faster (the
-    model's own error is about that)."""
+    and ``blocks`` per rank); the default unless another is estimated at least 10% faster (the model's
+    own error is about that)."""
     for name, value in (("tokens", tokens), ("hidden", hidden), ("ffn", ffn), ("experts", experts),
-                        ("top_k", top_k), ("blocks", blocks)):
+                        ("top_k", top_k), ("blocks", blocks), ("world_size", world_size)):
         if value < (0 if name == "tokens" else 1):
             raise ValueError(f"{name}={value} must be {'>= 0' if name == 'tokens' else '>= 1'}")
     default = VARIANTS[0]
-    best, best_time = default, expert_phase_estimate(default, tokens, hidden, ffn, experts, top_k, activation, blocks)
+    estimate = functools.partial(expert_phase_estimate, tokens=tokens, hidden=hidden, ffn=ffn, experts=experts,
+                                 top_k=top_k, activation=activation, blocks=blocks, world_size=world_size)
+    best, best_time = default, estimate(default)
     for variant in VARIANTS[1:]:
         if variant.mma != default.mma:
             continue
-        time = expert_phase_estimate(variant, tokens, hidden, ffn, experts, top_k, activation, blocks)
+        time = estimate(variant)
         if time < 0.9 * best_time:
             best, best_time = variant, time
     return best.name

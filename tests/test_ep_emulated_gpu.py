@@ -252,3 +252,18 @@ def test_gradients_match_reference(backend, activation, capacity_factor):
             continue
         err = ((got.grad.float() - want.grad).norm() / want.grad.norm()).item()
         assert err < numerics.backward_tolerance(torch.bfloat16), f"grad {name}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("variant", [None, "tma-wgmma-128x128-6stage-prefetch-abox16"])
+@pytest.mark.parametrize("P,tokens", [(2, (1, 1)), (4, (1, 2, 8, 0)), (4, (32, 1, 128, 3))])
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+def test_decode_on_qwen3_layer(backend, monkeypatch, variant, P, tokens, activation):
+    """Decode batches on Qwen3-30B-A3B's layer split over the team: the expert variant the public call
+    picks per rank's share of the grid (None), and the narrow decode tile forced; split gate on."""
+    monkeypatch.setattr(backend.debug, "expert_variant", variant)
+    monkeypatch.setattr(backend.debug, "gate_split", None)
+    H, I, E, k = 2048, 768, 128, 8
+    xs, router, w1s, w2s = make_inputs(list(tokens), H, I, E, P, activation, torch.bfloat16)
+    team = Team.emulated(P, max_tokens=max(tokens), hidden=H, top_k=k, local_experts=E // P, dtype=torch.bfloat16)
+    run_and_check(backend, team, xs, router, w1s, w2s, top_k=k, activation=activation, normalize=True,
+                  capacity_factor=None)

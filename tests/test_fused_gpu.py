@@ -193,7 +193,7 @@ def test_zero_tokens(backend):
 
 
 @pytest.mark.parametrize("T,H,E,k", [(128, 4096, 64, 6), (100, 1024, 256, 8), (100, 1024, 1024, 8), (2048, 512, 32, 2),
-                                     (33, 64, 8, 2)])
+                                     (33, 64, 8, 2), (1, 2048, 128, 8), (8, 2048, 128, 8), (32, 7168, 256, 8)])
 @pytest.mark.parametrize("split", [True, False])
 def test_small_batches_split_the_gate(backend, T, H, E, k, split):
     """Few gate tiles, with the split gate forced on (each tile's K slabs split over several blocks, partial

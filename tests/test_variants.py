@@ -153,6 +153,18 @@ def test_fewer_blocks_per_rank_take_longer_until_a_chain_binds():
         assert few > all_ == more
 
 
+def test_a_team_rank_streams_only_its_local_experts():
+    """One token per rank of a 4-rank team on 128 blocks each (a GPU per rank): each rank's floor is the
+    weights of its 32 local experts the team's 4 x 8 choices hit, not of 8 x 128."""
+    T, H, I, E, k, act = 1, 2048, 768, 128, 8, "swiglu"
+    narrow = VARIANTS[EXPERT_VARIANTS[NARROW]]
+    local_hit = E / 4 * (1 - (1 - k / E) ** (4 * T))
+    floor = local_hit * (H * 2 * I + I * H) * 2 / 4.3e12
+    team = expert_variants.expert_phase_estimate(narrow, T, H, I, E, k, act, blocks=132, world_size=4)
+    alone = expert_variants.expert_phase_estimate(narrow, T, H, I, E, k, act, blocks=132)
+    assert team >= floor and team <= alone
+
+
 def test_the_estimate_is_the_weight_floor_at_least():
     T, H, I, E, k, act = 32, 7168, 2048, 256, 8, "swiglu"
     hit = E * (1 - (1 - k / E) ** T)
@@ -162,7 +174,8 @@ def test_the_estimate_is_the_weight_floor_at_least():
     assert expert_variants.expert_phase_estimate(VARIANTS[0], 0, H, I, E, k, act, blocks=132) == 0.0
 
 
-@pytest.mark.parametrize("name,value", [("tokens", -1), ("hidden", 0), ("experts", 0), ("top_k", 0), ("blocks", 0)])
+@pytest.mark.parametrize("name,value", [("tokens", -1), ("hidden", 0), ("experts", 0), ("top_k", 0), ("blocks", 0),
+                                        ("world_size", 0)])
 def test_choose_variant_refuses_bad_sizes(name, value):
     sizes = dict(tokens=1, hidden=2048, ffn=768, experts=128, top_k=8, activation="swiglu", blocks=132)
     sizes[name] = value

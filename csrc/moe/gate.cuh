@@ -215,6 +215,51 @@ __device__ void gate_tile(const MoEParams& p, int tile, char* smem, const SmemLa
   finish_gate_tile<STAGES>(p, tile, smem);
 }
 
+// The split tile's logits (rows x E, into `logits` with row stride `stride`) from the splits' partials
+// at `first`. A split's partials for the tile's rows are rows * E consecutive floats, 16-byte aligned
+// (the workspace region is, and a split's are 32 * E floats apart): summed four at a time, four splits'
+// loads in flight, each element in split order (the scalar tail sums the same way). Not inlined: the
+// kernel's register allocation elsewhere (the training instance's epilogue) stays as it was.
+static __device__ __noinline__ void sum_gate_partials(const float* first, int splits, int rows, int E, float* logits,
+                                                      int stride) {
+  const size_t split_stride = static_cast<size_t>(kGateTileM) * E;
+  const int count = rows * E;
+  constexpr int kBatch = 4;
+  auto to_logits = [&](int i, float v) { logits[(i / E) * stride + i % E] = v; };
+  for (int q = threadIdx.x; q < count / 4; q += kThreads) {
+    float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+    int s = 0;
+    for (; s + kBatch <= splits; s += kBatch) {
+      float4 v[kBatch];
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) v[j] = __ldcg(reinterpret_cast<const float4*>(first + (s + j) * split_stride) + q);
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        sum.x += v[j].x;
+        sum.y += v[j].y;
+        sum.z += v[j].z;
+        sum.w += v[j].w;
+      }
+    }
+    for (; s < splits; ++s) {
+      const float4 v = __ldcg(reinterpret_cast<const float4*>(first + s * split_stride) + q);
+      sum.x += v.x;
+      sum.y += v.y;
+      sum.z += v.z;
+      sum.w += v.w;
+    }
+    to_logits(4 * q, sum.x);
+    to_logits(4 * q + 1, sum.y);
+    to_logits(4 * q + 2, sum.z);
+    to_logits(4 * q + 3, sum.w);
+  }
+  for (int i = count / 4 * 4 + threadIdx.x; i < count; i += kThreads) {
+    float sum = 0.f;
+    for (int s = 0; s < splits; ++s) sum += __ldcg(first + s * split_stride + i);
+    to_logits(i, sum);
+  }
+}
+
 // One K range of a split tile: partial logits to the workspace; the tile's last block to arrive sums
 // the partials in split order (the same sum whichever block is last) and finishes the tile.
 // Only the tile's token rows are written and summed: a decode tile of one token over 32 splits would
@@ -240,25 +285,8 @@ __device__ void gate_split_item(const MoEParams& p, int item, char* smem, const 
   sync_workers();
   if (!last_to_arrive) return;
   __threadfence();
-  const int stride = gate_logits_stride(E);
-  float* logits = gate_logits<STAGES>(smem);
-  const float* first = p.gate_partial + static_cast<size_t>(tile) * splits * kGateTileM * E;
-  const size_t split_stride = static_cast<size_t>(kGateTileM) * E;
-  for (int i = threadIdx.x; i < tile_tokens * E; i += kThreads) {
-    // Eight splits' loads in flight at a time, summed in split order.
-    constexpr int kBatch = 8;
-    float sum = 0.f;
-    int s = 0;
-    for (; s + kBatch <= splits; s += kBatch) {
-      float v[kBatch];
-#pragma unroll
-      for (int j = 0; j < kBatch; ++j) v[j] = __ldcg(first + (s + j) * split_stride + i);
-#pragma unroll
-      for (int j = 0; j < kBatch; ++j) sum += v[j];
-    }
-    for (; s < splits; ++s) sum += __ldcg(first + s * split_stride + i);
-    logits[(i / E) * stride + i % E] = sum;
-  }
+  sum_gate_partials(p.gate_partial + static_cast<size_t>(tile) * splits * kGateTileM * E, splits, tile_tokens, E,
+                    gate_logits<STAGES>(smem), gate_logits_stride(E));
   sync_workers();
   finish_gate_tile<STAGES>(p, tile, smem);
 }

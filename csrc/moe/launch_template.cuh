@@ -227,7 +227,8 @@ LaunchInfo launch_forward_variant(PreparedLaunch& prepared, const uintptr_t* add
         MoEParams& p = prepared.ranks[i].params;
         p.first_block = i * blocks_per_rank;
         p.blocks = blocks_per_rank;
-        p.gate_splits = a.gate_split ? gate_splits_for(p.gate_tiles, a.hidden, a.experts, blocks_per_rank) : 1;
+        p.gate_splits =
+            a.gate_split ? gate_splits_for(p.tokens, p.gate_tiles, a.hidden, a.experts, blocks_per_rank) : 1;
       }
       choice = {reinterpret_cast<const void*>(kernel), device,
                 {blocks_per_rank * a.num_ranks, resident.blocks_per_sm, smem.total_bytes}};

@@ -23,20 +23,47 @@ __host__ __device__ constexpr int gate_stages(int experts) {
 // at most gate_split_max_items(E) (tile, K range) items in all. On in every public forward.
 constexpr int kGateSplitMaxTiles = 64;
 __host__ __device__ constexpr int gate_split_max_items(int experts) { return 256 * 64 / (experts > 64 ? experts : 64); }
-// K ranges per gate tile for a rank of `blocks` blocks. Only with the deep gate pipeline (E <= 256):
-// with E = 512 and 1024 (4-deep pipeline) the split gate misrouted whole tiles on the H200
-// (scripts/gate_check.py, 2026-12-02: 8 of 20 split runs wrong, 0 of 20 unsplit), cause not found yet.
-__host__ __device__ constexpr int gate_splits_for(int gate_tiles, int hidden, int experts, int blocks) {
-  const int items = blocks < gate_split_max_items(experts) ? blocks : gate_split_max_items(experts);
-  if (experts > kDeepGateMaxExperts) return 1;
-  if (gate_tiles < 1 || gate_tiles > kGateSplitMaxTiles || 2 * gate_tiles > items) return 1;
-  const int splits = items / gate_tiles;
-  return splits < hidden / 64 ? splits : hidden / 64;
-}
 // Rows of the gate's router TMA box: the experts there are (rounded up to 8), at most kGateTileN.
 __host__ __device__ constexpr int gate_router_rows(int experts) {
   return (experts + 7) / 8 * 8 < kGateTileN ? (experts + 7) / 8 * 8 : kGateTileN;
 }
+// TMA bytes of one 64-deep K slab of a gate tile over all experts: per 128 experts, a 32-token box of x
+// and a router box.
+__host__ __device__ constexpr int gate_slab_bytes(int experts) {
+  return (experts + kGateTileN - 1) / kGateTileN * (kGateTileM + gate_router_rows(experts)) * 64 * 2;
+}
+// K ranges per gate tile for a rank of `blocks` blocks and `tokens` tokens. Only with the deep gate
+// pipeline (E <= 256): with E = 512 and 1024 (4-deep pipeline) the split gate misrouted whole tiles on
+// the H200 (scripts/gate_check.py, 2026-12-02: 8 of 20 split runs wrong, 0 of 20 unsplit), cause not
+// found yet. The split count balances a block's share of the tile's slabs against the last block's
+// sum of every split's partials (tokens x E fp32 each, counted twice: plain loads keep fewer bytes in
+// flight than the TMA pipeline): one token takes one slab per split (its partials are 512 B with
+// E = 128), a full tile of E = 256 about eight splits (32 KB of partials each).
+__host__ __device__ constexpr int gate_splits_for(int tokens, int gate_tiles, int hidden, int experts, int blocks) {
+  const int items = blocks < gate_split_max_items(experts) ? blocks : gate_split_max_items(experts);
+  if (experts > kDeepGateMaxExperts) return 1;
+  if (gate_tiles < 1 || gate_tiles > kGateSplitMaxTiles || 2 * gate_tiles > items) return 1;
+  const int slabs = hidden / 64;
+  const int most = items / gate_tiles < slabs ? items / gate_tiles : slabs;
+  const long long slab_bytes = gate_slab_bytes(experts);
+  const long long partial_bytes = 2LL * (tokens < kGateTileM ? tokens : kGateTileM) * experts * 4;
+  int best = 1;
+  long long best_cost = slabs * slab_bytes;
+  for (int splits = 2; splits <= most; ++splits) {
+    const long long cost = (slabs + splits - 1) / splits * slab_bytes + splits * partial_bytes;
+    if (cost < best_cost) {
+      best = splits;
+      best_cost = cost;
+    }
+  }
+  return best;
+}
+// The decode rows of the H200 (132 blocks): Qwen3-30B-A3B's router at T = 1 and 8, DeepSeek-V2-Lite's at
+// T = 128 (four tiles), DeepSeek-V3's at T = 32; a large batch stays unsplit.
+static_assert(gate_splits_for(1, 1, 2048, 128, 132) == 32 && gate_splits_for(8, 1, 2048, 128, 132) == 8 &&
+                  gate_splits_for(128, 4, 4096, 64, 132) == 8 && gate_splits_for(32, 1, 7168, 256, 132) == 8 &&
+                  gate_splits_for(4096, 128, 2048, 64, 132) == 1,
+              "gate split counts of the decode rows");
 __host__ __device__ constexpr int gate_pipeline_bytes(int stages) { return stages * (kGateTileM + kGateTileN) * 64 * 2; }
 
 // Expert FFN GEMMs: 128-row tiles, 128 or 256 columns (per variant), K slabs of 64.
