@@ -1,0 +1,134 @@
+"""The NVSHMEM device-API transport (docs/design.md, "Transport"): the per-team transport option and the
+``flashdmoe_nvshmem`` module bound to the NVSHMEM instance a :meth:`Team.nvshmem
+<flashdmoe.team.Team.nvshmem>` started.
+
+A team reaches a peer either through a *peer pointer* (NVLink or the same GPU: plain stores, the ``p2p``
+transport) or through NVSHMEM's device API (puts with signals over whatever NVSHMEM's transports reach,
+InfiniBand included: the ``nvshmem`` transport). ``peer_transport="auto"`` takes p2p wherever a peer pointer
+exists and nvshmem elsewhere; ``"p2p"`` / ``"nvshmem"`` force one for every peer.
+
+The module's device state is bound once per process (``init_device_state``): NVSHMEM's host library is
+initialised by nvshmem4py, and the module registers its own device state with that instance.
+"""
+
+from __future__ import annotations
+
+import threading
+import types
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["PEER_TRANSPORTS", "SmokeResult", "bound_module", "parse_peer_transport", "resolve_peer_transports",
+           "run_smoke"]
+
+# Per-team option values; "auto" resolves per peer to one of the other two.
+PEER_TRANSPORTS = ("auto", "p2p", "nvshmem")
+
+
+def parse_peer_transport(value) -> str:
+    """``value`` as a valid ``peer_transport`` option (case-insensitive); ``ValueError`` naming it otherwise."""
+    if not isinstance(value, str) or value.strip().lower() not in PEER_TRANSPORTS:
+        raise ValueError(f"peer_transport={value!r}: expected one of {PEER_TRANSPORTS}")
+    return value.strip().lower()
+
+
+def resolve_peer_transports(option: str, has_peer_pointer: Sequence[bool], rank: int,
+                            nvshmem_available: str | None = None) -> list[str]:
+    """The transport (``"p2p"`` or ``"nvshmem"``) to each peer of ``rank``; the rank itself is always
+    ``"p2p"`` (its own buffers). ``has_peer_pointer[q]``: whether ``get_peer_tensor`` gave a pointer to q.
+    ``nvshmem_available``: ``None`` when the transport module can be used, else why not.
+
+    Raises ``ValueError`` for a forced ``"p2p"`` with a peer that has no pointer, and for a peer that needs
+    nvshmem (forced, or auto without a pointer) when the transport module is unavailable.
+    """
+    option = parse_peer_transport(option)
+    if not 0 <= rank < len(has_peer_pointer):
+        raise ValueError(f"rank={rank!r}: expected an integer in [0, {len(has_peer_pointer)})")
+    chosen = []
+    for peer, pointer in enumerate(has_peer_pointer):
+        if peer == rank:
+            chosen.append("p2p")
+        elif option == "p2p" and not pointer:
+            raise ValueError(f"peer_transport='p2p': rank {rank} has no peer pointer to rank {peer} "
+                             "(no NVLink / same-GPU path); use 'auto' or 'nvshmem'")
+        elif option == "nvshmem" or (option == "auto" and not pointer):
+            chosen.append("nvshmem")
+        else:
+            chosen.append("p2p")
+    if "nvshmem" in chosen and nvshmem_available is not None:
+        needing = [peer for peer, kind in enumerate(chosen) if kind == "nvshmem"]
+        raise ValueError(f"peer_transport={option!r}: rank {rank} needs the NVSHMEM transport for ranks {needing}, "
+                         f"which is unavailable: {nvshmem_available}")
+    return chosen
+
+
+_bound: types.ModuleType | None = None
+_bind_lock = threading.Lock()
+
+
+def bound_module() -> types.ModuleType:
+    """``flashdmoe_nvshmem`` (built on first use) with its device state bound to this process's NVSHMEM
+    instance. Call it after joining a team (NVSHMEM initialised); raises ``BackendUnavailable`` when the
+    module cannot be built or imported, ``RuntimeError`` when NVSHMEM is not initialised."""
+    global _bound
+    with _bind_lock:
+        if _bound is None:
+            from flashdmoe import extension
+
+            module = extension.load_nvshmem()
+            module.init_device_state()
+            _bound = module
+        return _bound
+
+
+class SmokeResult(types.SimpleNamespace):
+    """One PE's smoke run: ``my_pe``, ``n_pes`` (the device API's view), ``next_is_p2p`` (a load/store
+    path to the next PE), ``arrived`` (its signal came before the deadline), ``mismatches`` (32-bit words
+    of the received payload that differ), ``wait_ns``."""
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.arrived) and self.mismatches == 0
+
+
+def run_smoke(team, *, words: int = 4096, runs: int = 2, timeout_ms: int = 10_000) -> list[SmokeResult]:
+    """On an NVSHMEM ``team`` (every rank calls it: collective): ``runs`` rounds of the smoke kernel, each a
+    put-with-signal of ``words`` 32-bit words to the next PE and a bounded wait for the previous PE's,
+    with the signal carrying the round's number (no reset between rounds, as the kernel's flags).
+    Returns each round's :class:`SmokeResult` for this rank."""
+    if getattr(team, "transport", None) != "nvshmem":
+        raise ValueError(f"team: expected a Team.nvshmem team, got {team!r}")
+    for name, value in (("words", words), ("runs", runs), ("timeout_ms", timeout_ms)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r}: expected a positive integer")
+    import nvshmem.core as nvshmem
+
+    module = bound_module()
+    device = team.device
+    stream = torch.cuda.current_stream(device)
+    send = nvshmem.tensor((words,), dtype=torch.int32)
+    recv = nvshmem.tensor((words,), dtype=torch.int32)
+    signal = nvshmem.tensor((1,), dtype=torch.int64)
+    try:
+        signal.zero_()
+        recv.zero_()
+        torch.cuda.synchronize(device)
+        nvshmem.barrier_all(stream)  # every PE's signal is zero before anyone puts
+        torch.cuda.synchronize(device)
+        results = []
+        for sequence in range(1, runs + 1):
+            out = torch.zeros(module.SMOKE_SLOTS, dtype=torch.int64, device=device)
+            module.smoke(send.data_ptr(), recv.data_ptr(), words, signal.data_ptr(), sequence,
+                         timeout_ms * 1_000_000, out.data_ptr(), stream.cuda_stream)
+            torch.cuda.synchronize(device)
+            my_pe, n_pes, next_is_p2p, arrived, mismatches, wait_ns = out.tolist()
+            results.append(SmokeResult(my_pe=my_pe, n_pes=n_pes, next_is_p2p=bool(next_is_p2p),
+                                       arrived=bool(arrived), mismatches=mismatches, wait_ns=wait_ns))
+            # The next round overwrites send/recv: everyone has checked this round's payload first.
+            nvshmem.barrier_all(stream)
+            torch.cuda.synchronize(device)
+        return results
+    finally:
+        for t in (send, recv, signal):
+            nvshmem.free_tensor(t)

@@ -1,0 +1,73 @@
+"""The NVSHMEM transport's Python side (flashdmoe.nvshmem_transport): the per-team ``peer_transport`` option
+and its resolution per peer (CPU), and the transport module's smoke run on the GPU (``gpu``: 2 and 4 rank
+processes under MPS through scripts/nvshmem_smoke.py; fails, not skips, without nvshmem4py or MPS there).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flashdmoe import nvshmem_transport as nt
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("value, expected", [("auto", "auto"), ("P2P", "p2p"), (" nvshmem ", "nvshmem")])
+def test_peer_transport_option_is_parsed(value, expected):
+    assert nt.parse_peer_transport(value) == expected
+
+
+@pytest.mark.parametrize("value", ["nvlink", "", None, 1, "p2p,nvshmem"])
+def test_bad_peer_transport_option_names_the_argument(value):
+    with pytest.raises(ValueError, match=r"peer_transport=.*expected one of \('auto', 'p2p', 'nvshmem'\)"):
+        nt.parse_peer_transport(value)
+
+
+def test_auto_takes_p2p_where_a_pointer_exists_else_nvshmem():
+    pointers = [True, True, False, False]
+    assert nt.resolve_peer_transports("auto", pointers, rank=1) == ["p2p", "p2p", "nvshmem", "nvshmem"]
+    assert nt.resolve_peer_transports("auto", [True] * 4, rank=0) == ["p2p"] * 4
+    # The rank's own buffers are always addressed directly, even when nvshmem is forced.
+    assert nt.resolve_peer_transports("nvshmem", [True] * 3, rank=2) == ["nvshmem", "nvshmem", "p2p"]
+    assert nt.resolve_peer_transports("p2p", [True, True], rank=0) == ["p2p", "p2p"]
+
+
+def test_forced_p2p_without_a_pointer_and_missing_module_are_refused():
+    with pytest.raises(ValueError, match=r"peer_transport='p2p': rank 0 has no peer pointer to rank 2"):
+        nt.resolve_peer_transports("p2p", [True, True, False], rank=0)
+    with pytest.raises(ValueError, match=r"needs the NVSHMEM transport for ranks \[1\].*unavailable: no nvcc"):
+        nt.resolve_peer_transports("auto", [True, False], rank=0, nvshmem_available="no nvcc")
+    # Every peer on p2p: an unavailable transport module does not matter.
+    assert nt.resolve_peer_transports("auto", [True, True], rank=1, nvshmem_available="no nvcc") == ["p2p", "p2p"]
+    with pytest.raises(ValueError, match=r"rank=3"):
+        nt.resolve_peer_transports("auto", [True, True], rank=3)
+
+
+def test_smoke_needs_an_nvshmem_team():
+    class EmulatedTeam:
+        transport = "emulated"
+
+    with pytest.raises(ValueError, match="team: expected a Team.nvshmem team"):
+        nt.run_smoke(EmulatedTeam())
+
+
+def test_smoke_result_passes_only_with_the_payload_intact():
+    good = nt.SmokeResult(my_pe=0, n_pes=2, next_is_p2p=True, arrived=True, mismatches=0, wait_ns=10)
+    assert good.ok
+    assert not nt.SmokeResult(**{**vars(good), "mismatches": 3}).ok
+    assert not nt.SmokeResult(**{**vars(good), "arrived": False}).ok
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_smoke_script_passes_under_mps(ranks):
+    result = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "nvshmem_smoke.py"), "--ranks", str(ranks)],
+                            capture_output=True, text=True, timeout=280)
+    assert result.returncode == 0 and result.stdout.rstrip().endswith("PASS"), (
+        f"scripts/nvshmem_smoke.py --ranks {ranks} failed (exit {result.returncode}):\n{result.stdout}\n{result.stderr}")
+    assert result.stdout.count(" ok - PE ") == 2 * ranks  # every rank, both rounds
