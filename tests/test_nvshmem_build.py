@@ -90,6 +90,7 @@ def test_nvshmem_ninja_is_relocatable_and_links_nvshmem_after_the_objects(tmp_pa
     assert "-lnvshmem_device" in libraries and f"-Xlinker={library.host_lib}" in libraries
     assert f"-rpath,{library.lib}" in libraries
     assert "build flashdmoe_nvshmem" in text and "objects/nvshmem/module.cu.o" in text
+    assert "objects/generated/nvshmem_instances/" in text
     main = extension._write_build_ninja(tmp_path / "main", extension.collect_sources(REPO_ROOT / "csrc"), ARCH,
                                         toolchain).read_text()
     assert "-rdc" not in main and "nvshmem/module.cu" not in main and "link_libraries" not in main
@@ -98,6 +99,24 @@ def test_nvshmem_ninja_is_relocatable_and_links_nvshmem_after_the_objects(tmp_pa
     main_key = extension.cache_key(ARCH, REPO_ROOT / "csrc")
     monkeypatch.setenv("FLASHDMOE_NVSHMEM_HOME", str(tmp_path / "elsewhere"))
     assert extension.cache_key(ARCH, REPO_ROOT / "csrc") == main_key
+
+
+def test_transport_instances_come_from_the_variant_list():
+    from flashdmoe import expert_variants
+
+    (path, text), = extension.nvshmem_generated_sources().items()
+    default = expert_variants.VARIANTS[0]
+    assert path == expert_variants.instance_unit(default).replace("/instances/", "/nvshmem_instances/")
+    transported = f"WithTransport<{default.cpp_type}, NvshmemTransport>"
+    for element in ("__nv_bfloat16", "__half"):
+        assert f"moe_forward_kernel<{element}, {transported}>" in text
+        assert f"moe_forward_kernel<{element}, SavingPre<{transported}>>" in text
+    assert "float," not in text  # teams carry 16-bit inputs only
+    assert '#include "nvshmem/nvshmem_transport.cuh"' in text
+    tree = extension.collect_nvshmem_sources(REPO_ROOT / "csrc")
+    assert dict(tree.generated) == {path: text}
+    # The main module's generated units never see the NVSHMEM transport.
+    assert all("Nvshmem" not in unit for unit in dict(extension.collect_sources(REPO_ROOT / "csrc").generated).values())
 
 
 @pytest.mark.cuda_compile
@@ -114,6 +133,12 @@ def test_transport_module_compiles_links_and_imports_without_nvshmem_running(tmp
     report = {r.name: r for r in extension.parse_ptxas_report((so_path.parent / "build.log").read_text())}
     smoke = [r for name, r in report.items() if "smoke_kernel" in name]
     assert smoke and smoke[0].arch == ARCH and smoke[0].spill_store_bytes == 0
+    # The fused kernel's NVSHMEM-transport instances: bf16 and fp16, inference and training, one block per SM.
+    transported = [r for name, r in report.items() if "moe_forward_kernel" in name and "NvshmemTransport" in name]
+    assert len(transported) == 4, sorted(report)
+    assert {("13__nv_bfloat16" in r.name, "SavingPre" in r.name) for r in transported} == {
+        (True, True), (True, False), (False, True), (False, False)}
+    assert all(r.registers <= 168 for r in transported)  # __launch_bounds__(288, 1) leaves no more
     # A fresh interpreter: the module imports with no GPU and no NVSHMEM initialised, and says so when
     # asked to bind its device state (the host library is the one found through the rpath).
     code = (
