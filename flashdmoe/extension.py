@@ -15,15 +15,18 @@ nvcc flags and include folders, target arch, the nvcc version, the Python versio
 the CUTLASS / pybind11 / NVSHMEM versions. The first use builds (under a file lock, so concurrent
 processes build once), later uses import the cached shared object.
 
-A second module, ``flashdmoe_nvshmem`` (the NVSHMEM device-API transport, docs/design.md "Transport"), is
-built from ``csrc/nvshmem/`` only, with relocatable device code, device-linked against
-``libnvshmem_device.a`` and host-linked against the ``nvidia-nvshmem-cu13`` wheel's ``libnvshmem_host.so.3``
-(the library nvshmem4py loads, so a process holds one NVSHMEM instance). It is built only when that
-library is found (:func:`find_nvshmem`); ``flashdmoe_cuda`` never includes ``csrc/nvshmem/`` and does not
-depend on NVSHMEM.
+A second build, the NVSHMEM transport (docs/design.md §8), compiles the same sources plus ``csrc/nvshmem/``
+with relocatable device code, its generated kernel instances publishing through ``NvshmemTransport``,
+device-linked against ``libnvshmem_device.a`` and host-linked against the ``nvidia-nvshmem-cu13`` wheel's
+``libnvshmem_host.so.3`` (the library nvshmem4py loads, so a process holds one NVSHMEM instance). Its one
+shared object holds two modules: ``flashdmoe_nvshmem`` (device-state binding, smoke test) and a
+``flashdmoe_cuda`` with the usual API, which a process imports instead of the main build when
+``FLASHDMOE_KERNEL_BUILD=nvshmem`` (:func:`kernel_build`). It is built only where that library is found
+(:func:`find_nvshmem`); the main build never includes ``csrc/nvshmem/`` and does not depend on NVSHMEM.
 
 Environment:
     FLASHDMOE_CUDA_ARCH   target arch when none is passed (only ``sm_90a`` is supported).
+    FLASHDMOE_KERNEL_BUILD "main" (default) or "nvshmem": which build this process imports flashdmoe_cuda from.
     FLASHDMOE_NVSHMEM_HOME an NVSHMEM tree (``include/``, ``lib/``) to use instead of the nvidia wheel's.
     FLASHDMOE_CACHE_DIR   root of the build cache.
     FLASHDMOE_SOURCE_DIR  the CUDA source tree (default: ``csrc/`` beside the package).
@@ -70,6 +73,8 @@ NVSHMEM_MODULE_NAME = "flashdmoe_nvshmem"
 NVSHMEM_SUBDIR = "nvshmem"
 # Relocatable device code: NVSHMEM's device API is a static device library resolved at device-link time.
 NVSHMEM_EXTRA_FLAGS = ("-rdc=true",)
+# The policy type its kernel instances publish through (csrc/nvshmem/nvshmem_transport.cuh).
+NVSHMEM_TRANSPORT = "NvshmemTransport"
 
 # Flags shared by every compile unit. -Xptxas=-v puts ptxas' register/spill report into the build
 # log (see build_log_path / parse_ptxas_report); -fvisibility=hidden is what pybind11 expects.
@@ -195,55 +200,22 @@ def _in_nvshmem_subdir(root: Path, path: Path) -> bool:
 
 
 def collect_nvshmem_sources(source_dir: str | os.PathLike | None = None) -> SourceTree:
-    """The transport module's tree: the compile units under ``<source_dir>/nvshmem/`` and every header of
-    ``source_dir`` (its units may include the kernel's headers). Raises ``ValueError`` if ``source_dir``
-    is not a directory, ``BuildError`` if ``nvshmem/`` holds no compile unit."""
+    """The transport module's tree: every compile unit of ``source_dir`` (the whole kernel module, whose
+    generated instances publish through ``NvshmemTransport``) plus those under ``<source_dir>/nvshmem/``
+    (the module's own entry point and smoke kernel), and every header. Raises ``ValueError`` if
+    ``source_dir`` is not a directory, ``BuildError`` if ``nvshmem/`` holds no compile unit."""
     root = Path(source_dir).expanduser().resolve() if source_dir is not None else default_source_dir()
     if not root.is_dir():
         raise ValueError(f"source_dir={str(root)!r} is not a directory; expected the CUDA source tree (csrc/)")
     files = sorted(path for path in root.rglob("*") if path.is_file())
-    compile_units = tuple(path for path in files
-                          if path.suffix in COMPILE_UNIT_SUFFIXES and _in_nvshmem_subdir(root, path))
+    compile_units = tuple(path for path in files if path.suffix in COMPILE_UNIT_SUFFIXES)
     headers = tuple(path for path in files if path.suffix in HEADER_SUFFIXES)
-    if not compile_units:
+    if not any(_in_nvshmem_subdir(root, path) for path in compile_units):
         raise BuildError(f"no NVSHMEM transport sources under {root / NVSHMEM_SUBDIR}")
     generated = ()
     if (root / VARIANT_DISPATCH_UNIT).is_file():
-        generated = tuple(nvshmem_generated_sources().items())
+        generated = tuple(expert_variants.generated_sources(NVSHMEM_TRANSPORT).items())
     return SourceTree(root, compile_units, headers, generated)
-
-
-# The 16-bit inputs a team carries; the NVSHMEM transport's kernel instances are built for these.
-_TEAM_ELEMENTS = {"bf16": "__nv_bfloat16", "fp16": "__half"}
-
-
-def nvshmem_generated_sources() -> dict[str, str]:
-    """Build-folder relative path -> contents of the transport module's generated kernel instances: the
-    default expert variant of :data:`flashdmoe.expert_variants.VARIANTS`, for the team dtypes it has,
-    inference and training (``SavingPre``) kernels, publishing through ``NvshmemTransport``."""
-    variant = expert_variants.VARIANTS[0]
-    assert variant.name == expert_variants.DEFAULT_EXPERT_VARIANT
-    transported = f"WithTransport<{variant.cpp_type}, NvshmemTransport>"
-    lines = [
-        "// Generated by flashdmoe/extension.py from flashdmoe/expert_variants.py's VARIANTS; do not edit.",
-        f"// The fused kernel's {variant.name} instances publishing through NvshmemTransport.",
-        "#include <cuda_bf16.h>",
-        "#include <cuda_fp16.h>",
-        '#include "nvshmem/nvshmem_transport.cuh"',
-        '#include "moe/moe_forward.cuh"',
-        "",
-        "namespace flashdmoe {",
-    ]
-    for dtype in variant.dtypes:
-        if dtype in _TEAM_ELEMENTS:
-            element = _TEAM_ELEMENTS[dtype]
-            lines += [
-                f"template __global__ void moe_forward_kernel<{element}, {transported}>(const __grid_constant__ LaunchParams);",
-                f"template __global__ void moe_forward_kernel<{element}, SavingPre<{transported}>>(const __grid_constant__ LaunchParams);",
-            ]
-    lines += ["}  // namespace flashdmoe", ""]
-    unit = expert_variants.instance_unit(variant).replace("generated/instances/", "generated/nvshmem_instances/")
-    return {unit: "\n".join(lines)}
 
 
 def _nvshmem_candidates() -> list[Path]:
@@ -769,7 +741,7 @@ def compile_nvshmem_sources(out_dir: str | os.PathLike, arch: str = DEFAULT_ARCH
 # Loading
 
 
-_loaded_modules: dict[Path, types.ModuleType] = {}
+_loaded_modules: dict[tuple[Path, str], types.ModuleType] = {}
 _load_lock = threading.Lock()
 
 
@@ -784,8 +756,8 @@ def import_extension(path: str | os.PathLike, module_name: str = MODULE_NAME) ->
     """
     so_path = Path(path).resolve()
     with _load_lock:
-        if so_path not in _loaded_modules:
-            earlier = [path for path, module in _loaded_modules.items() if module.__name__ == module_name]
+        if (so_path, module_name) not in _loaded_modules:
+            earlier = [path for path, name in _loaded_modules if name == module_name]
             if earlier:
                 raise ImportError(
                     f"{module_name} is already imported in this process from {earlier[0]}; one process holds "
@@ -796,8 +768,8 @@ def import_extension(path: str | os.PathLike, module_name: str = MODULE_NAME) ->
                 raise ImportError(f"{so_path} is not an importable extension module")
             module = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(module)
-            _loaded_modules[so_path] = module
-        return _loaded_modules[so_path]
+            _loaded_modules[so_path, module_name] = module
+        return _loaded_modules[so_path, module_name]
 
 
 def _unavailable(reason: str) -> RuntimeError:
@@ -808,8 +780,24 @@ def _unavailable(reason: str) -> RuntimeError:
     return BackendUnavailable(f"CUDA backend unavailable: {reason}")
 
 
+KERNEL_BUILDS = ("main", "nvshmem")
+
+
+def kernel_build() -> str:
+    """Which build this process imports ``flashdmoe_cuda`` from: ``$FLASHDMOE_KERNEL_BUILD``, "main"
+    (default: peer-pointer stores, no NVSHMEM dependency) or "nvshmem" (the same API from the NVSHMEM
+    transport build, whose kernels also reach peers through NVSHMEM puts). Read at the first load: a
+    process holds one ``flashdmoe_cuda``. ``ValueError`` naming the variable for another value."""
+    value = os.environ.get("FLASHDMOE_KERNEL_BUILD", "main").strip().lower() or "main"
+    if value not in KERNEL_BUILDS:
+        raise ValueError(f"FLASHDMOE_KERNEL_BUILD={os.environ['FLASHDMOE_KERNEL_BUILD']!r}: expected one of "
+                         f"{KERNEL_BUILDS}")
+    return value
+
+
 def load(source_dir: str | os.PathLike | None = None) -> types.ModuleType:
-    """The ``flashdmoe_cuda`` module for the current Hopper GPU, building it on first use.
+    """The ``flashdmoe_cuda`` module for the current Hopper GPU, building it on first use (from the build
+    :func:`kernel_build` names).
 
     Raises ``flashdmoe.errors.BackendUnavailable`` with the reason (no GPU, wrong arch, no nvcc,
     build failure, import failure).
@@ -818,6 +806,8 @@ def load(source_dir: str | os.PathLike | None = None) -> types.ModuleType:
     if problem is not None:
         raise _unavailable(problem)
     try:
+        if kernel_build() == "nvshmem":
+            return import_extension(build_nvshmem(source_dir=source_dir), MODULE_NAME)
         return import_extension(build(source_dir=source_dir))
     except (BuildError, ValueError) as error:
         raise _unavailable(str(error)) from error

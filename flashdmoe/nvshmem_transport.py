@@ -19,8 +19,8 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["PEER_TRANSPORTS", "SmokeResult", "bound_module", "parse_peer_transport", "resolve_peer_transports",
-           "run_smoke"]
+__all__ = ["PEER_TRANSPORTS", "SmokeResult", "bound_module", "kernel_build_problem", "kernel_peer_table",
+           "parse_peer_transport", "resolve_peer_transports", "run_smoke"]
 
 # Per-team option values; "auto" resolves per peer to one of the other two.
 PEER_TRANSPORTS = ("auto", "p2p", "nvshmem")
@@ -61,6 +61,48 @@ def resolve_peer_transports(option: str, has_peer_pointer: Sequence[bool], rank:
         raise ValueError(f"peer_transport={option!r}: rank {rank} needs the NVSHMEM transport for ranks {needing}, "
                          f"which is unavailable: {nvshmem_available}")
     return chosen
+
+
+def kernel_build_problem() -> str | None:
+    """Why this process's kernel cannot publish through NVSHMEM (it imports the main build), or ``None``."""
+    from flashdmoe import extension
+
+    build = extension.kernel_build()
+    if build == "nvshmem":
+        return None
+    return (f"this process runs the {build!r} kernel build (peer-pointer stores only); set "
+            "FLASHDMOE_KERNEL_BUILD=nvshmem before the extension is first loaded")
+
+
+def kernel_peer_table(rank: int, own: tuple[int, int, int], mapped: Sequence[tuple[int, int, int] | None],
+                      transports: Sequence[str], region_bytes: int) -> tuple[list[int], list[int], list[int]]:
+    """The peer table the kernel gets (recv, comb and signal addresses per peer).
+
+    ``own``: this rank's (recv, comb, signals) addresses; ``mapped[q]``: q's buffers as this rank maps them
+    (``None`` without a load/store path); ``transports[q]``: from :func:`resolve_peer_transports`;
+    ``region_bytes``: one source's region of recv / comb (``stream_rows * H * element size``).
+    A p2p peer gets its mapping. An NVSHMEM peer q gets this rank's own signal words (the kernel's mark
+    of an NVSHMEM peer) and staging addresses in this rank's own buffers, placed so that the kernel's
+    stores into "q's recv region [rank]" land in own comb region [q] and into "q's comb region [rank]" in
+    own recv region [q] (csrc/nvshmem/nvshmem_transport.cuh says why those regions are free).
+    """
+    recv, comb, signals = [], [], []
+    for peer, kind in enumerate(transports):
+        if peer == rank:
+            entry = own
+        elif kind == "p2p":
+            if mapped[peer] is None:
+                raise ValueError(f"transports[{peer}]='p2p' but rank {rank} has no mapping of rank {peer}'s buffers")
+            entry = mapped[peer]
+        elif kind == "nvshmem":
+            shift = (peer - rank) * region_bytes
+            entry = (own[1] + shift, own[0] + shift, own[2])
+        else:
+            raise ValueError(f"transports[{peer}]={kind!r}: expected 'p2p' or 'nvshmem'")
+        recv.append(entry[0])
+        comb.append(entry[1])
+        signals.append(entry[2])
+    return recv, comb, signals
 
 
 _bound: types.ModuleType | None = None
@@ -132,3 +174,15 @@ def run_smoke(team, *, words: int = 4096, runs: int = 2, timeout_ms: int = 10_00
     finally:
         for t in (send, recv, signal):
             nvshmem.free_tensor(t)
+
+
+def forward_backward_scenario(context):
+    """A rank scenario (:func:`flashdmoe.ranks.launcher.run_ranks`): ``forward_backward``, plus the team's
+    ``peer_transports`` and the kernel build this process runs in the info."""
+    from flashdmoe import extension
+    from flashdmoe.ranks import scenarios
+
+    output = scenarios.forward_backward(context)
+    output.info["peer_transports"] = list(context.team.peer_transports)
+    output.info["kernel_build"] = extension.kernel_build()
+    return output

@@ -41,9 +41,10 @@ def test_main_tree_leaves_out_the_transport_sources():
     transport = extension.collect_nvshmem_sources(REPO_ROOT / "csrc")
     nvshmem_dir = REPO_ROOT / "csrc" / extension.NVSHMEM_SUBDIR
     assert not [p for p in main.compile_units + main.headers if nvshmem_dir in p.parents]
-    assert transport.compile_units and all(nvshmem_dir in p.parents for p in transport.compile_units)
-    # The transport module may include the kernel's headers: they are part of its key.
-    assert set(main.headers) <= set(transport.headers)
+    # The transport build is the whole kernel module plus csrc/nvshmem/.
+    assert set(transport.compile_units) - set(main.compile_units) == {
+        p for p in transport.compile_units if nvshmem_dir in p.parents} != set()
+    assert set(main.compile_units) < set(transport.compile_units) and set(main.headers) < set(transport.headers)
 
 
 def test_transport_tree_without_sources_is_a_build_error(tmp_path):
@@ -90,7 +91,7 @@ def test_nvshmem_ninja_is_relocatable_and_links_nvshmem_after_the_objects(tmp_pa
     assert "-lnvshmem_device" in libraries and f"-Xlinker={library.host_lib}" in libraries
     assert f"-rpath,{library.lib}" in libraries
     assert "build flashdmoe_nvshmem" in text and "objects/nvshmem/module.cu.o" in text
-    assert "objects/generated/nvshmem_instances/" in text
+    assert "objects/generated/instances/" in text and "objects/moe/launch.cu.o" in text
     main = extension._write_build_ninja(tmp_path / "main", extension.collect_sources(REPO_ROOT / "csrc"), ARCH,
                                         toolchain).read_text()
     assert "-rdc" not in main and "nvshmem/module.cu" not in main and "link_libraries" not in main
@@ -104,19 +105,20 @@ def test_nvshmem_ninja_is_relocatable_and_links_nvshmem_after_the_objects(tmp_pa
 def test_transport_instances_come_from_the_variant_list():
     from flashdmoe import expert_variants
 
-    (path, text), = extension.nvshmem_generated_sources().items()
-    default = expert_variants.VARIANTS[0]
-    assert path == expert_variants.instance_unit(default).replace("/instances/", "/nvshmem_instances/")
-    transported = f"WithTransport<{default.cpp_type}, NvshmemTransport>"
-    for element in ("__nv_bfloat16", "__half"):
-        assert f"moe_forward_kernel<{element}, {transported}>" in text
-        assert f"moe_forward_kernel<{element}, SavingPre<{transported}>>" in text
-    assert "float," not in text  # teams carry 16-bit inputs only
-    assert '#include "nvshmem/nvshmem_transport.cuh"' in text
-    tree = extension.collect_nvshmem_sources(REPO_ROOT / "csrc")
-    assert dict(tree.generated) == {path: text}
-    # The main module's generated units never see the NVSHMEM transport.
-    assert all("Nvshmem" not in unit for unit in dict(extension.collect_sources(REPO_ROOT / "csrc").generated).values())
+    generated = dict(extension.collect_nvshmem_sources(REPO_ROOT / "csrc").generated)
+    main = dict(extension.collect_sources(REPO_ROOT / "csrc").generated)
+    assert generated.keys() == main.keys()  # the same header and one unit per variant
+    assert main == expert_variants.generated_sources()  # the main build's instances are unchanged
+    header = generated[expert_variants.GENERATED_HEADER]
+    assert '#include "nvshmem/nvshmem_transport.cuh"' in header
+    for variant in expert_variants.VARIANTS:
+        transported = f"WithTransport<{variant.cpp_type}, NvshmemTransport>"
+        assert f"{transported}{{}}" in header  # the visitor reaches the transported instance by the same id
+        unit = generated[expert_variants.instance_unit(variant)]
+        assert unit.count(f"launch_forward_variant<") == len(variant.dtypes) and unit.count(transported) == 2 * len(variant.dtypes)
+        assert "Nvshmem" not in main[expert_variants.instance_unit(variant)]
+    with pytest.raises(ValueError, match="transport='Tcp'"):
+        expert_variants.generated_sources("Tcp")
 
 
 @pytest.mark.cuda_compile
@@ -133,16 +135,20 @@ def test_transport_module_compiles_links_and_imports_without_nvshmem_running(tmp
     report = {r.name: r for r in extension.parse_ptxas_report((so_path.parent / "build.log").read_text())}
     smoke = [r for name, r in report.items() if "smoke_kernel" in name]
     assert smoke and smoke[0].arch == ARCH and smoke[0].spill_store_bytes == 0
-    # The fused kernel's NVSHMEM-transport instances: bf16 and fp16, inference and training, one block per SM.
-    transported = [r for name, r in report.items() if "moe_forward_kernel" in name and "NvshmemTransport" in name]
-    assert len(transported) == 4, sorted(report)
-    assert {("13__nv_bfloat16" in r.name, "SavingPre" in r.name) for r in transported} == {
-        (True, True), (True, False), (False, True), (False, False)}
-    assert all(r.registers <= 168 for r in transported)  # __launch_bounds__(288, 1) leaves no more
+    # The fused kernel's instances all publish through NvshmemTransport: each variant and dtype, inference
+    # and training.
+    kernels = [r for name, r in report.items() if "moe_forward_kernel" in name]
+    from flashdmoe import expert_variants
+
+    assert len(kernels) == 2 * sum(len(v.dtypes) for v in expert_variants.VARIANTS), sorted(report)
+    assert all("NvshmemTransport" in r.name for r in kernels)
+    assert all(r.registers <= 168 for r in kernels)  # __launch_bounds__ of the default variant leaves no more
     # A fresh interpreter: the module imports with no GPU and no NVSHMEM initialised, and says so when
     # asked to bind its device state (the host library is the one found through the rpath).
     code = (
         "import sys\nfrom flashdmoe.extension import import_extension\n"
+        "kernel = import_extension(sys.argv[1], 'flashdmoe_cuda')\n"  # the same .so holds both modules
+        "assert 'tma-wgmma-128x256-4stage-prefetch' in kernel.expert_variants(), kernel.expert_variants()\n"
         "m = import_extension(sys.argv[1], 'flashdmoe_nvshmem')\n"
         "print(m.NVSHMEM_VERSION, m.init_status(), m.SMOKE_SLOTS)\n"
         "try:\n    m.init_device_state()\nexcept RuntimeError as e:\n    print('refused:', e)\n"

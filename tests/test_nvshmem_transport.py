@@ -71,3 +71,37 @@ def test_smoke_script_passes_under_mps(ranks):
     assert result.returncode == 0 and result.stdout.rstrip().endswith("PASS"), (
         f"scripts/nvshmem_smoke.py --ranks {ranks} failed (exit {result.returncode}):\n{result.stdout}\n{result.stderr}")
     assert result.stdout.count(" ok - PE ") == 2 * ranks  # every rank, both rounds
+
+
+def test_kernel_peer_table_maps_p2p_peers_and_stages_nvshmem_peers_in_own_buffers():
+    own = (0x10000, 0x20000, 0x30000)  # recv, comb, signals of rank 1
+    mapped = [(0x1000, 0x2000, 0x3000), own, None]
+    region = 0x100
+    recv, comb, signals = nt.kernel_peer_table(1, own, mapped, ["p2p", "p2p", "nvshmem"], region)
+    assert (recv[0], comb[0], signals[0]) == mapped[0]
+    assert (recv[1], comb[1], signals[1]) == own
+    # The kernel writes "peer 2's recv region [1]" = recv[2] + 1 * region: own comb region [2]; and
+    # "peer 2's comb region [1]" = own recv region [2]. Own signal words mark the peer as an NVSHMEM one.
+    assert recv[2] + 1 * region == own[1] + 2 * region
+    assert comb[2] + 1 * region == own[0] + 2 * region
+    assert signals[2] == own[2]
+    # Rank 2 staging for peer 0 sits below its own address by two regions and lands in region 0.
+    recv, comb, _ = nt.kernel_peer_table(2, own, [None, None, own], ["nvshmem", "nvshmem", "p2p"], region)
+    assert recv[0] + 2 * region == own[1] and comb[1] + 2 * region == own[0] + region
+    with pytest.raises(ValueError, match=r"transports\[0\]='p2p' but rank 2 has no mapping"):
+        nt.kernel_peer_table(2, own, [None, None, own], ["p2p", "nvshmem", "p2p"], region)
+    with pytest.raises(ValueError, match=r"transports\[0\]='tcp'"):
+        nt.kernel_peer_table(2, own, [None, None, own], ["tcp", "nvshmem", "p2p"], region)
+
+
+def test_kernel_build_is_read_from_the_environment(monkeypatch):
+    from flashdmoe import extension
+
+    monkeypatch.delenv("FLASHDMOE_KERNEL_BUILD", raising=False)
+    assert extension.kernel_build() == "main"
+    assert "FLASHDMOE_KERNEL_BUILD=nvshmem" in nt.kernel_build_problem()
+    monkeypatch.setenv("FLASHDMOE_KERNEL_BUILD", "NVSHMEM")
+    assert extension.kernel_build() == "nvshmem" and nt.kernel_build_problem() is None
+    monkeypatch.setenv("FLASHDMOE_KERNEL_BUILD", "ib")
+    with pytest.raises(ValueError, match=r"FLASHDMOE_KERNEL_BUILD='ib': expected one of \('main', 'nvshmem'\)"):
+        extension.kernel_build()

@@ -1,15 +1,16 @@
 // NvshmemTransport: peers without a load/store path are reached through NVSHMEM's device API; peers with
 // one keep P2PTransport's stores (a team may mix both: "auto"). Only flashdmoe_nvshmem compiles this.
 //
-// The host marks an NVSHMEM peer q in the peer table with a null `signals` pointer and points its `recv` /
-// `comb` entries at this rank's own symmetric buffers, so the kernel's unchanged stores stage the data
+// The host marks an NVSHMEM peer q in the peer table with this rank's own `signals` pointer (never a
+// mapping's address) and points its `recv` / `comb` entries at this rank's own symmetric buffers
+// (flashdmoe.nvshmem_transport.kernel_peer_table), so the kernel's unchanged stores stage the data
 // locally, in regions whose later contents are not needed yet:
 //   rows for q      -> own comb region [q] (q's results for this rank arrive there only after q got the rows)
 //   results for q   -> own recv region [q] (q's input rows there are dead once GEMM1 of their tile is done,
 //                      which GEMM2 of the tile waits for)
 // Each region is laid out as the peer's destination region, so one contiguous put per (peer, phase)
 // moves it: only routed rows travel. The counts and flags are single 32-bit words (nvshmem_uint32_p /
-// nvshmem_uint32_atomic_set) ordered after the data by nvshmem_quiet / nvshmem_fence, so the waits of
+// nvshmem_uint32_atomic_set) set after the data is complete (nvshmem_quiet; nvshmem_fence for the counts), so the waits of
 // the receiving rank (bounded loads of its own signal words, sequence numbers, watchdog) are the same for
 // both transports. Symmetric addresses are this rank's own buffers (peers[rank]), as NVSHMEM requires.
 #pragma once
@@ -20,8 +21,9 @@
 namespace flashdmoe {
 
 struct NvshmemTransport {
+  // The host's mark of an NVSHMEM peer: this rank's own signal words in the peer's entry.
   __device__ __forceinline__ static bool via_nvshmem(const MoEParams& p, int peer) {
-    return p.peers[peer].signals == nullptr;
+    return peer != p.rank && p.peers[peer].signals == p.peers[p.rank].signals;
   }
   __device__ __forceinline__ static uint32_t* own_signal(const MoEParams& p, int index) {
     return p.peers[p.rank].signals + index;
@@ -110,7 +112,8 @@ struct NvshmemTransport {
     if (bytes)  // the staged results (own recv region [src]) into src's comb region [rank]
       nvshmem_putmem_nbi(own_region<Element>(p.peers[p.rank].comb, p, p.rank),
                          own_region<Element>(p.peers[p.rank].recv, p, src), bytes, src);
-    nvshmem_fence();  // the results land before their flag
+    // Complete, not only ordered: the staging region is reused by this rank's next forward.
+    nvshmem_quiet();
     nvshmem_uint32_atomic_set(own_signal(p, signal_results_done(p.world_size, p.local_experts, p.rank)), p.sequence,
                               src);
   }
