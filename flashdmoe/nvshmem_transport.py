@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import threading
 import types
+import weakref
 from collections.abc import Sequence
 
 import torch
 
-__all__ = ["PEER_TRANSPORTS", "SmokeResult", "bound_module", "kernel_build_problem", "kernel_peer_table",
+__all__ = ["PEER_TRANSPORTS", "SmokeResult", "bound_module", "forward_backward_scenario", "kernel_build_problem",
+           "kernel_peer_table", "require_unbound",
            "parse_peer_transport", "resolve_peer_transports", "run_smoke"]
 
 # Per-team option values; "auto" resolves per peer to one of the other two.
@@ -106,21 +108,37 @@ def kernel_peer_table(rank: int, own: tuple[int, int, int], mapped: Sequence[tup
 
 
 _bound: types.ModuleType | None = None
+_bound_team: weakref.ref | None = None  # the team whose NVSHMEM instance the module is bound to
 _bind_lock = threading.Lock()
 
 
-def bound_module() -> types.ModuleType:
-    """``flashdmoe_nvshmem`` (built on first use) with its device state bound to this process's NVSHMEM
-    instance. Call it after joining a team (NVSHMEM initialised); raises ``BackendUnavailable`` when the
-    module cannot be built or imported, ``RuntimeError`` when NVSHMEM is not initialised."""
-    global _bound
+def require_unbound() -> None:
+    """Refuse a second NVSHMEM team in a process whose NVSHMEM-build kernel was bound to an earlier one.
+
+    The device library binds a module's device state once (``nvshmemi_check_state_and_init_d`` skips a
+    module it already initialised), and whether NVSHMEM rebinds it after nvshmem4py's finalize and a new
+    init is not documented: a stale state would send puts to the old heap, so a new team needs a new
+    process (as a recovered team does: new processes, a new unique id)."""
+    if _bound is not None:
+        raise RuntimeError("this process already bound flashdmoe_nvshmem to an earlier NVSHMEM team; with "
+                           "FLASHDMOE_KERNEL_BUILD=nvshmem a process joins one NVSHMEM team (start a new process)")
+
+
+def bound_module(team) -> types.ModuleType:
+    """``flashdmoe_nvshmem`` (built on first use) with its device state bound to the NVSHMEM instance of
+    ``team`` (a :meth:`Team.nvshmem <flashdmoe.team.Team.nvshmem>` team: NVSHMEM initialised). Raises
+    ``BackendUnavailable`` when the module cannot be built or imported, ``RuntimeError`` when NVSHMEM is
+    not initialised or the module is bound to another team (see :func:`require_unbound`)."""
+    global _bound, _bound_team
     with _bind_lock:
         if _bound is None:
             from flashdmoe import extension
 
             module = extension.load_nvshmem()
             module.init_device_state()
-            _bound = module
+            _bound, _bound_team = module, weakref.ref(team)
+        elif _bound_team is None or _bound_team() is not team:
+            require_unbound()
         return _bound
 
 
@@ -146,7 +164,7 @@ def run_smoke(team, *, words: int = 4096, runs: int = 2, timeout_ms: int = 10_00
             raise ValueError(f"{name}={value!r}: expected a positive integer")
     import nvshmem.core as nvshmem
 
-    module = bound_module()
+    module = bound_module(team)
     device = team.device
     stream = torch.cuda.current_stream(device)
     send = nvshmem.tensor((words,), dtype=torch.int32)

@@ -256,6 +256,8 @@ class Team:
         from flashdmoe import nvshmem_transport
 
         peer_transport = nvshmem_transport.parse_peer_transport(peer_transport)
+        if nvshmem_transport.kernel_build_problem() is None:
+            nvshmem_transport.require_unbound()
         if not isinstance(uid_bytes, (bytes, bytearray)) or len(uid_bytes) != UNIQUE_ID_BYTES:
             raise ValueError(f"uid_bytes: expected {UNIQUE_ID_BYTES} bytes from Team.make_unique_id()")
         _positive_int("world_size", world_size)
@@ -297,8 +299,7 @@ class Team:
                 rank, own_addresses, mapped, transports, plan.stream_rows * plan.hidden * plan.element_bytes)
             own.mapped_recv = [None if m is None else m[0] for m in mapped]
             own.mapped_comb = [None if m is None else m[1] for m in mapped]
-            if nvshmem_transport.kernel_build_problem() is None:
-                nvshmem_transport.bound_module()  # the kernel's NVSHMEM device state, before its first launch
+
             # Everyone's signal words are zero before anyone's first kernel can write into them.
             torch.cuda.synchronize(device)
             nvshmem.barrier_all(torch.cuda.current_stream(device))
@@ -308,6 +309,12 @@ class Team:
             raise
         team = cls("nvshmem", rank, world_size, plan, [own], device)
         team.peer_transports = transports
+        if nvshmem_transport.kernel_build_problem() is None:
+            try:
+                nvshmem_transport.bound_module(team)  # the kernel's NVSHMEM device state, before its first launch
+            except BaseException:
+                team.close()
+                raise
         return team
 
     # ---- state ----

@@ -105,3 +105,20 @@ def test_kernel_build_is_read_from_the_environment(monkeypatch):
     monkeypatch.setenv("FLASHDMOE_KERNEL_BUILD", "ib")
     with pytest.raises(ValueError, match=r"FLASHDMOE_KERNEL_BUILD='ib': expected one of \('main', 'nvshmem'\)"):
         extension.kernel_build()
+
+
+def test_a_second_team_after_binding_is_refused(monkeypatch):
+    class FakeTeam:
+        pass
+
+    first, second = FakeTeam(), FakeTeam()
+    monkeypatch.setattr(nt, "_bound", None)
+    nt.require_unbound()
+    module = object()
+    monkeypatch.setattr(nt, "_bound", module)
+    monkeypatch.setattr(nt, "_bound_team", __import__("weakref").ref(first))
+    assert nt.bound_module(first) is module  # the same team: no second binding
+    with pytest.raises(RuntimeError, match="a process joins one NVSHMEM team"):
+        nt.bound_module(second)
+    with pytest.raises(RuntimeError, match="a process joins one NVSHMEM team"):
+        nt.require_unbound()
