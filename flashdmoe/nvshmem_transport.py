@@ -7,8 +7,9 @@ transport) or through NVSHMEM's device API (puts with signals over whatever NVSH
 InfiniBand included: the ``nvshmem`` transport). ``peer_transport="auto"`` takes p2p wherever a peer pointer
 exists and nvshmem elsewhere; ``"p2p"`` / ``"nvshmem"`` force one for every peer.
 
-The module's device state is bound once per process (``init_device_state``): NVSHMEM's host library is
-initialised by nvshmem4py, and the module registers its own device state with that instance.
+The module's device state is bound once per team (``init_device_state``, collective): NVSHMEM's host library
+is initialised by nvshmem4py, and the module registers its own device state with that instance through one
+more NVSHMEM initialisation with the team's unique id, finalized when the team closes (docs/design.md §8).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from collections.abc import Sequence
 import torch
 
 __all__ = ["PEER_TRANSPORTS", "SmokeResult", "bound_module", "forward_backward_scenario", "kernel_build_problem",
-           "kernel_peer_table", "require_unbound",
+           "kernel_peer_table", "release", "require_unbound",
            "parse_peer_transport", "resolve_peer_transports", "run_smoke"]
 
 # Per-team option values; "auto" resolves per peer to one of the other two.
@@ -113,29 +114,37 @@ _bind_lock = threading.Lock()
 
 
 def require_unbound() -> None:
-    """Refuse a second NVSHMEM team in a process whose NVSHMEM-build kernel was bound to an earlier one.
-
-    The device library binds a module's device state once (``nvshmemi_check_state_and_init_d`` skips a
-    module it already initialised), and whether NVSHMEM rebinds it after nvshmem4py's finalize and a new
-    init is not documented: a stale state would send puts to the old heap, so a new team needs a new
-    process (as a recovered team does: new processes, a new unique id)."""
+    """Refuse a second NVSHMEM team while the module is bound to another, still open, team: the module has
+    one device state, registered with one NVSHMEM initialisation (released by :func:`release`)."""
     if _bound is not None:
-        raise RuntimeError("this process already bound flashdmoe_nvshmem to an earlier NVSHMEM team; with "
-                           "FLASHDMOE_KERNEL_BUILD=nvshmem a process joins one NVSHMEM team (start a new process)")
+        raise RuntimeError("flashdmoe_nvshmem is bound to another NVSHMEM team of this process: a process joins "
+                           "one NVSHMEM team at a time (close the other team first)")
+
+
+def release(team) -> None:
+    """Team close: the finalize matching the module's initialisation for ``team`` (before nvshmem4py's own
+    finalize). Nothing when the module is not bound to ``team``."""
+    global _bound, _bound_team
+    with _bind_lock:
+        if _bound is not None and _bound_team is not None and _bound_team() is team:
+            module, _bound, _bound_team = _bound, None, None
+            module.finalize_device_state()
 
 
 def bound_module(team) -> types.ModuleType:
     """``flashdmoe_nvshmem`` (built on first use) with its device state bound to the NVSHMEM instance of
     ``team`` (a :meth:`Team.nvshmem <flashdmoe.team.Team.nvshmem>` team: NVSHMEM initialised). Raises
     ``BackendUnavailable`` when the module cannot be built or imported, ``RuntimeError`` when NVSHMEM is
-    not initialised or the module is bound to another team (see :func:`require_unbound`)."""
+    not initialised or the module is bound to another team (see :func:`require_unbound`). Collective: the
+    binding is one more NVSHMEM initialisation with the team's unique id (docs/design.md §8), so every
+    rank of the team calls it; :func:`release` undoes it when the team closes."""
     global _bound, _bound_team
     with _bind_lock:
         if _bound is None:
             from flashdmoe import extension
 
             module = extension.load_nvshmem()
-            module.init_device_state()
+            module.init_device_state(bytes(team.unique_id), team.rank, team.world_size)
             _bound, _bound_team = module, weakref.ref(team)
         elif _bound_team is None or _bound_team() is not team:
             require_unbound()

@@ -192,6 +192,7 @@ class Team:
         self.launch_plans: dict = {}
         # How the kernel reaches each peer ("p2p": stores through a mapping; "nvshmem": NVSHMEM puts).
         self.peer_transports: list[str] = ["p2p"] * world_size
+        self.unique_id: bytes = b""  # NVSHMEM teams: the id the team was bootstrapped with
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("failed" if self._failure else "ok")
@@ -309,6 +310,7 @@ class Team:
             raise
         team = cls("nvshmem", rank, world_size, plan, [own], device)
         team.peer_transports = transports
+        team.unique_id = bytes(uid_bytes)  # binding the transport module re-initialises NVSHMEM with it
         if nvshmem_transport.kernel_build_problem() is None:
             try:
                 nvshmem_transport.bound_module(team)  # the kernel's NVSHMEM device state, before its first launch
@@ -386,7 +388,12 @@ class Team:
                         nvshmem.free_tensor(t)
             finally:
                 self.buffers = []
-                nvshmem.finalize()
+                try:
+                    from flashdmoe import nvshmem_transport
+
+                    nvshmem_transport.release(self)  # its finalize comes before nvshmem4py's
+                finally:
+                    nvshmem.finalize()
         self.buffers = []
         self._signal_block = None
 

@@ -7,8 +7,9 @@ What it proves, in order (each step is printed; the first failing one says why):
 1. the module builds (relocatable device code, libnvshmem_device, the nvidia-nvshmem wheel's host library);
    built here once, before any rank starts (ranks only import it);
 2. CUDA MPS starts, and P rank processes share the GPU under it (NVSHMEM needs MPS for several PEs/GPU);
-3. each rank joins a Team.nvshmem (nvshmem4py, unique-id bootstrap), then binds the module's device state to
-   that NVSHMEM instance (init_device_state: no second nvshmem_init);
+3. each rank joins a Team.nvshmem (nvshmem4py, unique-id bootstrap), then registers the module's device state
+   with that NVSHMEM instance (init_device_state: one more, reference-counted, initialisation with the team's
+   unique id; the device must see the host's PE and PE count), released when the team closes;
 4. each rank's kernel reads nvshmem_my_pe / n_pes on the device, puts a patterned payload to the next PE with
    nvshmemx_putmem_signal_nbi_warp, waits (bounded) for its own signal and checks the previous PE's payload,
    twice (the signal carries the round number: no reset between rounds).

@@ -107,18 +107,36 @@ def test_kernel_build_is_read_from_the_environment(monkeypatch):
         extension.kernel_build()
 
 
-def test_a_second_team_after_binding_is_refused(monkeypatch):
+def test_the_module_binds_to_one_open_team_and_is_released_at_close(monkeypatch):
     class FakeTeam:
-        pass
+        unique_id, rank, world_size = bytes(128), 1, 2
 
-    first, second = FakeTeam(), FakeTeam()
+    class FakeModule:
+        def __init__(self):
+            self.calls = []
+
+        def init_device_state(self, uid, rank, nranks):
+            self.calls.append(("init", uid, rank, nranks))
+
+        def finalize_device_state(self):
+            self.calls.append(("finalize",))
+
+    from flashdmoe import extension
+
+    module = FakeModule()
+    monkeypatch.setattr(extension, "load_nvshmem", lambda: module)
     monkeypatch.setattr(nt, "_bound", None)
-    nt.require_unbound()
-    module = object()
-    monkeypatch.setattr(nt, "_bound", module)
-    monkeypatch.setattr(nt, "_bound_team", __import__("weakref").ref(first))
-    assert nt.bound_module(first) is module  # the same team: no second binding
-    with pytest.raises(RuntimeError, match="a process joins one NVSHMEM team"):
+    monkeypatch.setattr(nt, "_bound_team", None)
+    first, second = FakeTeam(), FakeTeam()
+    assert nt.bound_module(first) is module and nt.bound_module(first) is module  # bound once per team
+    assert module.calls == [("init", bytes(128), 1, 2)]
+    with pytest.raises(RuntimeError, match="one NVSHMEM team at a time"):
         nt.bound_module(second)
-    with pytest.raises(RuntimeError, match="a process joins one NVSHMEM team"):
+    with pytest.raises(RuntimeError, match="one NVSHMEM team at a time"):
         nt.require_unbound()
+    nt.release(second)  # not the bound team: nothing
+    nt.release(first)
+    assert module.calls[-1] == ("finalize",) and nt._bound is None
+    nt.require_unbound()
+    assert nt.bound_module(second) is module and len(module.calls) == 3  # a new team binds again
+    nt.release(second)

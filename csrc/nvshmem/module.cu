@@ -2,15 +2,20 @@
 // against NVSHMEM's device library (device code) and the nvidia-nvshmem wheel's host library, the one
 // nvshmem4py loads: one NVSHMEM instance per process. Raw pointers and the stream handle in, no libtorch.
 //
-// Device state: the host library is initialised by nvshmem4py (Team.nvshmem), so this module never calls
-// nvshmem_init. Its own copy of the device state (nvshmemi_device_state_d, linked in from
-// libnvshmem_device.a) is bound by nvshmemx_collective_launch_query_gridsize / nvshmemx_collective_launch:
-// both first call the device library's nvshmemi_check_state_and_init_d, which, with the host library
-// initialised, registers this module's state with it (nvshmemid_hostlib_init_attr + the module's callback)
-// and fills it. init_device_state() does that once, before any kernel of this module runs.
+// Device state: every module linked with libnvshmem_device.a has its own copy of NVSHMEM's device state
+// (nvshmemi_device_state_d), which the host library fills for the modules registered with it. A module is
+// registered by the device library's nvshmemi_init_thread (what the inline nvshmem_init /
+// nvshmemx_init_attr wrappers call): it hands the host library a callback returning this module's state
+// addresses. The host library was initialised by nvshmem4py (Team.nvshmem), and NVSHMEM 3.x allows
+// further initialisations by the same processes, each matched by a finalize: so init_device_state() is
+// one more unique-id initialisation with the team's own id, rank and size (collective: every rank calls
+// it), and finalize_device_state() its matching finalize, before nvshmem4py's. (nvshmemx_cumodule_init /
+// culibrary_init do the same for modules loaded through the driver API; nvshmemi_check_state_and_init_d,
+// which nvshmemx_collective_launch calls, registers no device state when the host library is initialised.)
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 
@@ -35,18 +40,62 @@ void require_initialised_host() {
 
 bool device_state_bound = false;
 
-// Binds this module's device state to the running NVSHMEM instance (see the file comment). Idempotent.
-// Returns the grid nvshmemx_collective_launch_query_gridsize allows for the smoke kernel (> 0).
-int init_device_state() {
+__global__ void device_pes_kernel(int* out) {
+  out[0] = nvshmem_my_pe();
+  out[1] = nvshmem_n_pes();
+}
+
+// (my_pe, n_pes) as this module's kernels see them: the check that the device state is bound.
+py::tuple device_pes() {
+  int* out = nullptr;
+  check_cuda(cudaMalloc(&out, 2 * sizeof(int)), "device_pes: cudaMalloc");
+  int host[2] = {-1, -1};
+  device_pes_kernel<<<1, 1>>>(out);
+  cudaError_t status = cudaGetLastError();
+  if (status == cudaSuccess) status = cudaMemcpy(host, out, sizeof(host), cudaMemcpyDeviceToHost);
+  cudaFree(out);
+  check_cuda(status, "device_pes kernel");
+  return py::make_tuple(host[0], host[1]);
+}
+
+// Registers this module's device state with the NVSHMEM instance nvshmem4py started (see the file
+// comment). `uid`: the team's 128-byte unique id; collective over the team's ranks. Returns the thread
+// support level NVSHMEM provides.
+int init_device_state(py::bytes uid, int rank, int nranks) {
   require_initialised_host();
-  int grid = 0;
-  const int status = nvshmemx_collective_launch_query_gridsize(
-      reinterpret_cast<const void*>(&flashdmoe::comm::smoke_kernel), dim3(32), nullptr, 0, &grid);
-  if (status != 0 || grid <= 0)
-    throw std::runtime_error("nvshmemx_collective_launch_query_gridsize failed (status " + std::to_string(status) +
-                             ", grid " + std::to_string(grid) + "): this module's NVSHMEM device state is not bound");
+  if (device_state_bound) throw std::runtime_error("init_device_state: already bound; call finalize_device_state() first");
+  const std::string id_bytes = uid;
+  nvshmemx_uniqueid_t id;
+  if (id_bytes.size() != sizeof(id))
+    throw std::invalid_argument("uid: expected " + std::to_string(sizeof(id)) + " bytes, got " + std::to_string(id_bytes.size()));
+  if (nranks < 1 || rank < 0 || rank >= nranks)
+    throw std::invalid_argument("rank/nranks: expected 0 <= rank < nranks, got " + std::to_string(rank) + "/" + std::to_string(nranks));
+  std::memcpy(&id, id_bytes.data(), sizeof(id));
+  nvshmemx_init_attr_t attr = NVSHMEMX_INIT_ATTR_INITIALIZER;
+  if (nvshmemx_set_attr_uniqueid_args(rank, nranks, &id, &attr) != 0)
+    throw std::runtime_error("nvshmemx_set_attr_uniqueid_args failed");
+  nvshmemx_init_init_attr_ver_only(attr);
+  const nvshmemi_version_t version = {NVSHMEM_VENDOR_MAJOR_VERSION, NVSHMEM_VENDOR_MINOR_VERSION,
+                                      NVSHMEM_VENDOR_PATCH_VERSION};
+  int provided = 0;
+  // nvshmemx_init_attr without its exit(-1) on failure: the error becomes a Python exception.
+  const int status = nvshmemi_init_thread(NVSHMEM_THREAD_SERIALIZED, &provided, NVSHMEMX_INIT_WITH_UNIQUEID, &attr,
+                                          version);
+  if (status != 0) throw std::runtime_error("NVSHMEM initialisation of flashdmoe_nvshmem failed (status " + std::to_string(status) + ")");
   device_state_bound = true;
-  return grid;
+  const py::tuple pes = device_pes();
+  if (pes[0].cast<int>() != nvshmem_my_pe() || pes[1].cast<int>() != nvshmem_n_pes())
+    throw std::runtime_error("flashdmoe_nvshmem's device state is not the running NVSHMEM instance's: device sees PE " +
+                             std::to_string(pes[0].cast<int>()) + " of " + std::to_string(pes[1].cast<int>()) +
+                             ", host " + std::to_string(nvshmem_my_pe()) + " of " + std::to_string(nvshmem_n_pes()));
+  return provided;
+}
+
+// The finalize matching init_device_state (before nvshmem4py's own finalize). Idempotent.
+void finalize_device_state() {
+  if (!device_state_bound) return;
+  device_state_bound = false;
+  nvshmem_finalize();
 }
 
 void smoke(uintptr_t send, uintptr_t recv, int words, uintptr_t signal, uint64_t sequence, uint64_t timeout_ns,
@@ -69,8 +118,11 @@ PYBIND11_MODULE(flashdmoe_nvshmem, m) {
         "nvshmemx_init_status() of the process's NVSHMEM host library (2: initialised)");
   m.def("host_my_pe", [] { require_initialised_host(); return nvshmem_my_pe(); });
   m.def("host_n_pes", [] { require_initialised_host(); return nvshmem_n_pes(); });
-  m.def("init_device_state", &init_device_state,
-        "bind this module's NVSHMEM device state to the NVSHMEM instance nvshmem4py started");
+  m.def("init_device_state", &init_device_state, py::arg("uid"), py::arg("rank"), py::arg("nranks"),
+        "register this module's NVSHMEM device state with the instance nvshmem4py started (collective)");
+  m.def("finalize_device_state", &finalize_device_state, "the finalize matching init_device_state");
+  m.def("device_state_bound", [] { return device_state_bound; });
+  m.def("device_pes", &device_pes, "(my_pe, n_pes) as this module's kernels see them");
   m.def("smoke", &smoke, py::arg("send"), py::arg("recv"), py::arg("words"), py::arg("signal"),
         py::arg("sequence"), py::arg("timeout_ns"), py::arg("result"), py::arg("stream"));
   m.attr("SMOKE_SLOTS") = static_cast<int>(flashdmoe::comm::kSmokeSlots);
