@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["PEER_TRANSPORTS", "SmokeResult", "bound_module", "forward_backward_scenario", "kernel_build_problem",
+__all__ = ["PEER_TRANSPORTS", "SmokeResult", "bound_module", "cuda_context_usable", "forward_backward_scenario", "kernel_build_problem",
            "kernel_peer_table", "release", "require_unbound",
            "parse_peer_transport", "resolve_peer_transports", "run_smoke"]
 
@@ -131,20 +131,25 @@ def release(team) -> None:
             module.finalize_device_state()
 
 
-def bound_module(team) -> types.ModuleType:
+def bound_module(team, *, verify: bool = True) -> types.ModuleType:
     """``flashdmoe_nvshmem`` (built on first use) with its device state bound to the NVSHMEM instance of
     ``team`` (a :meth:`Team.nvshmem <flashdmoe.team.Team.nvshmem>` team: NVSHMEM initialised). Raises
     ``BackendUnavailable`` when the module cannot be built or imported, ``RuntimeError`` when NVSHMEM is
     not initialised or the module is bound to another team (see :func:`require_unbound`). Collective: the
     binding is one more NVSHMEM initialisation with the team's unique id (docs/design.md §8), so every
-    rank of the team calls it; :func:`release` undoes it when the team closes."""
+    rank of the team calls it; :func:`release` undoes it when the team closes. ``verify=False`` skips the
+    kernel that checks the binding (the device must see the host's PE and PE count): for bisecting a fault
+    with scripts/nvshmem_smoke.py, which then runs that check as a step of its own."""
     global _bound, _bound_team
     with _bind_lock:
         if _bound is None:
             from flashdmoe import extension
 
             module = extension.load_nvshmem()
-            module.init_device_state(bytes(team.unique_id), team.rank, team.world_size)
+            if verify:
+                module.init_device_state(bytes(team.unique_id), team.rank, team.world_size)
+            else:
+                module.init_device_state(bytes(team.unique_id), team.rank, team.world_size, check=False)
             _bound, _bound_team = module, weakref.ref(team)
         elif _bound_team is None or _bound_team() is not team:
             require_unbound()
@@ -197,10 +202,29 @@ def run_smoke(team, *, words: int = 4096, runs: int = 2, timeout_ms: int = 10_00
             # The next round overwrites send/recv: everyone has checked this round's payload first.
             nvshmem.barrier_all(stream)
             torch.cuda.synchronize(device)
-        return results
-    finally:
-        for t in (send, recv, signal):
-            nvshmem.free_tensor(t)
+    except BaseException:
+        # After a device fault the context is unusable and NVSHMEM's free (a barrier) would exit the process
+        # before this error is seen: leave the buffers to the dead context.
+        if cuda_context_usable(device):
+            _free_tensors(nvshmem, (send, recv, signal))
+        raise
+    _free_tensors(nvshmem, (send, recv, signal))
+    return results
+
+
+def _free_tensors(nvshmem, tensors) -> None:
+    for t in tensors:
+        nvshmem.free_tensor(t)
+
+
+def cuda_context_usable(device) -> bool:
+    """False when ``device``'s CUDA context holds a sticky error (an illegal address, a trap): every later
+    CUDA call, NVSHMEM's collectives included, fails, and NVSHMEM then exits the process."""
+    try:
+        torch.cuda.synchronize(device)
+        return True
+    except RuntimeError:
+        return False
 
 
 def forward_backward_scenario(context):

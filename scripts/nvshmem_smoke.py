@@ -1,20 +1,26 @@
 #!/usr/bin/env python3
 """Smoke test of flashdmoe_nvshmem, the NVSHMEM device-API transport module, on one Hopper GPU.
 
-    python scripts/nvshmem_smoke.py [--ranks 2] [--words 4096] [--timeout 90]
+    python scripts/nvshmem_smoke.py [--ranks 2] [--words 4096] [--timeout 90] [--stop-after STEP]
 
 What it proves, in order (each step is printed; the first failing one says why):
 1. the module builds (relocatable device code, libnvshmem_device, the nvidia-nvshmem wheel's host library);
    built here once, before any rank starts (ranks only import it);
 2. CUDA MPS starts, and P rank processes share the GPU under it (NVSHMEM needs MPS for several PEs/GPU);
-3. each rank joins a Team.nvshmem (nvshmem4py, unique-id bootstrap), then registers the module's device state
-   with that NVSHMEM instance (init_device_state: one more, reference-counted, initialisation with the team's
-   unique id; the device must see the host's PE and PE count), released when the team closes;
-4. each rank's kernel reads nvshmem_my_pe / n_pes on the device, puts a patterned payload to the next PE with
-   nvshmemx_putmem_signal_nbi_warp, waits (bounded) for its own signal and checks the previous PE's payload,
+3. each rank joins a Team.nvshmem (nvshmem4py, unique-id bootstrap: step "join"), registers the module's device
+   state with that NVSHMEM instance (step "init": nvshmemi_init_thread once more, which with the host library
+   initialised only registers and fills the module's state), checks it with a one-thread kernel that must
+   see the host's PE and PE count (step "pes"), and releases it when the team closes;
+4. (step "smoke") each rank's kernel reads nvshmem_my_pe / n_pes on the device, puts a patterned payload to the
+   next PE with nvshmemx_putmem_signal_nbi_warp, waits (bounded) for its own signal and checks the previous PE's payload,
    twice (the signal carries the round number: no reset between rounds).
 Exit code 0 when every rank passes every round. Does not build flashdmoe_cuda. Needs nvshmem4py, the
 nvidia-nvshmem-cu13 wheel (or FLASHDMOE_NVSHMEM_HOME) and nvidia-cuda-mps-control.
+
+Bisecting a fault: every rank prints each step before it starts it, and a failing rank's whole output is shown;
+--stop-after (or FLASHDMOE_NVSHMEM_SMOKE_STOP_AFTER) = join | init | pes | smoke runs the steps up to that one,
+then closes the team. A rank whose CUDA context holds a sticky error (an illegal address) leaves without
+NVSHMEM's finalize, which would exit the process in its barrier before saying anything.
 """
 
 from __future__ import annotations
@@ -32,6 +38,20 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
 
+# Steps of a rank, in order; FLASHDMOE_NVSHMEM_SMOKE_STOP_AFTER (or --stop-after) names the last one to run.
+STEPS = {
+    "join": "joining Team.nvshmem (nvshmem4py init, collective)",
+    "init": "registering flashdmoe_nvshmem's device state (nvshmemi_init_thread with the host library initialised)",
+    "pes": "checking the device state (one-thread kernel reads nvshmem_my_pe / n_pes)",
+    "smoke": "running the smoke kernel (put-with-signal to the next PE, 2 rounds)",
+}
+STOP_ENV = "FLASHDMOE_NVSHMEM_SMOKE_STOP_AFTER"
+
+
+def say(rank: int, text: str) -> None:
+    print(f"[rank {rank}] {text}", flush=True)
+
+
 def child(args) -> int:
     import torch
 
@@ -40,26 +60,53 @@ def child(args) -> int:
     from flashdmoe.team import Team
 
     workdir = Path(args.workdir)
+    device = torch.device("cuda", 0)
+    team = None
     step = "making / waiting for the unique id"
     try:
+        say(args.rank, f"step: {step}")
         if args.rank == 0:
             uid = Team.make_unique_id()
             publish_uid(workdir, uid)
         else:
             uid = wait_for_uid(workdir, timeout_s=60)
-        step = "joining Team.nvshmem (nvshmem4py init, collective)"
-        team = Team.nvshmem(uid, args.rank, args.ranks, max_tokens=32, hidden=64, top_k=1, local_experts=1,
-                            dtype=torch.bfloat16, device=torch.device("cuda", 0))
-        try:
-            step = "binding flashdmoe_nvshmem's device state and running the smoke kernel"
-            results = nvshmem_transport.run_smoke(team, words=args.words, runs=2, timeout_ms=10_000)
-        finally:
-            team.close()
-        print("RESULT " + json.dumps({"rank": args.rank, "rounds": [vars(r) for r in results]}), flush=True)
+        results = []
+        for name, step in STEPS.items():
+            say(args.rank, f"step {name}: {step}")
+            if name == "join":
+                team = Team.nvshmem(uid, args.rank, args.ranks, max_tokens=32, hidden=64, top_k=1,
+                                    local_experts=1, dtype=torch.bfloat16, device=device)
+            elif name == "init":
+                module = nvshmem_transport.bound_module(team, verify=False)
+            elif name == "pes":
+                device_view = tuple(module.device_pes())
+                host_view = (module.host_my_pe(), module.host_n_pes())
+                say(args.rank, f"device sees PE {device_view[0]} of {device_view[1]}, host {host_view[0]} of {host_view[1]}")
+                if device_view != host_view:
+                    raise RuntimeError(f"the module's device state is not the team's: device sees PE {device_view}, "
+                                       f"host {host_view}")
+            else:
+                results = nvshmem_transport.run_smoke(team, words=args.words, runs=2, timeout_ms=10_000)
+            say(args.rank, f"step {name}: done")
+            if name == args.stop_after:
+                break
+        step = "closing the team (finalize)"
+        say(args.rank, f"step: {step}")
+        closing, team = team, None
+        closing.close()
+        print("RESULT " + json.dumps({"rank": args.rank, "stopped_after": args.stop_after,
+                                      "rounds": [vars(r) for r in results]}), flush=True)
         return 0
-    except Exception as error:  # reported to the parent with the step it failed in
+    except Exception as error:  # reported to the parent with the step it failed in, before any cleanup
         print("RESULT " + json.dumps({"rank": args.rank, "error": f"{type(error).__name__}: {error}", "step": step}),
               flush=True)
+        if team is not None:
+            if not nvshmem_transport.cuda_context_usable(device):
+                # A sticky CUDA error: NVSHMEM's finalize would exit(-1) in its barrier; the peers time out.
+                say(args.rank, "CUDA context unusable after the error: leaving without NVSHMEM finalize")
+                sys.stdout.flush()
+                os._exit(1)
+            team.close()
         return 1
 
 
@@ -84,10 +131,12 @@ def parent(args) -> int:
         env = mps.client_env(max(1, 100 // args.ranks))
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
         procs = [subprocess.Popen([sys.executable, __file__, "--child", "--rank", str(rank), "--ranks",
-                                   str(args.ranks), "--words", str(args.words), "--workdir", workdir],
+                                   str(args.ranks), "--words", str(args.words), "--workdir", workdir,
+                                   "--stop-after", args.stop_after],
                                   env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                  for rank in range(args.ranks)]
-        print("[3/4] ranks join Team.nvshmem and bind the module's device state", flush=True)
+        print(f"[3/4] ranks join Team.nvshmem and bind the module's device state (steps up to {args.stop_after!r})",
+              flush=True)
         deadline = time.monotonic() + args.timeout
         outputs = []
         for rank, proc in enumerate(procs):
@@ -104,15 +153,16 @@ def parent(args) -> int:
     failures = 0
     for rank, (proc, out) in enumerate(zip(procs, outputs)):
         lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
-        if not lines:
+        result = json.loads(lines[-1][len("RESULT "):]) if lines else None
+        if result is None or "error" in result or proc.returncode != 0:
             failures += 1
-            print(f"  rank {rank}: FAIL (exit {proc.returncode}, no result); its output:\n    "
-                  + "\n    ".join(out.splitlines()[-25:]))
+            what = (f"while {result['step']}: {result['error']}" if result and "error" in result
+                    else f"exit {proc.returncode}" + ("" if result else ", no result"))
+            # Everything the rank printed: its step lines say how far it got, NVSHMEM's own errors follow.
+            print(f"  rank {rank}: FAIL {what}; its full output:\n    " + "\n    ".join(out.splitlines()))
             continue
-        result = json.loads(lines[-1][len("RESULT "):])
-        if "error" in result:
-            failures += 1
-            print(f"  rank {rank}: FAIL while {result['step']}: {result['error']}")
+        if result["stopped_after"] != "smoke":
+            print(f"  rank {rank}: ok, stopped after step {result['stopped_after']!r} ({STOP_ENV})")
             continue
         for number, r in enumerate(result["rounds"], start=1):
             problems = []
@@ -136,12 +186,17 @@ def main() -> int:
     parser.add_argument("--ranks", type=int, default=2, help="rank processes on GPU 0 (2..8)")
     parser.add_argument("--words", type=int, default=4096, help="32-bit words each PE puts")
     parser.add_argument("--timeout", type=float, default=90.0, help="seconds before hung ranks are killed")
+    parser.add_argument("--stop-after", choices=list(STEPS), default=os.environ.get(STOP_ENV) or "smoke",
+                        help=f"last rank step to run (default: ${STOP_ENV}, else smoke): join, init (register "
+                             "the device state), pes (check it with a kernel), smoke")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--workdir", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if not 2 <= args.ranks <= 8:
         parser.error(f"--ranks={args.ranks}: expected 2..8")
+    if args.stop_after not in STEPS:  # a default from the environment skips argparse's choices
+        parser.error(f"{STOP_ENV}={args.stop_after!r}: expected one of {', '.join(STEPS)}")
     if args.words < 1:
         parser.error(f"--words={args.words}: expected a positive count")
     return child(args) if args.child else parent(args)

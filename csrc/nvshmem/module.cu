@@ -3,15 +3,18 @@
 // nvshmem4py loads: one NVSHMEM instance per process. Raw pointers and the stream handle in, no libtorch.
 //
 // Device state: every module linked with libnvshmem_device.a has its own copy of NVSHMEM's device state
-// (nvshmemi_device_state_d), which the host library fills for the modules registered with it. A module is
-// registered by the device library's nvshmemi_init_thread (what the inline nvshmem_init /
-// nvshmemx_init_attr wrappers call): it hands the host library a callback returning this module's state
-// addresses. The host library was initialised by nvshmem4py (Team.nvshmem), and NVSHMEM 3.x allows
-// further initialisations by the same processes, each matched by a finalize: so init_device_state() is
-// one more unique-id initialisation with the team's own id, rank and size (collective: every rank calls
-// it), and finalize_device_state() its matching finalize, before nvshmem4py's. (nvshmemx_cumodule_init /
-// culibrary_init do the same for modules loaded through the driver API; nvshmemi_check_state_and_init_d,
-// which nvshmemx_collective_launch calls, registers no device state when the host library is initialised.)
+// (nvshmemi_device_state_d, __constant__), which stays zero until the host library copies its state into
+// it: nvshmem_my_pe() and nvshmem_n_pes() then read 0 and every put dereferences a null peer-base table
+// (an illegal address). The host library fills the states registered with it. This module's is registered
+// by the device library's nvshmemi_init_thread (behind the inline nvshmem_init / nvshmemx_init_attr): it
+// passes nvshmemid_hostlib_init_attr a callback returning the state's address. With the host library
+// already initialised (by nvshmem4py), that call skips bootstrap and heap setup (the symmetric heap and
+// nvshmem4py's pointers stay as they are), and nvshmemi_update_device_state registers the state, counts
+// one more initialisation and copies the host's state into it. nvshmem_finalize (nvshmemi_finalize)
+// unregisters it and drops that count, so nvshmem4py's own finalize is still the last one.
+// (nvshmemi_check_state_and_init_d, which nvshmemx_collective_launch calls, passes no callback once the
+// host library is initialised: it binds nothing here. nvshmemx_cumodule_init does the same registration
+// for modules loaded through the driver API, which this one is not.)
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
@@ -59,9 +62,10 @@ py::tuple device_pes() {
 }
 
 // Registers this module's device state with the NVSHMEM instance nvshmem4py started (see the file
-// comment). `uid`: the team's 128-byte unique id; collective over the team's ranks. Returns the thread
-// support level NVSHMEM provides.
-int init_device_state(py::bytes uid, int rank, int nranks) {
+// comment). `uid`: the team's 128-byte unique id, which the host library ignores once bootstrapped (every
+// rank still calls this, so a future NVSHMEM that does bootstrap again finds all ranks there). `check`:
+// run the one-thread kernel that must see the host's PE and PE count. Returns the thread support level.
+int init_device_state(py::bytes uid, int rank, int nranks, bool check) {
   require_initialised_host();
   if (device_state_bound) throw std::runtime_error("init_device_state: already bound; call finalize_device_state() first");
   const std::string id_bytes = uid;
@@ -83,6 +87,7 @@ int init_device_state(py::bytes uid, int rank, int nranks) {
                                           version);
   if (status != 0) throw std::runtime_error("NVSHMEM initialisation of flashdmoe_nvshmem failed (status " + std::to_string(status) + ")");
   device_state_bound = true;
+  if (!check) return provided;
   const py::tuple pes = device_pes();
   if (pes[0].cast<int>() != nvshmem_my_pe() || pes[1].cast<int>() != nvshmem_n_pes())
     throw std::runtime_error("flashdmoe_nvshmem's device state is not the running NVSHMEM instance's: device sees PE " +
@@ -119,6 +124,7 @@ PYBIND11_MODULE(flashdmoe_nvshmem, m) {
   m.def("host_my_pe", [] { require_initialised_host(); return nvshmem_my_pe(); });
   m.def("host_n_pes", [] { require_initialised_host(); return nvshmem_n_pes(); });
   m.def("init_device_state", &init_device_state, py::arg("uid"), py::arg("rank"), py::arg("nranks"),
+        py::arg("check") = true,
         "register this module's NVSHMEM device state with the instance nvshmem4py started (collective)");
   m.def("finalize_device_state", &finalize_device_state, "the finalize matching init_device_state");
   m.def("device_state_bound", [] { return device_state_bound; });

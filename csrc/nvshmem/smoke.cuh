@@ -34,8 +34,17 @@ __device__ __forceinline__ uint64_t smoke_clock_ns() {
 __global__ void smoke_kernel(uint32_t* send, uint32_t* recv, int words, uint64_t* signal, uint64_t sequence,
                              uint64_t timeout_ns, unsigned long long* result) {
   const int me = nvshmem_my_pe(), pes = nvshmem_n_pes();
-  const int next = (me + 1) % pes, prev = (me + pes - 1) % pes;
   const int lane = threadIdx.x & 31;
+  if (pes < 1 || me < 0 || me >= pes) {
+    // An unbound (zero) device state: a put would read a null peer-base table. Report it instead.
+    if (lane == 0) {
+      result[kSmokeMyPe] = me;
+      result[kSmokePes] = pes;
+      for (int slot = kSmokeNextIsP2P; slot < kSmokeSlots; ++slot) result[slot] = 0;
+    }
+    return;
+  }
+  const int next = (me + 1) % pes, prev = (me + pes - 1) % pes;
   for (int i = lane; i < words; i += 32) send[i] = smoke_pattern(me, sequence, i);
   __syncwarp();
   nvshmemx_putmem_signal_nbi_warp(recv, send, static_cast<size_t>(words) * sizeof(uint32_t), signal, sequence,
