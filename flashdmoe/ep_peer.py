@@ -139,7 +139,7 @@ class PeerExchange:
                     staging.append([own.recv, own.comb])
                     continue
                 views = [_peer_tensor(own.recv, q), _peer_tensor(own.comb, q)]
-                expected = [own.peer_recv[q], own.peer_comb[q]]
+                expected = [own.mapped_recv[q], own.mapped_comb[q]]
                 if any(v is None for v in views) or [v.data_ptr() for v in views] != expected:
                     raise RuntimeError(
                         f"rank {team.rank}: the peer views of rank {q}'s recv/comb are at "

@@ -187,7 +187,16 @@ def instance_units() -> list[str]:
     return [instance_unit(variant, suffix) for variant in VARIANTS for suffix in RANK_CAPACITIES]
 
 
-def _render_header() -> str:
+def _instance_type(variant: ExpertVariant, transport: str | None) -> str:
+    # A transport other than the default P2P wraps the variant (csrc/comm/peer_transport.cuh).
+    return variant.cpp_type if transport is None else f"WithTransport<{variant.cpp_type}, {transport}>"
+
+
+def _transport_includes(transport: str | None) -> list[str]:
+    return [] if transport is None else [f'#include "{TRANSPORT_HEADERS[transport]}"']
+
+
+def _render_header(transport: str | None = None) -> str:
     names = ", ".join(f'"{variant.name}"' for variant in VARIANTS)
     (fp32,) = [index for index, variant in enumerate(VARIANTS) if "fp32" in variant.dtypes]
     cases = []
@@ -195,7 +204,7 @@ def _render_header() -> str:
         cases.append(f"    case {index}:  // {variant.name}")
         for dtype in variant.dtypes:
             element, code = _DTYPES[dtype]
-            cases.append(f"      if (dtype == {code}) return visit({element}{{}}, {variant.cpp_type}{{}});")
+            cases.append(f"      if (dtype == {code}) return visit({element}{{}}, {_instance_type(variant, transport)}{{}});")
         cases.append("      break;")
     return "\n".join([
         _NOTICE,
@@ -205,6 +214,7 @@ def _render_header() -> str:
         "#include <cuda_fp16.h>",
         '#include "moe/launch.h"',
         '#include "moe/tile_config.cuh"',
+        *_transport_includes(transport),
         "",
         "namespace flashdmoe {",
         "",
@@ -229,30 +239,39 @@ def _render_header() -> str:
     ])
 
 
-def _render_instances(variant: ExpertVariant, capacity: str) -> str:
+def _render_instances(variant: ExpertVariant, capacity: str, transport: str | None = None) -> str:
+    instance = _instance_type(variant, transport)
     lines = [
         _NOTICE,
         f"// Kernel instances of the {variant.name} expert variant ({', '.join(variant.dtypes)}), rank capacity "
         f"{capacity}.",
+        *_transport_includes(transport),
         '#include "moe/launch_template.cuh"',
         "",
         "namespace flashdmoe {",
     ]
     for dtype in variant.dtypes:
         element = _DTYPES[dtype][0]
-        lines.append(f"template LaunchInfo launch_forward_variant<{element}, {variant.cpp_type}, {capacity}>("
+        lines.append(f"template LaunchInfo launch_forward_variant<{element}, {instance}, {capacity}>("
                      "PreparedLaunch&, const uintptr_t*, uint32_t, void*, cudaStream_t);")
         if capacity == "1":
-            lines.append(f"template KernelAttributes kernel_attributes_variant<{element}, {variant.cpp_type}>();")
+            lines.append(f"template KernelAttributes kernel_attributes_variant<{element}, {instance}>();")
     lines += ["}  // namespace flashdmoe", ""]
     return "\n".join(lines)
 
 
-def generated_sources() -> dict[str, str]:
+# Transport policy types other than the default P2PTransport -> the header that defines them.
+TRANSPORT_HEADERS = {"NvshmemTransport": "nvshmem/nvshmem_transport.cuh"}
+
+
+def generated_sources(transport: str | None = None) -> dict[str, str]:
     """Build-folder relative path -> contents of every generated file (the header and one compile unit
-    per variant)."""
-    files = {GENERATED_HEADER: _render_header()}
+    per variant). ``transport``: a policy type of :data:`TRANSPORT_HEADERS` every instance publishes
+    through (the NVSHMEM transport module), else the default peer-pointer stores."""
+    if transport is not None and transport not in TRANSPORT_HEADERS:
+        raise ValueError(f"transport={transport!r}: expected None or one of {sorted(TRANSPORT_HEADERS)}")
+    files = {GENERATED_HEADER: _render_header(transport)}
     for variant in VARIANTS:
         for suffix, capacity in RANK_CAPACITIES.items():
-            files[instance_unit(variant, suffix)] = _render_instances(variant, capacity)
+            files[instance_unit(variant, suffix)] = _render_instances(variant, capacity, transport)
     return files

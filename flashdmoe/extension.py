@@ -15,8 +15,19 @@ nvcc flags and include folders, target arch, the nvcc version, the Python versio
 the CUTLASS / pybind11 / NVSHMEM versions. The first use builds (under a file lock, so concurrent
 processes build once), later uses import the cached shared object.
 
+A second build, the NVSHMEM transport (docs/design.md §8), compiles the same sources plus ``csrc/nvshmem/``
+with relocatable device code, its generated kernel instances publishing through ``NvshmemTransport``,
+device-linked against ``libnvshmem_device.a`` and host-linked against the ``nvidia-nvshmem-cu13`` wheel's
+``libnvshmem_host.so.3`` (the library nvshmem4py loads, so a process holds one NVSHMEM instance). Its one
+shared object holds two modules: ``flashdmoe_nvshmem`` (device-state binding, smoke test) and a
+``flashdmoe_cuda`` with the usual API, which a process imports instead of the main build when
+``FLASHDMOE_KERNEL_BUILD=nvshmem`` (:func:`kernel_build`). It is built only where that library is found
+(:func:`find_nvshmem`); the main build never includes ``csrc/nvshmem/`` and does not depend on NVSHMEM.
+
 Environment:
     FLASHDMOE_CUDA_ARCH   target arch when none is passed (only ``sm_90a`` is supported).
+    FLASHDMOE_KERNEL_BUILD "main" (default) or "nvshmem": which build this process imports flashdmoe_cuda from.
+    FLASHDMOE_NVSHMEM_HOME an NVSHMEM tree (``include/``, ``lib/``) to use instead of the nvidia wheel's.
     FLASHDMOE_CACHE_DIR   root of the build cache.
     FLASHDMOE_SOURCE_DIR  the CUDA source tree (default: ``csrc/`` beside the package).
     FLASHDMOE_BUILD_JOBS  parallel compile jobs given to ninja (default: ninja's own choice).
@@ -56,6 +67,14 @@ HEADER_SUFFIXES = (".cuh", ".h", ".hpp")
 # The file of the real kernel tree that includes the generated expert-variant dispatch: a tree that has
 # it gets flashdmoe.expert_variants' generated sources (other trees, e.g. tests' tiny ones, do not).
 VARIANT_DISPATCH_UNIT = "moe/launch.cu"
+
+NVSHMEM_MODULE_NAME = "flashdmoe_nvshmem"
+# The transport module's own compile units; they are not part of flashdmoe_cuda.
+NVSHMEM_SUBDIR = "nvshmem"
+# Relocatable device code: NVSHMEM's device API is a static device library resolved at device-link time.
+NVSHMEM_EXTRA_FLAGS = ("-rdc=true",)
+# The policy type its kernel instances publish through (csrc/nvshmem/nvshmem_transport.cuh).
+NVSHMEM_TRANSPORT = "NvshmemTransport"
 
 # Flags shared by every compile unit. -Xptxas=-v puts ptxas' register/spill report into the build
 # log (see build_log_path / parse_ptxas_report); -fvisibility=hidden is what pybind11 expects.
@@ -120,6 +139,26 @@ class KernelResources(NamedTuple):
     stack_frame_bytes: int
 
 
+class NvshmemLibrary(NamedTuple):
+    """An NVSHMEM install: ``include`` (``nvshmem.h``), ``lib`` holding ``device_lib``
+    (``libnvshmem_device.a``) and ``host_lib`` (``libnvshmem_host.so.3``)."""
+
+    include: Path
+    lib: Path
+    device_lib: Path
+    host_lib: Path
+
+
+class ModuleBuild(NamedTuple):
+    """How one extension module is compiled and linked: its ``name``, nvcc ``compile_flags`` (every flag
+    but include folders), ``link_flags`` (before the objects) and ``link_libraries`` (after them)."""
+
+    name: str
+    compile_flags: tuple[str, ...]
+    link_flags: tuple[str, ...]
+    link_libraries: tuple[str, ...] = ()
+
+
 # ---------------------------------------------------------------------------------------------
 # Locating sources and tools
 
@@ -145,7 +184,7 @@ def collect_sources(source_dir: str | os.PathLike | None = None) -> SourceTree:
     root = Path(source_dir).expanduser().resolve() if source_dir is not None else default_source_dir()
     if not root.is_dir():
         raise ValueError(f"source_dir={str(root)!r} is not a directory; expected the CUDA source tree (csrc/)")
-    files = sorted(path for path in root.rglob("*") if path.is_file())
+    files = sorted(path for path in root.rglob("*") if path.is_file() and not _in_nvshmem_subdir(root, path))
     compile_units = tuple(path for path in files if path.suffix in COMPILE_UNIT_SUFFIXES)
     headers = tuple(path for path in files if path.suffix in HEADER_SUFFIXES)
     if not compile_units:
@@ -154,6 +193,58 @@ def collect_sources(source_dir: str | os.PathLike | None = None) -> SourceTree:
     if (root / VARIANT_DISPATCH_UNIT).is_file():
         generated = tuple(expert_variants.generated_sources().items())
     return SourceTree(root, compile_units, headers, generated)
+
+
+def _in_nvshmem_subdir(root: Path, path: Path) -> bool:
+    return path.relative_to(root).parts[0] == NVSHMEM_SUBDIR
+
+
+def collect_nvshmem_sources(source_dir: str | os.PathLike | None = None) -> SourceTree:
+    """The transport module's tree: every compile unit of ``source_dir`` (the whole kernel module, whose
+    generated instances publish through ``NvshmemTransport``) plus those under ``<source_dir>/nvshmem/``
+    (the module's own entry point and smoke kernel), and every header. Raises ``ValueError`` if
+    ``source_dir`` is not a directory, ``BuildError`` if ``nvshmem/`` holds no compile unit."""
+    root = Path(source_dir).expanduser().resolve() if source_dir is not None else default_source_dir()
+    if not root.is_dir():
+        raise ValueError(f"source_dir={str(root)!r} is not a directory; expected the CUDA source tree (csrc/)")
+    files = sorted(path for path in root.rglob("*") if path.is_file())
+    compile_units = tuple(path for path in files if path.suffix in COMPILE_UNIT_SUFFIXES)
+    headers = tuple(path for path in files if path.suffix in HEADER_SUFFIXES)
+    if not any(_in_nvshmem_subdir(root, path) for path in compile_units):
+        raise BuildError(f"no NVSHMEM transport sources under {root / NVSHMEM_SUBDIR}")
+    generated = ()
+    if (root / VARIANT_DISPATCH_UNIT).is_file():
+        generated = tuple(expert_variants.generated_sources(NVSHMEM_TRANSPORT).items())
+    return SourceTree(root, compile_units, headers, generated)
+
+
+def _nvshmem_candidates() -> list[Path]:
+    from_env = os.environ.get("FLASHDMOE_NVSHMEM_HOME")
+    if from_env:
+        return [Path(from_env).expanduser()]  # explicit: no silent fall-back to another install
+    return [wheel_dir / "nvshmem" for wheel_dir in _nvidia_wheel_dirs()]
+
+
+def find_nvshmem() -> NvshmemLibrary | None:
+    """NVSHMEM's headers, device library and host library: ``$FLASHDMOE_NVSHMEM_HOME`` if set, else the
+    ``nvidia-nvshmem-cu13`` wheel (``nvidia/nvshmem``). ``None`` when no complete install is found."""
+    for home in _nvshmem_candidates():
+        library = NvshmemLibrary(home / "include", home / "lib", home / "lib" / "libnvshmem_device.a",
+                                 home / "lib" / "libnvshmem_host.so.3")
+        if (library.include / "nvshmem.h").is_file() and library.device_lib.is_file() and library.host_lib.is_file():
+            return library
+    return None
+
+
+def nvshmem_problem() -> str | None:
+    """Why ``flashdmoe_nvshmem`` cannot be built here (no NVSHMEM install), or ``None``."""
+    if find_nvshmem() is not None:
+        return None
+    where = os.environ.get("FLASHDMOE_NVSHMEM_HOME")
+    if where:
+        return (f"FLASHDMOE_NVSHMEM_HOME={where!r} lacks include/nvshmem.h, lib/libnvshmem_device.a or "
+                "lib/libnvshmem_host.so.3")
+    return "NVSHMEM not found (pip install nvidia-nvshmem-cu13, or set FLASHDMOE_NVSHMEM_HOME)"
 
 
 def _cuda_home_candidates() -> list[Path]:
@@ -348,9 +439,29 @@ def nvcc_flags(arch: str) -> list[str]:
     return [*BASE_NVCC_FLAGS, gencode_flag(arch)]
 
 
-def extension_filename() -> str:
-    """``flashdmoe_cuda`` plus this interpreter's extension suffix (sysconfig ``EXT_SUFFIX``)."""
-    return MODULE_NAME + sysconfig.get_config_var("EXT_SUFFIX")
+def main_module_build(arch: str) -> ModuleBuild:
+    """``flashdmoe_cuda``: whole-program device code, no NVSHMEM."""
+    # The arch is repeated at link time: without it nvcc adds a device-link cubin for its default arch.
+    return ModuleBuild(MODULE_NAME, tuple(nvcc_flags(arch)), ("-shared", gencode_flag(arch)))
+
+
+def nvshmem_module_build(arch: str, library: NvshmemLibrary) -> ModuleBuild:
+    """``flashdmoe_nvshmem``: relocatable device code; nvcc's link step device-links it with
+    ``libnvshmem_device.a`` and the host side links the host library by path (its soname is
+    ``libnvshmem_host.so.3``, the wheel has no unversioned link name), found again at run time
+    through the rpath."""
+    return ModuleBuild(
+        NVSHMEM_MODULE_NAME,
+        (*nvcc_flags(arch), *NVSHMEM_EXTRA_FLAGS),
+        ("-shared", *NVSHMEM_EXTRA_FLAGS, gencode_flag(arch)),
+        (f"-L{library.lib}", "-lnvshmem_device", f"-Xlinker={library.host_lib}", f"-Xlinker=-rpath,{library.lib}"),
+    )
+
+
+def extension_filename(module_name: str = MODULE_NAME) -> str:
+    """``module_name`` (default ``flashdmoe_cuda``) plus this interpreter's extension suffix
+    (sysconfig ``EXT_SUFFIX``)."""
+    return module_name + sysconfig.get_config_var("EXT_SUFFIX")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -370,14 +481,29 @@ def _file_digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def _key_inputs(tree: SourceTree, arch: str, toolchain: Toolchain) -> dict:
+def _module_include_dirs(tree: SourceTree, module: ModuleBuild | None) -> list[Path]:
+    dirs = include_dirs(tree.root)
+    if module is not None and module.name == NVSHMEM_MODULE_NAME:
+        library = find_nvshmem()
+        if library is not None and library.include not in dirs:
+            dirs.append(library.include)
+    return dirs
+
+
+def _library_stamp(path: Path) -> list:
+    stat = path.stat()
+    return [str(path), stat.st_size, stat.st_mtime_ns]
+
+
+def _key_inputs(tree: SourceTree, arch: str, toolchain: Toolchain, module: ModuleBuild | None = None) -> dict:
     files = sorted(tree.compile_units + tree.headers)
-    return {
-        "module": MODULE_NAME,
+    inputs = {
+        "module": MODULE_NAME if module is None else module.name,
         "arch": arch,
-        "nvcc_flags": nvcc_flags(arch),
+        "nvcc_flags": nvcc_flags(arch) if module is None else list(module.compile_flags),
         # The source folder itself is named by a placeholder: a moved tree keeps its key.
-        "include_dirs": ["<source_dir>" if path == tree.root else str(path) for path in include_dirs(tree.root)],
+        "include_dirs": ["<source_dir>" if path == tree.root else str(path)
+                         for path in _module_include_dirs(tree, module)],
         "nvcc_version": toolchain.nvcc_version,
         "python": sys.version,
         "ext_suffix": sysconfig.get_config_var("EXT_SUFFIX"),
@@ -387,6 +513,13 @@ def _key_inputs(tree: SourceTree, arch: str, toolchain: Toolchain) -> dict:
         "sources": [[path.relative_to(tree.root).as_posix(), _file_digest(path)] for path in files],
         "generated": [[path, hashlib.sha256(text.encode()).hexdigest()] for path, text in tree.generated],
     }
+    if module is not None and module.name != MODULE_NAME:
+        # The libraries linked in change the binary too: keyed by path, size and time (hashing them is slow).
+        inputs["link"] = [list(module.link_flags), list(module.link_libraries)]
+        library = find_nvshmem()
+        if library is not None:
+            inputs["nvshmem_libraries"] = [_library_stamp(library.device_lib), _library_stamp(library.host_lib)]
+    return inputs
 
 
 def cache_key(arch: str | None = None, source_dir: str | os.PathLike | None = None) -> str:
@@ -420,15 +553,18 @@ def _write_generated(out_dir: Path, tree: SourceTree) -> None:
             path.write_text(text)
 
 
-def _write_build_ninja(out_dir: Path, tree: SourceTree, arch: str, toolchain: Toolchain) -> Path:
+def _write_build_ninja(out_dir: Path, tree: SourceTree, arch: str, toolchain: Toolchain,
+                       module: ModuleBuild | None = None) -> Path:
     from ninja import ninja_syntax
+
+    module = module if module is not None else main_module_build(arch)
 
     def shell_join(args: list[str]) -> str:
         # Shell-quote for /bin/sh, then escape '$' for ninja's own variable syntax.
         return ninja_syntax.escape(" ".join(shlex.quote(arg) for arg in args))
 
     _write_generated(out_dir, tree)
-    include_flags = [f"-I{directory}" for directory in include_dirs(tree.root)]
+    include_flags = [f"-I{directory}" for directory in _module_include_dirs(tree, module)]
     if tree.generated:
         include_flags.append(f"-I{out_dir}")  # #include "generated/..."
     object_paths = []
@@ -436,13 +572,14 @@ def _write_build_ninja(out_dir: Path, tree: SourceTree, arch: str, toolchain: To
     with ninja_file.open("w") as handle:
         # No line wrapping: a wrap inside a quoted path would drop the space there.
         writer = ninja_syntax.Writer(handle, width=1 << 20)
-        writer.comment(f"Generated by flashdmoe.extension for {MODULE_NAME} ({arch}); do not edit.")
+        writer.comment(f"Generated by flashdmoe.extension for {module.name} ({arch}); do not edit.")
         writer.variable("ninja_required_version", "1.3")
         writer.variable("nvcc", shell_join([str(toolchain.nvcc)]))
-        writer.variable("nvcc_flags", shell_join(nvcc_flags(arch)))
+        writer.variable("nvcc_flags", shell_join(list(module.compile_flags)))
         writer.variable("include_flags", shell_join(include_flags))
-        # The arch is repeated at link time: without it nvcc adds a device-link cubin for its default arch.
-        writer.variable("link_flags", shell_join(["-shared", gencode_flag(arch)]))
+        writer.variable("link_flags", shell_join(list(module.link_flags)))
+        if module.link_libraries:
+            writer.variable("link_libraries", shell_join(list(module.link_libraries)))
         writer.newline()
         writer.rule(
             "cuda_compile",
@@ -452,7 +589,10 @@ def _write_build_ninja(out_dir: Path, tree: SourceTree, arch: str, toolchain: To
             deps="gcc",
         )
         # Link to a temporary name, then rename: a cached .so is either complete or absent.
-        writer.rule("cuda_link", "$nvcc $link_flags $in -o $out.tmp && mv -f $out.tmp $out", description="LINK $out")
+        # Libraries follow the objects: a static (device) library only resolves symbols needed before it.
+        libraries = " $link_libraries" if module.link_libraries else ""
+        writer.rule("cuda_link", f"$nvcc $link_flags $in{libraries} -o $out.tmp && mv -f $out.tmp $out",
+                    description="LINK $out")
         writer.newline()
         for source in tree.compile_units:
             object_path = f"objects/{source.relative_to(tree.root).as_posix()}.o"
@@ -462,8 +602,8 @@ def _write_build_ninja(out_dir: Path, tree: SourceTree, arch: str, toolchain: To
             object_path = f"objects/{relative}.o"
             writer.build(object_path, "cuda_compile", str(out_dir / relative))
             object_paths.append(object_path)
-        writer.build(extension_filename(), "cuda_link", object_paths)
-        writer.default(extension_filename())
+        writer.build(extension_filename(module.name), "cuda_link", object_paths)
+        writer.default(extension_filename(module.name))
     return ninja_file
 
 
@@ -498,10 +638,11 @@ def _run_ninja(out_dir: Path, toolchain: Toolchain, verbose: bool) -> None:
 
 
 def _build_into(out_dir: Path, tree: SourceTree, arch: str, toolchain: Toolchain, *, force: bool,
-                verbose: bool, key_inputs: dict | None = None) -> Path:
+                verbose: bool, key_inputs: dict | None = None, module: ModuleBuild | None = None) -> Path:
     """Build ``tree`` into ``out_dir`` under its file lock; return the shared object's path."""
+    module = module if module is not None else main_module_build(arch)
     out_dir.mkdir(parents=True, exist_ok=True)
-    output = out_dir / extension_filename()
+    output = out_dir / extension_filename(module.name)
     with (out_dir / _LOCK_FILE_NAME).open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # waits while another process builds the same folder
         try:
@@ -512,9 +653,9 @@ def _build_into(out_dir: Path, tree: SourceTree, arch: str, toolchain: Toolchain
                 return output  # built by someone else while we waited for the lock
             if key_inputs is not None:
                 (out_dir / _KEY_FILE_NAME).write_text(json.dumps(key_inputs, indent=2, sort_keys=True))
-            _write_build_ninja(out_dir, tree, arch, toolchain)
+            _write_build_ninja(out_dir, tree, arch, toolchain, module)
             count = len(tree.compile_units) + len(tree.generated_units())
-            print(f"building {MODULE_NAME} ({count} source{'s' if count != 1 else ''}) ...", file=sys.stderr,
+            print(f"building {module.name} ({count} source{'s' if count != 1 else ''}) ...", file=sys.stderr,
                   flush=True)
             started = time.perf_counter()
             _run_ninja(out_dir, toolchain, verbose)
@@ -561,16 +702,52 @@ def compile_sources(out_dir: str | os.PathLike, arch: str = DEFAULT_ARCH,
     return _build_into(Path(out_dir).resolve(), tree, resolved, find_toolchain(), force=True, verbose=verbose)
 
 
+def _nvshmem_module(arch: str) -> ModuleBuild:
+    library = find_nvshmem()
+    if library is None:
+        raise BuildError(f"cannot build {NVSHMEM_MODULE_NAME}: {nvshmem_problem()}")
+    return nvshmem_module_build(arch, library)
+
+
+def build_nvshmem(arch: str | None = None, force: bool = False, verbose: bool = False,
+                  source_dir: str | os.PathLike | None = None) -> Path:
+    """:func:`build` for ``flashdmoe_nvshmem`` (``csrc/nvshmem/``, relocatable device code, NVSHMEM
+    linked in). Cached like the main module, in its own folder ``<arch>-nvshmem-<key>``.
+    Raises ``BuildError`` also when NVSHMEM is not found (:func:`nvshmem_problem`)."""
+    tree = collect_nvshmem_sources(source_dir)
+    resolved = resolve_arch(arch)
+    module = _nvshmem_module(resolved)
+    toolchain = find_toolchain()
+    inputs = _key_inputs(tree, resolved, toolchain, module)
+    key = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
+    out_dir = cache_root() / f"{resolved}-nvshmem-{key[:16]}"
+    output = out_dir / extension_filename(module.name)
+    if output.is_file() and not force:
+        return output
+    return _build_into(out_dir, tree, resolved, toolchain, force=force, verbose=verbose, key_inputs=inputs,
+                       module=module)
+
+
+def compile_nvshmem_sources(out_dir: str | os.PathLike, arch: str = DEFAULT_ARCH,
+                            source_dir: str | os.PathLike | None = None, verbose: bool = False) -> Path:
+    """:func:`compile_sources` for ``flashdmoe_nvshmem`` (always compiles; no GPU needed)."""
+    tree = collect_nvshmem_sources(source_dir)
+    resolved = _normalise_arch(arch, "arch")
+    return _build_into(Path(out_dir).resolve(), tree, resolved, find_toolchain(), force=True, verbose=verbose,
+                       module=_nvshmem_module(resolved))
+
+
 # ---------------------------------------------------------------------------------------------
 # Loading
 
 
-_loaded_modules: dict[Path, types.ModuleType] = {}
+_loaded_modules: dict[tuple[Path, str], types.ModuleType] = {}
 _load_lock = threading.Lock()
 
 
-def import_extension(path: str | os.PathLike) -> types.ModuleType:
-    """Import a built ``flashdmoe_cuda`` shared object from ``path`` (once per process).
+def import_extension(path: str | os.PathLike, module_name: str = MODULE_NAME) -> types.ModuleType:
+    """Import a built ``module_name`` (default ``flashdmoe_cuda``) shared object from ``path`` (once per
+    process).
 
     Importing touches no CUDA API (cudart initialises lazily), so it works without a GPU.
     A process holds one build: pybind11 (>= 3) keeps the first module initialised under a name and
@@ -579,20 +756,20 @@ def import_extension(path: str | os.PathLike) -> types.ModuleType:
     """
     so_path = Path(path).resolve()
     with _load_lock:
-        if so_path not in _loaded_modules:
-            if _loaded_modules:
-                (earlier,) = _loaded_modules
+        if (so_path, module_name) not in _loaded_modules:
+            earlier = [path for path, name in _loaded_modules if name == module_name]
+            if earlier:
                 raise ImportError(
-                    f"{MODULE_NAME} is already imported in this process from {earlier}; one process holds "
+                    f"{module_name} is already imported in this process from {earlier[0]}; one process holds "
                     f"one build (pybind11 caches modules by name), so {so_path} needs a new process"
                 )
-            spec = importlib.util.spec_from_file_location(MODULE_NAME, so_path)
+            spec = importlib.util.spec_from_file_location(module_name, so_path)
             if spec is None or spec.loader is None:
                 raise ImportError(f"{so_path} is not an importable extension module")
             module = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(module)
-            _loaded_modules[so_path] = module
-        return _loaded_modules[so_path]
+            _loaded_modules[so_path, module_name] = module
+        return _loaded_modules[so_path, module_name]
 
 
 def _unavailable(reason: str) -> RuntimeError:
@@ -603,8 +780,24 @@ def _unavailable(reason: str) -> RuntimeError:
     return BackendUnavailable(f"CUDA backend unavailable: {reason}")
 
 
+KERNEL_BUILDS = ("main", "nvshmem")
+
+
+def kernel_build() -> str:
+    """Which build this process imports ``flashdmoe_cuda`` from: ``$FLASHDMOE_KERNEL_BUILD``, "main"
+    (default: peer-pointer stores, no NVSHMEM dependency) or "nvshmem" (the same API from the NVSHMEM
+    transport build, whose kernels also reach peers through NVSHMEM puts). Read at the first load: a
+    process holds one ``flashdmoe_cuda``. ``ValueError`` naming the variable for another value."""
+    value = os.environ.get("FLASHDMOE_KERNEL_BUILD", "main").strip().lower() or "main"
+    if value not in KERNEL_BUILDS:
+        raise ValueError(f"FLASHDMOE_KERNEL_BUILD={os.environ['FLASHDMOE_KERNEL_BUILD']!r}: expected one of "
+                         f"{KERNEL_BUILDS}")
+    return value
+
+
 def load(source_dir: str | os.PathLike | None = None) -> types.ModuleType:
-    """The ``flashdmoe_cuda`` module for the current Hopper GPU, building it on first use.
+    """The ``flashdmoe_cuda`` module for the current Hopper GPU, building it on first use (from the build
+    :func:`kernel_build` names).
 
     Raises ``flashdmoe.errors.BackendUnavailable`` with the reason (no GPU, wrong arch, no nvcc,
     build failure, import failure).
@@ -613,12 +806,34 @@ def load(source_dir: str | os.PathLike | None = None) -> types.ModuleType:
     if problem is not None:
         raise _unavailable(problem)
     try:
+        if kernel_build() == "nvshmem":
+            return import_extension(build_nvshmem(source_dir=source_dir), MODULE_NAME)
         return import_extension(build(source_dir=source_dir))
     except (BuildError, ValueError) as error:
         raise _unavailable(str(error)) from error
     except ImportError as error:
         raise _unavailable(f"import of the built extension failed: {error}") from error
     except OSError as error:  # e.g. an unwritable cache folder
+        raise _unavailable(f"{type(error).__name__}: {error}") from error
+
+
+def load_nvshmem(source_dir: str | os.PathLike | None = None) -> types.ModuleType:
+    """The ``flashdmoe_nvshmem`` module (building it on first use) for the current Hopper GPU.
+
+    Importing it does not initialise NVSHMEM; its ``init_device_state()`` binds the module to the
+    NVSHMEM instance a team started. Raises ``BackendUnavailable`` with the reason (no GPU, no NVSHMEM
+    install, build or import failure).
+    """
+    problem = _gpu_problem()
+    if problem is not None:
+        raise _unavailable(problem)
+    try:
+        return import_extension(build_nvshmem(source_dir=source_dir), NVSHMEM_MODULE_NAME)
+    except (BuildError, ValueError) as error:
+        raise _unavailable(str(error)) from error
+    except ImportError as error:
+        raise _unavailable(f"import of the built {NVSHMEM_MODULE_NAME} failed: {error}") from error
+    except OSError as error:
         raise _unavailable(f"{type(error).__name__}: {error}") from error
 
 

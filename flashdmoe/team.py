@@ -131,8 +131,11 @@ class BufferPlan:
 
 @dataclass
 class RankBuffers:
-    """One rank's symmetric buffers (uint8 / int32 tensors on its GPU) and the addresses at which this
-    rank reaches every peer's buffers (``peer_recv[q]``, ``peer_comb[q]``, ``peer_signals[q]``)."""
+    """One rank's symmetric buffers (uint8 / int32 tensors on its GPU) and the kernel's peer table: the
+    addresses it writes peer q's buffers at (``peer_recv[q]``, ``peer_comb[q]``, ``peer_signals[q]``; for a
+    peer reached through NVSHMEM, staging addresses in this rank's own buffers, see
+    :func:`flashdmoe.nvshmem_transport.kernel_peer_table`). ``mapped_recv[q]`` / ``mapped_comb[q]``: q's
+    buffers as this rank maps them (load/store), ``None`` without a mapping (default: the peer table)."""
 
     recv: torch.Tensor
     comb: torch.Tensor
@@ -140,6 +143,13 @@ class RankBuffers:
     peer_recv: list[int] = field(default_factory=list)
     peer_comb: list[int] = field(default_factory=list)
     peer_signals: list[int] = field(default_factory=list)
+    mapped_recv: list[int | None] = field(default_factory=list)
+    mapped_comb: list[int | None] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        # A table given without mappings is all load/store mappings (emulated teams, tests).
+        if not self.mapped_recv and not self.mapped_comb:
+            self.mapped_recv, self.mapped_comb = list(self.peer_recv), list(self.peer_comb)
 
 
 def _torch_device(device) -> torch.device:
@@ -180,6 +190,9 @@ class Team:
         # launches it prepared (per batch shape and options).
         self.unchecked_launch = None
         self.launch_plans: dict = {}
+        # How the kernel reaches each peer ("p2p": stores through a mapping; "nvshmem": NVSHMEM puts).
+        self.peer_transports: list[str] = ["p2p"] * world_size
+        self.unique_id: bytes = b""  # NVSHMEM teams: the id the team was bootstrapped with
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("failed" if self._failure else "ok")
@@ -229,12 +242,23 @@ class Team:
 
     @classmethod
     def nvshmem(cls, uid_bytes: bytes, rank: int, world_size: int, *, max_tokens: int, hidden: int, top_k: int,
-                local_experts: int, dtype: torch.dtype = torch.bfloat16, device=None) -> "Team":
+                local_experts: int, dtype: torch.dtype = torch.bfloat16, device=None,
+                peer_transport: str = "auto") -> "Team":
         """Join an NVSHMEM team as ``rank`` of ``world_size`` (collective: every rank must call it).
 
         ``uid_bytes``: the 128 bytes of :meth:`make_unique_id` from rank 0. Sizing arguments as in
         :meth:`emulated`. The buffers are allocated on the symmetric heap (collective too).
+        ``peer_transport``: how the kernel reaches each peer (:mod:`flashdmoe.nvshmem_transport`): "auto"
+        (stores through a peer pointer where one exists, NVSHMEM puts elsewhere), "p2p" or "nvshmem"
+        (forced for every peer). NVSHMEM puts need the process's kernel from the NVSHMEM build
+        (``FLASHDMOE_KERNEL_BUILD=nvshmem``); the choice per peer is ``team.peer_transports``. Every rank
+        should pass the same option.
         """
+        from flashdmoe import nvshmem_transport
+
+        peer_transport = nvshmem_transport.parse_peer_transport(peer_transport)
+        if nvshmem_transport.kernel_build_problem() is None:
+            nvshmem_transport.require_unbound()
         if not isinstance(uid_bytes, (bytes, bytearray)) or len(uid_bytes) != UNIQUE_ID_BYTES:
             raise ValueError(f"uid_bytes: expected {UNIQUE_ID_BYTES} bytes from Team.make_unique_id()")
         _positive_int("world_size", world_size)
@@ -260,21 +284,23 @@ class Team:
             signals = nvshmem.tensor((plan.signal_words,), dtype=torch.int32)
             signals.zero_()
             own = RankBuffers(recv=recv, comb=comb, signals=signals)
+            own_addresses = (recv.data_ptr(), comb.data_ptr(), signals.data_ptr())
+            mapped: list[tuple[int, int, int] | None] = []
             for peer in range(world_size):
+                views = [nvshmem.get_peer_tensor(t, peer) for t in (recv, comb, signals)] if peer != rank else None
                 if peer == rank:
-                    own.peer_recv.append(recv.data_ptr())
-                    own.peer_comb.append(comb.data_ptr())
-                    own.peer_signals.append(signals.data_ptr())
-                    continue
-                views = [nvshmem.get_peer_tensor(t, peer) for t in (recv, comb, signals)]
-                if any(v is None for v in views):
-                    raise RuntimeError(
-                        f"rank {rank} has no load/store path to rank {peer} (no NVLink/same-GPU peer pointer); "
-                        "the inter-node transport is not built (docs/architecture.md)"
-                    )
-                own.peer_recv.append(views[0].data_ptr())
-                own.peer_comb.append(views[1].data_ptr())
-                own.peer_signals.append(views[2].data_ptr())
+                    mapped.append(own_addresses)
+                elif any(v is None for v in views):
+                    mapped.append(None)  # no NVLink / same-GPU path: NVSHMEM puts only
+                else:
+                    mapped.append(tuple(v.data_ptr() for v in views))
+            transports = nvshmem_transport.resolve_peer_transports(
+                peer_transport, [m is not None for m in mapped], rank, nvshmem_transport.kernel_build_problem())
+            own.peer_recv, own.peer_comb, own.peer_signals = nvshmem_transport.kernel_peer_table(
+                rank, own_addresses, mapped, transports, plan.stream_rows * plan.hidden * plan.element_bytes)
+            own.mapped_recv = [None if m is None else m[0] for m in mapped]
+            own.mapped_comb = [None if m is None else m[1] for m in mapped]
+
             # Everyone's signal words are zero before anyone's first kernel can write into them.
             torch.cuda.synchronize(device)
             nvshmem.barrier_all(torch.cuda.current_stream(device))
@@ -282,7 +308,16 @@ class Team:
         except BaseException:
             nvshmem.finalize()
             raise
-        return cls("nvshmem", rank, world_size, plan, [own], device)
+        team = cls("nvshmem", rank, world_size, plan, [own], device)
+        team.peer_transports = transports
+        team.unique_id = bytes(uid_bytes)  # binding the transport module re-initialises NVSHMEM with it
+        if nvshmem_transport.kernel_build_problem() is None:
+            try:
+                nvshmem_transport.bound_module(team)  # the kernel's NVSHMEM device state, before its first launch
+            except BaseException:
+                team.close()
+                raise
+        return team
 
     # ---- state ----
     @property
@@ -353,7 +388,12 @@ class Team:
                         nvshmem.free_tensor(t)
             finally:
                 self.buffers = []
-                nvshmem.finalize()
+                try:
+                    from flashdmoe import nvshmem_transport
+
+                    nvshmem_transport.release(self)  # its finalize comes before nvshmem4py's
+                finally:
+                    nvshmem.finalize()
         self.buffers = []
         self._signal_block = None
 

@@ -7,7 +7,7 @@
 #pragma once
 #include "common/sync.cuh"
 #include "moe/activation.cuh"
-#include "moe/dispatch.cuh"
+#include "comm/peer_transport.cuh"
 #include "moe/tile_gemm.cuh"
 
 namespace flashdmoe {
@@ -192,7 +192,8 @@ __device__ __forceinline__ void account_results(const MoEParams& p, const DestTa
   atomicAdd(p.traffic + 1, static_cast<unsigned long long>(rows) * cols * sizeof(Element));
   const uint32_t expected = static_cast<uint32_t>(tables.stream_start[src * (p.local_experts + 1) + p.local_experts]) *
                             static_cast<uint32_t>(gemm2_column_tiles<Variant>(p));
-  if (atomicAdd(p.result_rows_done + src, static_cast<uint32_t>(rows)) + rows == expected) publish_results_done(p, src);
+  if (atomicAdd(p.result_rows_done + src, static_cast<uint32_t>(rows)) + rows == expected)
+    peer_transport_t<Variant>::template publish_results_done<Element>(p, src);
 }
 
 // Once per block and source: wait (bounded) until the source's rows for this rank are in place.

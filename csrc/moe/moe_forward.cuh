@@ -22,6 +22,7 @@ __device__ __forceinline__ void forward_block(const MoEParams& p, char* smem) {
   const SmemLayout layout = make_smem_layout(p.experts, p.top_k, expert_scratch_bytes<Variant>(), p.world_size);
   // Worker threads run every phase; the TMA variant's producer warp joins only the gate and the expert GEMMs.
   const bool worker = threadIdx.x < kThreads;
+  using Transport = peer_transport_t<Variant>;  // how counts, rows and results are published to peers
   stamp_phase(p, 0);
 
   // ---- 1. gate: logits, softmax, top-k, per-tile counts ----
@@ -32,7 +33,7 @@ __device__ __forceinline__ void forward_block(const MoEParams& p, char* smem) {
   // ---- 2. per-expert offsets over gate tiles (capacity in token order); counts to the owners ----
   if (worker) scan_tile_counts(p);
   if (!grid_barrier(p, kPhaseOffsetsDone, 2)) return;
-  if (worker) publish_counts(p);
+  if (worker) Transport::template publish_counts<Element>(p);
   stamp_phase(p, 2);
 
   // ---- 3. dispatch: rows into the owners' receive buffers ----
@@ -42,13 +43,13 @@ __device__ __forceinline__ void forward_block(const MoEParams& p, char* smem) {
     dispatch_rows<Element>(p, stream_offset);
   }
   if (!grid_barrier(p, kPhaseDispatchDone, 3)) return;
-  publish_rows_ready(p);
+  Transport::template publish_rows_ready<Element>(p);
   stamp_phase(p, 3);
 
   // ---- 4. expert FFN tiles from the task queue, rows from every source ----
   const DestTables tables = dest_tables(smem, layout, p);
   if (!build_dest_tables(p, tables)) return;
-  publish_empty_results(p, tables);
+  Transport::template publish_empty_results<Element>(p, tables);
   const Element** a_rows = reinterpret_cast<const Element**>(smem + layout.row_ptrs_offset);
   if constexpr (Variant::kUseTma) {
     if (!run_expert_tasks_prefetch<Element, Variant>(p, tables, smem)) return;

@@ -1,0 +1,48 @@
+// How the kernel's signals and staged data reach its peers: a transport policy type, chosen per kernel
+// instance through the expert variant (WithTransport<Variant, Transport>). The rows and results are always
+// written with the same stores (dispatch.cuh, the GEMM2 epilogues) to the addresses of the peer table;
+// the policy owns what happens at each publication point: the counts, rows-ready and results-done flags.
+//
+// P2PTransport (every instance of flashdmoe_cuda): the peer table holds NVLink / same-GPU pointers, the
+// data is already in the peer when the flag is stored (dispatch.cuh's functions, unchanged).
+// NvshmemTransport (flashdmoe_nvshmem only, csrc/nvshmem/nvshmem_transport.cuh): see there.
+#pragma once
+#include <type_traits>
+#include "moe/dispatch.cuh"
+
+namespace flashdmoe {
+
+struct P2PTransport {
+  template <typename Element>
+  __device__ __forceinline__ static void publish_counts(const MoEParams& p) { flashdmoe::publish_counts(p); }
+  template <typename Element>
+  __device__ __forceinline__ static void publish_rows_ready(const MoEParams& p) { flashdmoe::publish_rows_ready(p); }
+  template <typename Element>
+  __device__ __forceinline__ static void publish_empty_results(const MoEParams& p, const DestTables& tables) {
+    flashdmoe::publish_empty_results(p, tables);
+  }
+  template <typename Element>
+  __device__ __forceinline__ static void publish_results_done(const MoEParams& p, int src) {
+    flashdmoe::publish_results_done(p, src);
+  }
+};
+
+// An expert variant whose kernel instance publishes through `Transport` (every tile parameter inherited).
+template <typename Variant, typename Transport>
+struct WithTransport : Variant {
+  using PeerTransport = Transport;
+};
+
+template <typename Variant, typename = void>
+struct PeerTransportOf {
+  using type = P2PTransport;
+};
+template <typename Variant>
+struct PeerTransportOf<Variant, std::void_t<typename Variant::PeerTransport>> {
+  using type = typename Variant::PeerTransport;
+};
+// The transport of a variant (also through SavingPre<WithTransport<...>>); P2PTransport by default.
+template <typename Variant>
+using peer_transport_t = typename PeerTransportOf<Variant>::type;
+
+}  // namespace flashdmoe

@@ -1,0 +1,130 @@
+// NvshmemTransport: peers without a load/store path are reached through NVSHMEM's device API; peers with
+// one keep P2PTransport's stores (a team may mix both: "auto"). Only flashdmoe_nvshmem compiles this.
+//
+// The host marks an NVSHMEM peer q in the peer table with this rank's own `signals` pointer (never a
+// mapping's address) and points its `recv` / `comb` entries at this rank's own symmetric buffers
+// (flashdmoe.nvshmem_transport.kernel_peer_table), so the kernel's unchanged stores stage the data
+// locally, in regions whose later contents are not needed yet:
+//   rows for q      -> own comb region [q] (q's results for this rank arrive there only after q got the rows)
+//   results for q   -> own recv region [q] (q's input rows there are dead once GEMM1 of their tile is done,
+//                      which GEMM2 of the tile waits for)
+// Each region is laid out as the peer's destination region, so one contiguous put per (peer, phase)
+// moves it: only routed rows travel. The counts and flags are single 32-bit words (nvshmem_uint32_p /
+// nvshmem_uint32_atomic_set) set after the data is complete (nvshmem_quiet; nvshmem_fence for the counts), so the waits of
+// the receiving rank (bounded loads of its own signal words, sequence numbers, watchdog) are the same for
+// both transports. Symmetric addresses are this rank's own buffers (peers[rank]), as NVSHMEM requires.
+#pragma once
+#include <nvshmem.h>
+#include <nvshmemx.h>
+#include "comm/peer_transport.cuh"
+
+namespace flashdmoe {
+
+struct NvshmemTransport {
+  // The host's mark of an NVSHMEM peer: this rank's own signal words in the peer's entry.
+  __device__ __forceinline__ static bool via_nvshmem(const MoEParams& p, int peer) {
+    return peer != p.rank && p.peers[peer].signals == p.peers[p.rank].signals;
+  }
+  __device__ __forceinline__ static uint32_t* own_signal(const MoEParams& p, int index) {
+    return p.peers[p.rank].signals + index;
+  }
+  template <typename Element>
+  __device__ __forceinline__ static char* own_region(void* buffer, const MoEParams& p, int region) {
+    return static_cast<char*>(buffer) + static_cast<size_t>(region) * p.stream_rows * p.hidden * sizeof(Element);
+  }
+  // Rows this rank sends `owner` (its kept choices of owner's experts), as the stream is dense from row 0.
+  __device__ __forceinline__ static size_t rows_to(const MoEParams& p, int owner) {
+    size_t rows = 0;
+    for (int local = 0; local < p.local_experts; ++local) rows += __ldcg(p.expert_kept + owner * p.local_experts + local);
+    return rows;
+  }
+  // Rows `src` sent this rank: the counts it published into this rank's signal words.
+  __device__ __forceinline__ static size_t rows_from(const MoEParams& p, int src) {
+    size_t rows = 0;
+    for (int local = 0; local < p.local_experts; ++local)
+      rows += __ldcg(own_signal(p, signal_count(p.local_experts, src, local)));
+    return rows;
+  }
+
+  // Worker threads of every block (as publish_counts).
+  template <typename Element>
+  __device__ static void publish_counts(const MoEParams& p) {
+    if (block_in_rank(p) != 0 || p.silent || p.world_size == 1) return;
+    const int P = p.world_size, L = p.local_experts;
+    for (int i = threadIdx.x; i < P * L; i += kThreads) {
+      const int owner = i / L, local = i % L;
+      if (owner == p.rank || via_nvshmem(p, owner)) continue;
+      p.peers[owner].signals[signal_count(L, p.rank, local)] = static_cast<uint32_t>(__ldcg(p.expert_kept + i));
+    }
+    sync_workers();
+    if (threadIdx.x != 0) return;
+    __threadfence_system();
+    for (int owner = 0; owner < P; ++owner) {
+      if (owner == p.rank) continue;
+      if (!via_nvshmem(p, owner)) {
+        ptx::store_release_sys(p.peers[owner].signals + signal_counts_flag(P, L, p.rank), p.sequence);
+        continue;
+      }
+      for (int local = 0; local < L; ++local)
+        nvshmem_uint32_p(own_signal(p, signal_count(L, p.rank, local)),
+                         static_cast<uint32_t>(__ldcg(p.expert_kept + owner * L + local)), owner);
+      nvshmem_fence();  // the counts land before their flag
+      nvshmem_uint32_atomic_set(own_signal(p, signal_counts_flag(P, L, p.rank)), p.sequence, owner);
+    }
+  }
+
+  // Every thread of every block, after the rank's dispatch barrier (the staged rows are complete).
+  template <typename Element>
+  __device__ static void publish_rows_ready(const MoEParams& p) {
+    if (block_in_rank(p) != 0 || p.silent) return;
+    const int P = p.world_size, L = p.local_experts;
+    if (threadIdx.x < 32) {  // warp 0 puts each NVSHMEM peer's staged rows into its recv region [rank]
+      for (int owner = 0; owner < P; ++owner) {
+        if (owner == p.rank || !via_nvshmem(p, owner)) continue;
+        const size_t bytes = rows_to(p, owner) * p.hidden * sizeof(Element);
+        if (bytes)
+          nvshmemx_putmem_nbi_warp(own_region<Element>(p.peers[p.rank].recv, p, p.rank),
+                                   own_region<Element>(p.peers[p.rank].comb, p, owner), bytes, owner);
+      }
+      nvshmem_quiet();  // delivered before any flag below
+    }
+    __syncwarp();
+    if (threadIdx.x != 0) return;
+    __threadfence_system();
+    for (int owner = 0; owner < P; ++owner) {
+      if (owner == p.rank) continue;
+      if (via_nvshmem(p, owner))
+        nvshmem_uint32_atomic_set(own_signal(p, signal_rows_ready(P, L, p.rank)), p.sequence, owner);
+      else
+        ptx::store_release_sys(p.peers[owner].signals + signal_rows_ready(P, L, p.rank), p.sequence);
+    }
+  }
+
+  // One thread: the tile that completed `src`'s results (after its system fence), or publish_empty_results.
+  template <typename Element>
+  __device__ static void publish_results_done(const MoEParams& p, int src) {
+    if (p.silent) return;
+    if (!via_nvshmem(p, src)) {
+      flashdmoe::publish_results_done(p, src);
+      return;
+    }
+    const size_t bytes = rows_from(p, src) * p.hidden * sizeof(Element);
+    if (bytes)  // the staged results (own recv region [src]) into src's comb region [rank]
+      nvshmem_putmem_nbi(own_region<Element>(p.peers[p.rank].comb, p, p.rank),
+                         own_region<Element>(p.peers[p.rank].recv, p, src), bytes, src);
+    // Complete, not only ordered: the staging region is reused by this rank's next forward.
+    nvshmem_quiet();
+    nvshmem_uint32_atomic_set(own_signal(p, signal_results_done(p.world_size, p.local_experts, p.rank)), p.sequence,
+                              src);
+  }
+
+  template <typename Element>
+  __device__ static void publish_empty_results(const MoEParams& p, const DestTables& tables) {
+    if (block_in_rank(p) != 0 || threadIdx.x != 0) return;
+    for (int src = 0; src < p.world_size; ++src)
+      if (src != p.rank && tables.stream_start[src * (p.local_experts + 1) + p.local_experts] == 0)
+        publish_results_done<Element>(p, src);
+  }
+};
+
+}  // namespace flashdmoe

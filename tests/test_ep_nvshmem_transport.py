@@ -1,0 +1,126 @@
+"""The kernel's NVSHMEM transport on one GPU: P rank processes under MPS (as tests/test_ep_multiprocess.py),
+each importing flashdmoe_cuda from the NVSHMEM build (``FLASHDMOE_KERNEL_BUILD=nvshmem``) and joining a
+``Team.nvshmem(peer_transport="nvshmem")``, so every peer is reached through NVSHMEM puts although a peer
+pointer exists.
+
+* forward and backward of 2 and 4 ranks bitwise equal to the same problem on ``peer_transport="p2p"`` (the
+  main build): the transport moves bytes, it computes nothing; and within tolerance of
+  ``reference.moe_expert_parallel``; the traffic counters still count only routed rows;
+* a silent rank makes every rank raise ``KernelTimeout`` (the watchdog covers NVSHMEM peers too).
+
+GPU only (``gpu``); on a GPU machine they fail, not skip, when nvshmem4py, the nvidia-nvshmem wheel or MPS
+is missing. CPU tests of the option and the build are in tests/test_nvshmem_transport.py and
+tests/test_nvshmem_build.py.
+"""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+import torch
+
+from flashdmoe import numerics
+from flashdmoe.ranks import launcher
+from flashdmoe.ranks.launcher import RunResult, run_ranks
+from flashdmoe.ranks.problem import Problem, expected_traffic, reference_results
+
+RUN_TIMEOUT_S = 300  # the first NVSHMEM-build run of a machine may also wait for that build's lock
+NVSHMEM_ENV = {"FLASHDMOE_KERNEL_BUILD": "nvshmem"}
+SCENARIO = "flashdmoe.nvshmem_transport:forward_backward_scenario"
+PROBLEMS = {
+    2: Problem((96, 64), 128, 128, 8, 2, "gelu", seed=41),
+    4: Problem((33, 65, 0, 129), 64, 64, 8, 2, "swiglu", False, seed=43),
+}
+GRADS = ("y", "dx", "d_router", "dw1", "dw2")
+
+
+@pytest.fixture(scope="module")
+def mps_daemon():
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the fused kernel targets Hopper (sm_90a)")
+    from flashdmoe import extension
+    from flashdmoe.mps import MpsDaemon, mps_available
+
+    reason = launcher.nvshmem_unavailable_reason() or mps_available() or extension.nvshmem_problem()
+    if reason:
+        pytest.fail(f"the NVSHMEM transport tests need nvshmem4py, CUDA MPS and the nvidia-nvshmem wheel: {reason}")
+    # Both builds here, once, not inside a rank's run (a failure on Hopper is an error, not a skip).
+    extension.build()
+    extension.build_nvshmem()
+    daemon = MpsDaemon()
+    try:
+        daemon.start()
+    except (OSError, subprocess.SubprocessError, RuntimeError) as error:
+        log = daemon.log_tail()
+        daemon.stop()
+        pytest.fail(f"the MPS daemon did not start: {error}\n{log}")
+    yield daemon
+    daemon.stop()
+
+
+_RUNS: dict[tuple[int, str], RunResult] = {}
+
+
+def _run(mps_daemon, world_size: int, peer_transport: str) -> RunResult:
+    key = (world_size, peer_transport)
+    if key not in _RUNS:
+        problem = PROBLEMS[world_size]
+        env = NVSHMEM_ENV if peer_transport == "nvshmem" else {}
+        _RUNS[key] = run_ranks(SCENARIO, world_size, mps=mps_daemon, env=env, timeout_s=RUN_TIMEOUT_S,
+                               params={"problem": problem.to_dict(), "iterations": 2},
+                               team={**problem.team_kwargs(), "peer_transport": peer_transport})
+    result = _RUNS[key]
+    assert result.ok, f"{world_size} ranks, peer_transport={peer_transport!r}:\n{result.summary()}"
+    return result
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world_size", sorted(PROBLEMS))
+def test_nvshmem_transport_is_bitwise_the_p2p_result(mps_daemon, world_size):
+    nvshmem_run = _run(mps_daemon, world_size, "nvshmem")
+    p2p_run = _run(mps_daemon, world_size, "p2p")
+    for got, want in zip(nvshmem_run.ranks, p2p_run.ranks):
+        where = f"{world_size} ranks, rank {got.rank}"
+        assert got.info["kernel_build"] == "nvshmem" and want.info["kernel_build"] == "main", where
+        assert got.info["peer_transports"] == ["p2p" if q == got.rank else "nvshmem" for q in range(world_size)], where
+        assert want.info["peer_transports"] == ["p2p"] * world_size, where
+        for name in GRADS:
+            if name in want.tensors:
+                assert name in got.tensors, f"{where}: {name} missing on the nvshmem transport"
+                assert torch.equal(got.tensors[name], want.tensors[name]), (
+                    f"{where}: {name} differs between peer_transport='nvshmem' and 'p2p' (max abs difference "
+                    f"{(got.tensors[name].double() - want.tensors[name].double()).abs().max().item():.3e})")
+        assert got.info["repeat_identical"], f"{where}: y differs between back-to-back forwards"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world_size", sorted(PROBLEMS))
+def test_nvshmem_transport_matches_the_reference_and_sends_only_routed_rows(mps_daemon, world_size):
+    problem = PROBLEMS[world_size]
+    result = _run(mps_daemon, world_size, "nvshmem")
+    tolerance = numerics.kernel_tolerance(problem.dtype)
+    for outcome, want, traffic in zip(result.ranks, reference_results(problem), expected_traffic(problem)):
+        where = f"{world_size} ranks, rank {outcome.rank}"
+        got = outcome.tensors["y"]
+        assert got.shape == want["y"].shape and torch.isfinite(got).all(), where
+        if want["y"].numel():
+            error = numerics.normwise_error(got, want["y"])
+            assert error < tolerance, f"{where}: y normwise error {error:.2e} >= {tolerance:.0e}"
+        (counted,) = outcome.info["traffic"]
+        for key in ("rows_routed_remote", "dispatch_bytes", "combine_bytes"):
+            assert counted[key] == traffic[key], (where, key, counted, traffic)
+
+
+@pytest.mark.gpu
+def test_silent_rank_times_out_every_rank_over_nvshmem(mps_daemon):
+    problem = Problem((128, 128), 128, 128, 8, 2, "gelu", seed=47)
+    result = run_ranks("silent_rank_timeout", 2, mps=mps_daemon, env=NVSHMEM_ENV, timeout_s=RUN_TIMEOUT_S,
+                       params={"problem": problem.to_dict(), "silent_rank": 1, "timeout_ms": 2000},
+                       team={**problem.team_kwargs(), "peer_transport": "nvshmem"})
+    assert not result.hung_ranks, f"ranks {result.hung_ranks} hung: the watchdog must end every kernel"
+    result.check()
+    for outcome in result.ranks:
+        info = outcome.info
+        assert info["error"]["type"] == "KernelTimeout", f"rank {outcome.rank}: {info}"
+        assert info["team_failed"] is True and info["second_call_error"]["type"] == "TeamFailed", info
