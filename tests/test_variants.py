@@ -54,8 +54,8 @@ def test_one_generated_unit_per_variant_and_rank_capacity_instantiates_exactly_i
             text = units[expert_variants.instance_unit(variant, suffix)]
             found = re.findall(rf"template \w+ launch_forward_variant<(\w+), {CPP_VARIANT}, (\w+)>\(", text)
             assert [ELEMENTS[element] for element, *_ in found] == list(variant.dtypes), (variant.name, suffix)
-            assert {_cpp_fields(f[1:5]) for f in found} == {_fields(variant)}
-            assert {f[5] for f in found} == {capacity}
+            assert {_cpp_fields(f[1:6]) for f in found} == {_fields(variant)}
+            assert {f[6] for f in found} == {capacity}
             attributes = re.findall(rf"template \w+ kernel_attributes_variant<(\w+), {CPP_VARIANT}>", text)
             want = list(variant.dtypes) if capacity == "1" else []
             assert [ELEMENTS[element] for element, *_ in attributes] == want, (variant.name, suffix)
