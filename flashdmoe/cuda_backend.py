@@ -35,7 +35,7 @@ from flashdmoe.expert_backward import expert_backward, packed_rows
 from flashdmoe.expert_variants import (DEFAULT_EXPERT_VARIANT, EXPERT_VARIANTS, FP32_EXPERT_VARIANT, choose_variant,
                                        variant_id)
 from flashdmoe.kernel_codes import ACTIVATION_CODES, DTYPE_CODES
-from flashdmoe.launch_report import LaunchReport, LaunchShape, StatusLayout
+from flashdmoe.launch_report import LaunchReport, LaunchShape, status_layout
 from flashdmoe.team import mps_thread_percentage
 from flashdmoe.workspace_pool import WorkspacePool
 
@@ -152,12 +152,6 @@ def _check_shapes(ext, T, H, I, E, k, world_size=1):
 def _workspace_layout(ext, T, H, I, E, k, dtype_code, world_size=1, stream_rows=0):
     """One rank's workspace layout (byte offsets) for a shape the rules accept; once per shape."""
     return ext.workspace_layout(T, H, I, E, k, dtype_code, world_size, stream_rows or T * k)
-
-
-@functools.lru_cache(maxsize=1)
-def status_layout() -> StatusLayout:
-    """Offsets inside a rank's status block, from the extension (csrc/moe/params.cuh)."""
-    return StatusLayout.from_mapping(_extension().status_layout())
 
 
 def timeout_ms() -> int:

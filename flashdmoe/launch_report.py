@@ -14,11 +14,13 @@ are handed in, so the decoding is tested on the CPU with synthetic status bytes.
 from __future__ import annotations
 
 import enum
+import functools
 import struct
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from flashdmoe import extension
 from flashdmoe.errors import KernelTimeout
 
 __all__ = ["ErrorKind", "KernelError", "LaunchReport", "LaunchShape", "PHASE_CLOCK_NAMES", "PHASE_NAMES", "RankStatus",
@@ -67,6 +69,13 @@ class StatusLayout:
     @classmethod
     def from_mapping(cls, mapping) -> "StatusLayout":
         return cls(**{name: int(mapping[name]) for name in cls.__dataclass_fields__})
+
+
+@functools.lru_cache(maxsize=1)
+def status_layout() -> StatusLayout:
+    """Offsets inside a rank's status block, from the built extension (csrc/moe/params.cuh); asked once
+    (``status_layout.cache_clear()`` when the extension is replaced, as the tests' stand-in does)."""
+    return StatusLayout.from_mapping(extension.loaded().status_layout())
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["PEER_TRANSPORTS", "SmokeResult", "bound_module", "cuda_context_usable", "forward_backward_scenario", "kernel_build_problem",
+__all__ = ["PEER_TRANSPORTS", "SmokeResult", "bound_module", "cuda_context_usable", "kernel_build_problem",
            "kernel_peer_table", "release", "require_unbound",
            "parse_peer_transport", "resolve_peer_transports", "run_smoke"]
 
@@ -225,15 +225,3 @@ def cuda_context_usable(device) -> bool:
         return True
     except RuntimeError:
         return False
-
-
-def forward_backward_scenario(context):
-    """A rank scenario (:func:`flashdmoe.ranks.launcher.run_ranks`): ``forward_backward``, plus the team's
-    ``peer_transports`` and the kernel build this process runs in the info."""
-    from flashdmoe import extension
-    from flashdmoe.ranks import scenarios
-
-    output = scenarios.forward_backward(context)
-    output.info["peer_transports"] = list(context.team.peer_transports)
-    output.info["kernel_build"] = extension.kernel_build()
-    return output

@@ -45,7 +45,8 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from flashdmoe.launch_report import LaunchReport, StatusLayout
+from flashdmoe import extension
+from flashdmoe.launch_report import LaunchReport, StatusLayout, status_layout
 
 __all__ = ["check_errors", "last_report", "set_sync_checks", "sync_checks", "synchronize"]
 
@@ -96,9 +97,7 @@ def _allocate_pinned(nbytes: int) -> torch.Tensor:
 
 
 def _make_event() -> Any:
-    from flashdmoe import cuda_backend
-
-    return _Event(cuda_backend._extension())
+    return _Event(extension.loaded())
 
 
 def _synchronize_device(device: int) -> None:
@@ -338,9 +337,7 @@ def settle_team(team: Any) -> None:
 
 # ---- internals ----
 def _status_layout() -> StatusLayout:
-    from flashdmoe import cuda_backend
-
-    return cuda_backend.status_layout()
+    return status_layout()
 
 
 def _status_bytes() -> int:

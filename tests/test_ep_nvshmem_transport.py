@@ -27,7 +27,7 @@ from flashdmoe.ranks.problem import Problem, expected_traffic, reference_results
 
 RUN_TIMEOUT_S = 300  # the first NVSHMEM-build run of a machine may also wait for that build's lock
 NVSHMEM_ENV = {"FLASHDMOE_KERNEL_BUILD": "nvshmem"}
-SCENARIO = "flashdmoe.nvshmem_transport:forward_backward_scenario"
+SCENARIO = "flashdmoe.ranks.scenarios:forward_backward_transports"
 PROBLEMS = {
     2: Problem((96, 64), 128, 128, 8, 2, "gelu", seed=41),
     4: Problem((33, 65, 0, 129), 64, 64, 8, 2, "swiglu", False, seed=43),

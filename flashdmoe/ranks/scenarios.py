@@ -27,7 +27,7 @@ import flashdmoe
 from flashdmoe.ranks.child import RankContext, ScenarioOutput, error_info, synchronize
 from flashdmoe.ranks.problem import Problem
 
-__all__ = ["SCENARIOS", "forward_backward", "last_traffic", "selftest", "silent_rank_timeout", "team_moe"]
+__all__ = ["SCENARIOS", "forward_backward", "forward_backward_transports", "last_traffic", "selftest", "silent_rank_timeout", "team_moe"]
 
 
 def team_moe(problem: Problem, context: RankContext, x, router_weight, w1, w2) -> torch.Tensor:
@@ -153,8 +153,20 @@ def selftest(context: RankContext) -> ScenarioOutput:
                           {"uid": context.uid.hex(), "pid": os.getpid()})
 
 
+def forward_backward_transports(context: RankContext) -> ScenarioOutput:
+    """:func:`forward_backward`, plus the team's ``peer_transports`` and the kernel build this process runs
+    (``flashdmoe.extension.kernel_build()``) in the info."""
+    from flashdmoe import extension
+
+    output = forward_backward(context)
+    output.info["peer_transports"] = list(context.team.peer_transports)
+    output.info["kernel_build"] = extension.kernel_build()
+    return output
+
+
 SCENARIOS: dict[str, Callable[[RankContext], Any]] = {
     "forward_backward": forward_backward,
+    "forward_backward_transports": forward_backward_transports,
     "silent_rank_timeout": silent_rank_timeout,
     "selftest": selftest,
 }
