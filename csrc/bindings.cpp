@@ -151,6 +151,7 @@ py::dict status_layout() {
   out["phase_clock"] = kStatusPhaseClock;
   out["phase_clock_slots"] = kPhaseClockSlots;
   out["traffic"] = kStatusTraffic;
+  out["nvshmem_traffic"] = kStatusNvshmemTraffic;
   out["status_flags"] = kStatusFlags;
   return out;
 }

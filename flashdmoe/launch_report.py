@@ -52,6 +52,7 @@ PHASE_CLOCK_NAMES = ("gate", "offsets", "dispatch", "experts", "combine")
 
 _ZERO8, _ZERO4 = bytes(8), bytes(4)
 _U64 = struct.Struct("<Q")
+_U64X2 = struct.Struct("<QQ")
 _U32 = struct.Struct("<I")
 
 
@@ -64,6 +65,7 @@ class StatusLayout:
     phase_clock: int
     phase_clock_slots: int
     traffic: int
+    nvshmem_traffic: int
     status_flags: int
 
     @classmethod
@@ -115,8 +117,9 @@ class RankStatus:
     """One rank's status block, decoded.
 
     ``phase_ms``: milliseconds per phase (:data:`PHASE_CLOCK_NAMES`), ``None`` when the launch failed or a
-    phase was not stamped. ``dispatch_bytes`` / ``combine_bytes``: token rows and results this rank wrote
-    into its peers' buffers.
+    phase was not stamped. ``dispatch_bytes`` / ``combine_bytes``: token rows and results this rank sent
+    its peers (every transport); ``nvshmem_dispatch_bytes`` / ``nvshmem_combine_bytes``: the part of them
+    that went through NVSHMEM puts (0 for peers reached by peer-pointer stores).
     """
 
     rank: int
@@ -125,6 +128,8 @@ class RankStatus:
     phase_ms: dict[str, float] | None
     dispatch_bytes: int
     combine_bytes: int
+    nvshmem_dispatch_bytes: int
+    nvshmem_combine_bytes: int
 
 
 def read_error_and_flags(raw, at: int, layout: StatusLayout) -> tuple[int, int]:
@@ -139,11 +144,12 @@ def decode_rank(raw, at: int, layout: StatusLayout, rank: int) -> RankStatus:
     phase_ms = None
     if not word and all(clock):
         phase_ms = {name: (clock[i + 1] - clock[i]) / 1e6 for i, name in enumerate(PHASE_CLOCK_NAMES)}
-    dispatch = _U64.unpack_from(raw, at + layout.traffic)[0]
-    combine = _U64.unpack_from(raw, at + layout.traffic + 8)[0]
+    dispatch, combine = _U64X2.unpack_from(raw, at + layout.traffic)
+    nvshmem_dispatch, nvshmem_combine = _U64X2.unpack_from(raw, at + layout.nvshmem_traffic)
     return RankStatus(rank=rank, error=KernelError.from_word(rank, word) if word else None,
                       nonfinite_logits=bool(flags & 1), phase_ms=phase_ms, dispatch_bytes=dispatch,
-                      combine_bytes=combine)
+                      combine_bytes=combine, nvshmem_dispatch_bytes=nvshmem_dispatch,
+                      nvshmem_combine_bytes=nvshmem_combine)
 
 
 @dataclass(frozen=True)
@@ -353,11 +359,13 @@ class LaunchReport:
     def traffic(self) -> list[dict]:
         """Bytes each rank wrote into its peers, against what was routed to other ranks.
 
-        One dict per rank: ``rank``, ``dispatch_bytes`` (token rows written into peers' receive buffers),
-        ``combine_bytes`` (result rows written into peers' combine buffers), ``rows_routed_remote`` (kept
-        choices whose expert lives on another rank) and ``payload_efficiency`` (``dispatch_bytes /
-        (rows_routed_remote * H * element size)``; 1.0: no byte beyond the routed rows; ``None`` when
-        nothing was routed remote). Reduces the routing on the GPU (synchronises).
+        One dict per rank: ``rank``, ``dispatch_bytes`` (token rows sent into peers' receive buffers),
+        ``combine_bytes`` (result rows sent into peers' combine buffers), ``nvshmem_dispatch_bytes`` /
+        ``nvshmem_combine_bytes`` (the part of those two that went through NVSHMEM puts, the rest being
+        peer-pointer stores), ``rows_routed_remote`` (kept choices whose expert lives on another rank) and
+        ``payload_efficiency`` (``dispatch_bytes / (rows_routed_remote * H * element size)``; 1.0: no byte
+        beyond the routed rows; ``None`` when nothing was routed remote). Reduces the routing on the GPU
+        (synchronises).
         """
         report = []
         shape = self._shape
@@ -373,6 +381,8 @@ class LaunchReport:
             payload = remote * shape.row_bytes
             report.append({
                 "rank": status.rank, "dispatch_bytes": status.dispatch_bytes, "combine_bytes": status.combine_bytes,
+                "nvshmem_dispatch_bytes": status.nvshmem_dispatch_bytes,
+                "nvshmem_combine_bytes": status.nvshmem_combine_bytes,
                 "rows_routed_remote": remote,
                 "payload_efficiency": (status.dispatch_bytes / payload) if payload else None,
             })

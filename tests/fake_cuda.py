@@ -23,17 +23,18 @@ ADDRESSES_PER_RANK = 10
 
 # The real block (csrc/moe/params.cuh): error word, phase clock [6], traffic [2], status flags.
 STATUS_LAYOUT = {"bytes": 128, "error_word": 0, "phase_clock": 8, "phase_clock_slots": 6, "traffic": 56,
-                 "status_flags": 72}
+                 "nvshmem_traffic": 72, "status_flags": 88}
 
 
 def status_block(*, error: int = 0, flags: int = 0, clock=(1_000, 2_000, 3_500, 6_000, 10_000, 10_500),
-                 traffic=(0, 0)) -> bytes:
+                 traffic=(0, 0), nvshmem_traffic=(0, 0)) -> bytes:
     """One rank's status block as the kernel leaves it."""
     raw = bytearray(STATUS_LAYOUT["bytes"])
     struct.pack_into("<Q", raw, STATUS_LAYOUT["error_word"], error)
     for i, value in enumerate(clock):
         struct.pack_into("<Q", raw, STATUS_LAYOUT["phase_clock"] + 8 * i, value)
     struct.pack_into("<QQ", raw, STATUS_LAYOUT["traffic"], *traffic)
+    struct.pack_into("<QQ", raw, STATUS_LAYOUT["nvshmem_traffic"], *nvshmem_traffic)
     struct.pack_into("<I", raw, STATUS_LAYOUT["status_flags"], flags)
     return bytes(raw)
 
@@ -90,7 +91,7 @@ class FakeExtension:
         return self.shape_error
 
     def workspace_layout(self, T, H, I, E, k, dtype, world_size=1, stream_rows=0):
-        return {"total_bytes": 4096 + 64 * T * k, "error_word": 0, "status_flags": 72, "phase_clock": 8,
+        return {"total_bytes": 4096 + 64 * T * k, "error_word": 0, "status_flags": 88, "phase_clock": 8,
                 "phase_clock_slots": 6, "traffic": 56, "sync_bytes": 1024}
 
     def status_layout(self):

@@ -13,6 +13,7 @@ import torch
 from rich.console import Console
 
 from closeness import assert_normwise_close
+from conftest import next_seed
 from flashdmoe import numerics, reference
 from flashdmoe.bench import (
     baselines,
@@ -562,7 +563,8 @@ def test_quick_run_on_gpu(tmp_path):
 # expert-parallel suite (CPU: registration, options, aggregation and tables; the GPU run is below)
 
 EP_ARGS = ["--suite", "expert-parallel", "--device", "cpu", "--quick", "--repeats", "2", "--warmup", "0"]
-EP_ENTRIES = ["single", "emulated-1", "emulated-2", "emulated-4", "emulated-8", "mps-2", "mps-4", "reference"]
+EP_ENTRIES = ["single", "emulated-1", "emulated-2", "emulated-4", "emulated-8", "mps-2", "mps-2-nvshmem", "mps-4",
+              "mps-4-nvshmem", "reference"]
 
 
 def test_suites_are_listed_in_one_registry():
@@ -604,7 +606,9 @@ def test_expert_parallel_quick_run_on_cpu(ep_quick_run):
         assert list(entries) == EP_ENTRIES
         for name in EP_ENTRIES[:-1]:  # everything but the reference needs the GPU
             assert entries[name]["status"] == "unavailable" and "CUDA" in entries[name]["reason"], entries[name]
-        assert [entries[n]["details"]["world_size"] for n in EP_ENTRIES] == [1, 1, 2, 4, 8, 2, 4, 1]
+        assert [entries[n]["details"]["world_size"] for n in EP_ENTRIES] == [1, 1, 2, 4, 8, 2, 2, 4, 4, 1]
+        assert [entries[n]["details"].get("peer_transport") for n in EP_ENTRIES if n.startswith("mps")] == [
+            "p2p", "nvshmem", "p2p", "nvshmem"]
         ref = entries["reference"]
         assert ref["status"] == "ok" and ref["max_relative_error"] == 0.0 and ref["correct"] is True
         assert len(ref["samples_ms"]) == 2 and ref["tflops"] > 0
@@ -612,7 +616,7 @@ def test_expert_parallel_quick_run_on_cpu(ep_quick_run):
         assert config["details"]["tokens_per_rank"]["emulated-8"] == [T // 8] * 8
     markdown = (output / "expert-parallel.md").read_text()
     assert ("| T | H | I | E | k | P | entry | ms (median) | p10–p90 ms | TFLOP/s | % of ceiling | vs P=1 | "
-            "sent MB / rank (max) | payload eff. | max rel. error | status |") in markdown
+            "sent MB / rank (max) | of it NVSHMEM MB | payload eff. | max rel. error | status |") in markdown
     rows = [line for line in markdown.splitlines() if line.startswith("| ") and "---" not in line]
     assert len(rows) == 1 + len(results["configs"]) * len(EP_ENTRIES)
     assert "- T is the total over the ranks" in markdown and "floor =" not in markdown
@@ -621,6 +625,8 @@ def test_expert_parallel_quick_run_on_cpu(ep_quick_run):
 @pytest.mark.parametrize("arguments, message", [
     (["--entries", "emulated-3"], "--entries 'emulated-3'"),
     (["--entries", "mps-8"], "--entries 'mps-8'"),
+    (["--entries", "mps-2-p2p"], "--entries 'mps-2-p2p'"),
+    (["--entries", "emulated-2-nvshmem"], "--entries 'emulated-2-nvshmem'"),
     (["--configs", "64,64,128,6,2"], "E=6 is not divisible by P=4 (entry emulated-4)"),
     (["--configs", "64,64,128,12,2", "--entries", "emulated-8"], "E=12 is not divisible by P=8"),
 ])
@@ -663,11 +669,80 @@ def test_traffic_summary():
                                                "rows_routed_remote": 0}], 64, 2)
     assert alone["max_bytes_sent_per_rank"] == 0 and alone["payload_efficiency"] is None
     assert rank_results.traffic_summary([], 64, 2)["max_bytes_sent_per_rank"] is None
+    assert summary["nvshmem_bytes_sent_per_rank"] is None  # counters without NVSHMEM words (the unfused baseline)
+    over_nvshmem = rank_results.traffic_summary(
+        [t | {"nvshmem_dispatch_bytes": t["dispatch_bytes"], "nvshmem_combine_bytes": 64 * 2 * r}
+         for r, t in enumerate(traffic)], 64, 2)
+    assert over_nvshmem["nvshmem_bytes_sent_per_rank"] == [4 * 64 * 2, 6 * 64 * 2 + 64 * 2]
+    assert over_nvshmem["max_nvshmem_bytes_sent_per_rank"] == 7 * 64 * 2
+    assert over_nvshmem["bytes_sent_per_rank"] == summary["bytes_sent_per_rank"]
 
 
 def _rank(rank, samples, y, traffic):
     return RankOutcome(rank, "ok", 0, info={"samples_ms": samples, "median_ms": float(np.median(samples)),
                                             "traffic": [traffic], "input_sets": 1}, tensors={"y": y})
+
+
+def test_mps_entries_per_transport():
+    plain, over_nvshmem = expert_parallel.entry_spec("mps-4"), expert_parallel.entry_spec("mps-4-nvshmem")
+    assert (plain.kind, plain.world_size, plain.peer_transport) == ("mps", 4, "p2p")
+    assert (over_nvshmem.kind, over_nvshmem.world_size, over_nvshmem.peer_transport) == ("mps", 4, "nvshmem")
+    assert over_nvshmem.label == "4 processes (MPS), nvshmem"
+    assert expert_parallel.entry_spec("emulated-2").peer_transport is None
+    for name in ("mps-4-p2p", "mps-8-nvshmem", "mps-4-nvshmem-x", "emulated-2-nvshmem"):
+        with pytest.raises(ValueError, match=f"entry {name!r}"):
+            expert_parallel.entry_spec(name)
+    problem = Problem((5, 3), 64, 64, 8, 2, "gelu", seed=next_seed())
+    sizes = problem.team_kwargs()
+    assert expert_parallel.mps_run_kwargs(expert_parallel.entry_spec("mps-2"), problem) == {
+        "team": sizes | {"peer_transport": "p2p"}}
+    assert expert_parallel.mps_run_kwargs(expert_parallel.entry_spec("mps-2-nvshmem"), problem) == {
+        "team": sizes | {"peer_transport": "nvshmem"}, "env": {"FLASHDMOE_KERNEL_BUILD": "nvshmem"}}
+
+
+@pytest.mark.parametrize("nvshmem_reason", [None, "FLASHDMOE_NVSHMEM_HOME lacks include/nvshmem.h"])
+def test_mps_runs_per_transport_with_stand_ins(monkeypatch, nvshmem_reason):
+    """_run_mps_entries with the GPU, MPS and rank processes replaced: each entry's processes get its
+    transport; without the NVSHMEM build only the nvshmem entries are unavailable (with the reason)."""
+    from flashdmoe import extension
+
+    runs, daemons, builds = [], [], []
+
+    class StandInDaemon:
+        def start(self):
+            daemons.append("started")
+
+        def stop(self):
+            daemons.append("stopped")
+
+    def run_ranks(scenario, world_size, **kwargs):
+        runs.append((world_size, kwargs))
+        return "run"
+
+    monkeypatch.setattr(expert_parallel, "_kernel_unavailable_reason", lambda options: None)
+    monkeypatch.setattr(expert_parallel, "nvshmem_unavailable_reason", lambda: None)
+    monkeypatch.setattr(expert_parallel, "mps_available", lambda: None)
+    monkeypatch.setattr(expert_parallel, "MpsDaemon", StandInDaemon)
+    monkeypatch.setattr(expert_parallel, "run_ranks", run_ranks)
+    monkeypatch.setattr(extension, "nvshmem_problem", lambda: nvshmem_reason)
+    monkeypatch.setattr(extension, "build_nvshmem", lambda: builds.append("nvshmem"))
+    names = ["mps-2", "mps-2-nvshmem", "mps-4-nvshmem"]
+    options = SuiteOptions(suite="expert-parallel", device="cuda", dtype="bfloat16", activation="gelu",
+                           shapes=[BenchShape(12, 64, 64, 8, 2)], entries=names, seed=next_seed())
+    out = expert_parallel._run_mps_entries(options, names)
+    assert daemons == ["started", "stopped"]
+    transports = [(size, kwargs["team"]["peer_transport"], kwargs.get("env")) for size, kwargs in runs]
+    if nvshmem_reason is None:
+        assert builds == ["nvshmem"]  # built once, before any rank process
+        assert out == {(0, name): "run" for name in names}
+        assert transports == [(2, "p2p", None), (2, "nvshmem", {"FLASHDMOE_KERNEL_BUILD": "nvshmem"}),
+                              (4, "nvshmem", {"FLASHDMOE_KERNEL_BUILD": "nvshmem"})]
+    else:
+        assert builds == [] and transports == [(2, "p2p", None)] and out[(0, "mps-2")] == "run"
+        for name in names[1:]:
+            entry = out[(0, name)]
+            assert entry.status == "unavailable" and entry.reason == nvshmem_reason, entry
+            assert entry.details["peer_transport"] == "nvshmem"
 
 
 def test_mps_rows_take_the_slowest_rank_per_forward_and_check_all_outputs():
@@ -696,6 +771,9 @@ def test_expert_parallel_table_cells():
     details = rank_results.traffic_summary(
         [{"rank": r, "dispatch_bytes": 1_000_000, "combine_bytes": 2_150_000 + r, "rows_routed_remote": 1_000_000 // 128}
          for r in range(2)], 64, 2)
+    nvshmem_details = rank_results.traffic_summary(
+        [{"rank": r, "dispatch_bytes": 1_000_000, "combine_bytes": 2_150_000 + r, "rows_routed_remote": 1_000_000 // 128,
+          "nvshmem_dispatch_bytes": 1_000_000, "nvshmem_combine_bytes": 2_150_000 + r} for r in range(2)], 64, 2)
     entries = [
         EntryResult("emulated-1", "emulated P=1", "ok", median_ms=1.2, p10_ms=1.1, p90_ms=1.3, tflops=100.0,
                     max_relative_error=5e-3, correct=True, details={"world_size": 1, "vs_p1": 1.0}),
@@ -704,20 +782,24 @@ def test_expert_parallel_table_cells():
                     details={"world_size": 2, "vs_p1": 1.25} | details),
         EntryResult("mps-2", "2 processes (MPS)", "error", reason="rank 1: hung in phase 'x'",
                     details={"world_size": 2}),
+        EntryResult("mps-2-nvshmem", "2 processes (MPS), nvshmem", "ok", median_ms=1.6, p10_ms=1.5, p90_ms=1.7,
+                    tflops=75.0, max_relative_error=6e-3, correct=True,
+                    details={"world_size": 2, "peer_transport": "nvshmem"} | nvshmem_details),
     ]
     config = ConfigResult("T=8 H=64 I=64 E=8 k=2", {"T": 8, "H": 64, "I": 64, "E": 8, "k": 2}, "gelu",
                           "bfloat16", 1, 1, entries)
     result = SuiteResult("expert-parallel", {"device": "cuda"}, {"notes": ["a note"]}, [config])
     markdown = report.markdown_report(result, layout=expert_parallel.EP_LAYOUT)
-    assert "| 8 | 64 | 64 | 8 | 2 | 2 | emulated P=2 | 1.500 | 1.400–1.600 | 80.0 | 10.0 | 1.25x | 3.15 | 100.0% | " \
+    assert "| 8 | 64 | 64 | 8 | 2 | 2 | emulated P=2 | 1.500 | 1.400–1.600 | 80.0 | 10.0 | 1.25x | 3.15 | – | 100.0% | " \
            "6.0e-03 | ok |" in markdown
-    assert "| 8 | 64 | 64 | 8 | 2 | 1 | emulated P=1 | 1.200 | 1.100–1.300 | 100.0 | – | 1.00x | – | – |" in markdown
-    assert "| 2 | 2 processes (MPS) | – | – | – | – | – | – | – | – | error: rank 1: hung in phase 'x' |" in markdown
+    assert "| 8 | 64 | 64 | 8 | 2 | 1 | emulated P=1 | 1.200 | 1.100–1.300 | 100.0 | – | 1.00x | – | – | – |" in markdown
+    assert "| 2 | 2 processes (MPS) | – | – | – | – | – | – | – | – | – | error: rank 1: hung in phase 'x' |" in markdown
+    assert "| 2 | 2 processes (MPS), nvshmem | 1.600 | 1.500–1.700 | 75.0 | – | – | 3.15 | 3.15 | 100.0% |" in markdown
     assert "- a note" in markdown
     console = Console(record=True, width=200)
     console.print(report.rich_table(result, expert_parallel.EP_LAYOUT))
     text = console.export_text()
-    assert "MB/rank" in text and "1.25x" in text and "100.0%" in text and "3.15" in text
+    assert "MB/rank" in text and "nvshmem MB" in text and "1.25x" in text and "100.0%" in text and "3.15" in text
 
 
 def test_expert_parallel_in_process_entries_with_stand_ins(monkeypatch):
@@ -791,10 +873,17 @@ def test_expert_parallel_quick_run_on_gpu(tmp_path):
             assert entries[name]["details"]["payload_efficiency"] == pytest.approx(1.0), entries[name]
             assert entries[name]["details"]["vs_p1"] > 0
         assert entries["emulated-1"]["details"]["max_bytes_sent_per_rank"] == 0  # one rank sends nothing
-        for name in ("mps-2", "mps-4"):
-            assert entries[name]["status"] in ("ok", "unavailable"), entries[name]
-            if entries[name]["status"] == "ok":
-                assert entries[name]["correct"] is True and len(entries[name]["details"]["traffic"]) == int(name[-1])
+        for name in ("mps-2", "mps-2-nvshmem", "mps-4", "mps-4-nvshmem"):
+            entry = entries[name]
+            assert entry["status"] in ("ok", "unavailable"), entry
+            if entry["status"] != "ok":
+                continue
+            details = entry["details"]
+            assert entry["correct"] is True and len(details["traffic"]) == details["world_size"], entry
+            assert details["payload_efficiency"] == pytest.approx(1.0), entry
+            # every byte of the nvshmem rows goes through NVSHMEM puts, none of the p2p rows'
+            expected = details["bytes_sent_per_rank"] if name.endswith("-nvshmem") else [0] * details["world_size"]
+            assert details["nvshmem_bytes_sent_per_rank"] == expected, entry
     assert code == 0
 
 

@@ -5,7 +5,8 @@ pointer exists.
 
 * forward and backward of 2 and 4 ranks bitwise equal to the same problem on ``peer_transport="p2p"`` (the
   main build): the transport moves bytes, it computes nothing; and within tolerance of
-  ``reference.moe_expert_parallel``; the traffic counters still count only routed rows;
+  ``reference.moe_expert_parallel``; the traffic counters still count only routed rows, and the forced
+  NVSHMEM run reports all of them as NVSHMEM bytes (the p2p run none);
 * a silent rank makes every rank raise ``KernelTimeout`` (the watchdog covers NVSHMEM peers too).
 
 GPU only (``gpu``); on a GPU machine they fail, not skip, when nvshmem4py, the nvidia-nvshmem wheel or MPS
@@ -110,6 +111,21 @@ def test_nvshmem_transport_matches_the_reference_and_sends_only_routed_rows(mps_
         (counted,) = outcome.info["traffic"]
         for key in ("rows_routed_remote", "dispatch_bytes", "combine_bytes"):
             assert counted[key] == traffic[key], (where, key, counted, traffic)
+        # Every peer is an NVSHMEM peer: each routed row and result went through a put.
+        assert counted["nvshmem_dispatch_bytes"] == traffic["dispatch_bytes"], (where, counted, traffic)
+        assert counted["nvshmem_combine_bytes"] == traffic["combine_bytes"], (where, counted, traffic)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world_size", sorted(PROBLEMS))
+def test_p2p_transport_reports_no_nvshmem_bytes(mps_daemon, world_size):
+    problem = PROBLEMS[world_size]
+    result = _run(mps_daemon, world_size, "p2p")
+    for outcome, traffic in zip(result.ranks, expected_traffic(problem)):
+        (counted,) = outcome.info["traffic"]
+        where = f"{world_size} ranks, rank {outcome.rank}"
+        assert counted["dispatch_bytes"] == traffic["dispatch_bytes"], (where, counted, traffic)
+        assert counted["nvshmem_dispatch_bytes"] == 0 and counted["nvshmem_combine_bytes"] == 0, (where, counted)
 
 
 @pytest.mark.gpu

@@ -82,15 +82,18 @@ def test_status_layout_of_the_fake_is_the_kernels():
         names[name] = eval(expression, {}, dict(names))  # noqa: S307 -- integer arithmetic on earlier names
     assert {"bytes": names["kStatusBytes"], "error_word": names["kStatusErrorWord"],
             "phase_clock": names["kStatusPhaseClock"], "phase_clock_slots": names["kPhaseClockSlots"],
-            "traffic": names["kStatusTraffic"], "status_flags": names["kStatusFlags"]} == STATUS_LAYOUT
+            "traffic": names["kStatusTraffic"], "nvshmem_traffic": names["kStatusNvshmemTraffic"],
+            "status_flags": names["kStatusFlags"]} == STATUS_LAYOUT
 
 
 def test_decode_a_clean_block():
-    raw = status_block(clock=(1_000_000, 3_000_000, 3_500_000, 6_000_000, 16_000_000, 17_000_000), traffic=(4096, 2048))
+    raw = status_block(clock=(1_000_000, 3_000_000, 3_500_000, 6_000_000, 16_000_000, 17_000_000), traffic=(4096, 2048),
+                       nvshmem_traffic=(1024, 512))
     status = decode_rank(raw, 0, LAYOUT, rank=3)
     assert status.rank == 3 and status.error is None and not status.nonfinite_logits
     assert status.phase_ms == {"gate": 2.0, "offsets": 0.5, "dispatch": 2.5, "experts": 10.0, "combine": 1.0}
     assert (status.dispatch_bytes, status.combine_bytes) == (4096, 2048)
+    assert (status.nvshmem_dispatch_bytes, status.nvshmem_combine_bytes) == (1024, 512)
 
 
 def test_decode_an_error_word_into_fields():
@@ -410,7 +413,8 @@ def test_pool_zeroes_sync_words_only_when_a_launch_reaches_past_the_last_reset()
 def test_traffic_is_computed_on_request_from_the_routing(fake):
     ext, _, _ = fake
     team = emulated_team(P=2)
-    ext.script.append([status_block(traffic=(3 * 128, 3 * 128)), status_block(traffic=(0, 0))])
+    ext.script.append([status_block(traffic=(3 * 128, 3 * 128), nvshmem_traffic=(2 * 128, 128)),
+                       status_block(traffic=(0, 0))])
     emulated_forward(team, tokens=(4, 2))
     report = flashdmoe.last_report()
     flashdmoe.synchronize()
@@ -421,9 +425,10 @@ def test_traffic_is_computed_on_request_from_the_routing(fake):
     r1.expert.copy_(torch.tensor([[4, 5], [6, 7]], dtype=torch.int32))
     r1.row.fill_(0)
     assert report.traffic() == [
-        {"rank": 0, "dispatch_bytes": 384, "combine_bytes": 384, "rows_routed_remote": 3,
-         "payload_efficiency": 1.0},
-        {"rank": 1, "dispatch_bytes": 0, "combine_bytes": 0, "rows_routed_remote": 0, "payload_efficiency": None},
+        {"rank": 0, "dispatch_bytes": 384, "combine_bytes": 384, "nvshmem_dispatch_bytes": 256,
+         "nvshmem_combine_bytes": 128, "rows_routed_remote": 3, "payload_efficiency": 1.0},
+        {"rank": 1, "dispatch_bytes": 0, "combine_bytes": 0, "nvshmem_dispatch_bytes": 0, "nvshmem_combine_bytes": 0,
+         "rows_routed_remote": 0, "payload_efficiency": None},
     ]
 
 

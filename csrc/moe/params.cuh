@@ -62,6 +62,16 @@ enum ErrorKind : uint32_t { kErrorNone = 0, kErrorTimeout = 1 };
 enum StatusFlag : uint32_t { kStatusNonFiniteLogits = 1u };
 // Phase clock slots: 0 start, 1..4 after grid barriers 1..4 (block 0's view), 5 last block's exit.
 constexpr int kPhaseClockSlots = 6;
+// Traffic words (u64, bytes of rows and results sent to other ranks). The totals count every transport;
+// the NVSHMEM pair is the part of them that went through NVSHMEM puts (only NvshmemTransport adds to it,
+// P2PTransport leaves it 0).
+enum TrafficWord : int {
+  kTrafficDispatch = 0,
+  kTrafficCombine = 1,
+  kTrafficNvshmemDispatch = 2,
+  kTrafficNvshmemCombine = 3,
+  kTrafficWords = 4
+};
 
 // A rank's status words (error word, phase clock, traffic counters, status flags) lead its workspace in
 // one kStatusBytes block, part of the sync words: the rank's last block to exit writes the block into
@@ -71,9 +81,13 @@ constexpr int kPhaseClockSlots = 6;
 constexpr size_t kStatusBytes = 128;
 constexpr size_t kStatusErrorWord = 0;                                        // u64
 constexpr size_t kStatusPhaseClock = 8;                                       // u64 [kPhaseClockSlots]
-constexpr size_t kStatusTraffic = kStatusPhaseClock + 8 * kPhaseClockSlots;   // u64 [2]
-constexpr size_t kStatusFlags = kStatusTraffic + 8 * 2;                       // u32
+constexpr size_t kStatusTraffic = kStatusPhaseClock + 8 * kPhaseClockSlots;   // u64 [2] all transports
+constexpr size_t kStatusNvshmemTraffic = kStatusTraffic + 8 * 2;              // u64 [2] of them NVSHMEM puts
+constexpr size_t kStatusFlags = kStatusNvshmemTraffic + 8 * 2;                // u32
 static_assert(kStatusFlags + 4 <= kStatusBytes, "the status words outgrow their block");
+static_assert(kStatusNvshmemTraffic == kStatusTraffic + 8 * kTrafficNvshmemDispatch &&
+                  kStatusFlags == kStatusTraffic + 8 * kTrafficWords,
+              "the traffic words are one array (MoEParams::traffic)");
 
 // TMA descriptors of the expert GEMM operands (TMA variant only; 128-byte swizzled boxes, moe/tma_boxes.cuh):
 // w1 [L][H][w1_cols] and w2 [L][I][H] in weight panel boxes, recv [P*stream_rows][H] and intermediate
@@ -122,7 +136,7 @@ struct MoEParams {
   unsigned long long* error_word;
   uint32_t* status_flags;
   unsigned long long* phase_clock;  // [kPhaseClockSlots] %globaltimer at kernel start, after each barrier, at the end
-  unsigned long long* traffic;      // [2] bytes written into peers: dispatched rows, returned results
+  unsigned long long* traffic;      // [kTrafficWords] bytes sent to peers (TrafficWord)
   uint32_t* result_rows_done;       // [kMaxRanks] result rows finished for each source (x column tiles)
   uint32_t* row_tile_done;  // [max_row_tiles] GEMM1 n-tiles finished per row tile
   int* slot_in_tile;        // [T,k] rank of the choice among its gate tile's choices of that expert

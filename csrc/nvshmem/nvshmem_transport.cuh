@@ -13,6 +13,8 @@
 // nvshmem_uint32_atomic_set) set after the data is complete (nvshmem_quiet; nvshmem_fence for the counts), so the waits of
 // the receiving rank (bounded loads of its own signal words, sequence numbers, watchdog) are the same for
 // both transports. Symmetric addresses are this rank's own buffers (peers[rank]), as NVSHMEM requires.
+// The bytes of each put also go into the NVSHMEM traffic words (kTrafficNvshmemDispatch / Combine); the
+// totals already count them, as the staging stores are addressed to the peer's entry.
 #pragma once
 #include <nvshmem.h>
 #include <nvshmemx.h>
@@ -82,9 +84,10 @@ struct NvshmemTransport {
       for (int owner = 0; owner < P; ++owner) {
         if (owner == p.rank || !via_nvshmem(p, owner)) continue;
         const size_t bytes = rows_to(p, owner) * p.hidden * sizeof(Element);
-        if (bytes)
-          nvshmemx_putmem_nbi_warp(own_region<Element>(p.peers[p.rank].recv, p, p.rank),
-                                   own_region<Element>(p.peers[p.rank].comb, p, owner), bytes, owner);
+        if (!bytes) continue;
+        nvshmemx_putmem_nbi_warp(own_region<Element>(p.peers[p.rank].recv, p, p.rank),
+                                 own_region<Element>(p.peers[p.rank].comb, p, owner), bytes, owner);
+        if (threadIdx.x == 0) atomicAdd(p.traffic + kTrafficNvshmemDispatch, static_cast<unsigned long long>(bytes));
       }
       nvshmem_quiet();  // delivered before any flag below
     }
@@ -109,9 +112,11 @@ struct NvshmemTransport {
       return;
     }
     const size_t bytes = rows_from(p, src) * p.hidden * sizeof(Element);
-    if (bytes)  // the staged results (own recv region [src]) into src's comb region [rank]
+    if (bytes) {  // the staged results (own recv region [src]) into src's comb region [rank]
       nvshmem_putmem_nbi(own_region<Element>(p.peers[p.rank].comb, p, p.rank),
                          own_region<Element>(p.peers[p.rank].recv, p, src), bytes, src);
+      atomicAdd(p.traffic + kTrafficNvshmemCombine, static_cast<unsigned long long>(bytes));
+    }
     // Complete, not only ordered: the staging region is reused by this rank's next forward.
     nvshmem_quiet();
     nvshmem_uint32_atomic_set(own_signal(p, signal_results_done(p.world_size, p.local_experts, p.rank)), p.sequence,

@@ -10,7 +10,10 @@ Every entry computes the same total problem: ``T`` tokens (split as evenly as po
 * ``mps-P`` (P = 2, 4) -- P processes sharing the GPU under MPS, each one rank of a ``Team.nvshmem`` team
   (:func:`flashdmoe.ranks.run_ranks` of :func:`flashdmoe.bench.rank_scenarios.timed_fused_forwards`); a
   forward's time is the slowest rank's (per run, the maximum over ranks of their CUDA-event times: the
-  forwards are collective);
+  forwards are collective); the kernel reaches its peers through peer pointers (``peer_transport="p2p"``);
+* ``mps-P-nvshmem`` -- the same processes on the NVSHMEM build (``FLASHDMOE_KERNEL_BUILD=nvshmem``) with
+  ``peer_transport="nvshmem"``: every peer is reached through NVSHMEM puts, so beside ``mps-P`` it is the
+  forward's latency per transport; its rows also report the bytes that went through NVSHMEM;
 * ``reference`` -- ``flashdmoe.reference.moe`` on all tokens (the oracle; the one entry a CPU runs).
 
 Inputs come from :class:`flashdmoe.ranks.Problem` (seeded piece by piece), so the rank processes
@@ -45,7 +48,13 @@ from flashdmoe.ranks import Problem, nvshmem_unavailable_reason, run_ranks, scen
 SUITE_NAME = "expert-parallel"
 EMULATED_RANKS = (1, 2, 4, 8)
 MPS_RANKS = (2, 4)
-ENTRY_NAMES = ("single", *(f"emulated-{p}" for p in EMULATED_RANKS), *(f"mps-{p}" for p in MPS_RANKS), "reference")
+# The kernel's transports to peers (Team.nvshmem's peer_transport); "p2p" is the plain mps-P entry.
+MPS_TRANSPORTS = ("p2p", "nvshmem")
+ENTRY_NAMES = ("single", *(f"emulated-{p}" for p in EMULATED_RANKS),
+               *(f"mps-{p}" if transport == "p2p" else f"mps-{p}-{transport}"
+                 for p in MPS_RANKS for transport in MPS_TRANSPORTS), "reference")
+# The environment of an NVSHMEM-transport rank process: it imports flashdmoe_cuda from the NVSHMEM build.
+NVSHMEM_BUILD_ENV = {"FLASHDMOE_KERNEL_BUILD": "nvshmem"}
 # The FlashDMoE paper's per-GPU problem as the total, and a smaller one (E = 32: every P up to 8 divides it).
 EP_SHAPES = (BenchShape(8192, 2048, 2048, 32, 2), BenchShape(2048, 1024, 1024, 32, 2))
 EP_QUICK_SHAPES = (BenchShape(64, 64, 128, 8, 2), BenchShape(96, 128, 64, 16, 4))
@@ -55,12 +64,14 @@ KERNEL_DTYPES = ("bfloat16", "float16")
 
 @dataclass(frozen=True)
 class EntrySpec:
-    """name: as in --entries; kind: single | emulated | mps | reference; world_size: P."""
+    """name: as in --entries; kind: single | emulated | mps | reference; world_size: P; peer_transport:
+    the team's transport to its peers (mps entries only: "p2p" or "nvshmem")."""
 
     name: str
     kind: str
     world_size: int
     label: str
+    peer_transport: str | None = None
 
 
 def entry_spec(name: str) -> EntrySpec:
@@ -68,11 +79,14 @@ def entry_spec(name: str) -> EntrySpec:
         return EntrySpec(name, "single", 1, "fused, no team")
     if name == "reference":
         return EntrySpec(name, "reference", 1, "reference loop")
-    kind, _, count = name.partition("-")
-    if kind == "emulated" and count.isdigit() and int(count) in EMULATED_RANKS:
+    kind, _, rest = name.partition("-")
+    count, _, transport = rest.partition("-")
+    if kind == "emulated" and not transport and count.isdigit() and int(count) in EMULATED_RANKS:
         return EntrySpec(name, "emulated", int(count), f"emulated P={count}")
-    if kind == "mps" and count.isdigit() and int(count) in MPS_RANKS:
-        return EntrySpec(name, "mps", int(count), f"{count} processes (MPS)")
+    if kind == "mps" and count.isdigit() and int(count) in MPS_RANKS and transport in ("", *MPS_TRANSPORTS[1:]):
+        if not transport:
+            return EntrySpec(name, "mps", int(count), f"{count} processes (MPS)", "p2p")
+        return EntrySpec(name, "mps", int(count), f"{count} processes (MPS), {transport}", transport)
     raise ValueError(f"entry {name!r}: expected one of {list(ENTRY_NAMES)}")
 
 
@@ -99,9 +113,30 @@ def problem_for(shape: BenchShape, world_size: int, options: SuiteOptions, confi
     )
 
 
+def _entry_details(spec: EntrySpec) -> dict:
+    details = {"world_size": spec.world_size, "transport": spec.kind}
+    if spec.peer_transport is not None:
+        details["peer_transport"] = spec.peer_transport
+    return details
+
+
 def _unavailable(spec: EntrySpec, reason: str) -> EntryResult:
-    return EntryResult(spec.name, spec.label, "unavailable", reason=reason,
-                       details={"world_size": spec.world_size, "transport": spec.kind})
+    return EntryResult(spec.name, spec.label, "unavailable", reason=reason, details=_entry_details(spec))
+
+
+def _nvshmem_build_reason() -> str | None:
+    """Why the NVSHMEM build cannot serve the nvshmem entries here, or ``None`` once it is built (here, so
+    that no rank process builds it inside its timed run)."""
+    from flashdmoe import extension
+
+    reason = extension.nvshmem_problem()
+    if reason:
+        return reason
+    try:
+        extension.build_nvshmem()
+    except Exception as error:
+        return f"the NVSHMEM build failed: {describe_error(error)}"
+    return None
 
 
 def _kernel_unavailable_reason(options: SuiteOptions) -> str | None:
@@ -125,14 +160,22 @@ def _run_mps_entries(options: SuiteOptions, names: list[str]) -> dict[tuple[int,
         return {(index, spec.name): _unavailable(spec, reason)
                 for index in range(len(options.shapes)) for spec in specs}
     out: dict[tuple[int, str], object] = {}
+    if any(spec.peer_transport == "nvshmem" for spec in specs):
+        reason = _nvshmem_build_reason()
+        if reason:
+            for spec in [spec for spec in specs if spec.peer_transport == "nvshmem"]:
+                specs.remove(spec)
+                out |= {(index, spec.name): _unavailable(spec, reason) for index in range(len(options.shapes))}
+    if not specs:
+        return out
     daemon = MpsDaemon()
     try:
         daemon.start()
     except Exception as error:
         reason = f"the MPS daemon did not start: {describe_error(error)}"
         daemon.stop()
-        return {(index, spec.name): _unavailable(spec, reason)
-                for index in range(len(options.shapes)) for spec in specs}
+        return out | {(index, spec.name): _unavailable(spec, reason)
+                      for index in range(len(options.shapes)) for spec in specs}
     try:
         for index, shape in enumerate(options.shapes):
             for spec in specs:
@@ -143,20 +186,28 @@ def _run_mps_entries(options: SuiteOptions, names: list[str]) -> dict[tuple[int,
                 try:
                     out[(index, spec.name)] = run_ranks(
                         rank_scenarios.timed_fused_forwards, spec.world_size, params=params, mps=daemon,
-                        timeout_s=MPS_RUN_TIMEOUT_S)
+                        timeout_s=MPS_RUN_TIMEOUT_S, **mps_run_kwargs(spec, problem))
                 except Exception as error:
                     out[(index, spec.name)] = EntryResult(
-                        spec.name, spec.label, "error", reason=describe_error(error),
-                        details={"world_size": spec.world_size, "transport": spec.kind})
+                        spec.name, spec.label, "error", reason=describe_error(error), details=_entry_details(spec))
     finally:
         daemon.stop()
     return out
 
 
+def mps_run_kwargs(spec: EntrySpec, problem: Problem) -> dict:
+    """The :func:`~flashdmoe.ranks.run_ranks` arguments that choose the entry's transport: the team's
+    ``peer_transport`` and, for "nvshmem", the NVSHMEM build in the rank processes."""
+    kwargs = {"team": {**problem.team_kwargs(), "peer_transport": spec.peer_transport or "p2p"}}
+    if spec.peer_transport == "nvshmem":
+        kwargs["env"] = dict(NVSHMEM_BUILD_ENV)
+    return kwargs
+
+
 def _mps_entry(spec: EntrySpec, run, shape: BenchShape, expected, compare_rows, device, element_bytes) -> EntryResult:
     if isinstance(run, EntryResult):
         return run
-    details = {"world_size": spec.world_size, "transport": spec.kind, "wall_s": round(run.elapsed_s, 1)}
+    details = _entry_details(spec) | {"wall_s": round(run.elapsed_s, 1)}
     if not run.ok:
         return EntryResult(spec.name, spec.label, "error", reason=failure_reason(run),
                            details=details | failure_details(run))
@@ -179,7 +230,7 @@ _last_traffic = scenarios.last_traffic
 
 def _in_process_entry(spec: EntrySpec, shape: BenchShape, input_sets: list[MoEInputs], options: SuiteOptions,
                       expected, compare_rows, device, element_bytes) -> EntryResult:
-    details = {"world_size": spec.world_size, "transport": spec.kind}
+    details = _entry_details(spec)
     kwargs = {"top_k": shape.top_k, "activation": options.activation, "normalize_topk": options.normalize_topk}
     team = None
     if spec.kind == "reference":
@@ -289,9 +340,12 @@ def run_expert_parallel(options: SuiteOptions) -> SuiteResult:
                 "virtual rank; the fused kernel without a team when emulated P=1 did not run)",
                 "sent MB / rank = max over ranks of dispatch + combine bytes written into other ranks' buffers "
                 "(flashdmoe.last_report().traffic(), one forward on input set 0); payload eff. = dispatched "
-                "bytes / (rows routed to other ranks x H x element size), over all ranks",
+                "bytes / (rows routed to other ranks x H x element size), over all ranks; of it NVSHMEM MB = "
+                "the part of those bytes that went through NVSHMEM puts (same rank)",
                 "N processes (MPS): one Team.nvshmem rank per process on the one GPU, "
-                "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE = 100 / N each; ms per forward = the slowest rank's",
+                "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE = 100 / N each; ms per forward = the slowest rank's; "
+                "the kernel reaches its peers through peer pointers (p2p), or, in the nvshmem rows, through "
+                "NVSHMEM puts (the NVSHMEM build, peer_transport='nvshmem')",
             ],
         },
         configs=configs,
@@ -374,6 +428,7 @@ EP_LAYOUT = report.Layout(
         report.Column("% of ceiling", lambda config, entry: report.number_text(entry.percent_of_ceiling, 1)),
         report.Column("vs P=1", report.ratio_cell("vs_p1")),
         report.Column("sent MB / rank (max)", report.sent_megabytes_cell),
+        report.Column("of it NVSHMEM MB", report.nvshmem_megabytes_cell),
         report.Column("payload eff.", report.ratio_cell("payload_efficiency", percent=True)),
         report.Column("max rel. error", lambda config, entry: report.error_text(entry)),
         report.Column("status", lambda config, entry: report.status_text(entry), "left"),
@@ -385,6 +440,7 @@ EP_LAYOUT = report.Layout(
         report.Column("TFLOP/s", lambda config, entry: report.tflops_text(entry.tflops)),
         report.Column("vs P=1", report.ratio_cell("vs_p1")),
         report.Column("MB/rank", report.sent_megabytes_cell),
+        report.Column("nvshmem MB", report.nvshmem_megabytes_cell),
         report.Column("payload", report.ratio_cell("payload_efficiency", percent=True)),
         report.Column("rel err", lambda config, entry: report.error_text(entry)),
         report.Column("status", lambda config, entry: report.status_text(entry, report.REASON_WIDTH_IN_TERMINAL),
@@ -394,7 +450,8 @@ EP_LAYOUT = report.Layout(
 
 SUITE = Suite(
     name=SUITE_NAME,
-    description="expert-parallel protocol on one GPU: emulated P = 1, 2, 4, 8 and P processes under MPS",
+    description="expert-parallel protocol on one GPU: emulated P = 1, 2, 4, 8 and P processes under MPS "
+                "(p2p and nvshmem transports)",
     runner=run_expert_parallel,
     default_shapes=EP_SHAPES,
     quick_shapes=EP_QUICK_SHAPES,

@@ -13,16 +13,23 @@ __all__ = ["failure_details", "failure_reason", "timed_run_summary", "traffic_su
 
 def traffic_summary(traffic: list[dict] | None, hidden: int, element_bytes: int) -> dict:
     """From the per-rank traffic counters (one dict per rank, as ``LaunchReport.traffic()``): bytes each
-    rank sent (dispatch + combine), their maximum, and the payload efficiency over all ranks (None when no
-    row went to another rank)."""
+    rank sent (dispatch + combine), their maximum, the payload efficiency over all ranks (None when no
+    row went to another rank), and the part of the bytes sent through NVSHMEM puts
+    (``nvshmem_bytes_sent_per_rank`` and its maximum; None where the counters have no NVSHMEM words, as
+    the unfused baseline's)."""
     if not traffic:
         return {"traffic": traffic or [], "bytes_sent_per_rank": [], "max_bytes_sent_per_rank": None,
-                "payload_efficiency": None}
+                "payload_efficiency": None, "nvshmem_bytes_sent_per_rank": None,
+                "max_nvshmem_bytes_sent_per_rank": None}
     sent = [int(t.get("dispatch_bytes", 0)) + int(t.get("combine_bytes", 0)) for t in traffic]
     routed = sum(int(t.get("rows_routed_remote", 0)) for t in traffic) * hidden * element_bytes
     dispatched = sum(int(t.get("dispatch_bytes", 0)) for t in traffic)
+    nvshmem = None
+    if all("nvshmem_dispatch_bytes" in t for t in traffic):
+        nvshmem = [int(t["nvshmem_dispatch_bytes"]) + int(t.get("nvshmem_combine_bytes", 0)) for t in traffic]
     return {"traffic": traffic, "bytes_sent_per_rank": sent, "max_bytes_sent_per_rank": max(sent),
-            "payload_efficiency": dispatched / routed if routed else None}
+            "payload_efficiency": dispatched / routed if routed else None, "nvshmem_bytes_sent_per_rank": nvshmem,
+            "max_nvshmem_bytes_sent_per_rank": None if nvshmem is None else max(nvshmem)}
 
 
 def failure_reason(run: RunResult) -> str:

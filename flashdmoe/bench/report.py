@@ -132,6 +132,12 @@ def sent_megabytes_cell(config: ConfigResult, entry: EntryResult) -> str:
     return "–" if value is None else f"{value / 1e6:.2f}"
 
 
+def nvshmem_megabytes_cell(config: ConfigResult, entry: EntryResult) -> str:
+    """Cell of ``entry.details["max_nvshmem_bytes_sent_per_rank"]`` (the bytes of NVSHMEM puts) in MB."""
+    value = (entry.details or {}).get("max_nvshmem_bytes_sent_per_rank")
+    return "–" if value is None else f"{value / 1e6:.2f}"
+
+
 DEFAULT_LAYOUT = Layout(
     markdown=(
         Column("floor ms", lambda config, entry: number_text(config.floor_ms, 3)),
