@@ -140,8 +140,10 @@ def test_transport_module_compiles_links_and_imports_without_nvshmem_running(tmp
     kernels = [r for name, r in report.items() if "moe_forward_kernel" in name]
     from flashdmoe import expert_variants
 
-    # (fp32 has no training instance: teams and the backward carry 16-bit inputs.)
-    expected = sum(2 if dtype != "fp32" else 1 for v in expert_variants.VARIANTS for dtype in v.dtypes)
+    # An inference instance per rank capacity, and a one-rank training instance except for fp32 (teams and
+    # the backward carry 16-bit inputs).
+    capacities = len(expert_variants.RANK_CAPACITIES)
+    expected = sum(capacities + (dtype != "fp32") for v in expert_variants.VARIANTS for dtype in v.dtypes)
     assert len(kernels) == expected, sorted(report)
     assert all("NvshmemTransport" in r.name for r in kernels)
     assert all(r.registers <= 168 for r in kernels)  # __launch_bounds__ of the default variant leaves no more
