@@ -264,12 +264,18 @@ def test_sync_words_are_zero_after_launches_that_succeed_or_time_out(backend, kn
     assert_matches_reference(y_small, routing, small, "swiglu", "after the timeout")
 
 
-def test_an_emulated_teams_sync_words_are_zero_after_its_launches(backend, seed):
+def emulated_problem(seed: int):
+    """A 4-rank emulated team (one rank without tokens), its router and per-rank expert weights, each rank's
+    token count and top_k."""
     P, H, I, E, k = 4, 256, 128, 16, 2
-    tokens = [200, 0, 77, 129]
     _, router, w1, w2 = make_inputs(1, H, I, E, "gelu", seed=seed)
-    w1s, w2s = list(w1.split(E // P)), list(w2.split(E // P))
     team = Team.emulated(P, max_tokens=200, hidden=H, top_k=k, local_experts=E // P, dtype=torch.bfloat16)
+    return team, router, list(w1.split(E // P)), list(w2.split(E // P)), [200, 0, 77, 129], k
+
+
+def test_an_emulated_teams_sync_words_are_zero_after_its_launches(backend, seed):
+    team, router, w1s, w2s, tokens, k = emulated_problem(seed)
+    P, H = team.world_size, router.shape[1]
     xs = [tokens_like(torch.empty(T, H, device="cuda", dtype=torch.bfloat16), seed + r) for r, T in enumerate(tokens)]
     with torch.no_grad():
         first = flashdmoe.moe_expert_parallel(xs, router, w1s, w2s, top_k=k, team=team)
@@ -325,11 +331,8 @@ def test_layer_graph_replays_equal_eager_calls_bitwise(backend, seed):
 
 
 def test_emulated_team_graph_replays_equal_eager_calls_bitwise(backend, seed):
-    P, H, I, E, k = 4, 256, 128, 16, 2
-    tokens = [200, 0, 77, 129]
-    _, router, w1, w2 = make_inputs(1, H, I, E, "gelu", seed=seed)
-    w1s, w2s = list(w1.split(E // P)), list(w2.split(E // P))
-    team = Team.emulated(P, max_tokens=200, hidden=H, top_k=k, local_experts=E // P, dtype=torch.bfloat16)
+    team, router, w1s, w2s, tokens, k = emulated_problem(seed)
+    P, H = team.world_size, router.shape[1]
     static_xs = [tokens_like(torch.empty(T, H, device="cuda", dtype=torch.bfloat16), seed + r)
                  for r, T in enumerate(tokens)]
     call = lambda xs: flashdmoe.moe_expert_parallel(xs, router, w1s, w2s, top_k=k, team=team)  # noqa: E731

@@ -30,6 +30,7 @@ from flashdmoe import numerics, reference
 from flashdmoe.ranks import child, launcher, scenarios
 from flashdmoe.ranks.launcher import RunResult, run_ranks
 from flashdmoe.ranks.problem import Problem, expected_traffic, near_tie_rows, reference_results, split_tokens
+from mps_checks import started_daemon
 
 # ------------------------------------------------------------------------------------------------------------
 # CPU: the harness
@@ -368,15 +369,7 @@ def mps_daemon():
     missing = _missing_requirement()
     if missing:
         pytest.fail(missing)
-    from flashdmoe.mps import MpsDaemon
-
-    daemon = MpsDaemon()
-    try:
-        daemon.start()
-    except (OSError, subprocess.SubprocessError, RuntimeError) as error:
-        log = daemon.log_tail()
-        daemon.stop()
-        pytest.fail(f"the MPS daemon did not start: {error}\n{log}")
+    daemon = started_daemon()
     yield daemon
     daemon.stop()
 

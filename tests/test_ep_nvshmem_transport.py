@@ -16,7 +16,6 @@ tests/test_nvshmem_build.py.
 
 from __future__ import annotations
 
-import subprocess
 
 import pytest
 import torch
@@ -25,6 +24,7 @@ from flashdmoe import numerics
 from flashdmoe.ranks import launcher
 from flashdmoe.ranks.launcher import RunResult, run_ranks
 from flashdmoe.ranks.problem import Problem, expected_traffic, reference_results
+from mps_checks import started_daemon
 
 RUN_TIMEOUT_S = 300  # the first NVSHMEM-build run of a machine may also wait for that build's lock
 NVSHMEM_ENV = {"FLASHDMOE_KERNEL_BUILD": "nvshmem"}
@@ -41,7 +41,7 @@ def mps_daemon():
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the fused kernel targets Hopper (sm_90a)")
     from flashdmoe import extension
-    from flashdmoe.mps import MpsDaemon, mps_available
+    from flashdmoe.mps import mps_available
 
     reason = launcher.nvshmem_unavailable_reason() or mps_available() or extension.nvshmem_problem()
     if reason:
@@ -49,13 +49,7 @@ def mps_daemon():
     # Both builds here, once, not inside a rank's run (a failure on Hopper is an error, not a skip).
     extension.build()
     extension.build_nvshmem()
-    daemon = MpsDaemon()
-    try:
-        daemon.start()
-    except (OSError, subprocess.SubprocessError, RuntimeError) as error:
-        log = daemon.log_tail()
-        daemon.stop()
-        pytest.fail(f"the MPS daemon did not start: {error}\n{log}")
+    daemon = started_daemon()
     yield daemon
     daemon.stop()
 

@@ -11,7 +11,6 @@ check can never pass by skipping.
 
 from __future__ import annotations
 
-import os
 import random
 import shutil
 import subprocess
@@ -23,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from build_checks import skip_or_fail
 from flashdmoe import expert_variants, extension
 
 try:
@@ -34,19 +34,13 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 ARCH = "sm_90a"
 
 
-def _skip_or_fail(reason: str) -> None:
-    """Skip on a developer machine, fail in CI: a compile check must never pass by skipping."""
-    if os.environ.get("CI"):
-        pytest.fail(f"{reason} (CI is set, so this is a failure, not a skip)")
-    pytest.skip(reason)
-
 
 @pytest.fixture(scope="module")
 def toolchain():
     try:
         return extension.find_toolchain()
     except extension.BuildError as error:
-        _skip_or_fail(str(error))
+        skip_or_fail(str(error))
 
 
 def _write_tiny_tree(root: Path, answer: int) -> Path:
@@ -342,7 +336,7 @@ def test_unavailable_reason_names_missing_nvcc(monkeypatch, tiny_tree):
 
 def test_tiny_build_embeds_sm_90a_sass(tiny_build):
     if extension.find_cuda_tool("cuobjdump") is None:
-        _skip_or_fail("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
+        skip_or_fail("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
     so_path, _ = tiny_build
     assert set(extension.embedded_cubin_archs(so_path)) == {"sm_90a"}
 
@@ -362,7 +356,7 @@ def test_real_csrc_compiles_for_sm_90a(toolchain, tmp_path, capsys, record_prope
     if not units:
         pytest.fail(f"{source_dir} holds no *.cu / *.cpp: the compile check has nothing to compile")
     if extension.find_cuda_tool("cuobjdump") is None:
-        _skip_or_fail("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
+        skip_or_fail("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
 
     started = time.perf_counter()
     so_path = extension.compile_sources(tmp_path / "build", arch=ARCH)

@@ -40,6 +40,7 @@ from flashdmoe.config import MoEConfig, make_weights
 from flashdmoe.job import WorkerFault, run_job, tolerance_for
 from flashdmoe.job.data import StepInputs
 from flashdmoe.job.verification import compare, verify_step
+from mps_checks import started_daemon
 from job_checks import check_results_schema
 from ray_checks import check_against_reference as _check_against_reference
 from ray_actors import cluster as ray_cluster
@@ -397,17 +398,12 @@ def mps_daemon():
     """The CUDA MPS control daemon (docs/design.md §6), module-scoped, so several ranks share one GPU as full
     NVSHMEM PEs. Its pipe/log directories go into this process's environment before any test here starts
     Ray (the embedded Ray's workers inherit them) and are also handed to the actors explicitly."""
-    from flashdmoe.mps import MpsDaemon, mps_available
+    from flashdmoe.mps import mps_available
 
     reason = mps_available()
     if reason:  # a GPU machine without MPS cannot run what these tests check: a failure, not a skip
         pytest.fail(f"CUDA MPS is unavailable: {reason}")
-    daemon = MpsDaemon()
-    try:
-        daemon.start()
-    except Exception as error:
-        daemon.stop()
-        pytest.fail(f"the MPS daemon did not start: {error}\n{daemon.log_tail()}")
+    daemon = started_daemon()
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(daemon.pipe_dir))
         patch.setenv("CUDA_MPS_LOG_DIRECTORY", str(daemon.log_dir))
