@@ -195,6 +195,65 @@ void router_grad(int dtype, uintptr_t logits, uintptr_t expert, uintptr_t row_of
                      top_k, experts, normalize_topk, reinterpret_cast<cudaStream_t>(stream));
 }
 
+// The fused expert backward (backward/expert_grad.h FusedBackwardArgs): `args` names every field
+// (pointers as integers, 0 for null); records `status_event` (0: none) behind the launch.
+py::tuple fused_backward(const py::dict& args, uintptr_t stream, uintptr_t status_event) {
+  FusedBackwardArgs a{};
+  a.dtype = static_cast<DType>(get<int>(args, "dtype"));
+  a.activation = static_cast<Activation>(get<int>(args, "activation"));
+  a.tile_n = get<int>(args, "tile_n");
+  a.tokens = get<int>(args, "tokens");
+  a.hidden = get<int>(args, "hidden");
+  a.ffn = get<int>(args, "ffn");
+  a.experts = get<int>(args, "experts");
+  a.top_k = get<int>(args, "top_k");
+  a.need_dx = get<bool>(args, "need_dx");
+  a.need_dw1 = get<bool>(args, "need_dw1");
+  a.need_dw2 = get<bool>(args, "need_dw2");
+  a.x = as_ptr<const void>(get<uintptr_t>(args, "x"));
+  a.dy = as_ptr<const void>(get<uintptr_t>(args, "dy"));
+  a.w1 = as_ptr<const void>(get<uintptr_t>(args, "w1"));
+  a.w2 = as_ptr<const void>(get<uintptr_t>(args, "w2"));
+  a.pre = as_ptr<const void>(get<uintptr_t>(args, "pre"));
+  a.expert = as_ptr<const int>(get<uintptr_t>(args, "expert"));
+  a.row = as_ptr<const int>(get<uintptr_t>(args, "row"));
+  a.weight = as_ptr<const float>(get<uintptr_t>(args, "weight"));
+  a.dw1 = as_ptr<void>(get<uintptr_t>(args, "dw1"));
+  a.dw2 = as_ptr<void>(get<uintptr_t>(args, "dw2"));
+  a.dx_rows = as_ptr<void>(get<uintptr_t>(args, "dx_rows"));
+  a.dweight_row = as_ptr<float>(get<uintptr_t>(args, "dweight_row"));
+  a.sync = as_ptr<void>(get<uintptr_t>(args, "sync"));
+  a.scratch = as_ptr<void>(get<uintptr_t>(args, "scratch"));
+  a.status_host = as_ptr<void>(get<uintptr_t>(args, "status_host"));
+  a.timeout_ns = get<uint64_t>(args, "timeout_ns");
+  a.debug_withhold_phase = get<int>(args, "debug_withhold_phase");
+  a.max_blocks = get<int>(args, "max_blocks");
+  const auto cuda_stream = reinterpret_cast<cudaStream_t>(stream);
+  LaunchInfo info;
+  {
+    py::gil_scoped_release release;
+    info = launch_fused_backward(a, cuda_stream);
+    if (status_event != 0) {
+      const cudaError_t status = cudaEventRecord(reinterpret_cast<cudaEvent_t>(status_event), cuda_stream);
+      if (status != cudaSuccess)
+        throw std::runtime_error(std::string("recording the status event: ") + cudaGetErrorString(status));
+    }
+  }
+  return py::make_tuple(info.grid, info.blocks_per_sm, info.smem_bytes);
+}
+
+py::dict fused_backward_layout_dict(int tokens, int hidden, int ffn, int experts, int top_k, int activation,
+                                    int tile_n) {
+  const FusedBackwardLayout l =
+      fused_backward_layout(tokens, hidden, ffn, experts, top_k, static_cast<Activation>(activation), tile_n);
+  py::dict out;
+  out["sync_bytes"] = l.sync_bytes;
+  out["scratch_bytes"] = l.scratch_bytes;
+  out["row_of_choice_offset"] = l.row_of_choice_offset;
+  out["padded_rows"] = l.padded_rows;
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(flashdmoe_cuda, m) {
@@ -236,6 +295,19 @@ PYBIND11_MODULE(flashdmoe_cuda, m) {
         py::arg("dtype"), py::arg("logits"), py::arg("expert"), py::arg("row_of_choice"), py::arg("dweight_row"),
         py::arg("dlogits"), py::arg("tokens"), py::arg("top_k"), py::arg("experts"), py::arg("normalize_topk"),
         py::arg("stream"));
+  m.def("fused_backward", &fused_backward,
+        "The fused expert backward of one rank (backward/expert_grad.h), one cooperative launch on `stream`, "
+        "then `status_event` recorded (0: none). `args`: a dict of FusedBackwardArgs' fields. Returns (grid, "
+        "blocks_per_sm, smem_bytes).",
+        py::arg("args"), py::arg("stream"), py::arg("status_event"));
+  m.def("fused_backward_layout", &fused_backward_layout_dict,
+        "Sync and scratch bytes of a fused backward (sync_bytes, scratch_bytes, row_of_choice_offset, padded_rows); "
+        "ValueError when the shapes are not supported.",
+        py::arg("tokens"), py::arg("hidden"), py::arg("ffn"), py::arg("experts"), py::arg("top_k"),
+        py::arg("activation"), py::arg("tile_n"));
+  m.def("fused_backward_unsupported", &fused_backward_unsupported,
+        "Empty when the fused backward takes these shapes, else why not.", py::arg("tokens"), py::arg("hidden"),
+        py::arg("ffn"), py::arg("experts"), py::arg("top_k"), py::arg("tile_n"));
   m.attr("addresses_per_rank") = static_cast<int>(kAddressesPerRank);
   m.def("workspace_layout", &layout, py::arg("tokens"), py::arg("hidden"), py::arg("ffn"), py::arg("experts"),
         py::arg("top_k"), py::arg("dtype"), py::arg("world_size") = 1, py::arg("stream_rows") = 0);

@@ -23,8 +23,6 @@ rank, its pre-activations) (:func:`flashdmoe.expert_backward.expert_backward`, o
 from __future__ import annotations
 
 import functools
-import os
-from dataclasses import dataclass
 
 import torch
 
@@ -35,43 +33,11 @@ from flashdmoe.expert_backward import expert_backward, packed_rows
 from flashdmoe.expert_variants import (DEFAULT_EXPERT_VARIANT, EXPERT_VARIANTS, FP32_EXPERT_VARIANT, choose_variant,
                                        variant_id)
 from flashdmoe.kernel_codes import ACTIVATION_CODES, DTYPE_CODES
+from flashdmoe.launch_knobs import DEFAULT_TIMEOUT_MS, DebugKnobs, debug, timeout_ms  # noqa: F401 (re-exported)
 from flashdmoe.launch_report import LaunchReport, LaunchShape, status_layout
 from flashdmoe.team import mps_thread_percentage
 from flashdmoe.workspace_pool import WorkspacePool
 
-DEFAULT_TIMEOUT_MS = 10_000
-# Read once: a forward must not consult the environment.
-_ENV_TIMEOUT_MS = int(os.environ.get("FLASHDMOE_TIMEOUT_MS", DEFAULT_TIMEOUT_MS))
-
-
-@dataclass
-class DebugKnobs:
-    """Test-only switches. ``withhold_phase`` makes block 0 skip that grid barrier (forces the watchdog);
-    ``poison_outputs`` fills outputs with NaN before the launch so unwritten elements show."""
-
-    withhold_phase: int = 0
-    poison_outputs: bool = False
-    # This rank publishes none of its signals (counts, rows ready, results done): its peers must time out.
-    silent_rank: int = -1
-    # 0: the whole resident grid; else at most this many blocks (tests of small grids).
-    max_blocks: int = 0
-    timeout_ms: int | None = None
-    # Small batches split each gate tile's K slabs over several blocks; the kernel's gate_splits_for
-    # (csrc/moe/tile_config.cuh) decides how far, and keeps E > 256 unsplit (it misrouted there).
-    # None: on (the kernel decides); True / False (FLASHDMOE_GATE_SPLIT=1 / 0) force it for measurement.
-    gate_split: bool | None = {"1": True, "0": False}.get(os.environ.get("FLASHDMOE_GATE_SPLIT", ""))
-    # Expert GEMM variant (EXPERT_VARIANTS). None: chosen per shape (expert_variants.choose_variant);
-    # a name (FLASHDMOE_EXPERT_VARIANT) forces it for measurement.
-    expert_variant: str | None = os.environ.get("FLASHDMOE_EXPERT_VARIANT") or None
-
-    def __setattr__(self, name, value) -> None:
-        # Every setting bumps ``generation``: launches prepared under other knobs are not reused (a prepared
-        # launch and a remembered call are keyed by it, so a forward reads one integer, not every knob).
-        object.__setattr__(self, name, value)
-        object.__setattr__(self, "generation", getattr(self, "generation", 0) + 1)
-
-
-debug = DebugKnobs()
 
 
 class FusedRouting:
@@ -152,11 +118,6 @@ def _check_shapes(ext, T, H, I, E, k, world_size=1):
 def _workspace_layout(ext, T, H, I, E, k, dtype_code, world_size=1, stream_rows=0):
     """One rank's workspace layout (byte offsets) for a shape the rules accept; once per shape."""
     return ext.workspace_layout(T, H, I, E, k, dtype_code, world_size, stream_rows or T * k)
-
-
-def timeout_ms() -> int:
-    """The watchdog's limit: ``debug.timeout_ms``, else ``FLASHDMOE_TIMEOUT_MS`` as it was at import."""
-    return debug.timeout_ms if debug.timeout_ms is not None else _ENV_TIMEOUT_MS
 
 
 _pool = WorkspacePool()

@@ -21,6 +21,10 @@ chosen probabilities and the softmax gives ``dlogits [T, E]``; ``d_router = dlog
 
 GEMM back ends (``gemm=``):
 
+* ``"fused"``: one persistent kernel launch for every expert GEMM, the element-wise step in the first
+  GEMM's epilogue (:mod:`flashdmoe.fused_backward`); it needs the forward's saved ``pre``, 16-bit inputs,
+  Hopper and the extension, ``H`` and ``I`` multiples of 64. ``g`` stays float32 into the epilogue
+  (rounded nowhere), ``wh``, ``dpre`` and the per-row ``dx`` are rounded once as below.
 * ``"grouped_mm"``: ``torch._grouped_mm`` on the rows packed by expert (``offs`` = each expert's end row,
   derived on the device): 2D x 3D for the row GEMMs, 2D x 2D for the weight gradients. It takes float32,
   bfloat16 and float16 and returns its input dtype (a float32 ``out_dtype`` for half inputs is refused).
@@ -35,7 +39,8 @@ GEMM back ends (``gemm=``):
   the capacity when there is one), so it costs ``E * M / (T * k)`` times the grouped GEMMs' work and
   memory: a fallback for float16 / float32 on CUDA, float64, shapes that break the stride rule, and
   torch without ``_grouped_mm``.
-* ``"auto"`` (default): ``"grouped_mm"`` where it runs without a host synchronisation, else ``"padded_bmm"``.
+* ``"auto"`` (default): ``"fused"`` where it runs, else ``"grouped_mm"`` where that runs without a host
+  synchronisation, else ``"padded_bmm"``.
 
 Element-wise back ends (``elementwise=``), for the step between the row GEMMs and for the sum of a
 token's ``k`` rows of ``dx``:
@@ -73,13 +78,14 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from flashdmoe import fused_backward
 from flashdmoe.kernel_codes import ACTIVATION_CODES, DTYPE_CODES
 from flashdmoe.reference import ACTIVATIONS, compute_dtype
 
 __all__ = ["expert_backward", "ELEMENTWISE_BACKENDS", "GEMM_BACKENDS", "elementwise_kernels_supported",
            "grouped_mm_supported", "packed_rows"]
 
-GEMM_BACKENDS = ("auto", "grouped_mm", "padded_bmm")
+GEMM_BACKENDS = ("auto", "fused", "grouped_mm", "padded_bmm")
 ELEMENTWISE_BACKENDS = ("auto", "cuda", "torch")
 # What the element-wise kernels take (csrc/backward/expert_grad.h: 16-bit storage).
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16)
@@ -372,13 +378,23 @@ def expert_backward(
         return tuple(z if need else None for z, need in zip(zeros, needs))
     if not any(needs):
         return (None, None, None, None)
-    if gemm == "auto":
+    top_k = expert.shape[1]
+    if gemm in ("auto", "fused"):
+        if pre is None:
+            why = "no saved pre-activations"
+        elif elementwise == "torch":
+            why = "elementwise='torch' asks for the element-wise step in torch ops"
+        else:
+            why = fused_backward.unsupported(dtype, x.device, tokens, hidden, intermediate, experts, top_k)
+        if not why:
+            return _fused(x, router_weight, w1, w2, expert, weight, row, dy, pre, activation, normalize_topk, needs)
+        if gemm == "fused":
+            raise ValueError(f"gemm='fused' cannot run here: {why}")
         gemm = "padded_bmm" if grouped_mm_supported(dtype, x.device, hidden, intermediate) else "grouped_mm"
     padded_rows = None
     if gemm == "padded_bmm":
         padded_rows = tokens if max_rows_per_expert is None else min(max_rows_per_expert, tokens)
     cdtype = compute_dtype(dtype)
-    top_k = expert.shape[1]
     w1, w2 = w1.contiguous(), w2.contiguous()  # no-ops for parameters; _grouped_mm needs aligned strides
     need_weight_grad = need_dx or need_router  # the combine weights' gradient feeds the router
     need_g = need_weight_grad or need_dw1
@@ -427,39 +443,20 @@ def expert_backward(
                 dx_rows = layout.rows_times(dpre, w1.transpose(1, 2))
             if need_weight_grad:
                 dweight_row = (g * h).sum(dim=1)
-    dx_router = None
-    if need_weight_grad:
-        if kernels is not None:
-            # Tensor-core GEMMs on the 16-bit operands with float32 results: the logits' products are exact
-            # as in float32; dlogits (one kernel) is rounded once to the storage format for the two
-            # gradient GEMMs.
-            logits = torch.mm(x, router_weight.t(), out_dtype=torch.float32)
-            dlogits = torch.empty(tokens, experts, dtype=dtype, device=x.device)
-            kernels.router_grad(DTYPE_CODES[dtype], logits.data_ptr(), expert32.data_ptr(),
-                                layout.rows_of_tokens.data_ptr(), dweight_row.data_ptr(), dlogits.data_ptr(),
-                                tokens, top_k, experts, normalize_topk, stream)
-            if need_router:
-                d_router = torch.mm(dlogits.t(), x, out_dtype=torch.float32).to(router_weight.dtype)
-            if need_dx:
-                dx_router = torch.mm(dlogits, router_weight, out_dtype=torch.float32)
-        else:
-            kept = layout.kept.view(tokens, top_k)
-            dweight = torch.where(kept, dweight_row.index_select(0, layout.row_of_choice).view(tokens, top_k), 0)
-            x_compute = x.to(cdtype)
-            logits = x_compute @ router_weight.to(cdtype).t()
-            dlogits = _router_logit_grad(logits, expert.long(), dweight.to(cdtype), normalize_topk)
-            if need_router:
-                d_router = (dlogits.t() @ x_compute).to(router_weight.dtype)
-            if need_dx:
-                dx_router = dlogits @ router_weight.to(cdtype)
-    if need_dx:
-        if kernels is not None:
-            dx = torch.empty_like(x)
-            kernels.combine_grad(DTYPE_CODES[dtype], dx_rows.data_ptr(), layout.rows_of_tokens.data_ptr(),
-                                 dx_router.data_ptr(), dx.data_ptr(), tokens, top_k, hidden, stream)
-        else:
+    if need_weight_grad and kernels is not None:
+        dx, d_router = _router_and_dx(kernels, x, router_weight, expert32, layout.rows_of_tokens, dweight_row, dx_rows,
+                                      normalize_topk, need_router, need_dx, stream)
+    elif need_weight_grad:
+        kept = layout.kept.view(tokens, top_k)
+        dweight = torch.where(kept, dweight_row.index_select(0, layout.row_of_choice).view(tokens, top_k), 0)
+        x_compute = x.to(cdtype)
+        logits = x_compute @ router_weight.to(cdtype).t()
+        dlogits = _router_logit_grad(logits, expert.long(), dweight.to(cdtype), normalize_topk)
+        if need_router:
+            d_router = (dlogits.t() @ x_compute).to(router_weight.dtype)
+        if need_dx:
+            dx_router = dlogits @ router_weight.to(cdtype)
             # where, not a multiply: rows past the packed ones are uninitialised (0 * NaN is NaN)
-            kept = layout.kept.view(tokens, top_k)
             per_choice = dx_rows.index_select(0, layout.row_of_choice).view(tokens, top_k, hidden)
             dx = (torch.where(kept[:, :, None], per_choice, 0).to(cdtype).sum(dim=1) + dx_router).to(dtype)
     return dx, d_router, dw1, dw2
@@ -482,3 +479,47 @@ def _router_logit_grad(logits, expert, dweight, normalize_topk):
         dchosen = dweight
     dprobs = torch.zeros_like(probs).scatter_(1, expert, dchosen)  # a token's experts are distinct
     return probs * (dprobs - (chosen * dchosen).sum(dim=1, keepdim=True))
+
+
+def _router_and_dx(kernels, x, router_weight, expert32, rows_of_tokens, dweight_row, dx_rows, normalize_topk,
+                   need_router, need_dx, stream):
+    """The router's gradient and dx from the combine weights' gradient by packed row (``dweight_row``) and
+    each kept row's dx (``dx_rows``), with the extension's kernels: tensor-core GEMMs on the 16-bit ``x``
+    and ``router_weight`` with float32 results (the logits' products exact as in float32), ``dlogits``
+    (one kernel) rounded once to the storage format for the two gradient GEMMs, then one kernel summing
+    each token's rows in choice order with the router's term. Returns ``(dx, d_router)``."""
+    tokens, top_k = expert32.shape
+    experts = router_weight.shape[0]
+    dtype = x.dtype
+    logits = torch.mm(x, router_weight.t(), out_dtype=torch.float32)
+    dlogits = torch.empty(tokens, experts, dtype=dtype, device=x.device)
+    kernels.router_grad(DTYPE_CODES[dtype], logits.data_ptr(), expert32.data_ptr(), rows_of_tokens.data_ptr(),
+                        dweight_row.data_ptr(), dlogits.data_ptr(), tokens, top_k, experts, normalize_topk, stream)
+    d_router = torch.mm(dlogits.t(), x, out_dtype=torch.float32).to(router_weight.dtype) if need_router else None
+    dx = None
+    if need_dx:
+        dx_router = torch.mm(dlogits, router_weight, out_dtype=torch.float32)
+        dx = torch.empty_like(x)
+        kernels.combine_grad(DTYPE_CODES[dtype], dx_rows.data_ptr(), rows_of_tokens.data_ptr(), dx_router.data_ptr(),
+                             dx.data_ptr(), tokens, top_k, x.shape[1], stream)
+    return dx, d_router
+
+
+def _fused(x, router_weight, w1, w2, expert, weight, row, dy, pre, activation, normalize_topk, needs):
+    """``gemm="fused"``: the expert GEMMs in one launch (:mod:`flashdmoe.fused_backward`), then the router's
+    gradient and the sum of a token's rows (:func:`_router_and_dx`)."""
+    from flashdmoe import extension
+
+    need_dx, need_router, need_dw1, need_dw2 = needs
+    kernels = extension.loaded()
+    expert32 = expert.to(torch.int32).contiguous()
+    grads = fused_backward.launch(
+        x.contiguous(), dy.contiguous(), w1.contiguous(), w2.contiguous(), pre.contiguous(), expert32,
+        row.to(torch.int32).contiguous(), weight.to(torch.float32).contiguous(), activation=activation,
+        need_dx=need_dx or need_router, need_dw1=need_dw1, need_dw2=need_dw2)
+    dx = d_router = None
+    if need_dx or need_router:
+        stream = torch.cuda.current_stream(x.device).cuda_stream
+        dx, d_router = _router_and_dx(kernels, x, router_weight, expert32, grads.row_of_choice, grads.dweight_row,
+                                      grads.dx_rows, normalize_topk, need_router, need_dx, stream)
+    return dx, d_router, grads.dw1, grads.dw2

@@ -45,6 +45,10 @@ PHASE_NAMES = {
     7: "expert GEMM1 tile waiting for a peer's dispatched rows",
     8: "combine waiting for a peer's expert results",
     9: "expert tile pipeline (a TMA stage that never filled or was never released)",
+    10: "backward: grid barrier after the kept rows were counted",
+    11: "backward: grid barrier after dy's and x's rows were gathered",
+    12: "backward: dx tile waiting for its row tile's g tiles",
+    13: "backward: weight-gradient tile waiting for its expert's g tiles",
 }
 
 # Intervals between consecutive phase clock slots (slot 0 start, 1..4 after the grid barriers, 5 exit).

@@ -1,6 +1,7 @@
-"""Where the time of flashdmoe.expert_backward goes: eager medians with each element-wise back end, then
-the profiler's CUDA kernel time per kernel (top entries) for the default one, beside the torch grouped_mm
-pipeline's backward under autograd.
+"""Where the time of flashdmoe.expert_backward goes: eager medians of the grouped-GEMM back end (with the
+element-wise kernels and the saved pre-activations) and of the fused back end at each tile width, then the
+profiler's CUDA kernel time per kernel (top entries) for the default (fused), beside the torch
+grouped_mm pipeline's backward under autograd.
 
     python scripts/backward_profile.py [--shapes 8192/2048/2048/32/2/gelu,...] [--reps 20] [--top 10]
 """
@@ -14,7 +15,7 @@ import statistics
 
 import torch
 
-from flashdmoe import cuda_backend
+from flashdmoe import cuda_backend, fused_backward
 from flashdmoe.bench import baselines
 from flashdmoe.expert_backward import expert_backward
 
@@ -86,15 +87,20 @@ def main():
         x, router_weight, w1, w2, (expert, weight, row), pre, dy = problem(T, H, I, E, k, activation, dtype,
                                                                            generator)
         times = {}
-        for name, elementwise, saved in (("torch", "torch", None), ("cuda", "cuda", None), ("cuda+pre", "cuda", pre)):
+        variants = [("grouped_mm", "grouped_mm", None)] + [(f"fused/{n}", "fused", n) for n in fused_backward.TILE_WIDTHS]
+        for name, gemm, tile_n in variants:
+            if tile_n is not None:
+                fused_backward._ENV_TILE_N = tile_n
             run = lambda: expert_backward(x, router_weight, w1, w2, expert, weight, row, dy, activation=activation,  # noqa: E731
-                                          normalize_topk=True, elementwise=elementwise, pre=saved)
+                                          normalize_topk=True, gemm=gemm, pre=pre)
             times[name] = median_ms(run, args.reps)
-        print(f"\n== {spec}: expert_backward eager ms: torch element-wise {times['torch']:.3f}, "
-              f"cuda element-wise {times['cuda']:.3f}, with saved pre {times['cuda+pre']:.3f}")
+        fused_backward._ENV_TILE_N = fused_backward.DEFAULT_TILE_N
+        run = lambda: expert_backward(x, router_weight, w1, w2, expert, weight, row, dy, activation=activation,  # noqa: E731
+                                      normalize_topk=True, pre=pre)
+        print(f"\n== {spec}: expert_backward eager ms: " + ", ".join(f"{n} {t:.3f}" for n, t in times.items()))
         rows = kernel_times(run, 5)
         gpu_ms = sum(us for _, us, _ in rows) / 1e3
-        print(f"   kernels (cuda element-wise, saved pre), sum {gpu_ms:.3f} ms per call:")
+        print(f"   kernels (default back end), sum {gpu_ms:.3f} ms per call:")
         for name, us, n in rows[: args.top]:
             print(f"   {us:9.1f} us  x{n:<3} {name}")
 
@@ -109,13 +115,13 @@ def main():
         print(f"   grouped_mm pipeline fwd+bwd kernels, sum {sum(us for _, us, _ in base_rows) / 1e3:.3f} ms:")
         for name, us, n in base_rows[: args.top]:
             print(f"   {us:9.1f} us  x{n:<3} {name}")
-        summary.append((spec, times["torch"], times["cuda"], times["cuda+pre"], gpu_ms))
+        summary.append((spec, times, gpu_ms))
         del x, router_weight, w1, w2, dy, leaves, pre
         torch.cuda.empty_cache()
-    print(f"\n{'shape':<32} {'torch ew ms':>11} {'cuda ew ms':>10} {'+saved pre':>10} {'kernels ms':>10}")
-    for spec, t, c, cp, g in summary:
-        print(f"{spec:<32} {t:11.3f} {c:10.3f} {cp:10.3f} {g:10.3f}")
-
+    names = list(summary[0][1]) if summary else []
+    print(f"\n{'shape':<32} " + " ".join(f"{n + ' ms':>14}" for n in names) + f" {'kernels ms':>10}")
+    for spec, times, g in summary:
+        print(f"{spec:<32} " + " ".join(f"{times[n]:14.3f}" for n in names) + f" {g:10.3f}")
 
 if __name__ == "__main__":
     main()

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+import flashdmoe
 import grad_checks
 from flashdmoe import numerics, reference
 from flashdmoe.expert_backward import expert_backward, grouped_mm_supported
@@ -464,3 +465,134 @@ def test_emulated_backward_packs_rows_as_one_rank_does(seed):
         got = packed_rows(experts.to(torch.int32), keep, E)
         assert got.dtype == torch.int32
         assert torch.equal(got.long(), pack_rows(experts, keep, E).long()), (T, k, E)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The fused backward (one persistent launch; flashdmoe/fused_backward.py)
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fused_knobs():
+    """The fused backward's debug knobs, outputs poisoned (NaN) before every launch; reset afterwards."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the fused backward needs a Hopper GPU")
+    from flashdmoe import extension
+    from flashdmoe.launch_knobs import debug
+
+    extension.load()  # a build failure on Hopper is a test failure, not a skip
+    debug.poison_outputs = True
+    yield debug
+    debug.poison_outputs, debug.withhold_phase, debug.timeout_ms = False, 0, None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile_n", [128, 256])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", GPU_CASES, ids=str)
+def test_gpu_fused_against_float64_oracle(case, dtype, tile_n, fused_knobs, monkeypatch, seed):
+    """gemm='fused' on the saved pre-activations (NaN past the kept rows): against the float64 oracle, and
+    bitwise the same on a second run."""
+    from flashdmoe import fused_backward
+
+    monkeypatch.setattr(fused_backward, "_ENV_TILE_N", tile_n)
+    case = Case(**{**case.__dict__, "gemm": "fused"})
+    inputs, keep, capacity = _gpu_problem(case, seed, dtype)
+    check_case_covers(case, inputs, keep)
+    pre = saved_pre(inputs, keep)
+    got = run(inputs, case, capacity, pre=pre)
+    assert_close(got, oracle_grads(inputs, keep, case), backward_tolerance(dtype), case, dtype,
+                 inputs=inputs, keep=keep)
+    again = run(inputs, case, capacity, pre=pre)
+    for name, first, second in zip(GRAD_NAMES, got, again):
+        assert torch.equal(first, second), f"{case} {dtype}: {name} differs between two runs"
+    flashdmoe.check_errors()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("needs", [(True, False, False, False), (False, True, False, False),
+                                   (False, False, True, False), (False, False, False, True)], ids=str)
+def test_gpu_fused_needs_selects_gradients(needs, fused_knobs, seed):
+    case = Case(700, 128, 256, 16, 4, "swiglu", capacity_factor=1.0, skew=2.0, gemm="fused", expect="dropped")
+    inputs, keep, capacity = _gpu_problem(case, seed, torch.bfloat16)
+    pre = saved_pre(inputs, keep)
+    everything = run(inputs, case, capacity, pre=pre)
+    some = run(inputs, case, capacity, pre=pre, needs=needs)
+    for name, need, full, part in zip(GRAD_NAMES, needs, everything, some):
+        if need:
+            assert torch.equal(full, part), f"{name} changes when it is the only gradient asked for"
+        else:
+            assert part is None, f"{name} was not asked for"
+
+
+@pytest.mark.gpu
+def test_gpu_fused_no_host_synchronisation(fused_knobs, seed):
+    case = Case(1024, 256, 512, 16, 4, "swiglu", capacity_factor=1.0, skew=2.0, gemm="fused")
+    inputs, keep, capacity = _gpu_problem(case, seed, torch.bfloat16)
+    pre = saved_pre(inputs, keep)
+    run(inputs, case, capacity, pre=pre)  # warm-up: the extension's first launch sets its limits
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        grads = run(inputs, case, capacity, pre=pre)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert all(g is not None for g in grads)
+
+
+@pytest.mark.gpu
+def test_gpu_fused_cuda_graph_replay_equals_eager(fused_knobs, seed):
+    case = Case(1024, 256, 384, 16, 4, "gelu", capacity_factor=1.25, skew=2.0, gemm="fused")
+    static_inputs, keep, capacity = _gpu_problem(case, seed, torch.bfloat16)
+    static_pre = saved_pre(static_inputs, keep)
+    fused_knobs.poison_outputs = False  # a fill in the graph would only hide what the replay writes
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            run(static_inputs, case, capacity, pre=static_pre)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_grads = run(static_inputs, case, capacity, pre=static_pre)
+    fresh_inputs, fresh_keep, _ = _gpu_problem(case, seed + 1, torch.bfloat16)
+    fresh_pre = saved_pre(fresh_inputs, fresh_keep)
+    for static, fresh in zip(static_inputs + (static_pre,), fresh_inputs + (fresh_pre,)):
+        static.copy_(fresh)
+    for grad in static_grads:
+        grad.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = run(fresh_inputs, case, capacity, pre=fresh_pre)
+    for name, replayed, want in zip(GRAD_NAMES, static_grads, eager):
+        assert torch.equal(replayed, want), f"{name} from the graph differs from eager"
+    flashdmoe.check_errors()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("phase", [10, 11])
+def test_gpu_fused_timeout_raises(phase, fused_knobs, seed):
+    """A block that never reaches a grid barrier of the backward: KernelTimeout naming the phase, at the
+    next check, not a hang; the next backward works."""
+    case = Case(512, 128, 256, 8, 2, "relu", gemm="fused")
+    inputs, keep, capacity = _gpu_problem(case, seed, torch.bfloat16)
+    pre = saved_pre(inputs, keep)
+    fused_knobs.withhold_phase, fused_knobs.timeout_ms = phase, 300
+    run(inputs, case, capacity, pre=pre)
+    with pytest.raises(flashdmoe.KernelTimeout, match="backward: grid barrier"):
+        flashdmoe.synchronize()
+    fused_knobs.withhold_phase, fused_knobs.timeout_ms = 0, None
+    got = run(inputs, case, capacity, pre=pre)
+    assert_close(got, oracle_grads(inputs, keep, case), backward_tolerance(torch.bfloat16), case, torch.bfloat16,
+                 inputs=inputs, keep=keep)
+    flashdmoe.check_errors()
+
+
+def test_fused_is_refused_where_it_cannot_run(seed):
+    case = Case(20, 64, 64, 4, 2, "gelu", gemm="fused")
+    inputs, keep, capacity = make_problem(case, seed, torch.bfloat16)
+    with pytest.raises(ValueError, match="gemm='fused' cannot run here: no saved pre-activations"):
+        run(inputs, case, capacity)
+    with pytest.raises(ValueError, match="gemm='fused' cannot run here: the fused backward runs on CUDA devices"):
+        run(inputs, case, capacity, pre=saved_pre(inputs, keep))

@@ -3,6 +3,7 @@
 #pragma once
 #include <cuda_runtime.h>
 #include <cstdint>
+#include <string>
 #include "moe/launch.h"
 
 namespace flashdmoe {
@@ -43,5 +44,52 @@ void launch_backward_rows(const int* expert, const int* row, const float* weight
 void launch_router_grad(DType dtype, const float* logits, const int* expert, const int* row_of_choice,
                         const float* dweight_row, void* dlogits, int64_t tokens, int top_k, int experts,
                         bool normalize_topk, cudaStream_t stream);
+
+}  // namespace flashdmoe
+
+namespace flashdmoe {
+
+// The fused expert backward of one rank (backward/fused_backward.cuh): one cooperative launch computes
+// dw1, dw2, each kept row's dx (dx_rows, packed numbering) and the combine weights' gradient by packed
+// row (dweight_row), and writes the checked row table (row_of_choice [T, k] i32, -1 where dropped) into
+// the scratch. The router's gradient and the sum of a token's rows stay with launch_router_grad and
+// launch_combine_grad.
+struct FusedBackwardArgs {
+  DType dtype;
+  Activation activation;
+  int tile_n;  // 128 or 256: the GEMM tiles' width
+  int tokens, hidden, ffn, experts, top_k;
+  bool need_dx, need_dw1, need_dw2;
+  const void* x;       // [T, H]
+  const void* dy;      // [T, H]
+  const void* w1;      // [E, H, w1_cols]
+  const void* w2;      // [E, I, H]
+  const void* pre;     // [>= kept rows, w1_cols], the forward's saved pre-activations
+  const int* expert;   // [T, k] the forward's routing
+  const int* row;      // [T, k]
+  const float* weight; // [T, k]
+  void* dw1;           // like w1 (null when !need_dw1)
+  void* dw2;           // like w2 (null when !need_dw2)
+  void* dx_rows;       // [T * k, H] (null when !need_dx)
+  float* dweight_row;  // [T * k]
+  void* sync;          // fused_backward_sync_bytes() zero bytes; zero again after the launch
+  void* scratch;       // fused_backward_scratch_bytes() bytes
+  void* status_host;   // pinned status slot (kStatusBytes), or null
+  uint64_t timeout_ns;
+  int debug_withhold_phase;  // 10 or 11: block 0 withholds that grid barrier (tests the watchdog)
+  int max_blocks;            // 0: the whole resident grid
+};
+
+struct FusedBackwardLayout {
+  size_t sync_bytes, scratch_bytes, row_of_choice_offset;
+  int64_t padded_rows;
+};
+
+// Empty when the fused backward takes these shapes, else why not.
+std::string fused_backward_unsupported(int tokens, int hidden, int ffn, int experts, int top_k, int tile_n);
+FusedBackwardLayout fused_backward_layout(int tokens, int hidden, int ffn, int experts, int top_k,
+                                          Activation activation, int tile_n);
+// Asynchronous on `stream` (one cooperative launch); throws std::invalid_argument on bad arguments.
+LaunchInfo launch_fused_backward(const FusedBackwardArgs& args, cudaStream_t stream);
 
 }  // namespace flashdmoe

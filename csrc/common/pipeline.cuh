@@ -24,7 +24,8 @@ struct PipelineState {
 };
 
 // Bounded wait for the completion of the barrier's phase of this parity.
-__device__ __forceinline__ bool wait_pipeline(uint32_t bar, uint32_t parity, const MoEParams& p) {
+template <typename Params>
+__device__ __forceinline__ bool wait_pipeline(uint32_t bar, uint32_t parity, const Params& p) {
   auto ready = [&] { return tma::try_wait_parity(bar, parity); };
   if (ready()) return true;
   const uint64_t start = ptx::global_timer_ns();
@@ -59,7 +60,8 @@ struct StagePipeline {
   // Producer: wait until the consumers released the stage's fill of the previous pass. That is the
   // opposite parity: on the first pass it names the phase before a fresh barrier's first, which counts
   // as complete, so the first pass does not wait.
-  __device__ __forceinline__ bool producer_acquire(const State& at, const MoEParams& p) {
+  template <typename Params>
+  __device__ __forceinline__ bool producer_acquire(const State& at, const Params& p) {
     return wait_pipeline(ptx::smem_addr(&empty[at.index()]), at.phase() ^ 1u, p);
   }
   // Producer: arrive on the stage's "full" barrier expecting tx_bytes; the returned barrier is the one
@@ -70,11 +72,40 @@ struct StagePipeline {
     return bar;
   }
   // Consumers: wait until the stage is filled.
-  __device__ __forceinline__ bool consumer_wait(const State& at, const MoEParams& p) {
+  template <typename Params>
+  __device__ __forceinline__ bool consumer_wait(const State& at, const Params& p) {
     return wait_pipeline(ptx::smem_addr(&full[at.index()]), at.phase(), p);
   }
   // One lane per consumer warp, once the warp is done reading the stage.
   __device__ __forceinline__ void consumer_release(const State& at) { tma::arrive(ptx::smem_addr(&empty[at.index()])); }
+};
+
+constexpr int kTaskEnd = -1, kTaskAbort = -2;  // task ring entries that are not tasks
+
+// Tasks handed from the producer to the consumers in order, one slot each; a slot's barrier completes
+// with the producer's arrival after it wrote the task id. No "empty" barriers: the producer runs at most
+// STAGES slabs (>= 1 per task) ahead of the consumers, so it never laps a slot still to be read.
+template <int STAGES>
+struct TaskRing {
+  static constexpr int kSlots = STAGES + 2;
+  using State = PipelineState<kSlots>;
+  int task[kSlots];
+  uint64_t full[kSlots];
+
+  // Thread 0, once per launch (with the stage pipeline's init: a fence and a block barrier follow).
+  __device__ void init() {
+    for (int s = 0; s < kSlots; ++s) tma::mbarrier_init(ptx::smem_addr(&full[s]), 1);
+  }
+  // Producer: task id `id` (or kTaskEnd / kTaskAbort) into slot `at`; the arrival releases it to the waiters.
+  __device__ __forceinline__ void hand_over(const State& at, int id) {
+    task[at.index()] = id;
+    tma::arrive(ptx::smem_addr(&full[at.index()]));
+  }
+  // Consumers: the id handed in slot `at` (kTaskAbort when the wait failed).
+  template <typename Params>
+  __device__ __forceinline__ int take(const State& at, const Params& p) {
+    return wait_pipeline(ptx::smem_addr(&full[at.index()]), at.phase(), p) ? task[at.index()] : kTaskAbort;
+  }
 };
 
 }  // namespace flashdmoe

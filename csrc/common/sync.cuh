@@ -1,5 +1,8 @@
 // Bounded waits and the grid barrier. Every spin in the kernel goes through `wait_at_least`, so a
 // missing signal ends in an error word the host turns into flashdmoe.KernelTimeout, never a hang.
+// They take any kernel's parameters (`Params`: the forward's MoEParams, the backward's BackwardParams)
+// that name the same watchdog and sync fields: error_word, timeout_ns, rank, first_block, blocks,
+// barrier_counter, debug_withhold_phase, exit_counter, sync_words, sync_words_count, status_host.
 #pragma once
 #include "common/ptx.cuh"
 #include "moe/params.cuh"
@@ -7,7 +10,8 @@
 
 namespace flashdmoe {
 
-__device__ __forceinline__ void report_timeout(const MoEParams& p, uint32_t phase, uint32_t peer) {
+template <typename Params>
+__device__ __forceinline__ void report_timeout(const Params& p, uint32_t phase, uint32_t peer) {
   const unsigned long long word = static_cast<unsigned long long>(kErrorTimeout) |
                                   (static_cast<unsigned long long>(phase & 0xff) << 8) |
                                   (static_cast<unsigned long long>(peer & 0xffff) << 16) |
@@ -28,14 +32,15 @@ __device__ __forceinline__ bool sync_workers_and(bool value) {
 }
 
 // This block's index among its rank's blocks (an emulated launch runs several ranks side by side).
-__device__ __forceinline__ int block_in_rank(const MoEParams& p) { return static_cast<int>(blockIdx.x) - p.first_block; }
+template <typename Params>
+__device__ __forceinline__ int block_in_rank(const Params& p) { return static_cast<int>(blockIdx.x) - p.first_block; }
 
 enum class Scope { Gpu, System };
 
 // Called by one thread. Returns false if the watchdog fired here or another block already failed.
 // Scope::System for flags that peers write (acquire at system scope).
-template <Scope kScope = Scope::Gpu>
-__device__ __forceinline__ bool wait_at_least(const uint32_t* counter, uint32_t target, const MoEParams& p,
+template <Scope kScope = Scope::Gpu, typename Params>
+__device__ __forceinline__ bool wait_at_least(const uint32_t* counter, uint32_t target, const Params& p,
                                               uint32_t phase, uint32_t peer) {
   auto load = [&]() {
     return kScope == Scope::Gpu ? ptx::load_acquire_gpu(counter) : ptx::load_acquire_sys(counter);
@@ -57,7 +62,8 @@ __device__ __forceinline__ bool wait_at_least(const uint32_t* counter, uint32_t 
 
 // Barrier of one rank's blocks over a counter zeroed before the launch: the n-th barrier waits for
 // n * blocks arrivals, so no reset is needed inside the launch. All threads of the block call it.
-__device__ __forceinline__ bool grid_barrier(const MoEParams& p, uint32_t phase, uint32_t ordinal) {
+template <typename Params>
+__device__ __forceinline__ bool grid_barrier(const Params& p, uint32_t phase, uint32_t ordinal) {
   __shared__ int barrier_ok;
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -82,7 +88,8 @@ __device__ __forceinline__ bool grid_barrier(const MoEParams& p, uint32_t phase,
 // reset), and all of them have counted themselves out. A launch that times out still reaches this in
 // every block (every wait is bounded by the watchdog), so the reset runs after a failure too. Not
 // inlined: as a call it adds no register pressure to the phases before it (fewer spills in mma.sync).
-static __device__ __noinline__ void finish_launch(const MoEParams& p) {
+template <typename Params>
+static __device__ __noinline__ void finish_launch(const Params& p) {
   __shared__ int last_block;
   __syncthreads();
   if (threadIdx.x == 0) {

@@ -8,68 +8,12 @@
 #include <vector>
 #include <string>
 #include <cudaTypedefs.h>
+#include "common/host_launch.h"
 #include "moe/launch.h"
 #include "moe/moe_forward.cuh"
 #include "moe/tma_boxes.cuh"
 
 namespace flashdmoe {
-
-inline void throw_on_cuda_error(cudaError_t status, const char* what) {
-  if (status != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(status));
-}
-
-struct ResidentGrid {
-  int blocks_per_sm;
-  int sms;
-};
-
-// Occupancy of (kernel, device, shared memory bytes), asked once and remembered: these driver queries
-// cost tens of microseconds, too much for every forward.
-inline ResidentGrid resident_grid(const void* kernel, int device, int smem_bytes, int block_threads) {
-  struct Entry {
-    const void* kernel;
-    int device, smem_bytes;
-    ResidentGrid grid;
-  };
-  struct Limit {  // the kernel's dynamic shared memory limit: only ever raised, so cached grids stay valid
-    const void* kernel;
-    int device, smem_bytes;
-  };
-  static std::mutex mutex;
-  static std::vector<Entry> known;
-  static std::vector<Limit> limits;
-  std::lock_guard<std::mutex> lock(mutex);
-  for (const Entry& e : known)
-    if (e.kernel == kernel && e.device == device && e.smem_bytes == smem_bytes) return e.grid;
-  Limit* limit = nullptr;
-  for (Limit& l : limits)
-    if (l.kernel == kernel && l.device == device) limit = &l;
-  if (limit == nullptr) {
-    limits.push_back({kernel, device, 0});
-    limit = &limits.back();
-  }
-  int sms = 0, smem_optin = 0;
-  throw_on_cuda_error(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "SM count");
-  throw_on_cuda_error(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
-                      "shared memory limit");
-  if (smem_bytes > smem_optin)
-    throw std::invalid_argument("the fused kernel needs " + std::to_string(smem_bytes) +
-                                " bytes of shared memory per block for these experts/top_k; the GPU allows " +
-                                std::to_string(smem_optin));
-  if (smem_bytes > limit->smem_bytes) {
-    throw_on_cuda_error(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes),
-                        "cudaFuncSetAttribute");
-    limit->smem_bytes = smem_bytes;
-  }
-  int blocks_per_sm = 0;
-  throw_on_cuda_error(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, kernel, block_threads, smem_bytes),
-                      "occupancy query");
-  if (blocks_per_sm < 1)
-    throw std::runtime_error("the fused kernel cannot be resident on this GPU (0 blocks per SM with " +
-                             std::to_string(smem_bytes) + " bytes of shared memory)");
-  known.push_back({kernel, device, smem_bytes, {blocks_per_sm, sms}});
-  return known.back().grid;
-}
 
 // A rank's per-call addresses into its prepared parameters: inputs, outputs and the workspace pieces
 // (offsets in the prepared layout).
@@ -109,42 +53,6 @@ inline void bind_addresses(const PreparedRank& prepared, const void* router, con
   p.sync_words = reinterpret_cast<uint32_t*>(base);
   p.sync_words_count = static_cast<int>(ws.sync_bytes / 4);
   p.status_host = status_host;
-}
-
-// cuTensorMapEncodeTiled through the runtime's driver entry point (the module does not link libcuda).
-inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
-  static PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
-    void* fn = nullptr;
-    cudaDriverEntryPointQueryResult found{};
-    throw_on_cuda_error(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found),
-                        "cuTensorMapEncodeTiled lookup");
-    if (found != cudaDriverEntryPointSuccess || fn == nullptr)
-      throw std::runtime_error("the CUDA driver has no cuTensorMapEncodeTiled (TMA needs CUDA 12 and Hopper)");
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
-  }();
-  return encode;
-}
-
-// A row-major tensor of box.rank dims (innermost first), 2-byte elements, read in 128-byte-swizzled boxes.
-inline CUtensorMap make_tensor_map(const void* base, const uint64_t* dims, const TmaBox& box, DType dtype,
-                                   const char* what) {
-  CUtensorMap map{};
-  const int rank = box.rank;
-  uint64_t strides[4];
-  uint64_t stride = kTmaElementBytes;
-  for (int d = 0; d + 1 < rank; ++d) {
-    stride *= dims[d];
-    strides[d] = stride;
-  }
-  const uint32_t element_strides[4] = {1, 1, 1, 1};
-  const CUresult status = tensor_map_encoder()(
-      &map, dtype == DType::BFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, rank,
-      const_cast<void*>(base), dims, strides, box.dims, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-      CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (status != CUDA_SUCCESS)
-    throw std::runtime_error(std::string("cuTensorMapEncodeTiled failed for ") + what + " (CUresult " +
-                             std::to_string(static_cast<int>(status)) + ")");
-  return map;
 }
 
 // The rank's TMA descriptors for the addresses `p` holds, re-encoding only the maps whose base moved

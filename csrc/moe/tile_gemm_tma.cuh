@@ -5,7 +5,9 @@
 // shared-memory stages and arms the stage's "full" mbarrier with the byte count; the consumers wait on
 // it, run wgmma, and release the stage on its "empty" mbarrier. No block-wide barrier inside the K
 // loop, so loads run up to STAGES slabs ahead. TMA's 128-byte swizzle is the one wgmma's descriptors
-// expect.
+// expect. The backward's GEMMs use the same tile with other operand layouts (kMajorA / kMajorB): A
+// MN-major (a [K][M] tensor, two 64-column panels, one per warpgroup) for its weight gradients, B
+// K-major (a [N][K] tensor, BN rows of 128 bytes) for its row GEMMs through the transposed weights.
 #pragma once
 #include "common/pipeline.cuh"
 #include "common/ptx.cuh"
@@ -16,7 +18,11 @@
 
 namespace flashdmoe {
 
-template <typename Element, int BN, int STAGES, int ROW_BOX>
+// Which dimension is contiguous in a shared-memory operand: K (rows of 64 K elements, 128 bytes each)
+// or M / N (64-element panels of 64 K rows).
+enum class Major { K, MN };
+
+template <typename Element, int BN, int STAGES, int ROW_BOX, Major kMajorA = Major::K, Major kMajorB = Major::MN>
 struct TmaTileGemm {
   using Pipeline = StagePipeline<STAGES>;
   using State = PipelineState<STAGES>;
@@ -52,16 +58,19 @@ struct TmaTileGemm {
   // Issue one 64-deep K slab (4 wgmma) as one commit group; does not wait for it.
   __device__ void issue_stage(uint32_t a_base, uint32_t b_base) {
     const int warpgroup = threadIdx.x >> 7;
-    const uint32_t a_rows = a_base + warpgroup * 64 * 128;
     wgmma::fence_operands(acc);
     wgmma::fence();
 #pragma unroll
     for (int kk = 0; kk < kBlockK / 16; ++kk) {
-      // K-major A: the next 16 K elements are 32 bytes further inside the swizzled row.
-      const uint64_t desc_a = wgmma::smem_descriptor(a_rows + kk * 32, 16, kAtomBytes);
-      // MN-major B: 16 K rows further; panels kPanelBytes apart; 8-row groups 1024 bytes apart.
-      const uint64_t desc_b = wgmma::smem_descriptor(b_base + kk * 16 * 128, kPanelBytes, kAtomBytes);
-      wgmma::wgmma_m64nNk16<BN, Element>(acc, desc_a, desc_b);
+      // K-major: the next 16 K elements are 32 bytes further inside the swizzled rows (8-row groups
+      // 1024 bytes apart). MN-major: 16 K rows further; 64-element panels kPanelBytes apart.
+      const uint64_t desc_a =
+          kMajorA == Major::K
+              ? wgmma::smem_descriptor(a_base + warpgroup * 64 * 128 + kk * 32, 16, kAtomBytes)
+              : wgmma::smem_descriptor(a_base + warpgroup * kPanelBytes + kk * 16 * 128, kPanelBytes, kAtomBytes);
+      const uint64_t desc_b = kMajorB == Major::K ? wgmma::smem_descriptor(b_base + kk * 32, 16, kAtomBytes)
+                                                  : wgmma::smem_descriptor(b_base + kk * 16 * 128, kPanelBytes, kAtomBytes);
+      wgmma::Mma<BN, Element, kMajorA == Major::MN, kMajorB == Major::MN>::run(acc, desc_a, desc_b);
     }
     wgmma::commit_group();
   }
@@ -69,9 +78,9 @@ struct TmaTileGemm {
   // Producer lane: the tile's k_tiles slabs into the ring from position `at` on (advanced past them),
   // each once the consumers released the stage. load(a_dst, b_dst, k0, bar) issues a slab's TMA loads,
   // tx_bytes of them (stage_tx_bytes).
-  template <typename Load>
+  template <typename Params, typename Load>
   __device__ static bool produce(char* smem, Pipeline& pipe, State& at, int k_tiles, uint32_t tx_bytes,
-                                 const MoEParams& p, Load&& load) {
+                                 const Params& p, Load&& load) {
     const uint32_t base = ptx::smem_addr(smem);
     for (int kt = 0; kt < k_tiles; ++kt, at.advance()) {
       if (!pipe.producer_acquire(at, p)) return false;
@@ -88,7 +97,8 @@ struct TmaTileGemm {
   // which would make the compiler serialise the pipeline.
   // A warpgroup whose 64 rows are all past the tile's rows (`active` false) only paces the ring: it waits
   // for each stage and releases it at once, leaving the tensor cores to the other warpgroup.
-  __device__ bool consume(char* smem, Pipeline& pipe, State& at, int k_tiles, const MoEParams& p, bool active = true) {
+  template <typename Params>
+  __device__ bool consume(char* smem, Pipeline& pipe, State& at, int k_tiles, const Params& p, bool active = true) {
     const uint32_t base = ptx::smem_addr(smem);
     const bool lane0 = (threadIdx.x & 31) == 0;
     bool ok = true;
