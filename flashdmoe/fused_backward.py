@@ -34,7 +34,7 @@ __all__ = ["TILE_WIDTHS", "FusedGrads", "launch", "unsupported"]
 #: Widths of the GEMM tiles the extension is built with; the default is the faster one on the H200
 #: (docs/benchmarks.md), FLASHDMOE_BACKWARD_TILE_N forces one for measurement.
 TILE_WIDTHS = (128, 256)
-DEFAULT_TILE_N = 128
+DEFAULT_TILE_N = 256
 _ENV_TILE_N = int(os.environ.get("FLASHDMOE_BACKWARD_TILE_N", DEFAULT_TILE_N))
 
 _pool = WorkspacePool()

@@ -38,7 +38,13 @@ struct FusedBackwardConfig {
   static_assert(WeightGemm::kPipelineBytes == kPipelineBytes, "one stage ring for both GEMM kinds");
   static constexpr int kStagingOffset = kPipelineBytes;
   static constexpr int kSmemBytes = kPipelineBytes + (kThreads / 32) * kWarpStagingBytes;
-  static constexpr int kBlockThreads = kThreads + 32;  // + the producer warp
+  // + a producer warpgroup (one lane issues the loads): whole warpgroups, so that the registers can move
+  // to the consumers (168 each at launch; 40 for the producer, 232 for the consumers in the task loop).
+  static constexpr int kBlockThreads = kThreads + 128;
+  static constexpr int kLaunchRegisters = 168, kProducerRegisters = 40, kConsumerRegisters = 232;
+  static_assert(128 * kProducerRegisters + kThreads * kConsumerRegisters <= 65536 &&
+                    kBlockThreads * kLaunchRegisters <= 65536,
+                "the register file holds the block before and after the move");
 };
 
 // Per-block tables over experts (E + 1 entries each): kept rows' packed start, padded start, first row tile.
@@ -115,11 +121,14 @@ __device__ __forceinline__ BackwardTask decode_backward_task(int id, const Backw
 
 // ---- 1. counts and tables ----
 
+// Also marks every choice dropped in the row table (the gather fills in the kept ones): a launch that
+// stops at a barrier (the watchdog) leaves a table the router's and dx's kernels read in bounds.
 __device__ __forceinline__ void count_kept_rows(const BackwardParams& p) {
   const int64_t choices = static_cast<int64_t>(p.tokens) * p.top_k;
   const int64_t stride = static_cast<int64_t>(p.blocks) * blockDim.x;
   for (int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; c < choices; c += stride) {
     const int e = p.topk_expert[c], r = p.topk_row[c];
+    p.row_of_choice[c] = -1;
     if (r >= 0 && r < choices && e >= 0 && e < p.experts) atomicAdd(p.kept_count + e, 1u);
   }
 }
@@ -470,10 +479,16 @@ __device__ void backward_block(const BackwardParams& p, char* smem) {
   }
   __syncthreads();
   bool ok = true;
-  if (threadIdx.x < kThreads)
+  if (threadIdx.x < kThreads) {
+    ptx::increase_registers<Config::kConsumerRegisters>();
     ok = consume_backward<Element, Config>(p, tables, smem, stages, ring, counts);
-  else if (threadIdx.x == kThreads)
-    ok = produce_backward<Element, Config>(p, tables, smem, stages, ring, counts);
+    ptx::decrease_registers<Config::kLaunchRegisters>();
+  } else {
+    ptx::decrease_registers<Config::kProducerRegisters>();
+    if (threadIdx.x == kThreads) ok = produce_backward<Element, Config>(p, tables, smem, stages, ring, counts);
+    __syncwarp();
+    ptx::increase_registers<Config::kLaunchRegisters>();
+  }
   __syncthreads_and(ok);
   if (blockIdx.x == 0 && threadIdx.x == 0) p.phase_clock[2] = ptx::global_timer_ns();
 }
