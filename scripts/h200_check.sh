@@ -3,7 +3,8 @@
 # multi-process tests under MPS; then Ray), the single-GPU and training benchmarks, the host-overhead
 # script, optionally Nsight Compute. Each step has its own timeout; logs under $OUT (at most eight files
 # come back), a summary table last. Skip steps with SKIP="mp ray bench training host" (any subset);
-# GPU_TESTS overrides the one-process test files, BENCH_CONFIGS the single-gpu bench shapes; NCU=1 adds Nsight Compute on the expert-bound shape; PROFILE=1 the backward's per-kernel profile.
+# GPU_TESTS overrides the one-process test files, BENCH_CONFIGS the single-gpu bench shapes; NCU=1 adds Nsight Compute on the expert-bound shape; PROFILE=1 the backward's per-kernel profile;
+# PHASES=1 the fused backward's time per kind of task.
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 start=$(date +%s)
@@ -62,6 +63,11 @@ if [ "${PROFILE:-0}" = "1" ] && [ "$(left)" -gt 70 ]; then
   timeout 60 python3 scripts/backward_profile.py > /tmp/profile.log 2>&1; note "backward profile rc=$?"; cat /tmp/profile.log
   timeout 60 python3 scripts/training_host_profile.py > /tmp/host_profile.log 2>&1; note "training host profile rc=$?"
   cat /tmp/host_profile.log
+fi
+if [ "${PHASES:-0}" = "1" ] && [ "$(left)" -gt 70 ]; then
+  # the fused backward's launch with each kind of task in turn, at each tile width, beside torch.mm
+  timeout 120 python3 scripts/backward_phases.py > /tmp/phases.log 2>&1; note "backward phases rc=$?"
+  grep -A20 "== summary" /tmp/phases.log || tail -20 /tmp/phases.log
 fi
 if [ "${NCU:-0}" = "1" ] && [ "$(left)" -gt 70 ]; then
   ncu=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)

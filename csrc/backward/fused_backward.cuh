@@ -17,6 +17,7 @@
 #include "backward/fused_params.cuh"
 #include "common/pipeline.cuh"
 #include "common/sync.cuh"
+#include "common/tile_order.cuh"
 #include "common/tma.cuh"
 #include "moe/activation.cuh"
 #include "moe/epilogue.cuh"
@@ -106,17 +107,28 @@ __device__ __forceinline__ BackwardTaskCounts backward_task_counts(const Backwar
   return c;
 }
 
+// Each GEMM's tiles in grouped order (common/tile_order.cuh): row tiles x column tiles for g and dx,
+// m tiles x n tiles of each expert's dW2 and dW1.
 template <int BN>
-__device__ __forceinline__ BackwardTask decode_backward_task(int id, const BackwardTaskCounts& c) {
-  if (id < c.g_tasks) return {BackwardTaskKind::G, id / c.g_cols, 0, 0, id % c.g_cols * BN};
+__device__ __forceinline__ BackwardTask decode_backward_task(int id, const BackwardTaskCounts& c, int row_tiles) {
+  if (id < c.g_tasks) {
+    const TileCoord t = grouped_tile(id, row_tiles, c.g_cols);
+    return {BackwardTaskKind::G, t.row, 0, 0, t.col * BN};
+  }
   id -= c.g_tasks;
-  if (id < c.dx_tasks) return {BackwardTaskKind::Dx, id / c.dx_cols, 0, 0, id % c.dx_cols * BN};
+  if (id < c.dx_tasks) {
+    const TileCoord t = grouped_tile(id, row_tiles, c.dx_cols);
+    return {BackwardTaskKind::Dx, t.row, 0, 0, t.col * BN};
+  }
   id -= c.dx_tasks;
   const int expert = id / c.per_expert;
   int r = id % c.per_expert;
-  if (r < c.dw2_m * c.dw2_n) return {BackwardTaskKind::Dw2, 0, expert, r / c.dw2_n * kExpertTileM, r % c.dw2_n * BN};
-  r -= c.dw2_m * c.dw2_n;
-  return {BackwardTaskKind::Dw1, 0, expert, r / c.dw1_n * kExpertTileM, r % c.dw1_n * BN};
+  if (r < c.dw2_m * c.dw2_n) {
+    const TileCoord t = grouped_tile(r, c.dw2_m, c.dw2_n);
+    return {BackwardTaskKind::Dw2, 0, expert, t.row * kExpertTileM, t.col * BN};
+  }
+  const TileCoord t = grouped_tile(r - c.dw2_m * c.dw2_n, c.dw1_m, c.dw1_n);
+  return {BackwardTaskKind::Dw1, 0, expert, t.row * kExpertTileM, t.col * BN};
 }
 
 // ---- 1. counts and tables ----
@@ -352,7 +364,7 @@ __device__ bool produce_backward(const BackwardParams& p, const ExpertTables& t,
       ring.hand_over(slot, kTaskEnd);
       return true;
     }
-    const BackwardTask task = decode_backward_task<Config::kTileN>(id, counts);
+    const BackwardTask task = decode_backward_task<Config::kTileN>(id, counts, t.tile_start[p.experts]);
     bool ready = true;
     if (task.kind == BackwardTaskKind::Dx) {
       ready = wait_at_least(p.row_tile_done + task.row_tile, counts.g_cols, p, kPhaseBackwardRowTile, p.rank);
@@ -413,7 +425,7 @@ __device__ bool consume_backward(const BackwardParams& p, const ExpertTables& t,
   for (typename TaskRing<Config::kStages>::State slot{};; slot.advance()) {
     const int id = ring.take(slot, p);
     if (id < 0) return id == kTaskEnd;
-    const BackwardTask task = decode_backward_task<BN>(id, counts);
+    const BackwardTask task = decode_backward_task<BN>(id, counts, t.tile_start[p.experts]);
     if (task.kind == BackwardTaskKind::G || task.kind == BackwardTaskKind::Dx) {
       const BackwardRowTile tile = backward_row_tile(t, p.experts, task.row_tile);
       const bool g = task.kind == BackwardTaskKind::G;

@@ -6,6 +6,7 @@
 // cp.async, one task at a time); the TMA variant's schedule is moe/expert_pipeline.cuh.
 #pragma once
 #include "common/sync.cuh"
+#include "common/tile_order.cuh"
 #include "moe/activation.cuh"
 #include "comm/peer_transport.cuh"
 #include "moe/tile_gemm.cuh"
@@ -79,21 +80,15 @@ __device__ __forceinline__ TaskCounts task_counts(const MoEParams& p, int row_ti
   counts.total = counts.tasks1 + row_tiles * counts.tiles2;
   return counts;
 }
-// Within each GEMM the row tiles are taken in groups of kTaskGroupRows, and inside a group the column
-// tile varies slowest: the tasks in flight at one time then read a few weight panels, each fetched from
-// HBM once and shared through L2 by the group's row tiles, and the group's rows stay in L2 over its
-// column tiles. Row-major order had every block on a different panel: with few experts and wide
-// layers (E = 8, I = 14336) each task re-read its 2-7 MB panel from HBM.
+// Within each GEMM the row tiles are taken in groups (common/tile_order.cuh).
 __device__ __forceinline__ ExpertTask decode_task(int task, const TaskCounts& counts) {
   ExpertTask job;
   job.gemm = task >= counts.tasks1 ? FfnGemm::Gemm2 : FfnGemm::Gemm1;
   const int index = job.gemm == FfnGemm::Gemm2 ? task - counts.tasks1 : task;
   const int col_tiles = job.gemm == FfnGemm::Gemm2 ? counts.tiles2 : counts.tiles1;
-  const int first_row = index / (kTaskGroupRows * col_tiles) * kTaskGroupRows;
-  const int group_rows = min(kTaskGroupRows, counts.row_tiles - first_row);
-  const int in_group = index - first_row * col_tiles;
-  job.row_tile = first_row + in_group % group_rows;
-  job.col_tile = in_group / group_rows;
+  const TileCoord tile = grouped_tile(index, counts.row_tiles, col_tiles);
+  job.row_tile = tile.row;
+  job.col_tile = tile.col;
   return job;
 }
 

@@ -68,8 +68,6 @@ __host__ __device__ constexpr int gate_pipeline_bytes(int stages) { return stage
 
 // Expert FFN GEMMs: 128-row tiles, 128 or 256 columns (per variant), K slabs of 64.
 constexpr int kExpertTileM = 128;
-// Row tiles per group of the expert task order (moe/expert_ffn.cuh, decode_task).
-constexpr int kTaskGroupRows = 8;
 // Results staging per worker warp in the TMA variant: 16 rows x 64 two-byte columns (moe/epilogue.cuh).
 constexpr int kWarpStagingBytes = 16 * 128;
 
