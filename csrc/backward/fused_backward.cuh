@@ -39,13 +39,7 @@ struct FusedBackwardConfig {
   static_assert(WeightGemm::kPipelineBytes == kPipelineBytes, "one stage ring for both GEMM kinds");
   static constexpr int kStagingOffset = kPipelineBytes;
   static constexpr int kSmemBytes = kPipelineBytes + (kThreads / 32) * kWarpStagingBytes;
-  // + a producer warpgroup (one lane issues the loads): whole warpgroups, so that the registers can move
-  // to the consumers (168 each at launch; 40 for the producer, 232 for the consumers in the task loop).
-  static constexpr int kBlockThreads = kThreads + 128;
-  static constexpr int kLaunchRegisters = 168, kProducerRegisters = 40, kConsumerRegisters = 232;
-  static_assert(128 * kProducerRegisters + kThreads * kConsumerRegisters <= 65536 &&
-                    kBlockThreads * kLaunchRegisters <= 65536,
-                "the register file holds the block before and after the move");
+  static constexpr int kBlockThreads = kThreads + 32;  // + the producer warp
 };
 
 // Per-block tables over experts (E + 1 entries each): kept rows' packed start, padded start, first row tile.
@@ -491,16 +485,10 @@ __device__ void backward_block(const BackwardParams& p, char* smem) {
   }
   __syncthreads();
   bool ok = true;
-  if (threadIdx.x < kThreads) {
-    ptx::increase_registers<Config::kConsumerRegisters>();
+  if (threadIdx.x < kThreads)
     ok = consume_backward<Element, Config>(p, tables, smem, stages, ring, counts);
-    ptx::decrease_registers<Config::kLaunchRegisters>();
-  } else {
-    ptx::decrease_registers<Config::kProducerRegisters>();
-    if (threadIdx.x == kThreads) ok = produce_backward<Element, Config>(p, tables, smem, stages, ring, counts);
-    __syncwarp();
-    ptx::increase_registers<Config::kLaunchRegisters>();
-  }
+  else if (threadIdx.x == kThreads)
+    ok = produce_backward<Element, Config>(p, tables, smem, stages, ring, counts);
   __syncthreads_and(ok);
   if (blockIdx.x == 0 && threadIdx.x == 0) p.phase_clock[2] = ptx::global_timer_ns();
 }

@@ -110,16 +110,4 @@ __device__ __forceinline__ uint64_t global_timer_ns() {
 }
 
 
-// Moves registers between the warpgroups of a block (warp-specialised kernels): a producer warpgroup
-// that only issues copies gives most of its registers to the consumer warpgroups that hold the
-// accumulators. All warps of a warpgroup execute the same instruction.
-template <int kRegisters>
-__device__ __forceinline__ void increase_registers() {
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegisters));
-}
-template <int kRegisters>
-__device__ __forceinline__ void decrease_registers() {
-  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegisters));
-}
-
 }  // namespace flashdmoe::ptx
