@@ -39,8 +39,9 @@ GEMM back ends (``gemm=``):
   the capacity when there is one), so it costs ``E * M / (T * k)`` times the grouped GEMMs' work and
   memory: a fallback for float16 / float32 on CUDA, float64, shapes that break the stride rule, and
   torch without ``_grouped_mm``.
-* ``"auto"`` (default): ``"fused"`` where it runs, else ``"grouped_mm"`` where that runs without a host
-  synchronisation, else ``"padded_bmm"``.
+* ``"auto"`` (default): ``"grouped_mm"`` where it runs without a host synchronisation, else
+  ``"padded_bmm"``. Not ``"fused"``: on the H200 it is still slower than the grouped GEMMs on every
+  shape measured (docs/perf-notes.md).
 
 Element-wise back ends (``elementwise=``), for the step between the row GEMMs and for the sum of a
 token's ``k`` rows of ``dx``:
@@ -379,17 +380,17 @@ def expert_backward(
     if not any(needs):
         return (None, None, None, None)
     top_k = expert.shape[1]
-    if gemm in ("auto", "fused"):
+    if gemm == "fused":
         if pre is None:
             why = "no saved pre-activations"
         elif elementwise == "torch":
             why = "elementwise='torch' asks for the element-wise step in torch ops"
         else:
             why = fused_backward.unsupported(dtype, x.device, tokens, hidden, intermediate, experts, top_k)
-        if not why:
-            return _fused(x, router_weight, w1, w2, expert, weight, row, dy, pre, activation, normalize_topk, needs)
-        if gemm == "fused":
+        if why:
             raise ValueError(f"gemm='fused' cannot run here: {why}")
+        return _fused(x, router_weight, w1, w2, expert, weight, row, dy, pre, activation, normalize_topk, needs)
+    if gemm == "auto":
         gemm = "padded_bmm" if grouped_mm_supported(dtype, x.device, hidden, intermediate) else "grouped_mm"
     padded_rows = None
     if gemm == "padded_bmm":
