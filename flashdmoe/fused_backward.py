@@ -146,5 +146,5 @@ def launch(x: torch.Tensor, dy: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor
     else:
         report = LaunchReport(shape, status_checks.next_launch_id(), index, info, status_layout(),
                               slot.view[:status_bytes], slot.event, slot.give_back, False)
-    status_checks.launched(report, slot, None)
+    status_checks.launched(report, slot, None, forward=False)
     return FusedGrads(dx_rows, dweight_row, row_of_choice, dw1, dw2)

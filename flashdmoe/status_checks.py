@@ -284,10 +284,13 @@ def next_launch_id() -> int:
     return next(_state.launch_ids)
 
 
-def launched(report: LaunchReport, slot: _Slot, team: Any) -> None:
+def launched(report: LaunchReport, slot: _Slot, team: Any, forward: bool = True) -> None:
     """Record a started launch (the extension recorded the slot's event behind the kernel), or a
-    captured launch's graph slot; then, in debug mode, check it (and what was queued before it) at once."""
-    _state.local.report = report
+    captured launch's graph slot; then, in debug mode, check it (and what was queued before it) at once.
+    ``forward``: a forward's launch, which :func:`last_report` then returns (a fused backward's is checked
+    the same way but does not replace it)."""
+    if forward:
+        _state.local.report = report
     if report.captured:
         slots = _state.devices[report.device]
         with _state.lock:

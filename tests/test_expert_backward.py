@@ -596,3 +596,19 @@ def test_fused_is_refused_where_it_cannot_run(seed):
         run(inputs, case, capacity)
     with pytest.raises(ValueError, match="gemm='fused' cannot run here: the fused backward runs on CUDA devices"):
         run(inputs, case, capacity, pre=saved_pre(inputs, keep))
+
+
+@pytest.mark.gpu
+def test_gpu_fused_backward_leaves_last_report_to_the_forward(fused_knobs, seed):
+    """flashdmoe.last_report() stays the forward's (its traffic and routing) after a fused backward."""
+    from flashdmoe import cuda_backend
+
+    case = Case(256, 128, 256, 8, 2, "gelu", gemm="fused")
+    inputs, keep, capacity = _gpu_problem(case, seed, torch.bfloat16)
+    x, router_weight, w1, w2 = inputs[:4]
+    cuda_backend.fused_forward(x, router_weight, w1, w2, top_k=case.k, activation=case.activation,
+                               normalize_topk=case.normalize, capacity_factor=None)
+    forward_report = flashdmoe.last_report()
+    run(inputs, case, capacity, pre=saved_pre(inputs, keep))
+    assert flashdmoe.last_report() is forward_report
+    flashdmoe.synchronize()
