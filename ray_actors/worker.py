@@ -490,7 +490,7 @@ class MoEWorker:
         Returns:
             This rank's entry of the step record (:func:`flashdmoe.job.results.rank_step_entry`): ``rank``,
             ``tokens``, ``forward_ms``, ``backward_ms``, ``latency_ms``, ``dropped``, ``bytes_sent``,
-            ``rows_sent_remote``, ``dispatch_bytes``, ``combine_bytes``, ``payload_efficiency``,
+            ``rows_sent_remote``, ``dispatch_bytes``, ``combine_bytes``, ``nvshmem_bytes``, ``payload_efficiency``,
             ``traffic_source``. ``bytes_sent``: gloo: every byte this rank handed
             to other ranks (forward and backward); cuda: the forward kernel's ``dispatch_bytes +
             combine_bytes`` (``flashdmoe.cuda_backend.last_traffic``; ``traffic_source`` "kernel"), or, where
@@ -532,7 +532,7 @@ class MoEWorker:
             y.backward(dy)
             self._synchronize()
             backward_s = time.perf_counter() - started
-        dispatch_bytes = combine_bytes = efficiency = None
+        dispatch_bytes = combine_bytes = nvshmem_bytes = efficiency = None
         if self.traffic is not None:
             bytes_sent = self._bytes_sent() - bytes_before
             rows_remote = self.traffic.rows_sent_remote - rows_before
@@ -541,6 +541,8 @@ class MoEWorker:
             dispatch_bytes = int(kernel_traffic.get("dispatch_bytes", 0))
             combine_bytes = int(kernel_traffic.get("combine_bytes", 0))
             bytes_sent = dispatch_bytes + combine_bytes
+            nvshmem_bytes = (int(kernel_traffic.get("nvshmem_dispatch_bytes", 0))
+                             + int(kernel_traffic.get("nvshmem_combine_bytes", 0)))
             rows_remote = int(kernel_traffic.get("rows_routed_remote", 0))
             efficiency = kernel_traffic.get("payload_efficiency")
             if isinstance(efficiency, (int, float)) and math.isfinite(efficiency) and rows_remote > 0:
@@ -554,7 +556,7 @@ class MoEWorker:
         return rank_step_entry(rank=self.rank, tokens=int(x.shape[0]), forward_ms=forward_s * 1e3,
                                backward_ms=backward_s * 1e3, latency_ms=(forward_s + backward_s) * 1e3,
                                dropped=int(aux.dropped), bytes_sent=int(bytes_sent), rows_sent_remote=int(rows_remote),
-                               dispatch_bytes=dispatch_bytes, combine_bytes=combine_bytes,
+                               dispatch_bytes=dispatch_bytes, combine_bytes=combine_bytes, nvshmem_bytes=nvshmem_bytes,
                                payload_efficiency=efficiency, traffic_source=source)
 
     def _estimated_gpu_payload(self, x: torch.Tensor, aux) -> tuple[int, int]:

@@ -88,6 +88,7 @@ def test_run_tiny_config_on_ray_prints_table_and_writes_json(tmp_path):
     for step in results["steps"]:
         assert step["attempts"] == 1 and step["bytes_sent"] > 0
         assert all(entry["latency_ms"] > 0 and entry["traffic_source"] == "gloo" for entry in step["ranks"])
+        assert all(entry["nvshmem_bytes"] is None for entry in step["ranks"])  # gloo: no kernel counters
     verification = results["verification"]
     assert verification["passed"] is True
     assert 0 < verification["max_rel_err"] <= verification["tolerance"] == tolerance_for(config, "reference")

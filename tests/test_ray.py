@@ -472,6 +472,8 @@ def test_cuda_two_workers_share_one_gpu_under_mps(mps_daemon):
             assert record["attempts"] == 1
             for entry in record["ranks"]:
                 assert entry["bytes_sent"] > 0 and entry["traffic_source"] == "kernel", record
+                # one GPU: every peer has a peer pointer, so peer_transport="auto" sends nothing by NVSHMEM puts
+                assert entry["nvshmem_bytes"] == 0, record
                 # only routed rows travel
                 assert entry["payload_efficiency"] == pytest.approx(1.0, abs=1e-9), record
         assert cluster.faults == []

@@ -2,7 +2,7 @@
 whether the ranks ran in one process or on Ray (same keys at every level; ``null`` where a value is not
 measured by that executor). Times are milliseconds (``_ms``) or seconds (``_s``), sizes bytes.
 
-Schema version 1 (:data:`SCHEMA_VERSION`); the key lists below (``*_FIELDS``) are exact:
+Schema version 2 (:data:`SCHEMA_VERSION`; 2 added ``nvshmem_bytes`` per rank and step); the key lists below (``*_FIELDS``) are exact:
 
 ``RESULTS_FIELDS`` (top level)
     ``schema_version`` (int); ``created`` (ISO 8601, UTC); ``config`` (the config's fields,
@@ -33,7 +33,9 @@ Schema version 1 (:data:`SCHEMA_VERSION`); the key lists below (``*_FIELDS``) ar
     process); ``dropped``; ``bytes_sent`` (gloo: every byte handed to other ranks, forward and backward;
     cuda: the forward kernel's ``dispatch_bytes + combine_bytes``, or the dispatch payload estimated from
     the routing); ``rows_sent_remote``; ``dispatch_bytes``, ``combine_bytes`` (as the kernel reports
-    them, else ``null``); ``payload_efficiency`` (``dispatch_bytes`` over the routed rows' bytes, as the
+    them, else ``null``); ``nvshmem_bytes`` (the part of ``dispatch_bytes + combine_bytes`` that went
+    through NVSHMEM puts, the rest being peer-pointer stores; ``null`` where the kernel does not report
+    traffic); ``payload_efficiency`` (``dispatch_bytes`` over the routed rows' bytes, as the
     kernel reports it, else ``null``); ``traffic_source`` (``"gloo"``, ``"kernel"``, ``"estimate"`` or
     ``null``).
 ``METRICS_FIELDS`` (``metrics``: medians over the steps after the first, which pays one-time costs,
@@ -89,7 +91,7 @@ __all__ = ["FAULT_FIELDS", "METRICS_FIELDS", "PLOT_FILENAME", "RANK_METRICS_FIEL
            "STEP_LINE_FIELDS", "StepLog", "VERIFICATION_FIELDS", "WORKER_FIELDS", "fault_entry", "forward_flops",
            "make_results", "rank_step_entry", "step_record", "summarize", "worker_entry", "write_results"]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 RESULTS_FILENAME = "results.json"
 PLOT_FILENAME = "latency.png"
 STEPS_LOG_FILENAME = "steps.jsonl"
@@ -103,7 +105,8 @@ STEP_FIELDS = ("step", "attempts", "tokens", "forward_ms", "backward_ms", "laten
                "bytes_sent", "ranks")
 STEP_LINE_FIELDS = ("run_started", *STEP_FIELDS)
 RANK_STEP_FIELDS = ("rank", "tokens", "forward_ms", "backward_ms", "latency_ms", "dropped", "bytes_sent",
-                    "rows_sent_remote", "dispatch_bytes", "combine_bytes", "payload_efficiency", "traffic_source")
+                    "rows_sent_remote", "dispatch_bytes", "combine_bytes", "nvshmem_bytes", "payload_efficiency",
+                    "traffic_source")
 METRICS_FIELDS = ("steps_in_median", "tokens_per_step", "flops_per_step", "forward_ms_median", "backward_ms_median",
                   "latency_ms_median", "tokens_per_s", "tflops", "peak_memory_bytes", "per_rank")
 RANK_METRICS_FIELDS = ("rank", "forward_ms_median", "backward_ms_median", "latency_ms_median", "tokens_per_s",
