@@ -124,7 +124,10 @@ def test_in_place_write_after_a_clean_call_is_caught(seed):
 def test_write_through_data_needs_forget(seed):
     inputs = random_inputs(seed)
     call(inputs)
-    poison(inputs["w2"].data, math.inf, seed)  # .data has a version counter of its own: not seen
+    # in an expert a token chose (an unchosen one's inf would not reach y); .data has a version counter
+    # of its own: not seen
+    chosen = int(reference.route(inputs["x"], inputs["router_weight"], K, True).experts[0, 0])
+    poison(inputs["w2"].data[chosen], math.inf, seed)
     assert not torch.isfinite(call(inputs)).all()
     weight_checks.forget()
     with pytest.raises(ValueError, match=r"^w2: contains 1 non-finite"):
