@@ -316,14 +316,14 @@ __device__ __forceinline__ void g_epilogue_warp(const BackwardParams& p, const G
         for (int v = 0; v < 2; ++v) {
           const float g = gemm.acc[(c * 8 + jj) * 4 + h * 2 + v];
           float act;
+          const ValueAndSlope f = activation_value_and_slope(kKind, x[v]);  // swiglu: silu of the gate
           if constexpr (kGated) {
-            const float s = silu(x[v]);
-            act = s * u[v];
-            dp[v] = w[h] * g * u[v] * activation_slope(kKind, x[v]);
-            du[v] = w[h] * g * s;
+            act = f.value * u[v];
+            dp[v] = w[h] * g * u[v] * f.slope;
+            du[v] = w[h] * g * f.value;
           } else {
-            act = activate(kKind, x[v]);
-            dp[v] = w[h] * g * activation_slope(kKind, x[v]);
+            act = f.value;
+            dp[v] = w[h] * g * f.slope;
           }
           dot[h] += g * act;
           wh[v] = w[h] * act;

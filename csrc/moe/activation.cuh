@@ -41,4 +41,24 @@ __device__ __forceinline__ float activation_slope(Activation kind, float v) {
   }
 }
 
+// The activation and its slope from one erf / one logistic (the backward's epilogue needs both): the
+// same expressions as activate and activation_slope, so the same values.
+struct ValueAndSlope {
+  float value, slope;
+};
+__device__ __forceinline__ ValueAndSlope activation_value_and_slope(Activation kind, float v) {
+  switch (kind) {
+    case Activation::Relu: return {fmaxf(v, 0.f), v > 0.f ? 1.f : 0.f};
+    case Activation::Gelu: {
+      const float erf_term = erff(v * 0.70710678118654752f);
+      const float pdf = 0.39894228040143268f * expf(-0.5f * v * v);
+      return {0.5f * v * (1.f + erf_term), 0.5f * (1.f + erf_term) + v * pdf};
+    }
+    default: {
+      const float sig = sigmoid(v);
+      return {v * sig, sig * (1.f + v * (1.f - sig))};
+    }
+  }
+}
+
 }  // namespace flashdmoe
