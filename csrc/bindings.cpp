@@ -201,7 +201,6 @@ py::tuple fused_backward(const py::dict& args, uintptr_t stream, uintptr_t statu
   FusedBackwardArgs a{};
   a.dtype = static_cast<DType>(get<int>(args, "dtype"));
   a.activation = static_cast<Activation>(get<int>(args, "activation"));
-  a.tile_n = get<int>(args, "tile_n");
   a.tokens = get<int>(args, "tokens");
   a.hidden = get<int>(args, "hidden");
   a.ffn = get<int>(args, "ffn");
@@ -242,10 +241,9 @@ py::tuple fused_backward(const py::dict& args, uintptr_t stream, uintptr_t statu
   return py::make_tuple(info.grid, info.blocks_per_sm, info.smem_bytes);
 }
 
-py::dict fused_backward_layout_dict(int tokens, int hidden, int ffn, int experts, int top_k, int activation,
-                                    int tile_n) {
+py::dict fused_backward_layout_dict(int tokens, int hidden, int ffn, int experts, int top_k, int activation) {
   const FusedBackwardLayout l =
-      fused_backward_layout(tokens, hidden, ffn, experts, top_k, static_cast<Activation>(activation), tile_n);
+      fused_backward_layout(tokens, hidden, ffn, experts, top_k, static_cast<Activation>(activation));
   py::dict out;
   out["sync_bytes"] = l.sync_bytes;
   out["scratch_bytes"] = l.scratch_bytes;
@@ -304,10 +302,10 @@ PYBIND11_MODULE(flashdmoe_cuda, m) {
         "Sync and scratch bytes of a fused backward (sync_bytes, scratch_bytes, row_of_choice_offset, padded_rows); "
         "ValueError when the shapes are not supported.",
         py::arg("tokens"), py::arg("hidden"), py::arg("ffn"), py::arg("experts"), py::arg("top_k"),
-        py::arg("activation"), py::arg("tile_n"));
+        py::arg("activation"));
   m.def("fused_backward_unsupported", &fused_backward_unsupported,
         "Empty when the fused backward takes these shapes, else why not.", py::arg("tokens"), py::arg("hidden"),
-        py::arg("ffn"), py::arg("experts"), py::arg("top_k"), py::arg("tile_n"));
+        py::arg("ffn"), py::arg("experts"), py::arg("top_k"));
   m.attr("addresses_per_rank") = static_cast<int>(kAddressesPerRank);
   m.def("workspace_layout", &layout, py::arg("tokens"), py::arg("hidden"), py::arg("ffn"), py::arg("experts"),
         py::arg("top_k"), py::arg("dtype"), py::arg("world_size") = 1, py::arg("stream_rows") = 0);

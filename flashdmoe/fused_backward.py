@@ -19,7 +19,6 @@ at each launch (the kernel's exit resets them); a capture zeroes its own inside 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
@@ -29,13 +28,7 @@ from flashdmoe.launch_knobs import debug, timeout_ms
 from flashdmoe.launch_report import LaunchReport, LaunchShape, status_layout
 from flashdmoe.workspace_pool import WorkspacePool
 
-__all__ = ["TILE_WIDTHS", "FusedGrads", "launch", "unsupported"]
-
-#: Widths of the GEMM tiles the extension is built with; the default is the faster one on the H200
-#: (docs/benchmarks.md), FLASHDMOE_BACKWARD_TILE_N forces one for measurement.
-TILE_WIDTHS = (128, 256)
-DEFAULT_TILE_N = 256
-_ENV_TILE_N = int(os.environ.get("FLASHDMOE_BACKWARD_TILE_N", DEFAULT_TILE_N))
+__all__ = ["FusedGrads", "launch", "unsupported"]
 
 _pool = WorkspacePool()
 
@@ -67,16 +60,12 @@ def unsupported(dtype: torch.dtype, device: torch.device, tokens: int, hidden: i
     why = extension.unavailable_reason()
     if why:
         return why
-    return extension.loaded().fused_backward_unsupported(tokens, hidden, ffn, experts, top_k, _tile_n())
-
-
-def _tile_n() -> int:
-    return _ENV_TILE_N
+    return extension.loaded().fused_backward_unsupported(tokens, hidden, ffn, experts, top_k)
 
 
 @functools.lru_cache(maxsize=256)
-def _layout(ext, tokens, hidden, ffn, experts, top_k, activation_code, tile_n) -> dict:
-    return ext.fused_backward_layout(tokens, hidden, ffn, experts, top_k, activation_code, tile_n)
+def _layout(ext, tokens, hidden, ffn, experts, top_k, activation_code) -> dict:
+    return ext.fused_backward_layout(tokens, hidden, ffn, experts, top_k, activation_code)
 
 
 def launch(x: torch.Tensor, dy: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, pre: torch.Tensor,
@@ -95,8 +84,7 @@ def launch(x: torch.Tensor, dy: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor
     tokens, hidden = x.shape
     experts, ffn = w2.shape[0], w2.shape[1]
     top_k = expert32.shape[1]
-    tile_n = _tile_n()
-    layout = _layout(ext, tokens, hidden, ffn, experts, top_k, ACTIVATION_CODES[activation], tile_n)
+    layout = _layout(ext, tokens, hidden, ffn, experts, top_k, ACTIVATION_CODES[activation])
     device = x.device
     index = device.index
     capturing = torch.cuda.is_current_stream_capturing()
@@ -120,7 +108,7 @@ def launch(x: torch.Tensor, dy: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor
     offset = layout["row_of_choice_offset"]
     row_of_choice = scratch[offset:offset + 4 * choices].view(torch.int32).view(tokens, top_k)
     args = {
-        "dtype": DTYPE_CODES[x.dtype], "activation": ACTIVATION_CODES[activation], "tile_n": tile_n,
+        "dtype": DTYPE_CODES[x.dtype], "activation": ACTIVATION_CODES[activation],
         "tokens": tokens, "hidden": hidden, "ffn": ffn, "experts": experts, "top_k": top_k,
         "need_dx": need_dx, "need_dw1": need_dw1, "need_dw2": need_dw2,
         "x": x.data_ptr(), "dy": dy.data_ptr(), "w1": w1.data_ptr(), "w2": w2.data_ptr(), "pre": pre.data_ptr(),

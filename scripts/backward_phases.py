@@ -1,6 +1,6 @@
 """Where the fused backward's time goes: the launch alone (flashdmoe.fused_backward.launch) with each kind
 of task switched on in turn (g tiles only; then with the dx tiles, the dW2 tiles, the dW1 tiles; then all),
-at each tile width, beside torch.mm on the same FLOPs as one dense GEMM (what cuBLAS reaches on them).
+beside torch.mm on the same FLOPs as one dense GEMM (what cuBLAS reaches on them).
 
     python scripts/backward_phases.py [--shapes 8192/2048/2048/32/2/gelu,...] [--reps 20]
 """
@@ -58,19 +58,16 @@ def main():
         weight = routing.weight.to(torch.float32).contiguous()
         rows = T * k
         flops = {"g": 2 * rows * H * I, "dx": 2 * rows * w1_cols * H, "dW2": 2 * rows * I * H, "dW1": 2 * rows * H * w1_cols}
-        for tile_n in fused_backward.TILE_WIDTHS:
-            fused_backward._ENV_TILE_N = tile_n
-            times = {}
-            for name, (need_dx, need_dw1, need_dw2) in kinds.items():
-                times[name] = median_ms(lambda: fused_backward.launch(
-                    x, dy, w1, w2, pre, expert, row, weight, activation=activation, need_dx=need_dx,
-                    need_dw1=need_dw1, need_dw2=need_dw2), args.reps)
-            parts = {"g": times["g"], "dx": times["g+dx"] - times["g"], "dW2": times["g+dW2"] - times["g"],
-                     "dW1": times["g+dW1"] - times["g"]}
-            text = ", ".join(f"{n} {t:.3f} ms ({flops[n] / t / 1e9:.0f} TFLOP/s)" for n, t in parts.items())
-            lines.append(f"{spec} tile {tile_n}: all {times['all']:.3f} ms; {text}")
-            print(lines[-1], flush=True)
-        fused_backward._ENV_TILE_N = fused_backward.DEFAULT_TILE_N
+        times = {}
+        for name, (need_dx, need_dw1, need_dw2) in kinds.items():
+            times[name] = median_ms(lambda: fused_backward.launch(
+                x, dy, w1, w2, pre, expert, row, weight, activation=activation, need_dx=need_dx,
+                need_dw1=need_dw1, need_dw2=need_dw2), args.reps)
+        parts = {"g": times["g"], "dx": times["g+dx"] - times["g"], "dW2": times["g+dW2"] - times["g"],
+                 "dW1": times["g+dW1"] - times["g"]}
+        text = ", ".join(f"{n} {t:.3f} ms ({flops[n] / t / 1e9:.0f} TFLOP/s)" for n, t in parts.items())
+        lines.append(f"{spec}: all {times['all']:.3f} ms; {text}")
+        print(lines[-1], flush=True)
         a, b = randn(rows, H), randn(H, I)
         dense = median_ms(lambda: torch.mm(a, b), args.reps)
         lines.append(f"{spec}: torch.mm [{rows}, {H}] x [{H}, {I}] {dense:.3f} ms "

@@ -1,7 +1,7 @@
 """Where the time of flashdmoe.expert_backward goes: eager medians of the grouped-GEMM back end (with the
-element-wise kernels and the saved pre-activations) and of the fused back end at each tile width, then the
-profiler's CUDA kernel time per kernel (top entries) for the default (fused), beside the torch
-grouped_mm pipeline's backward under autograd.
+element-wise kernels and the saved pre-activations) and of the fused back end (``gemm="fused"``), then
+the profiler's CUDA kernel time per kernel (top entries) for the default back end (``"auto"``), beside
+the torch grouped_mm pipeline's backward under autograd.
 
     python scripts/backward_profile.py [--shapes 8192/2048/2048/32/2/gelu,...] [--reps 20] [--top 10]
 """
@@ -15,7 +15,7 @@ import statistics
 
 import torch
 
-from flashdmoe import cuda_backend, fused_backward
+from flashdmoe import cuda_backend
 from flashdmoe.bench import baselines
 from flashdmoe.expert_backward import expert_backward
 
@@ -87,14 +87,10 @@ def main():
         x, router_weight, w1, w2, (expert, weight, row), pre, dy = problem(T, H, I, E, k, activation, dtype,
                                                                            generator)
         times = {}
-        variants = [("grouped_mm", "grouped_mm", None)] + [(f"fused/{n}", "fused", n) for n in fused_backward.TILE_WIDTHS]
-        for name, gemm, tile_n in variants:
-            if tile_n is not None:
-                fused_backward._ENV_TILE_N = tile_n
+        for name, gemm in (("grouped_mm", "grouped_mm"), ("fused", "fused")):
             run = lambda: expert_backward(x, router_weight, w1, w2, expert, weight, row, dy, activation=activation,  # noqa: E731
                                           normalize_topk=True, gemm=gemm, pre=pre)
             times[name] = median_ms(run, args.reps)
-        fused_backward._ENV_TILE_N = fused_backward.DEFAULT_TILE_N
         run = lambda: expert_backward(x, router_weight, w1, w2, expert, weight, row, dy, activation=activation,  # noqa: E731
                                       normalize_topk=True, pre=pre)
         print(f"\n== {spec}: expert_backward eager ms: " + ", ".join(f"{n} {t:.3f}" for n, t in times.items()))

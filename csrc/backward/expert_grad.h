@@ -57,7 +57,6 @@ namespace flashdmoe {
 struct FusedBackwardArgs {
   DType dtype;
   Activation activation;
-  int tile_n;  // 128 or 256: the GEMM tiles' width
   int tokens, hidden, ffn, experts, top_k;
   bool need_dx, need_dw1, need_dw2;
   const void* x;       // [T, H]
@@ -86,9 +85,9 @@ struct FusedBackwardLayout {
 };
 
 // Empty when the fused backward takes these shapes, else why not.
-std::string fused_backward_unsupported(int tokens, int hidden, int ffn, int experts, int top_k, int tile_n);
+std::string fused_backward_unsupported(int tokens, int hidden, int ffn, int experts, int top_k);
 FusedBackwardLayout fused_backward_layout(int tokens, int hidden, int ffn, int experts, int top_k,
-                                          Activation activation, int tile_n);
+                                          Activation activation);
 // Asynchronous on `stream` (one cooperative launch); throws std::invalid_argument on bad arguments.
 LaunchInfo launch_fused_backward(const FusedBackwardArgs& args, cudaStream_t stream);
 

@@ -9,15 +9,6 @@
 namespace flashdmoe {
 namespace {
 
-template <typename F>
-void visit_tile_n(int tile_n, F&& f) {
-  switch (tile_n) {
-    case 128: f(std::integral_constant<int, 128>{}); return;
-    case 256: f(std::integral_constant<int, 256>{}); return;
-    default: throw std::invalid_argument("tile_n=" + std::to_string(tile_n) + ": expected 128 or 256");
-  }
-}
-
 int w1_columns(int ffn, Activation activation) { return activation == Activation::Swiglu ? 2 * ffn : ffn; }
 
 template <typename Element, int BN>
@@ -27,7 +18,7 @@ LaunchInfo launch_instance(const FusedBackwardArgs& a, cudaStream_t stream) {
   const int64_t choices = static_cast<int64_t>(a.tokens) * a.top_k;
   const BackwardSyncLayout sync = make_backward_sync_layout(choices, a.experts);
   const BackwardScratchLayout scratch =
-      make_backward_scratch_layout(choices, a.hidden, a.ffn, w1_cols, a.experts, 2, BN);
+      make_backward_scratch_layout(choices, a.hidden, a.ffn, w1_cols, a.experts, 2);
 
   BackwardParams p{};
   p.tokens = a.tokens, p.hidden = a.hidden, p.ffn = a.ffn, p.w1_cols = w1_cols, p.experts = a.experts;
@@ -99,8 +90,7 @@ LaunchInfo launch_instance(const FusedBackwardArgs& a, cudaStream_t stream) {
 
 }  // namespace
 
-std::string fused_backward_unsupported(int tokens, int hidden, int ffn, int experts, int top_k, int tile_n) {
-  if (tile_n != 128 && tile_n != 256) return "tile_n=" + std::to_string(tile_n) + ": expected 128 or 256";
+std::string fused_backward_unsupported(int tokens, int hidden, int ffn, int experts, int top_k) {
   if (hidden <= 0 || hidden % 64) return "H=" + std::to_string(hidden) + " is not a positive multiple of 64";
   if (ffn <= 0 || ffn % 64) return "I=" + std::to_string(ffn) + " is not a positive multiple of 64";
   if (experts < 1 || experts > kMaxExperts)
@@ -114,18 +104,18 @@ std::string fused_backward_unsupported(int tokens, int hidden, int ffn, int expe
 }
 
 FusedBackwardLayout fused_backward_layout(int tokens, int hidden, int ffn, int experts, int top_k,
-                                          Activation activation, int tile_n) {
-  const std::string why = fused_backward_unsupported(tokens, hidden, ffn, experts, top_k, tile_n);
+                                          Activation activation) {
+  const std::string why = fused_backward_unsupported(tokens, hidden, ffn, experts, top_k);
   if (!why.empty()) throw std::invalid_argument("fused backward: " + why);
   const int64_t choices = static_cast<int64_t>(tokens) * top_k;
   const BackwardSyncLayout sync = make_backward_sync_layout(choices, experts);
   const BackwardScratchLayout scratch =
-      make_backward_scratch_layout(choices, hidden, ffn, w1_columns(ffn, activation), experts, 2, tile_n);
+      make_backward_scratch_layout(choices, hidden, ffn, w1_columns(ffn, activation), experts, 2);
   return {sync.sync_bytes, scratch.total_bytes, scratch.row_of_choice, scratch.padded_rows};
 }
 
 LaunchInfo launch_fused_backward(const FusedBackwardArgs& a, cudaStream_t stream) {
-  const std::string why = fused_backward_unsupported(a.tokens, a.hidden, a.ffn, a.experts, a.top_k, a.tile_n);
+  const std::string why = fused_backward_unsupported(a.tokens, a.hidden, a.ffn, a.experts, a.top_k);
   if (!why.empty()) throw std::invalid_argument("fused backward: " + why);
   if (a.tokens == 0) throw std::invalid_argument("fused backward: T=0 has nothing to launch");
   if ((a.need_dw1 && a.dw1 == nullptr) || (a.need_dw2 && a.dw2 == nullptr) || (a.need_dx && a.dx_rows == nullptr) ||
@@ -134,7 +124,7 @@ LaunchInfo launch_fused_backward(const FusedBackwardArgs& a, cudaStream_t stream
   LaunchInfo info{};
   backward::visit_half_dtype(a.dtype, [&](auto element) {
     using Element = decltype(element);
-    visit_tile_n(a.tile_n, [&](auto bn) { info = launch_instance<Element, decltype(bn)::value>(a, stream); });
+    info = launch_instance<Element, kBackwardTileN>(a, stream);
   });
   return info;
 }

@@ -33,10 +33,14 @@ struct FusedBackwardConfig {
   // operands MN-major (the row buffers read across their rows).
   using RowGemm = TmaTileGemm<Element, BN, kStages, 64, Major::K, Major::K>;
   using WeightGemm = TmaTileGemm<Element, BN, kStages, 64, Major::MN, Major::MN>;
+  // g tiles are kGTileN wide whatever BN is: their epilogue holds the accumulators, the saved
+  // pre-activations and up to three packed outputs, which at 256 columns spilled 1.5 KB per thread.
+  using GGemm = TmaTileGemm<Element, kGTileN, kStages, 64, Major::K, Major::K, BN>;
   static constexpr int kBoxBytes = 64 * 64 * 2;  // every operand box: 64 x 64 two-byte elements
   static constexpr int kPanels = BN / 64;
   static constexpr int kPipelineBytes = RowGemm::kPipelineBytes;
-  static_assert(WeightGemm::kPipelineBytes == kPipelineBytes, "one stage ring for both GEMM kinds");
+  static_assert(WeightGemm::kPipelineBytes == kPipelineBytes && GGemm::kPipelineBytes == kPipelineBytes,
+                "one stage ring for every GEMM kind");
   static constexpr int kStagingOffset = kPipelineBytes;
   static constexpr int kSmemBytes = kPipelineBytes + (kThreads / 32) * kWarpStagingBytes;
   static constexpr int kBlockThreads = kThreads + 32;  // + the producer warp
@@ -88,7 +92,7 @@ struct BackwardTaskCounts {
 template <int BN>
 __device__ __forceinline__ BackwardTaskCounts backward_task_counts(const BackwardParams& p, int row_tiles) {
   BackwardTaskCounts c;
-  c.g_cols = (p.ffn + BN - 1) / BN;
+  c.g_cols = (p.ffn + kGTileN - 1) / kGTileN;
   c.dx_cols = (p.hidden + BN - 1) / BN;
   c.dw2_m = p.need_dw2 ? (p.ffn + kExpertTileM - 1) / kExpertTileM : 0;
   c.dw2_n = (p.hidden + BN - 1) / BN;
@@ -107,7 +111,7 @@ template <int BN>
 __device__ __forceinline__ BackwardTask decode_backward_task(int id, const BackwardTaskCounts& c, int row_tiles) {
   if (id < c.g_tasks) {
     const TileCoord t = grouped_tile(id, row_tiles, c.g_cols);
-    return {BackwardTaskKind::G, t.row, 0, 0, t.col * BN};
+    return {BackwardTaskKind::G, t.row, 0, 0, t.col * kGTileN};
   }
   id -= c.g_tasks;
   if (id < c.dx_tasks) {
@@ -398,11 +402,11 @@ __device__ bool produce_backward(const BackwardParams& p, const ExpertTables& t,
       const CUtensorMap* a_map = g ? &p.maps.dy_rows : &p.maps.dpre;
       const CUtensorMap* b_map = g ? &p.maps.w2 : &p.maps.w1;
       const int k_tiles = (g ? p.hidden : p.w1_cols) / static_cast<int>(kTmaSlabK);
-      ok = Gemm::produce(smem, stages, stage, k_tiles, (a_boxes + Config::kPanels) * kBox, p,
+      const int panels = g ? kGTileN / 64 : Config::kPanels;  // every GEMM kind addresses the ring alike
+      ok = Gemm::produce(smem, stages, stage, k_tiles, (a_boxes + panels) * kBox, p,
                          [&](uint32_t a_dst, uint32_t b_dst, int k0, uint32_t bar) {
                            for (int b = 0; b < a_boxes; ++b) tma::load_2d(a_dst + b * kBox, a_map, bar, k0, tile.padded_row0 + 64 * b);
-#pragma unroll
-                           for (int panel = 0; panel < Config::kPanels; ++panel)
+                           for (int panel = 0; panel < panels; ++panel)
                              tma::load_3d(b_dst + panel * kBox, b_map, bar, k0, task.n0 + 64 * panel, tile.expert);
                          });
     } else {
@@ -441,32 +445,34 @@ __device__ bool consume_backward(const BackwardParams& p, const ExpertTables& t,
     const int id = ring.take(slot, p);
     if (id < 0) return id == kTaskEnd;
     const BackwardTask task = decode_backward_task<BN>(id, counts, t.tile_start[p.experts]);
-    if (task.kind == BackwardTaskKind::G || task.kind == BackwardTaskKind::Dx) {
+    if (task.kind == BackwardTaskKind::G) {
       const BackwardRowTile tile = backward_row_tile(t, p.experts, task.row_tile);
-      const bool g = task.kind == BackwardTaskKind::G;
-      typename Config::RowGemm gemm;
-      const int k_tiles = (g ? p.hidden : p.w1_cols) / static_cast<int>(kTmaSlabK);
+      typename Config::GGemm gemm;
+      const int k_tiles = p.hidden / static_cast<int>(kTmaSlabK);
       const bool ok = gemm.consume(smem, stages, stage, k_tiles, p, (threadIdx.x >> 7) * 64 < tile.rows);
       if (!sync_workers_and(ok)) return false;
-      if (g) {
-        g_epilogue<Element, BN>(p, gemm, staging, tile, task.n0, task.n0 / BN, counts.g_cols);
-        tma::fence_proxy_async_global();  // the dx and dW tiles' TMA loads read wh and dpre
-        sync_workers();
-        if (threadIdx.x == 0) {
-          __threadfence();
-          ptx::red_release_add_gpu(p.row_tile_done + task.row_tile, 1);
-          ptx::red_release_add_gpu(p.expert_done + tile.expert, 1);
-        }
-      } else {
-        Element* dx_rows = static_cast<Element*>(p.dx_rows) + static_cast<int64_t>(tile.packed_row0) * p.hidden;
-        gemm2_epilogue_warp<Element, BN>(gemm, staging, dx_rows, p.hidden, tile.rows, task.n0);
-        if (task.n0 == 0 && static_cast<int>(threadIdx.x) < tile.rows) {
-          // The combine weight's gradient: the row's partials in column-tile order.
-          const float* part = p.dweight_part + static_cast<int64_t>(tile.padded_row0 + threadIdx.x) * counts.g_cols;
-          float sum = 0.f;
-          for (int ct = 0; ct < counts.g_cols; ++ct) sum += __ldcg(part + ct);
-          p.dweight_row[tile.packed_row0 + threadIdx.x] = sum;
-        }
+      g_epilogue<Element, kGTileN>(p, gemm, staging, tile, task.n0, task.n0 / kGTileN, counts.g_cols);
+      tma::fence_proxy_async_global();  // the dx and dW tiles' TMA loads read wh and dpre
+      sync_workers();
+      if (threadIdx.x == 0) {
+        __threadfence();
+        ptx::red_release_add_gpu(p.row_tile_done + task.row_tile, 1);
+        ptx::red_release_add_gpu(p.expert_done + tile.expert, 1);
+      }
+    } else if (task.kind == BackwardTaskKind::Dx) {
+      const BackwardRowTile tile = backward_row_tile(t, p.experts, task.row_tile);
+      typename Config::RowGemm gemm;
+      const int k_tiles = p.w1_cols / static_cast<int>(kTmaSlabK);
+      const bool ok = gemm.consume(smem, stages, stage, k_tiles, p, (threadIdx.x >> 7) * 64 < tile.rows);
+      if (!sync_workers_and(ok)) return false;
+      Element* dx_rows = static_cast<Element*>(p.dx_rows) + static_cast<int64_t>(tile.packed_row0) * p.hidden;
+      gemm2_epilogue_warp<Element, BN>(gemm, staging, dx_rows, p.hidden, tile.rows, task.n0);
+      if (task.n0 == 0 && static_cast<int>(threadIdx.x) < tile.rows) {
+        // The combine weight's gradient: the row's partials in column-tile order.
+        const float* part = p.dweight_part + static_cast<int64_t>(tile.padded_row0 + threadIdx.x) * counts.g_cols;
+        float sum = 0.f;
+        for (int ct = 0; ct < counts.g_cols; ++ct) sum += __ldcg(part + ct);
+        p.dweight_row[tile.packed_row0 + threadIdx.x] = sum;
       }
     } else {
       const bool dw2 = task.kind == BackwardTaskKind::Dw2;
