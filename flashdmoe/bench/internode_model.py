@@ -1,0 +1,138 @@
+"""A cost model of the forward across nodes: bytes per rank and predicted latency for N nodes of G GPUs.
+
+Not a measurement: no multi-node machine has run the kernel. The model takes the routing as uniform (each
+token picks a uniformly random set of ``k`` distinct experts; E experts spread evenly, ``E / P`` per rank,
+ranks node-major) and counts, per rank and per direction (dispatch out, results back: the same bytes):
+
+* **direct puts** (what the kernel does today, docs/design.md §8): one row of ``H`` elements per kept
+  choice whose expert is on another rank, straight to that rank. Of a token's ``k`` choices,
+  ``k (G - 1) / P`` land on another rank of its node (NVLink) and ``k (N - 1) / N`` on another node
+  (InfiniBand, one NIC per GPU, rail-optimised).
+* **hierarchical** (DeepEP's internode layout): a token sends one row per *distinct* remote node its
+  choices hit, to the rank with the same local index there, which forwards it over NVLink to the ranks
+  that own the chosen experts; results come back the same way, summed per node first. A remote node is
+  hit with probability ``1 - C(E - E/N, k) / C(E, k)``.
+
+Time per direction is the slower of the two links, ``max(NVLink bytes / NVLink bandwidth, IB bytes / IB
+bandwidth)`` (a rank drives both at once); a forward pays it twice (dispatch, combine). The compute is an
+input (the single-GPU kernel's measured time: each rank computes about ``T k`` rows whatever ``P``). The
+predicted forward is bounded by ``compute + communication`` (nothing overlapped) and
+``max(compute, communication)`` (all of it overlapped); the kernel overlaps little across ranks today
+(docs/perf-notes.md), so the first is the one to expect. Latency per message and the NVSHMEM proxy's
+overheads are not in the model.
+
+    python -m flashdmoe.bench.internode_model [--compute-ms 0.60] [--shapes T/H/E/k,...] [configs ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass
+
+__all__ = ["NVLINK_GBPS", "IB_GBPS", "RankTraffic", "Prediction", "rank_traffic", "predict", "main"]
+
+#: H200 NVLink 4: 900 GB/s per GPU, both directions together.
+NVLINK_GBPS = 450.0
+#: One 400 Gb/s InfiniBand NIC per GPU (DGX / HGX H200, rail-optimised).
+IB_GBPS = 50.0
+
+
+@dataclass(frozen=True)
+class RankTraffic:
+    """Expected rows one rank sends per direction per forward (dispatch; the combine returns as many)."""
+
+    nvlink_rows: float  # to other ranks of its node (direct), or also rows forwarded for other nodes (hierarchical)
+    ib_rows: float      # to other nodes
+
+
+@dataclass(frozen=True)
+class Prediction:
+    nodes: int
+    ranks: int
+    direct: RankTraffic
+    hierarchical: RankTraffic
+    direct_comm_ms: float        # dispatch + combine
+    hierarchical_comm_ms: float
+    compute_ms: float
+
+    def bounds(self, layout: str) -> tuple[float, float]:
+        """(all overlapped, nothing overlapped) forward ms for ``layout`` "direct" or "hierarchical"."""
+        comm = self.direct_comm_ms if layout == "direct" else self.hierarchical_comm_ms
+        return max(self.compute_ms, comm), self.compute_ms + comm
+
+
+def node_hit_probability(experts: int, top_k: int, nodes: int) -> float:
+    """Probability that a token's ``top_k`` distinct experts include one of a given node's ``E / N``."""
+    if nodes <= 1:
+        return 1.0
+    return 1.0 - math.comb(experts - experts // nodes, top_k) / math.comb(experts, top_k)
+
+
+def rank_traffic(tokens: int, experts: int, top_k: int, nodes: int, gpus_per_node: int = 8) -> tuple[RankTraffic, RankTraffic]:
+    """(direct, hierarchical) rows per rank per direction for ``tokens`` tokens on that rank."""
+    ranks = nodes * gpus_per_node
+    if experts % ranks:
+        raise ValueError(f"experts={experts} must be a multiple of the {ranks} ranks of {nodes} nodes x {gpus_per_node}")
+    same_node = tokens * top_k * (gpus_per_node - 1) / ranks
+    other_nodes = tokens * top_k * (nodes - 1) / nodes
+    direct = RankTraffic(same_node, other_nodes)
+    # One row per distinct remote node; there the rail peer forwards it to each owning rank but itself.
+    deduplicated = tokens * (nodes - 1) * node_hit_probability(experts, top_k, nodes)
+    forwarded = other_nodes * (gpus_per_node - 1) / gpus_per_node
+    hierarchical = RankTraffic(same_node + forwarded, deduplicated)
+    return direct, hierarchical
+
+
+def _comm_ms(traffic: RankTraffic, row_bytes: int, nvlink_gbps: float, ib_gbps: float) -> float:
+    one_way = max(traffic.nvlink_rows * row_bytes / (nvlink_gbps * 1e9), traffic.ib_rows * row_bytes / (ib_gbps * 1e9))
+    return 2 * one_way * 1e3
+
+
+def predict(tokens: int, hidden: int, experts: int, top_k: int, nodes: int, compute_ms: float, *,
+            element_bytes: int = 2, gpus_per_node: int = 8, nvlink_gbps: float = NVLINK_GBPS,
+            ib_gbps: float = IB_GBPS) -> Prediction:
+    direct, hierarchical = rank_traffic(tokens, experts, top_k, nodes, gpus_per_node)
+    row_bytes = hidden * element_bytes
+    return Prediction(nodes, nodes * gpus_per_node, direct, hierarchical,
+                      _comm_ms(direct, row_bytes, nvlink_gbps, ib_gbps),
+                      _comm_ms(hierarchical, row_bytes, nvlink_gbps, ib_gbps), compute_ms)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from flashdmoe.config import MoEConfig
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("configs", nargs="*", help="layer configs (YAML); their world_size is ignored")
+    parser.add_argument("--shapes", default="", help="more layers as T/H/E/k[/compute ms] (tokens per rank, hidden, experts, top-k; compute "
+                        "defaults to --compute-ms)")
+    parser.add_argument("--compute-ms", type=float, default=0.60,
+                        help="one rank's compute per forward (default: the 8192-token 2048/2048/k=2 kernel on the "
+                             "H200 without its row copy, docs/design.md section 8)")
+    parser.add_argument("--nodes", default="1,2,4,8")
+    parser.add_argument("--gpus-per-node", type=int, default=8)
+    args = parser.parse_args(argv)
+    print("| config | nodes | ranks | rows out per rank: NVLink / IB, direct | hierarchical | comm ms direct | "
+          "comm ms hierarchical | forward ms direct (overlapped .. serial) | hierarchical |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    layers = []
+    for path in args.configs:
+        config = MoEConfig.from_yaml(path)
+        layers.append((path, config.tokens_per_rank, config.hidden, config.experts, config.top_k, args.compute_ms))
+    for spec in filter(None, args.shapes.split(",")):
+        fields = spec.split("/")
+        tokens, hidden, experts, top_k = map(int, fields[:4])
+        layers.append((spec, tokens, hidden, experts, top_k, float(fields[4]) if len(fields) > 4 else args.compute_ms))
+    for name, tokens, hidden, experts, top_k, compute_ms in layers:
+        for nodes in (int(n) for n in args.nodes.split(",")):
+            if experts % (nodes * args.gpus_per_node):
+                print(f"| {name} | {nodes} | {nodes * args.gpus_per_node} | E = {experts}: not placeable | | | | | |")
+                continue
+            p = predict(tokens, hidden, experts, top_k, nodes, compute_ms, gpus_per_node=args.gpus_per_node)
+            (low, high), (hier_low, hier_high) = p.bounds("direct"), p.bounds("hierarchical")
+            print(f"| {name} | {nodes} | {p.ranks} | {p.direct.nvlink_rows:,.0f} / {p.direct.ib_rows:,.0f} | "
+                  f"{p.hierarchical.nvlink_rows:,.0f} / {p.hierarchical.ib_rows:,.0f} | {p.direct_comm_ms:.3f} | "
+                  f"{p.hierarchical_comm_ms:.3f} | {low:.2f} .. {high:.2f} | {hier_low:.2f} .. {hier_high:.2f} |")
+
+if __name__ == "__main__":
+    main()

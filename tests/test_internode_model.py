@@ -1,0 +1,63 @@
+"""The inter-node cost model (flashdmoe.bench.internode_model): its counts against hand arithmetic."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from flashdmoe.bench import internode_model as model
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+
+def test_node_hit_probability_counts_distinct_experts():
+    # 2 of 32 experts, 16 per node: the other node is missed only if both picks are among this node's 16
+    assert model.node_hit_probability(32, 2, 2) == pytest.approx(1 - math.comb(16, 2) / math.comb(32, 2))
+    assert model.node_hit_probability(128, 2, 1) == 1.0
+    # k = 1: a node is hit with probability 1 / N
+    assert model.node_hit_probability(64, 1, 4) == pytest.approx(0.25)
+
+
+def test_one_node_sends_nothing_over_infiniband():
+    direct, hierarchical = model.rank_traffic(8192, 32, 2, 1)
+    assert direct.ib_rows == hierarchical.ib_rows == 0
+    assert direct.nvlink_rows == pytest.approx(8192 * 2 * 7 / 8)  # 7 of 8 ranks are others
+
+
+def test_direct_rows_split_by_where_the_expert_lives():
+    direct, _ = model.rank_traffic(8192, 128, 2, 2)
+    assert direct.ib_rows == pytest.approx(8192 * 2 / 2)       # half the experts are on the other node
+    assert direct.nvlink_rows == pytest.approx(8192 * 2 * 7 / 16)
+
+
+@pytest.mark.parametrize("experts,top_k,nodes", [(128, 2, 2), (128, 2, 8), (256, 8, 4), (64, 1, 4)])
+def test_hierarchy_never_sends_more_over_infiniband(experts, top_k, nodes):
+    direct, hierarchical = model.rank_traffic(4096, experts, top_k, nodes)
+    assert hierarchical.ib_rows <= direct.ib_rows + 1e-9
+    if top_k == 1:  # nothing to deduplicate
+        assert hierarchical.ib_rows == pytest.approx(direct.ib_rows)
+
+
+def test_comm_time_is_the_slower_link_both_ways():
+    p = model.predict(8192, 2048, 32, 2, 1, compute_ms=0.5)
+    assert p.direct_comm_ms == pytest.approx(2 * 8192 * 2 * 7 / 8 * 2048 * 2 / (model.NVLINK_GBPS * 1e9) * 1e3)
+    assert p.bounds("direct") == (pytest.approx(0.5), pytest.approx(0.5 + p.direct_comm_ms))
+    p2 = model.predict(8192, 2048, 128, 2, 2, compute_ms=0.5)
+    ib_ms = 2 * 8192 * 2048 * 2 / (model.IB_GBPS * 1e9) * 1e3
+    assert p2.direct_comm_ms == pytest.approx(ib_ms)
+    assert p2.bounds("direct")[0] == pytest.approx(ib_ms)  # communication-bound
+
+
+def test_unplaceable_experts_are_refused():
+    with pytest.raises(ValueError, match="experts=32 must be a multiple of the 64 ranks"):
+        model.rank_traffic(8192, 32, 2, 8)
+
+
+def test_cli_prints_a_row_per_layer_and_node_count(capsys):
+    model.main([str(CONFIGS / "paper.yaml"), "--shapes", "8192/7168/256/8/13.25", "--nodes", "1,2,8"])
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")][1:]
+    assert len(lines) == 6
+    assert "not placeable" in lines[2]  # 32 experts on 64 ranks
+    assert lines[0].split("|")[8].strip() == "0.60 .. 0.86"  # docs/design.md section 8, 1 node
