@@ -8,25 +8,13 @@ beside torch.mm on the same FLOPs as one dense GEMM (what cuBLAS reaches on them
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 
+from backward_profile import median_ms  # scripts/ is on the path when a script runs
 from flashdmoe import cuda_backend, fused_backward
 
 ISSUE_SHAPES = "8192/2048/2048/32/2/gelu,8192/2048/768/128/8/swiglu,4096/4096/14336/8/2/swiglu"
-
-
-def median_ms(run, reps: int) -> float:
-    times = []
-    for _ in range(reps + 3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        times.append((start, end))
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in times[3:])
 
 
 def main():

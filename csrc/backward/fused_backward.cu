@@ -74,17 +74,7 @@ LaunchInfo launch_instance(const FusedBackwardArgs& a, cudaStream_t stream) {
   if (a.max_blocks > 0 && a.max_blocks < grid) grid = a.max_blocks;
   p.blocks = grid;
 
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(grid);
-  config.blockDim = dim3(Config::kBlockThreads);
-  config.dynamicSmemBytes = Config::kSmemBytes;
-  config.stream = stream;
-  cudaLaunchAttribute cooperative{};
-  cooperative.id = cudaLaunchAttributeCooperative;  // refused if the grid cannot be co-resident
-  cooperative.val.cooperative = 1;
-  config.attrs = &cooperative;
-  config.numAttrs = 1;
-  throw_on_cuda_error(cudaLaunchKernelEx(&config, kernel, p), "launching fused_backward_kernel");
+  launch_cooperative(kernel, grid, Config::kBlockThreads, Config::kSmemBytes, stream, p, "launching fused_backward_kernel");
   return {grid, resident.blocks_per_sm, Config::kSmemBytes};
 }
 

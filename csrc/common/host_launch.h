@@ -106,4 +106,22 @@ inline CUtensorMap make_tensor_map(const void* base, const uint64_t* dims, const
   return map;
 }
 
+// A cooperative launch of a persistent kernel: refused (an error, not a deadlock) if the grid cannot be
+// co-resident, which the grid barriers need.
+template <typename Kernel, typename Argument>
+void launch_cooperative(Kernel kernel, int grid, int block_threads, int smem_bytes, cudaStream_t stream,
+                        const Argument& argument, const char* what) {
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(grid);
+  config.blockDim = dim3(block_threads);
+  config.dynamicSmemBytes = smem_bytes;
+  config.stream = stream;
+  cudaLaunchAttribute cooperative{};
+  cooperative.id = cudaLaunchAttributeCooperative;
+  cooperative.val.cooperative = 1;
+  config.attrs = &cooperative;
+  config.numAttrs = 1;
+  throw_on_cuda_error(cudaLaunchKernelEx(&config, kernel, argument), what);
+}
+
 }  // namespace flashdmoe

@@ -156,17 +156,8 @@ LaunchInfo launch_forward_variant(PreparedLaunch& prepared, const uintptr_t* add
   }
 
   // No memset: the sync words are zero (the previous launch's exit reset them, finish_launch).
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(info.grid);
-  config.blockDim = dim3(Variant::kBlockThreads);
-  config.dynamicSmemBytes = info.smem_bytes;
-  config.stream = stream;
-  cudaLaunchAttribute cooperative{};
-  cooperative.id = cudaLaunchAttributeCooperative;  // refused if the grid cannot be co-resident
-  cooperative.val.cooperative = 1;
-  config.attrs = &cooperative;
-  config.numAttrs = 1;
-  throw_on_cuda_error(cudaLaunchKernelEx(&config, kernel, launch), "launching moe_forward_kernel");
+  launch_cooperative(kernel, info.grid, Variant::kBlockThreads, info.smem_bytes, stream, launch,
+                     "launching moe_forward_kernel");
   return info;
 }
 
