@@ -19,6 +19,7 @@ at each launch (the kernel's exit resets them); a capture zeroes its own inside 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 
@@ -33,17 +34,17 @@ __all__ = ["FusedGrads", "launch", "unsupported"]
 _pool = WorkspacePool()
 
 
-class FusedGrads:
+class FusedGrads(NamedTuple):
     """What one launch produces. ``dx_rows [T*k, H]`` (each kept row's dx by packed row; None when not
     asked), ``dweight_row [T*k]`` float32 (the combine weight's gradient by packed row),
     ``row_of_choice [T, k]`` int32 (each choice's packed row, -1 where dropped), ``dw1``, ``dw2`` (like
     the weights, None when not asked)."""
 
-    __slots__ = ("dx_rows", "dweight_row", "row_of_choice", "dw1", "dw2")
-
-    def __init__(self, dx_rows, dweight_row, row_of_choice, dw1, dw2) -> None:
-        self.dx_rows, self.dweight_row, self.row_of_choice, self.dw1, self.dw2 = (
-            dx_rows, dweight_row, row_of_choice, dw1, dw2)
+    dx_rows: torch.Tensor | None
+    dweight_row: torch.Tensor
+    row_of_choice: torch.Tensor
+    dw1: torch.Tensor | None
+    dw2: torch.Tensor | None
 
 
 def unsupported(dtype: torch.dtype, device: torch.device, tokens: int, hidden: int, ffn: int, experts: int,
@@ -127,12 +128,9 @@ def launch(x: torch.Tensor, dy: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor
         slot.give_back()
         raise
     shape = LaunchShape((0,), (tokens,), experts, hidden * x.element_size(), timeout_ms())
-    status_bytes = status_layout().bytes
-    if capturing:
-        report = LaunchReport(shape, status_checks.next_launch_id(), index, info, status_layout(),
-                              slot.view[:status_bytes], None, None, True)
-    else:
-        report = LaunchReport(shape, status_checks.next_launch_id(), index, info, status_layout(),
-                              slot.view[:status_bytes], slot.event, slot.give_back, False)
+    status = status_layout()
+    # a captured launch's slot belongs to its graph for good: no completion event, never given back
+    report = LaunchReport(shape, status_checks.next_launch_id(), index, info, status, slot.view[:status.bytes],
+                          None if capturing else slot.event, None if capturing else slot.give_back, capturing)
     status_checks.launched(report, slot, None, forward=False)
     return FusedGrads(dx_rows, dweight_row, row_of_choice, dw1, dw2)

@@ -49,7 +49,6 @@ LaunchInfo launch_instance(const FusedBackwardArgs& a, cudaStream_t stream) {
   p.sync_words_count = static_cast<int>(sync.sync_bytes / 4);
   p.status_host = a.status_host;
   p.rank = 0, p.first_block = 0;
-  p.max_row_tiles = sync.max_row_tiles;
   p.timeout_ns = a.timeout_ns;
   p.debug_withhold_phase = a.debug_withhold_phase;
 

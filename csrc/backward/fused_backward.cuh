@@ -28,7 +28,7 @@ namespace flashdmoe {
 template <typename Element, int BN>
 struct FusedBackwardConfig {
   static constexpr int kTileN = BN;
-  static constexpr int kStages = BN == 128 ? 6 : 4;
+  static constexpr int kStages = 4;  // of 16 KB of A and BN x 128 bytes of B
   // Row GEMMs (g, dx): A K-major row boxes, B the transposed weights (K-major). Weight gradients: both
   // operands MN-major (the row buffers read across their rows).
   using RowGemm = TmaTileGemm<Element, BN, kStages, 64, Major::K, Major::K>;

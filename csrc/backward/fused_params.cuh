@@ -85,7 +85,6 @@ struct BackwardParams {
   void* status_host;  // pinned host slot of the status block (UVA address), or null
 
   int rank, first_block, blocks;
-  int max_row_tiles;
   uint64_t timeout_ns;
   int debug_withhold_phase;
 };

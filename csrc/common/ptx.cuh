@@ -109,5 +109,4 @@ __device__ __forceinline__ uint64_t global_timer_ns() {
   return t;
 }
 
-
 }  // namespace flashdmoe::ptx

@@ -78,12 +78,6 @@ FLASHDMOE_WGMMA_ALL_LAYOUTS(128, __half, "f16")
 FLASHDMOE_WGMMA_ALL_LAYOUTS(256, __nv_bfloat16, "bf16")
 FLASHDMOE_WGMMA_ALL_LAYOUTS(256, __half, "f16")
 
-// The forward's layout (A K-major, B MN-major) by its old name.
-template <int N, typename Element>
-__device__ __forceinline__ void wgmma_m64nNk16(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b) {
-  Mma<N, Element, false, true>::run(d, desc_a, desc_b);
-}
-
 #undef FLASHDMOE_WGMMA_ALL_LAYOUTS
 #undef FLASHDMOE_WGMMA_SPECIALISE
 #undef FLASHDMOE_WGMMA_M64N128K16
