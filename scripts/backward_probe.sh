@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Where the fused backward's g tiles spend their time (docs/perf-notes.md, "Backward"): the kernel built
+# from copies of csrc/ with one part of the g tiles changed or removed, each launch timed by
+# scripts/backward_phases.py. Results are meaningless where parts are missing; only the times are.
+# On a GPU machine:
+#   PROBES="base late ahead1 noepi nog" bash scripts/backward_probe.sh
+set -uo pipefail
+source "$(dirname "$0")/device_env.sh"
+files="backward/fused_backward.cuh backward/fused_params.cuh"
+# Each probe: a Python expression over a file's text s, applied to each of the files (it must change one).
+declare -A EDIT=(
+  [base]='s'
+  # pre's chunks loaded as each chunk's arithmetic starts, the first after the MMAs
+  [late]='s.replace("constexpr bool kPreAhead = true;", "constexpr bool kPreAhead = false;")'
+  # chunks loaded ahead except for swiglu (whose two halves need twice the registers)
+  [ahead1]='s.replace("constexpr bool kPreAhead = true;", "constexpr bool kPreAhead = kKind != Activation::Swiglu;")'
+  # no g epilogue (the tiles still count as done)
+  [noepi]='s.replace("  g_epilogue_warp<Element, BN, kKind>(p, gemm", "  if (p.tokens < 0) g_epilogue_warp<Element, BN, kKind>(p, gemm")'
+  # no g tiles: counts, gather and the two grid barriers alone
+  [nog]='s.replace("c.g_tasks = row_tiles * c.g_cols;", "c.g_tasks = 0;")'
+)
+export FLASHDMOE_BUILD_JOBS=${FLASHDMOE_BUILD_JOBS:-16}
+shapes=${PROBE_SHAPES:-8192/2048/2048/32/2/gelu,8192/2048/768/128/8/swiglu,4096/4096/14336/8/2/swiglu}
+summary=()
+for probe in ${PROBES:-base late ahead1 noepi nog}; do
+  src=/tmp/backward_probe_src_$probe
+  rm -rf "$src" && cp -r csrc "$src"
+  python3 - "$probe" $(for f in $files; do echo "$src/$f"; done) <<PY || { echo "$probe: edit failed"; continue; }
+import re, sys
+changed = False
+for path in sys.argv[2:]:
+    s = open(path).read()
+    t = ${EDIT[$probe]}
+    changed |= t != s
+    open(path, "w").write(t)
+assert sys.argv[1] == "base" or changed, "the edit matched nothing"
+PY
+  export FLASHDMOE_SOURCE_DIR=$src FLASHDMOE_CACHE_DIR=/tmp/backward_probe_cache_$probe
+  timeout 300 python3 -m flashdmoe build --verbose > "/tmp/build_$probe.log" 2>&1 || { echo "$probe: build failed"; tail -20 "/tmp/build_$probe.log"; continue; }
+  kinds=g,all; [ "$probe" = nog ] && kinds=g; [ "$probe" = base ] && kinds=g,g+dx,g+dW2,g+dW1,all
+  timeout ${PHASES_TIMEOUT:-120} python3 scripts/backward_phases.py --shapes "$shapes" --kinds "$kinds" > "/tmp/phases_$probe.log" 2>&1
+  rc=$?; echo "$probe: rc=$rc"; [ $rc -eq 0 ] || tail -5 "/tmp/phases_$probe.log"
+  while IFS= read -r line; do summary+=("$probe $line"); done < <(sed -n '/== summary/,$p' "/tmp/phases_$probe.log" | grep -v "== summary" | grep -v "^$")
+done
+echo; echo "== probe summary"; printf '%s\n' "${summary[@]}"
