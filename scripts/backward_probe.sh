@@ -3,26 +3,22 @@
 # from copies of csrc/ with one part of the g tiles changed or removed, each launch timed by
 # scripts/backward_phases.py. Results are meaningless where parts are missing; only the times are.
 # On a GPU machine:
-#   PROBES="base late ahead1 noepi nog" bash scripts/backward_probe.sh
+#   PROBES="base noepi nog" bash scripts/backward_probe.sh
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 files="backward/fused_backward.cuh backward/fused_params.cuh"
 # Each probe: a Python expression over a file's text s, applied to each of the files (it must change one).
 declare -A EDIT=(
   [base]='s'
-  # pre's chunks loaded as each chunk's arithmetic starts, the first after the MMAs
-  [late]='s.replace("constexpr bool kPreAhead = true;", "constexpr bool kPreAhead = false;")'
-  # chunks loaded ahead except for swiglu (whose two halves need twice the registers)
-  [ahead1]='s.replace("constexpr bool kPreAhead = true;", "constexpr bool kPreAhead = kKind != Activation::Swiglu;")'
   # no g epilogue (the tiles still count as done)
-  [noepi]='s.replace("  g_epilogue_warp<Element, BN, kKind>(p, gemm", "  if (p.tokens < 0) g_epilogue_warp<Element, BN, kKind>(p, gemm")'
+  [noepi]='s.replace("      g_epilogue<Element, BN>(p, gemm", "      if (p.tokens < 0) g_epilogue<Element, BN>(p, gemm")'
   # no g tiles: counts, gather and the two grid barriers alone
   [nog]='s.replace("c.g_tasks = row_tiles * c.g_cols;", "c.g_tasks = 0;")'
 )
 export FLASHDMOE_BUILD_JOBS=${FLASHDMOE_BUILD_JOBS:-16}
 shapes=${PROBE_SHAPES:-8192/2048/2048/32/2/gelu,8192/2048/768/128/8/swiglu,4096/4096/14336/8/2/swiglu}
 summary=()
-for probe in ${PROBES:-base late ahead1 noepi nog}; do
+for probe in ${PROBES:-base noepi nog}; do
   src=/tmp/backward_probe_src_$probe
   rm -rf "$src" && cp -r csrc "$src"
   python3 - "$probe" $(for f in $files; do echo "$src/$f"; done) <<PY || { echo "$probe: edit failed"; continue; }

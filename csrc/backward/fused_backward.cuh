@@ -267,48 +267,12 @@ __device__ void gather_rows(const BackwardParams& p, const ExpertTables& t) {
 
 // ---- 3. tasks ----
 
-// One warp's share of a 64-column chunk of a g tile's saved pre-activations, in the wgmma fragment layout
-// (columns 8 jj + 2 (lane % 4) + {0, 1} of rows lane / 4 + 8 h, packed pairs); swiglu: the gate half (x)
-// and the up half (u). Chunk 0 is loaded before the tile's MMAs and chunk c + 1 before chunk c's
-// arithmetic, so that no load's latency stands between the MMAs and the stores.
-template <bool kGated>
-struct PreChunk {
-  uint32_t x[8][2];
-  uint32_t u[kGated ? 8 : 1][2];
-};
-
-// Loading a chunk ahead holds 16 more registers per thread (32 for swiglu) through the arithmetic.
-template <Activation kKind>
-constexpr bool kPreAhead = true;
-
-template <typename Element, bool kGated>
-__device__ __forceinline__ PreChunk<kGated> load_pre_chunk(const BackwardParams& p, const BackwardRowTile& tile,
-                                                           int col0) {
-  PreChunk<kGated> f;
-  const int lane = threadIdx.x & 31;
-  const int row0 = warp_tile_row0();
-  const Element* pre = static_cast<const Element*>(p.pre);
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int r = row0 + (lane >> 2) + 8 * h;
-    const bool load = r < tile.rows && col0 < p.ffn;
-    const Element* row = pre + static_cast<int64_t>(tile.packed_row0 + (load ? r : 0)) * p.w1_cols + col0 + 2 * (lane & 3);
-#pragma unroll
-    for (int jj = 0; jj < 8; ++jj) {
-      f.x[jj][h] = load ? __ldg(reinterpret_cast<const unsigned int*>(row + jj * 8)) : 0u;
-      if constexpr (kGated) f.u[jj][h] = load ? __ldg(reinterpret_cast<const unsigned int*>(row + p.ffn + jj * 8)) : 0u;
-    }
-  }
-  return f;
-}
-
 // g tile epilogue (one warp, its 16 rows): the element-wise step of the backward on the fp32 g
 // accumulators and the saved pre-activations, wh and dpre out through the warp's staging buffer, and
 // the partial <g, h> of each row over the tile's columns. Rows past the tile's up to the next multiple
 // of 64 get zeros (the weight gradients' K slabs read them); rows beyond belong to the next expert.
 template <typename Element, int BN, Activation kKind, typename Gemm>
-__device__ __forceinline__ void g_epilogue_warp(const BackwardParams& p, const Gemm& gemm,
-                                                PreChunk<kKind == Activation::Swiglu> pre, char* staging,
+__device__ __forceinline__ void g_epilogue_warp(const BackwardParams& p, const Gemm& gemm, char* staging,
                                                 const BackwardRowTile& tile, int n0, int col_tile, int g_cols) {
   constexpr bool kGated = kKind == Activation::Swiglu;
   const int lane = threadIdx.x & 31;
@@ -316,13 +280,16 @@ __device__ __forceinline__ void g_epilogue_warp(const BackwardParams& p, const G
   const int write_rows = (tile.rows + kBackwardRowAlign - 1) / kBackwardRowAlign * kBackwardRowAlign - row0;
   if (write_rows <= 0) return;
   const int I = p.ffn, ld = p.w1_cols;
+  const Element* pre = static_cast<const Element*>(p.pre);
   bool valid[2];
   float w[2];
+  const Element* pre_row[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int r = row0 + (lane >> 2) + 8 * h;
     valid[h] = r < tile.rows;
     w[h] = valid[h] ? __ldcg(p.w_pad + tile.padded_row0 + r) : 0.f;
+    pre_row[h] = pre + static_cast<int64_t>(tile.packed_row0 + (valid[h] ? r : 0)) * ld;
   }
   float dot[2] = {0.f, 0.f};
   Element* wh_out = static_cast<Element*>(p.wh) + static_cast<int64_t>(tile.padded_row0 + row0) * I + n0;
@@ -339,17 +306,17 @@ __device__ __forceinline__ void g_epilogue_warp(const BackwardParams& p, const G
 #pragma unroll
   for (int c = 0; c < BN / 64; ++c) {
     if (n0 + c * 64 >= I) break;
-    if constexpr (!kPreAhead<kKind>) pre = load_pre_chunk<Element, kGated>(p, tile, n0 + c * 64);
-    const PreChunk<kGated> next =
-        kPreAhead<kKind> && c + 1 < BN / 64 ? load_pre_chunk<Element, kGated>(p, tile, n0 + (c + 1) * 64) : pre;
     uint32_t out_wh[16], out_dpre[16], out_dup[kGated ? 16 : 1];
 #pragma unroll
     for (int jj = 0; jj < 8; ++jj) {
+      const int col = n0 + c * 64 + jj * 8 + 2 * (lane & 3);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        float x[2], u[2] = {0.f, 0.f};
-        unpack(pre.x[jj][h], x[0], x[1]);
-        if constexpr (kGated) unpack(pre.u[jj][h], u[0], u[1]);
+        float x[2] = {0.f, 0.f}, u[2] = {0.f, 0.f};
+        if (valid[h]) {
+          unpack(*reinterpret_cast<const uint32_t*>(pre_row[h] + col), x[0], x[1]);
+          if constexpr (kGated) unpack(*reinterpret_cast<const uint32_t*>(pre_row[h] + I + col), u[0], u[1]);
+        }
         float wh[2], dp[2], du[2];
 #pragma unroll
         for (int v = 0; v < 2; ++v) {
@@ -375,7 +342,6 @@ __device__ __forceinline__ void g_epilogue_warp(const BackwardParams& p, const G
     store_warp_rows<Element, 8>(staging, out_wh, wh_out + c * 64, I, write_rows, 64);
     store_warp_rows<Element, 8>(staging, out_dpre, dpre_out + c * 64, ld, write_rows, 64);
     if constexpr (kGated) store_warp_rows<Element, 8>(staging, out_dup, dpre_out + I + c * 64, ld, write_rows, 64);
-    pre = next;
   }
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -386,31 +352,14 @@ __device__ __forceinline__ void g_epilogue_warp(const BackwardParams& p, const G
   }
 }
 
-// One g tile (the consumer warpgroups): pre's first chunk, the MMAs, the epilogue.
-template <typename Element, typename Config, Activation kKind>
-__device__ __forceinline__ bool g_tile_of(const BackwardParams& p, char* smem, StagePipeline<Config::kStages>& stages,
-                                          typename Config::RowGemm::State& stage, char* staging,
-                                          const BackwardRowTile& tile, int n0, int g_cols) {
-  constexpr int BN = Config::kTileN;
-  PreChunk<kKind == Activation::Swiglu> first{};
-  if constexpr (kPreAhead<kKind>) first = load_pre_chunk<Element, kKind == Activation::Swiglu>(p, tile, n0);
-  typename Config::RowGemm gemm;
-  const int k_tiles = p.hidden / static_cast<int>(kTmaSlabK);
-  const bool ok = gemm.consume(smem, stages, stage, k_tiles, p, (threadIdx.x >> 7) * 64 < tile.rows);
-  if (!sync_workers_and(ok)) return false;
-  g_epilogue_warp<Element, BN, kKind>(p, gemm, first, staging, tile, n0, n0 / BN, g_cols);
-  return true;
-}
-
-template <typename Element, typename Config>
-__device__ __forceinline__ bool g_tile(const BackwardParams& p, char* smem, StagePipeline<Config::kStages>& stages,
-                                       typename Config::RowGemm::State& stage, char* staging,
-                                       const BackwardRowTile& tile, int n0, int g_cols) {
+template <typename Element, int BN, typename Gemm>
+__device__ __forceinline__ void g_epilogue(const BackwardParams& p, const Gemm& gemm, char* staging,
+                                           const BackwardRowTile& tile, int n0, int col_tile, int g_cols) {
   switch (p.activation) {
-    case Activation::Relu: return g_tile_of<Element, Config, Activation::Relu>(p, smem, stages, stage, staging, tile, n0, g_cols);
-    case Activation::Gelu: return g_tile_of<Element, Config, Activation::Gelu>(p, smem, stages, stage, staging, tile, n0, g_cols);
-    case Activation::Silu: return g_tile_of<Element, Config, Activation::Silu>(p, smem, stages, stage, staging, tile, n0, g_cols);
-    default: return g_tile_of<Element, Config, Activation::Swiglu>(p, smem, stages, stage, staging, tile, n0, g_cols);
+    case Activation::Relu: g_epilogue_warp<Element, BN, Activation::Relu>(p, gemm, staging, tile, n0, col_tile, g_cols); break;
+    case Activation::Gelu: g_epilogue_warp<Element, BN, Activation::Gelu>(p, gemm, staging, tile, n0, col_tile, g_cols); break;
+    case Activation::Silu: g_epilogue_warp<Element, BN, Activation::Silu>(p, gemm, staging, tile, n0, col_tile, g_cols); break;
+    default: g_epilogue_warp<Element, BN, Activation::Swiglu>(p, gemm, staging, tile, n0, col_tile, g_cols);
   }
 }
 
@@ -500,7 +449,11 @@ __device__ bool consume_backward(const BackwardParams& p, const ExpertTables& t,
     const BackwardTask task = decode_backward_task<BN>(id, counts, t.tile_start[p.experts]);
     if (task.kind == BackwardTaskKind::G) {
       const BackwardRowTile tile = backward_row_tile(t, p.experts, task.row_tile);
-      if (!g_tile<Element, Config>(p, smem, stages, stage, staging, tile, task.n0, counts.g_cols)) return false;
+      typename Config::RowGemm gemm;
+      const int k_tiles = p.hidden / static_cast<int>(kTmaSlabK);
+      const bool ok = gemm.consume(smem, stages, stage, k_tiles, p, (threadIdx.x >> 7) * 64 < tile.rows);
+      if (!sync_workers_and(ok)) return false;
+      g_epilogue<Element, BN>(p, gemm, staging, tile, task.n0, task.n0 / BN, counts.g_cols);
       tma::fence_proxy_async_global();  // the dx and dW tiles' TMA loads read wh and dpre
       sync_workers();
       if (threadIdx.x == 0) {
