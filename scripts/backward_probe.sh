@@ -11,7 +11,7 @@ files="backward/fused_backward.cuh backward/fused_params.cuh"
 declare -A EDIT=(
   [base]='s'
   # no g epilogue (the tiles still count as done)
-  [noepi]='s.replace("      g_epilogue<Element, kGTileN>(p, gemm", "      if (p.tokens < 0) g_epilogue<Element, kGTileN>(p, gemm")'
+  [noepi]='re.sub(r"\n(      )(g_epilogue<Element, \w+>\(p, gemm)", r"\n\1if (p.tokens < 0) \2", s)'
   # no g tiles: counts, gather and the two grid barriers alone
   [nog]='s.replace("c.g_tasks = row_tiles * c.g_cols;", "c.g_tasks = 0;")'
 )
