@@ -4,7 +4,9 @@
 # script, optionally Nsight Compute. Each step has its own timeout; logs under $OUT (at most eight files
 # come back), a summary table last. Skip steps with SKIP="mp ray bench training host" (any subset);
 # GPU_TESTS overrides the one-process test files, BENCH_CONFIGS the single-gpu bench shapes; NCU=1 adds Nsight Compute on the expert-bound shape; PROFILE=1 the backward's per-kernel profile;
-# PHASES=1 the fused backward's time per kind of task.
+# PHASES=1 the fused backward's time per kind of task; SOAK=1 ~500 fused backward launches of the Mixtral
+# shape under a hard limit (a hang beyond the watchdog shows as a timeout); PROBES="base noepi nog" the
+# fused backward built with parts changed (scripts/backward_probe.sh).
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 start=$(date +%s)
@@ -68,6 +70,14 @@ if [ "${PHASES:-0}" = "1" ] && [ "$(left)" -gt 70 ]; then
   # the fused backward's launch with each kind of task in turn, at each tile width, beside torch.mm
   timeout 120 python3 scripts/backward_phases.py > /tmp/phases.log 2>&1; note "backward phases rc=$?"
   grep -A20 "== summary" /tmp/phases.log || tail -20 /tmp/phases.log
+fi
+if [ "${SOAK:-0}" = "1" ] && [ "$(left)" -gt 140 ]; then
+  timeout 120 python3 scripts/backward_phases.py --shapes 4096/4096/14336/8/2/swiglu --reps 100 > /tmp/soak.log 2>&1
+  note "backward soak (Mixtral shape, ~500 launches) rc=$? (124: it hung)"; tail -3 /tmp/soak.log
+fi
+if [ -n "${PROBES:-}" ] && [ "$(left)" -gt 120 ]; then
+  timeout $(( $(left) - 20 )) bash scripts/backward_probe.sh > /tmp/probe.log 2>&1
+  note "backward probes ($PROBES) rc=$?"; sed -n '/== probe summary/,$p' /tmp/probe.log | grep -v torch.mm
 fi
 if [ "${NCU:-0}" = "1" ] && [ "$(left)" -gt 70 ]; then
   ncu=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
