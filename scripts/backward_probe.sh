@@ -6,8 +6,8 @@
 #   PROBES="base noepi nog" bash scripts/backward_probe.sh
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
-files="backward/fused_backward.cuh backward/fused_params.cuh"
-# Each probe: a Python expression over a file's text s, applied to each of the files (it must change one).
+source "$(dirname "$0")/probe_build.sh"
+# Each probe: a Python expression over a file's text s (probe_build.sh).
 declare -A EDIT=(
   [base]='s'
   # no g epilogue (the tiles still count as done)
@@ -19,20 +19,7 @@ export FLASHDMOE_BUILD_JOBS=${FLASHDMOE_BUILD_JOBS:-16}
 shapes=${PROBE_SHAPES:-8192/2048/2048/32/2/gelu,8192/2048/768/128/8/swiglu,4096/4096/14336/8/2/swiglu}
 summary=()
 for probe in ${PROBES:-base noepi nog}; do
-  src=/tmp/backward_probe_src_$probe
-  rm -rf "$src" && cp -r csrc "$src"
-  python3 - "$probe" $(for f in $files; do echo "$src/$f"; done) <<PY || { echo "$probe: edit failed"; continue; }
-import re, sys
-changed = False
-for path in sys.argv[2:]:
-    s = open(path).read()
-    t = ${EDIT[$probe]}
-    changed |= t != s
-    open(path, "w").write(t)
-assert sys.argv[1] == "base" or changed, "the edit matched nothing"
-PY
-  export FLASHDMOE_SOURCE_DIR=$src FLASHDMOE_CACHE_DIR=/tmp/backward_probe_cache_$probe
-  timeout 300 python3 -m flashdmoe build --verbose > "/tmp/build_$probe.log" 2>&1 || { echo "$probe: build failed"; tail -20 "/tmp/build_$probe.log"; continue; }
+  probe_build "backward_$probe" "backward/fused_backward.cuh backward/fused_params.cuh" "${EDIT[$probe]}" || continue
   kinds=g,all; [ "$probe" = nog ] && kinds=g; [ "$probe" = base ] && kinds=g,g+dx,g+dW2,g+dW1,all
   timeout ${PHASES_TIMEOUT:-120} python3 scripts/backward_phases.py --shapes "$shapes" --kinds "$kinds" > "/tmp/phases_$probe.log" 2>&1
   rc=$?; echo "$probe: rc=$rc"; [ $rc -eq 0 ] || tail -5 "/tmp/phases_$probe.log"

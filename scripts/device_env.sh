@@ -7,10 +7,17 @@ export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAS
 export FLASHDMOE_CACHE_DIR=${FLASHDMOE_CACHE_DIR:-/tmp/flashdmoe-cache}
 # Ray's wheel is over the transfer limit: it travels as a tarball without its Java jars and libraries
 # (rllib, serve, tune, train, data) that the project does not use.
-if ls .whl/ray-*.tar.xz >/dev/null 2>&1; then
-  mkdir -p /tmp/site && tar xJf .whl/ray-*.tar.xz -C /tmp/site && export PATH=/tmp/site/bin:$PATH
+# Unpacked and installed once per machine (the probe scripts source this file again).
+if [ ! -e /tmp/site/.installed ]; then
+  if ls .whl/ray-*.tar.xz >/dev/null 2>&1; then
+    mkdir -p /tmp/site && tar xJf .whl/ray-*.tar.xz -C /tmp/site
+  fi
+  if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  fi
+  [ -d /tmp/site ] && touch /tmp/site/.installed
 fi
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=$PYTHONPATH:/tmp/site
+if [ -d /tmp/site ]; then
+  export PATH=/tmp/site/bin:$PATH
+  case ":$PYTHONPATH:" in *:/tmp/site:*) ;; *) export PYTHONPATH=$PYTHONPATH:/tmp/site ;; esac
 fi

@@ -1,0 +1,27 @@
+# Sourced by the probe scripts (expert_phase_probe.sh, backward_probe.sh): the kernel built from a copy of
+# csrc/ with one part changed, into its own build cache.
+#
+#   probe_build NAME "FILES" EDIT
+#
+# copies csrc/ to /tmp/probe_src_NAME, applies EDIT -- a Python expression over a file's text `s` (`re`
+# imported) -- to each of FILES (paths under csrc/), which must change one of them unless EDIT is `s`,
+# builds, and exports FLASHDMOE_SOURCE_DIR and FLASHDMOE_CACHE_DIR for the timing that follows. Returns
+# non-zero, saying why, when the edit matched nothing or the build failed (log: /tmp/probe_build_NAME.log).
+probe_build() {
+  local name=$1 files=$2 edit=$3 src=/tmp/probe_src_$1
+  rm -rf "$src" && cp -r csrc "$src"
+  PROBE_EDIT=$edit python3 - $(for f in $files; do echo "$src/$f"; done) <<'PY' || { echo "$name: the edit failed"; return 1; }
+import os, re, sys
+edit = os.environ["PROBE_EDIT"]
+changed = False
+for path in sys.argv[1:]:
+    s = open(path).read()
+    t = eval(edit)
+    changed |= t != s
+    open(path, "w").write(t)
+assert edit == "s" or changed, "the edit matched nothing"
+PY
+  export FLASHDMOE_SOURCE_DIR=$src FLASHDMOE_CACHE_DIR=/tmp/probe_cache_$name
+  timeout 300 python3 -m flashdmoe build --verbose > "/tmp/probe_build_$name.log" 2>&1 \
+    || { echo "$name: build failed"; tail -20 "/tmp/probe_build_$name.log"; return 1; }
+}
