@@ -33,17 +33,19 @@ struct FusedBackwardConfig {
   // operands MN-major (the row buffers read across their rows).
   using RowGemm = TmaTileGemm<Element, BN, kStages, 64, Major::K, Major::K>;
   using WeightGemm = TmaTileGemm<Element, BN, kStages, 64, Major::MN, Major::MN>;
-  // g tiles are kGTileN wide whatever BN is: their epilogue holds the accumulators, the saved
-  // pre-activations and up to three packed outputs, which at 256 columns spilled 1.5 KB per thread.
-  using GGemm = TmaTileGemm<Element, kGTileN, kStages, 64, Major::K, Major::K, BN>;
   static constexpr int kBoxBytes = 64 * 64 * 2;  // every operand box: 64 x 64 two-byte elements
   static constexpr int kPanels = BN / 64;
   static constexpr int kPipelineBytes = RowGemm::kPipelineBytes;
-  static_assert(WeightGemm::kPipelineBytes == kPipelineBytes && GGemm::kPipelineBytes == kPipelineBytes,
-                "one stage ring for every GEMM kind");
+  static_assert(WeightGemm::kPipelineBytes == kPipelineBytes, "one stage ring for every GEMM kind");
   static constexpr int kStagingOffset = kPipelineBytes;
   static constexpr int kSmemBytes = kPipelineBytes + (kThreads / 32) * kWarpStagingBytes;
-  static constexpr int kBlockThreads = kThreads + 32;  // + the producer warp
+  // + a producer warpgroup (one lane issues the loads): whole warpgroups, so that registers can move to
+  // the consumers (168 each at launch; 40 for the producer, 232 for the consumers in the task loop).
+  static constexpr int kBlockThreads = kThreads + 128;
+  static constexpr int kLaunchRegisters = 168, kProducerRegisters = 40, kConsumerRegisters = 232;
+  static_assert(128 * kProducerRegisters + kThreads * kConsumerRegisters <= kBlockThreads * kLaunchRegisters &&
+                    kBlockThreads * kLaunchRegisters <= 65536,
+                "the registers the block holds at launch cover it before and after the move");
 };
 
 // Per-block tables over experts (E + 1 entries each): kept rows' packed start, padded start, first row tile.
@@ -92,7 +94,7 @@ struct BackwardTaskCounts {
 template <int BN>
 __device__ __forceinline__ BackwardTaskCounts backward_task_counts(const BackwardParams& p, int row_tiles) {
   BackwardTaskCounts c;
-  c.g_cols = (p.ffn + kGTileN - 1) / kGTileN;
+  c.g_cols = (p.ffn + BN - 1) / BN;
   c.dx_cols = (p.hidden + BN - 1) / BN;
   c.dw2_m = p.need_dw2 ? (p.ffn + kExpertTileM - 1) / kExpertTileM : 0;
   c.dw2_n = (p.hidden + BN - 1) / BN;
@@ -111,7 +113,7 @@ template <int BN>
 __device__ __forceinline__ BackwardTask decode_backward_task(int id, const BackwardTaskCounts& c, int row_tiles) {
   if (id < c.g_tasks) {
     const TileCoord t = grouped_tile(id, row_tiles, c.g_cols);
-    return {BackwardTaskKind::G, t.row, 0, 0, t.col * kGTileN};
+    return {BackwardTaskKind::G, t.row, 0, 0, t.col * BN};
   }
   id -= c.g_tasks;
   if (id < c.dx_tasks) {
@@ -402,11 +404,11 @@ __device__ bool produce_backward(const BackwardParams& p, const ExpertTables& t,
       const CUtensorMap* a_map = g ? &p.maps.dy_rows : &p.maps.dpre;
       const CUtensorMap* b_map = g ? &p.maps.w2 : &p.maps.w1;
       const int k_tiles = (g ? p.hidden : p.w1_cols) / static_cast<int>(kTmaSlabK);
-      const int panels = g ? kGTileN / 64 : Config::kPanels;  // every GEMM kind addresses the ring alike
-      ok = Gemm::produce(smem, stages, stage, k_tiles, (a_boxes + panels) * kBox, p,
+      ok = Gemm::produce(smem, stages, stage, k_tiles, (a_boxes + Config::kPanels) * kBox, p,
                          [&](uint32_t a_dst, uint32_t b_dst, int k0, uint32_t bar) {
                            for (int b = 0; b < a_boxes; ++b) tma::load_2d(a_dst + b * kBox, a_map, bar, k0, tile.padded_row0 + 64 * b);
-                           for (int panel = 0; panel < panels; ++panel)
+#pragma unroll
+                           for (int panel = 0; panel < Config::kPanels; ++panel)
                              tma::load_3d(b_dst + panel * kBox, b_map, bar, k0, task.n0 + 64 * panel, tile.expert);
                          });
     } else {
@@ -447,11 +449,11 @@ __device__ bool consume_backward(const BackwardParams& p, const ExpertTables& t,
     const BackwardTask task = decode_backward_task<BN>(id, counts, t.tile_start[p.experts]);
     if (task.kind == BackwardTaskKind::G) {
       const BackwardRowTile tile = backward_row_tile(t, p.experts, task.row_tile);
-      typename Config::GGemm gemm;
+      typename Config::RowGemm gemm;
       const int k_tiles = p.hidden / static_cast<int>(kTmaSlabK);
       const bool ok = gemm.consume(smem, stages, stage, k_tiles, p, (threadIdx.x >> 7) * 64 < tile.rows);
       if (!sync_workers_and(ok)) return false;
-      g_epilogue<Element, kGTileN>(p, gemm, staging, tile, task.n0, task.n0 / kGTileN, counts.g_cols);
+      g_epilogue<Element, BN>(p, gemm, staging, tile, task.n0, task.n0 / BN, counts.g_cols);
       tma::fence_proxy_async_global();  // the dx and dW tiles' TMA loads read wh and dpre
       sync_workers();
       if (threadIdx.x == 0) {
@@ -512,11 +514,20 @@ __device__ void backward_block(const BackwardParams& p, char* smem) {
   }
   __syncthreads();
   bool ok = true;
-  if (threadIdx.x < kThreads)
+  if (threadIdx.x < kThreads) {
+    ptx::increase_registers<Config::kConsumerRegisters>();
     ok = consume_backward<Element, Config>(p, tables, smem, stages, ring, counts);
-  else if (threadIdx.x == kThreads)
-    ok = produce_backward<Element, Config>(p, tables, smem, stages, ring, counts);
+    ptx::decrease_registers<Config::kLaunchRegisters>();
+  } else {
+    ptx::decrease_registers<Config::kProducerRegisters>();
+    if (threadIdx.x == kThreads) ok = produce_backward<Element, Config>(p, tables, smem, stages, ring, counts);
+    __syncwarp();
+  }
   __syncthreads_and(ok);
+  // The producer warpgroup takes its registers back only past the barrier, which every consumer warp
+  // reaches after giving its own back: asked for earlier, its idle warps could retake registers that a
+  // consumer warp's increase was still waiting for, and that warp would never reach the consumers' barrier.
+  if (threadIdx.x >= kThreads) ptx::increase_registers<Config::kLaunchRegisters>();
   if (blockIdx.x == 0 && threadIdx.x == 0) p.phase_clock[2] = ptx::global_timer_ns();
 }
 

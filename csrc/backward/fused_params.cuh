@@ -19,9 +19,7 @@ enum BackwardPhase : uint32_t {
 // Each expert's rows start at a multiple of this in the backward's own row buffers, the gap zero: the
 // weight gradients run over whole 64-row K slabs of one expert.
 constexpr int kBackwardRowAlign = 64;
-// Width of the g tiles (their epilogue is the backward's heaviest: at 256 columns it spilled 1.5 KB per
-// thread) and of the other GEMMs' tiles (128 columns lost on every shape measured, docs/perf-notes.md).
-constexpr int kGTileN = 128;
+// Width of every GEMM's tiles in the backward (128 columns lost on every shape measured, docs/perf-notes.md).
 constexpr int kBackwardTileN = 256;
 
 // Rows of the backward's row buffers for T*k choices over E experts: every expert's rows padded.
@@ -124,7 +122,7 @@ inline BackwardScratchLayout make_backward_scratch_layout(int64_t choices, int h
                                                           int experts, int element_bytes) {
   BackwardScratchLayout l{};
   l.padded_rows = backward_padded_rows(choices, experts);
-  l.g_col_tiles = (ffn + kGTileN - 1) / kGTileN;
+  l.g_col_tiles = (ffn + kBackwardTileN - 1) / kBackwardTileN;
   const size_t rows = static_cast<size_t>(l.padded_rows);
   size_t at = 0;
   auto take = [&](size_t bytes) { size_t here = at; at = (at + bytes + 127) / 128 * 128; return here; };

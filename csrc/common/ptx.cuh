@@ -109,4 +109,17 @@ __device__ __forceinline__ uint64_t global_timer_ns() {
   return t;
 }
 
+// Moves registers between the warpgroups of a block (warp-specialised kernels): a producer warpgroup that
+// only issues copies gives most of its registers to the consumer warpgroups that hold the accumulators.
+// Every warp of a warpgroup executes the same instruction; an increase waits until the block's pool
+// has the registers.
+template <int kRegisters>
+__device__ __forceinline__ void increase_registers() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegisters));
+}
+template <int kRegisters>
+__device__ __forceinline__ void decrease_registers() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegisters));
+}
+
 }  // namespace flashdmoe::ptx

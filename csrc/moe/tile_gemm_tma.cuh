@@ -22,10 +22,7 @@ namespace flashdmoe {
 // or M / N (64-element panels of 64 K rows).
 enum class Major { K, MN };
 
-// kRingBN: the widest tile sharing the stage ring (a narrower tile fills the first BN columns of each
-// B stage, so that tiles of both widths can follow each other through one ring).
-template <typename Element, int BN, int STAGES, int ROW_BOX, Major kMajorA = Major::K, Major kMajorB = Major::MN,
-          int kRingBN = BN>
+template <typename Element, int BN, int STAGES, int ROW_BOX, Major kMajorA = Major::K, Major kMajorB = Major::MN>
 struct TmaTileGemm {
   using Pipeline = StagePipeline<STAGES>;
   using State = PipelineState<STAGES>;
@@ -34,10 +31,8 @@ struct TmaTileGemm {
   static constexpr int kAccumulators = BN / 2;
   static constexpr int kStageBytesA = kBlockM * kBlockK * 2;
   static constexpr int kStageBytesB = kBlockK * kBlockN * 2;
-  static constexpr int kRingStageBytesB = kBlockK * kRingBN * 2;
-  static_assert(kRingBN >= BN, "a tile fits its ring's B stages");
   static constexpr int kPanelBytes = kBlockK * 64 * 2;  // one 64-column B panel: 64 K rows x 128 bytes
-  static constexpr int kPipelineBytes = STAGES * (kStageBytesA + kRingStageBytesB);
+  static constexpr int kPipelineBytes = STAGES * (kStageBytesA + kStageBytesB);
   static constexpr uint32_t kAtomBytes = 1024;  // 8 rows x 128 bytes: the swizzle repeat
   // A stage is filled by `a_boxes` A row boxes (as many as the tile has rows for) and kPanels weight
   // panel boxes: its expect_tx byte count. A rows past those boxes keep stale data: they feed only
@@ -58,7 +53,7 @@ struct TmaTileGemm {
   float acc[kAccumulators];
 
   __device__ static uint32_t a_stage(uint32_t base, int s) { return base + s * kStageBytesA; }
-  __device__ static uint32_t b_stage(uint32_t base, int s) { return base + STAGES * kStageBytesA + s * kRingStageBytesB; }
+  __device__ static uint32_t b_stage(uint32_t base, int s) { return base + STAGES * kStageBytesA + s * kStageBytesB; }
 
   // Issue one 64-deep K slab (4 wgmma) as one commit group; does not wait for it.
   __device__ void issue_stage(uint32_t a_base, uint32_t b_base) {
