@@ -11,7 +11,7 @@ source "$(dirname "$0")/probe_build.sh"
 declare -A EDIT=(
   [base]='s'
   # no g epilogue (the tiles still count as done)
-  [noepi]='re.sub(r"\n(      )(g_epilogue<Element, \w+>\(p, gemm)", r"\n\1if (p.tokens < 0) \2", s)'
+  [noepi]='re.sub(r"\n( +)(g_epilogue<Element, \w+>\(p, gemm)", r"\n\1if (p.tokens < 0) \2", s)'
   # no g tiles: counts, gather and the two grid barriers alone
   [nog]='s.replace("c.g_tasks = row_tiles * c.g_cols;", "c.g_tasks = 0;")'
 )

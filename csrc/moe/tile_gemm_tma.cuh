@@ -131,4 +131,96 @@ struct TmaTileGemm {
   }
 };
 
+// One consumer warpgroup's own 128 x 128 tile (ping-pong: a block's two consumer warpgroups take
+// alternate tiles, so that one's epilogue runs under the other's wgmma). The same stage ring and producer
+// as TmaTileGemm; each stage holds 128 rows of A (two 64-row boxes or two 64-column panels) and 128
+// columns of B, and is read and released by one warpgroup alone (its "empty" barrier counts 4 warps).
+// The warpgroup issues two m64n128 wgmma per 16-deep K step, one per 64-row half of the tile; the upper
+// half's are skipped where the tile has no rows there.
+template <typename Element, int STAGES, Major kMajorA, Major kMajorB>
+struct TmaWarpgroupTileGemm {
+  using Pipeline = StagePipeline<STAGES>;
+  using State = PipelineState<STAGES>;
+  static constexpr int kBlockM = 128, kBlockN = 128, kBlockK = 64, kHalfM = 64;
+  static constexpr int kPanels = kBlockN / 64;
+  static constexpr int kReleasingWarps = 4;
+  static constexpr int kStageBytesA = kBlockM * kBlockK * 2;
+  static constexpr int kStageBytesB = kBlockK * kBlockN * 2;
+  static constexpr int kPanelBytes = kBlockK * 64 * 2;
+  static constexpr int kPipelineBytes = STAGES * (kStageBytesA + kStageBytesB);
+  static constexpr uint32_t kAtomBytes = 1024;
+  using Producer = TmaTileGemm<Element, kBlockN, STAGES, 64, kMajorA, kMajorB>;
+  static_assert(Producer::kStageBytesA == kStageBytesA && Producer::kStageBytesB == kStageBytesB,
+                "the producer's stage layout is this tile's");
+
+  // acc[half][j*4+v]: row 64*half + 16*(warp%4) + lane/4 (+8 for v >= 2), column 8*j + 2*(lane%4) + (v & 1).
+  float acc[2][kBlockN / 2];
+
+  __device__ static uint32_t a_stage(uint32_t base, int s) { return Producer::a_stage(base, s); }
+  __device__ static uint32_t b_stage(uint32_t base, int s) { return Producer::b_stage(base, s); }
+
+  template <bool kUpper>
+  __device__ __forceinline__ void issue_stage(uint32_t a_base, uint32_t b_base) {
+    wgmma::fence_operands(acc[0]);
+    if constexpr (kUpper) wgmma::fence_operands(acc[1]);
+    wgmma::fence();
+#pragma unroll
+    for (int kk = 0; kk < kBlockK / 16; ++kk) {
+      const uint64_t desc_b = kMajorB == Major::K ? wgmma::smem_descriptor(b_base + kk * 32, 16, kAtomBytes)
+                                                  : wgmma::smem_descriptor(b_base + kk * 16 * 128, kPanelBytes, kAtomBytes);
+#pragma unroll
+      for (int half = 0; half < (kUpper ? 2 : 1); ++half) {
+        const uint64_t desc_a =
+            kMajorA == Major::K
+                ? wgmma::smem_descriptor(a_base + half * kHalfM * 128 + kk * 32, 16, kAtomBytes)
+                : wgmma::smem_descriptor(a_base + half * kPanelBytes + kk * 16 * 128, kPanelBytes, kAtomBytes);
+        wgmma::Mma<kBlockN, Element, kMajorA == Major::MN, kMajorB == Major::MN>::run(acc[half], desc_a, desc_b);
+      }
+    }
+    wgmma::commit_group();
+  }
+
+  // As TmaTileGemm::consume, for this warpgroup alone: `halves` of the tile's 64-row halves hold rows
+  // (0: the warpgroup only paces the ring, waiting for each stage and releasing it at once).
+  template <typename Params>
+  __device__ bool consume(char* smem, Pipeline& pipe, State& at, int k_tiles, const Params& p, int halves) {
+#pragma unroll
+    for (int i = 0; i < kBlockN / 2; ++i) acc[0][i] = acc[1][i] = 0.f;
+    if (halves == 2) return mainloop<true>(smem, pipe, at, k_tiles, p);
+    if (halves == 1) return mainloop<false>(smem, pipe, at, k_tiles, p);
+    bool ok = true;
+    for (int kt = 0; kt < k_tiles; ++kt, at.advance()) {
+      ok = ok && pipe.consumer_wait(at, p);
+      __syncwarp();
+      if ((threadIdx.x & 31) == 0) pipe.consumer_release(at);
+    }
+    return ok;
+  }
+
+ private:
+  template <bool kUpper, typename Params>
+  __device__ __forceinline__ bool mainloop(char* smem, Pipeline& pipe, State& at, int k_tiles, const Params& p) {
+    const uint32_t base = ptx::smem_addr(smem);
+    const bool lane0 = (threadIdx.x & 31) == 0;
+    bool ok = true;
+    State retiring = at;
+    for (int kt = 0; kt < k_tiles; ++kt, at.advance()) {
+      ok = ok && pipe.consumer_wait(at, p);
+      issue_stage<kUpper>(a_stage(base, at.index()), b_stage(base, at.index()));
+      wgmma::wait_group<1>();
+      __syncwarp();
+      if (kt > 0) {
+        if (lane0) pipe.consumer_release(retiring);
+        retiring.advance();
+      }
+    }
+    wgmma::wait_group<0>();
+    wgmma::fence_operands(acc[0]);
+    if constexpr (kUpper) wgmma::fence_operands(acc[1]);
+    __syncwarp();
+    if (k_tiles > 0 && lane0) pipe.consumer_release(retiring);
+    return ok;
+  }
+};
+
 }  // namespace flashdmoe
