@@ -334,7 +334,7 @@ GPU_CASES = [
     Case(64, 256, 128, 64, 6, "relu", expect="empty"),
     Case(1, 128, 128, 8, 2, "swiglu"),
     Case(2048, 512, 256, 16, 2, "swiglu", capacity_factor=1.0, skew=3.0, expect="dropped"),
-    # H and I not multiples of the 128-column tiles: every GEMM's last column tile half empty
+    # H and I not multiples of 128: every GEMM's last column tile partly past the matrix
     Case(900, 320, 192, 4, 2, "gelu", skew=1.5),
     Case(600, 192, 320, 8, 3, "swiglu", normalize=False),
 ]

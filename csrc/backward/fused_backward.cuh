@@ -25,25 +25,18 @@
 
 namespace flashdmoe {
 
-// Ping-pong: each consumer warpgroup computes every other task's 128 x 128 tile alone, so that one
-// warpgroup's epilogue (the g tiles' element-wise step, every tile's stores) runs while the other's
-// wgmma keep the tensor cores busy. The stage ring orders the two: the producer fills one task's slabs
-// after the other's.
 template <typename Element, int BN>
 struct FusedBackwardConfig {
-  static_assert(BN == 128, "a warpgroup's own tile is 128 x 128");
   static constexpr int kTileN = BN;
-  static constexpr int kStages = 6;  // of 16 KB of A and 16 KB of B
+  static constexpr int kStages = 4;  // of 16 KB of A and BN x 128 bytes of B
   // Row GEMMs (g, dx): A K-major row boxes, B the transposed weights (K-major). Weight gradients: both
   // operands MN-major (the row buffers read across their rows).
-  using RowGemm = TmaWarpgroupTileGemm<Element, kStages, Major::K, Major::K>;
-  using WeightGemm = TmaWarpgroupTileGemm<Element, kStages, Major::MN, Major::MN>;
-  using Producer = typename RowGemm::Producer;  // the loads: the same stage layout for both kinds
+  using RowGemm = TmaTileGemm<Element, BN, kStages, 64, Major::K, Major::K>;
+  using WeightGemm = TmaTileGemm<Element, BN, kStages, 64, Major::MN, Major::MN>;
   static constexpr int kBoxBytes = 64 * 64 * 2;  // every operand box: 64 x 64 two-byte elements
   static constexpr int kPanels = BN / 64;
   static constexpr int kPipelineBytes = RowGemm::kPipelineBytes;
-  static_assert(WeightGemm::kPipelineBytes == kPipelineBytes && Producer::kPipelineBytes == kPipelineBytes,
-                "one stage ring for every GEMM kind");
+  static_assert(WeightGemm::kPipelineBytes == kPipelineBytes, "one stage ring for every GEMM kind");
   static constexpr int kStagingOffset = kPipelineBytes;
   static constexpr int kSmemBytes = kPipelineBytes + (kThreads / 32) * kWarpStagingBytes;
   // + a producer warpgroup (one lane issues the loads): whole warpgroups, so that registers can move to
@@ -274,16 +267,16 @@ __device__ void gather_rows(const BackwardParams& p, const ExpertTables& t) {
 
 // ---- 3. tasks ----
 
-// g tile epilogue (one warp, its 16 rows from row0 of a 64 x BN fragment): the element-wise step of the backward on the fp32 g
+// g tile epilogue (one warp, its 16 rows): the element-wise step of the backward on the fp32 g
 // accumulators and the saved pre-activations, wh and dpre out through the warp's staging buffer, and
 // the partial <g, h> of each row over the tile's columns. Rows past the tile's up to the next multiple
 // of 64 get zeros (the weight gradients' K slabs read them); rows beyond belong to the next expert.
-template <typename Element, int BN, Activation kKind>
-__device__ __forceinline__ void g_epilogue_warp(const BackwardParams& p, const float (&acc)[BN / 2], char* staging,
-                                                const BackwardRowTile& tile, int row0, int n0, int col_tile,
-                                                int g_cols) {
+template <typename Element, int BN, Activation kKind, typename Gemm>
+__device__ __forceinline__ void g_epilogue_warp(const BackwardParams& p, const Gemm& gemm, char* staging,
+                                                const BackwardRowTile& tile, int n0, int col_tile, int g_cols) {
   constexpr bool kGated = kKind == Activation::Swiglu;
   const int lane = threadIdx.x & 31;
+  const int row0 = warp_tile_row0();
   const int write_rows = (tile.rows + kBackwardRowAlign - 1) / kBackwardRowAlign * kBackwardRowAlign - row0;
   if (write_rows <= 0) return;
   const int I = p.ffn, ld = p.w1_cols;
@@ -327,7 +320,7 @@ __device__ __forceinline__ void g_epilogue_warp(const BackwardParams& p, const f
         float wh[2], dp[2], du[2];
 #pragma unroll
         for (int v = 0; v < 2; ++v) {
-          const float g = acc[(c * 8 + jj) * 4 + h * 2 + v];
+          const float g = gemm.acc[(c * 8 + jj) * 4 + h * 2 + v];
           float act;
           const ValueAndSlope f = activation_value_and_slope(kKind, x[v]);  // swiglu: silu of the gate
           if constexpr (kGated) {
@@ -359,14 +352,14 @@ __device__ __forceinline__ void g_epilogue_warp(const BackwardParams& p, const f
   }
 }
 
-template <typename Element, int BN>
-__device__ __forceinline__ void g_epilogue(const BackwardParams& p, const float (&acc)[BN / 2], char* staging,
-                                           const BackwardRowTile& tile, int row0, int n0, int col_tile, int g_cols) {
+template <typename Element, int BN, typename Gemm>
+__device__ __forceinline__ void g_epilogue(const BackwardParams& p, const Gemm& gemm, char* staging,
+                                           const BackwardRowTile& tile, int n0, int col_tile, int g_cols) {
   switch (p.activation) {
-    case Activation::Relu: g_epilogue_warp<Element, BN, Activation::Relu>(p, acc, staging, tile, row0, n0, col_tile, g_cols); break;
-    case Activation::Gelu: g_epilogue_warp<Element, BN, Activation::Gelu>(p, acc, staging, tile, row0, n0, col_tile, g_cols); break;
-    case Activation::Silu: g_epilogue_warp<Element, BN, Activation::Silu>(p, acc, staging, tile, row0, n0, col_tile, g_cols); break;
-    default: g_epilogue_warp<Element, BN, Activation::Swiglu>(p, acc, staging, tile, row0, n0, col_tile, g_cols);
+    case Activation::Relu: g_epilogue_warp<Element, BN, Activation::Relu>(p, gemm, staging, tile, n0, col_tile, g_cols); break;
+    case Activation::Gelu: g_epilogue_warp<Element, BN, Activation::Gelu>(p, gemm, staging, tile, n0, col_tile, g_cols); break;
+    case Activation::Silu: g_epilogue_warp<Element, BN, Activation::Silu>(p, gemm, staging, tile, n0, col_tile, g_cols); break;
+    default: g_epilogue_warp<Element, BN, Activation::Swiglu>(p, gemm, staging, tile, n0, col_tile, g_cols);
   }
 }
 
@@ -376,22 +369,19 @@ __device__ __forceinline__ int expert_slabs(const ExpertTables& t, int expert) {
   return (t.padded_start[expert + 1] - t.padded_start[expert]) / static_cast<int>(kTmaSlabK);
 }
 
-// The producer warpgroup's first lane: takes tasks, waits for their inputs, hands them over in order (with
-// the stage position their slabs start at) and streams their K slabs. The consumer warpgroups read
-// alternate slots, so an end or an abort is handed to both.
+// The producer warp's lane 0: takes tasks, waits for their inputs, hands them over in order and streams
+// their K slabs.
 template <typename Element, typename Config>
 __device__ bool produce_backward(const BackwardParams& p, const ExpertTables& t, char* smem,
                                  StagePipeline<Config::kStages>& stages, TaskRing<Config::kStages>& ring,
                                  const BackwardTaskCounts& counts) {
-  using Gemm = typename Config::Producer;
+  using Gemm = typename Config::RowGemm;
   constexpr int kBox = Config::kBoxBytes;
   typename Gemm::State stage{};
   typename TaskRing<Config::kStages>::State slot{};
   for (;; slot.advance()) {
     const int id = static_cast<int>(atomicAdd(p.task_counter, 1u));
     if (id >= counts.total) {
-      ring.hand_over(slot, kTaskEnd);
-      slot.advance();
       ring.hand_over(slot, kTaskEnd);
       return true;
     }
@@ -404,12 +394,8 @@ __device__ bool produce_backward(const BackwardParams& p, const ExpertTables& t,
       ready = wait_at_least(p.expert_done + task.expert, tiles * counts.g_cols, p, kPhaseBackwardExpert, p.rank);
     }
     tma::fence_proxy_async_global();  // the TMA loads below read rows other blocks stored
-    ring.hand_over(slot, ready ? id : kTaskAbort, stage.passed);
-    if (!ready) {
-      slot.advance();
-      ring.hand_over(slot, kTaskAbort);
-      return false;
-    }
+    ring.hand_over(slot, ready ? id : kTaskAbort);
+    if (!ready) return false;
     bool ok;
     if (task.kind == BackwardTaskKind::G || task.kind == BackwardTaskKind::Dx) {
       const BackwardRowTile tile = backward_row_tile(t, p.experts, task.row_tile);
@@ -449,37 +435,28 @@ __device__ bool produce_backward(const BackwardParams& p, const ExpertTables& t,
   }
 }
 
-// A consumer warpgroup: every other handed task (warpgroup 0 the even slots, 1 the odd ones), its
-// 128 x 128 tile's wgmma from the stage position handed with it, then the kind's epilogue, each warp
-// taking its 16 rows of both 64-row halves. Barriers here are the warpgroup's own.
+// The consumer warpgroups: the handed tasks in order, wgmma, then each kind's epilogue.
 template <typename Element, typename Config>
 __device__ bool consume_backward(const BackwardParams& p, const ExpertTables& t, char* smem,
                                  StagePipeline<Config::kStages>& stages, TaskRing<Config::kStages>& ring,
                                  const BackwardTaskCounts& counts) {
   constexpr int BN = Config::kTileN;
-  const int member = threadIdx.x & 127;  // the thread within its warpgroup
-  const int warp_row0 = (member >> 5) * 16;  // the warp's first row in each half
+  typename Config::RowGemm::State stage{};
   char* staging = smem + Config::kStagingOffset + (threadIdx.x >> 5) * kWarpStagingBytes;
-  typename TaskRing<Config::kStages>::State slot{};
-  if (threadIdx.x >= 128) slot.advance();
-  for (;; slot.advance(), slot.advance()) {
+  for (typename TaskRing<Config::kStages>::State slot{};; slot.advance()) {
     const int id = ring.take(slot, p);
     if (id < 0) return id == kTaskEnd;
-    typename Config::RowGemm::State stage{ring.stage_of(slot)};
     const BackwardTask task = decode_backward_task<BN>(id, counts, t.tile_start[p.experts]);
     if (task.kind == BackwardTaskKind::G) {
       const BackwardRowTile tile = backward_row_tile(t, p.experts, task.row_tile);
       typename Config::RowGemm gemm;
       const int k_tiles = p.hidden / static_cast<int>(kTmaSlabK);
-      const bool ok = gemm.consume(smem, stages, stage, k_tiles, p, tile.rows > 64 ? 2 : 1);
-      if (!sync_warpgroup_and(ok)) return false;
-#pragma unroll
-      for (int half = 0; half < 2; ++half)
-        g_epilogue<Element, BN>(p, gemm.acc[half], staging, tile, 64 * half + warp_row0, task.n0, task.n0 / BN,
-                                counts.g_cols);
+      const bool ok = gemm.consume(smem, stages, stage, k_tiles, p, (threadIdx.x >> 7) * 64 < tile.rows);
+      if (!sync_workers_and(ok)) return false;
+      g_epilogue<Element, BN>(p, gemm, staging, tile, task.n0, task.n0 / BN, counts.g_cols);
       tma::fence_proxy_async_global();  // the dx and dW tiles' TMA loads read wh and dpre
-      sync_warpgroup();
-      if (member == 0) {
+      sync_workers();
+      if (threadIdx.x == 0) {
         __threadfence();
         ptx::red_release_add_gpu(p.row_tile_done + task.row_tile, 1);
         ptx::red_release_add_gpu(p.expert_done + tile.expert, 1);
@@ -488,34 +465,28 @@ __device__ bool consume_backward(const BackwardParams& p, const ExpertTables& t,
       const BackwardRowTile tile = backward_row_tile(t, p.experts, task.row_tile);
       typename Config::RowGemm gemm;
       const int k_tiles = p.w1_cols / static_cast<int>(kTmaSlabK);
-      const bool ok = gemm.consume(smem, stages, stage, k_tiles, p, tile.rows > 64 ? 2 : 1);
-      if (!sync_warpgroup_and(ok)) return false;
+      const bool ok = gemm.consume(smem, stages, stage, k_tiles, p, (threadIdx.x >> 7) * 64 < tile.rows);
+      if (!sync_workers_and(ok)) return false;
       Element* dx_rows = static_cast<Element*>(p.dx_rows) + static_cast<int64_t>(tile.packed_row0) * p.hidden;
-#pragma unroll
-      for (int half = 0; half < 2; ++half)
-        store_accumulator_rows<Element, BN>(gemm.acc[half], staging, dx_rows, p.hidden, 64 * half + warp_row0,
-                                            tile.rows, task.n0);
-      if (task.n0 == 0 && member < tile.rows) {
+      gemm2_epilogue_warp<Element, BN>(gemm, staging, dx_rows, p.hidden, tile.rows, task.n0);
+      if (task.n0 == 0 && static_cast<int>(threadIdx.x) < tile.rows) {
         // The combine weight's gradient: the row's partials in column-tile order.
-        const float* part = p.dweight_part + static_cast<int64_t>(tile.padded_row0 + member) * counts.g_cols;
+        const float* part = p.dweight_part + static_cast<int64_t>(tile.padded_row0 + threadIdx.x) * counts.g_cols;
         float sum = 0.f;
         for (int ct = 0; ct < counts.g_cols; ++ct) sum += __ldcg(part + ct);
-        p.dweight_row[tile.packed_row0 + member] = sum;
+        p.dweight_row[tile.packed_row0 + threadIdx.x] = sum;
       }
     } else {
       const bool dw2 = task.kind == BackwardTaskKind::Dw2;
       const int m_extent = dw2 ? p.ffn : p.hidden, n_extent = dw2 ? p.hidden : p.w1_cols;
       const int slabs = expert_slabs(t, task.expert);
       typename Config::WeightGemm gemm;
-      const int halves = slabs == 0 ? 0 : m_extent - task.m0 > 64 ? 2 : 1;
-      const bool ok = gemm.consume(smem, stages, stage, slabs > 0 ? slabs : 1, p, halves);
-      if (!sync_warpgroup_and(ok)) return false;
+      const bool active = slabs > 0 && (threadIdx.x >> 7) * 64 < m_extent - task.m0;
+      const bool ok = gemm.consume(smem, stages, stage, slabs > 0 ? slabs : 1, p, active);
+      if (!sync_workers_and(ok)) return false;
       Element* out = static_cast<Element*>(dw2 ? p.dw2 : p.dw1) +
                      (static_cast<int64_t>(task.expert) * m_extent + task.m0) * n_extent;
-#pragma unroll
-      for (int half = 0; half < 2; ++half)
-        store_accumulator_rows<Element, BN>(gemm.acc[half], staging, out, n_extent, 64 * half + warp_row0,
-                                            m_extent - task.m0, task.n0);
+      gemm2_epilogue_warp<Element, BN>(gemm, staging, out, n_extent, m_extent - task.m0, task.n0);
     }
   }
 }
@@ -539,7 +510,7 @@ __device__ void backward_block(const BackwardParams& p, char* smem) {
   const BackwardTaskCounts counts = backward_task_counts<Config::kTileN>(p, tables.tile_start[p.experts]);
   if (threadIdx.x == 0) {
     ring.init();
-    stages.init(Config::RowGemm::kReleasingWarps);
+    stages.init(kThreads / 32);
   }
   __syncthreads();
   bool ok = true;

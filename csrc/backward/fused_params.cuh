@@ -19,8 +19,8 @@ enum BackwardPhase : uint32_t {
 // Each expert's rows start at a multiple of this in the backward's own row buffers, the gap zero: the
 // weight gradients run over whole 64-row K slabs of one expert.
 constexpr int kBackwardRowAlign = 64;
-// Width of every GEMM's tiles in the backward: each consumer warpgroup's own 128 x 128 tile (ping-pong).
-constexpr int kBackwardTileN = 128;
+// Width of every GEMM's tiles in the backward (128 columns lost on every shape measured, docs/perf-notes.md).
+constexpr int kBackwardTileN = 256;
 
 // Rows of the backward's row buffers for T*k choices over E experts: every expert's rows padded.
 __host__ __device__ constexpr int64_t backward_padded_rows(int64_t choices, int experts) {

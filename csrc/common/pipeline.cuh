@@ -90,23 +90,17 @@ struct TaskRing {
   static constexpr int kSlots = STAGES + 2;
   using State = PipelineState<kSlots>;
   int task[kSlots];
-  uint32_t first_stage[kSlots];  // the producer's stage position at the task's first slab
   uint64_t full[kSlots];
 
   // Thread 0, once per launch (with the stage pipeline's init: a fence and a block barrier follow).
   __device__ void init() {
     for (int s = 0; s < kSlots; ++s) tma::mbarrier_init(ptx::smem_addr(&full[s]), 1);
   }
-  // Producer: task id `id` (or kTaskEnd / kTaskAbort) into slot `at`, with the stage ring position its
-  // slabs start at (for consumers that do not read every task, which cannot count the slabs before it);
-  // the arrival releases it to the waiters.
-  __device__ __forceinline__ void hand_over(const State& at, int id, uint32_t stage_passed = 0) {
+  // Producer: task id `id` (or kTaskEnd / kTaskAbort) into slot `at`; the arrival releases it to the waiters.
+  __device__ __forceinline__ void hand_over(const State& at, int id) {
     task[at.index()] = id;
-    first_stage[at.index()] = stage_passed;
     tma::arrive(ptx::smem_addr(&full[at.index()]));
   }
-  // The stage ring position handed with the task of slot `at` (once take returned it).
-  __device__ __forceinline__ uint32_t stage_of(const State& at) const { return first_stage[at.index()]; }
   // Consumers: the id handed in slot `at` (kTaskAbort when the wait failed).
   template <typename Params>
   __device__ __forceinline__ int take(const State& at, const Params& p) {

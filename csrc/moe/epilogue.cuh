@@ -142,26 +142,17 @@ __device__ __forceinline__ void gemm1_epilogue_warp(const MoEParams& p, const Ge
   store_warp_rows<Element, BN / 8>(staging, packed, out, p.ffn, rows - row0, cols);
 }
 
-// One warp's 16 rows of a 64 x kCols wgmma fragment (acc[j*4+v], rows row0 + lane/4 (+8), the layout
-// above), as they are, into `out` (the tile's first row, column col0; row stride ld): rows from `rows`
-// and columns from ld on are not stored.
-template <typename Element, int kCols>
-__device__ __forceinline__ void store_accumulator_rows(const float (&acc)[kCols / 2], char* staging, Element* out,
-                                                       int ld, int row0, int rows, int col0) {
-  uint32_t packed[kCols / 4];
-#pragma unroll
-  for (int j = 0; j < kCols / 8; ++j)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) packed[2 * j + h] = pack_pair<Element>(acc[j * 4 + h * 2], acc[j * 4 + h * 2 + 1]);
-  store_warp_rows<Element, kCols / 8>(staging, packed, out + static_cast<size_t>(row0) * ld + col0, ld, rows - row0,
-                                      ld - col0);
-}
-
 // GEMM2 epilogue: the accumulators as they are, into `out` (the tile's first result row, column col0).
 template <typename Element, int BN, typename Gemm>
 __device__ __forceinline__ void gemm2_epilogue_warp(const Gemm& gemm, char* staging, Element* out, int H, int rows,
                                                     int col0) {
-  store_accumulator_rows<Element, BN>(gemm.acc, staging, out, H, warp_tile_row0(), rows, col0);
+  const int row0 = warp_tile_row0();
+  uint32_t packed[BN / 4];
+#pragma unroll
+  for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) packed[2 * j + h] = pack_pair<Element>(gemm.acc[j * 4 + h * 2], gemm.acc[j * 4 + h * 2 + 1]);
+  store_warp_rows<Element, BN / 8>(staging, packed, out + static_cast<size_t>(row0) * H + col0, H, rows - row0, H - col0);
 }
 
 }  // namespace flashdmoe
