@@ -39,9 +39,11 @@ GEMM back ends (``gemm=``):
   the capacity when there is one), so it costs ``E * M / (T * k)`` times the grouped GEMMs' work and
   memory: a fallback for float16 / float32 on CUDA, float64, shapes that break the stride rule, and
   torch without ``_grouped_mm``.
-* ``"auto"`` (default): ``"grouped_mm"`` where it runs without a host synchronisation, else
-  ``"padded_bmm"``. Not ``"fused"``: on the H200 it is still slower than the grouped GEMMs on every
-  shape measured (docs/perf-notes.md).
+* ``"auto"`` (default): ``"fused"`` where it runs and the experts get at most
+  ``FUSED_MAX_ROWS_PER_EXPERT`` routed rows on average (``T * k <= 128 * E``), else ``"grouped_mm"``
+  where it runs without a host synchronisation, else ``"padded_bmm"``. On the H200 the fused launch was
+  9–11% faster than the grouped GEMMs at 128 and 12 rows per expert and 4–18% slower at 256 to 1024
+  (docs/perf-notes.md, "Backward").
 
 Element-wise back ends (``elementwise=``), for the step between the row GEMMs and for the sum of a
 token's ``k`` rows of ``dx``:
@@ -83,11 +85,14 @@ from flashdmoe import fused_backward
 from flashdmoe.kernel_codes import ACTIVATION_CODES, DTYPE_CODES
 from flashdmoe.reference import ACTIVATIONS, compute_dtype
 
-__all__ = ["expert_backward", "ELEMENTWISE_BACKENDS", "GEMM_BACKENDS", "elementwise_kernels_supported",
-           "grouped_mm_supported", "packed_rows"]
+__all__ = ["expert_backward", "choose_gemm", "ELEMENTWISE_BACKENDS", "FUSED_MAX_ROWS_PER_EXPERT", "GEMM_BACKENDS",
+           "elementwise_kernels_supported", "grouped_mm_supported", "packed_rows"]
 
 GEMM_BACKENDS = ("auto", "fused", "grouped_mm", "padded_bmm")
 ELEMENTWISE_BACKENDS = ("auto", "cuda", "torch")
+# "auto" takes the fused launch up to this many routed rows per expert on average (measured crossover:
+# faster at 128, slower from 256 on; docs/perf-notes.md).
+FUSED_MAX_ROWS_PER_EXPERT = 128
 # What the element-wise kernels take (csrc/backward/expert_grad.h: 16-bit storage).
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 _STORAGE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
@@ -126,6 +131,16 @@ def grouped_mm_supported(dtype: torch.dtype, device: torch.device, hidden: int, 
         return (f"torch._grouped_mm needs H and I to be multiples of {align} for {dtype} "
                 f"(got H={hidden}, I={intermediate})")
     return ""
+
+
+def choose_gemm(dtype: torch.dtype, device: torch.device, tokens: int, hidden: int, intermediate: int, experts: int,
+                top_k: int, have_pre: bool, elementwise: str = "auto") -> str:
+    """The GEMM back end ``gemm="auto"`` runs (module docstring): ``"fused"``, ``"grouped_mm"`` or
+    ``"padded_bmm"``. have_pre: the forward's pre-activations were saved (the fused launch needs them)."""
+    if (have_pre and elementwise != "torch" and tokens * top_k <= FUSED_MAX_ROWS_PER_EXPERT * experts
+            and not fused_backward.unsupported(dtype, device, tokens, hidden, intermediate, experts, top_k)):
+        return "fused"
+    return "padded_bmm" if grouped_mm_supported(dtype, device, hidden, intermediate) else "grouped_mm"
 
 
 def _check(x, router_weight, w1, w2, expert, weight, row, dy, activation, needs, gemm, max_rows_per_expert,
@@ -360,7 +375,7 @@ def expert_backward(
 
     activation: one of ``relu``, ``gelu`` (exact), ``silu``, ``swiglu``; normalize_topk: as in the forward.
     needs: which of ``(dx, d_router, dw1, dw2)`` to compute (the others come back as None).
-    gemm: ``"auto"``, ``"grouped_mm"`` or ``"padded_bmm"`` (module docstring).
+    gemm: ``"auto"``, ``"fused"``, ``"grouped_mm"`` or ``"padded_bmm"`` (module docstring).
     max_rows_per_expert: ``M`` of the padded back end (default ``T``); it must bound every expert's kept
     rows (the capacity, when there is one), else a device-side assert fires.
     elementwise: ``"auto"``, ``"cuda"`` or ``"torch"`` (module docstring).
@@ -391,7 +406,9 @@ def expert_backward(
             raise ValueError(f"gemm='fused' cannot run here: {why}")
         return _fused(x, router_weight, w1, w2, expert, weight, row, dy, pre, activation, normalize_topk, needs)
     if gemm == "auto":
-        gemm = "padded_bmm" if grouped_mm_supported(dtype, x.device, hidden, intermediate) else "grouped_mm"
+        gemm = choose_gemm(dtype, x.device, tokens, hidden, intermediate, experts, top_k, pre is not None, elementwise)
+    if gemm == "fused":
+        return _fused(x, router_weight, w1, w2, expert, weight, row, dy, pre, activation, normalize_topk, needs)
     padded_rows = None
     if gemm == "padded_bmm":
         padded_rows = tokens if max_rows_per_expert is None else min(max_rows_per_expert, tokens)

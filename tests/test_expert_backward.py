@@ -234,6 +234,37 @@ def test_auto_picks_grouped_mm_where_it_runs_on_cpu():
     assert "float64" in grouped_mm_supported(torch.float64, cpu, 8, 8)
 
 
+def test_auto_picks_fused_for_few_rows_per_expert_with_saved_pre(monkeypatch):
+    """choose_gemm's rule, with the fused launch's own checks passing (as on a Hopper GPU) and failing."""
+    from flashdmoe import expert_backward as eb
+
+    cuda = torch.device("cuda")
+    limit = eb.FUSED_MAX_ROWS_PER_EXPERT
+    monkeypatch.setattr(eb, "grouped_mm_supported", lambda *args: "")
+    monkeypatch.setattr(eb.fused_backward, "unsupported", lambda *args: "")
+    # (T, E, k, saved pre, elementwise) -> expected back end
+    for T, E, k, have_pre, elementwise, want in [
+        (4096, 64, 2, True, "auto", "fused"),            # 128 rows per expert: the limit itself
+        (limit * 8 + 1, 16, 2, True, "auto", "grouped_mm"),  # one row past it
+        (128, 64, 6, True, "cuda", "fused"),
+        (8192, 32, 2, True, "auto", "grouped_mm"),       # 512 rows per expert
+        (4096, 64, 2, False, "auto", "grouped_mm"),      # nothing saved: the fused launch cannot run
+        (4096, 64, 2, True, "torch", "grouped_mm"),      # torch element-wise ops asked for
+    ]:
+        got = eb.choose_gemm(torch.bfloat16, cuda, T, 2048, 2048, E, k, have_pre, elementwise)
+        assert got == want, (T, E, k, have_pre, elementwise)
+    monkeypatch.setattr(eb.fused_backward, "unsupported", lambda *args: "the fused backward needs Hopper")
+    assert eb.choose_gemm(torch.bfloat16, cuda, 4096, 2048, 2048, 64, 2, True) == "grouped_mm"
+    monkeypatch.setattr(eb, "grouped_mm_supported", lambda *args: "not here")
+    assert eb.choose_gemm(torch.bfloat16, cuda, 4096, 2048, 2048, 64, 2, True) == "padded_bmm"
+
+
+def test_auto_never_picks_fused_on_cpu():
+    from flashdmoe.expert_backward import choose_gemm
+
+    assert choose_gemm(torch.bfloat16, torch.device("cpu"), 64, 64, 64, 16, 2, True) != "fused"
+
+
 @pytest.mark.parametrize("needs", [(True, False, False, False), (False, True, False, False),
                                    (False, False, True, False), (False, False, False, True),
                                    (False, True, False, True), (False, False, False, False)], ids=str)
@@ -522,6 +553,30 @@ def test_gpu_fused_needs_selects_gradients(needs, fused_knobs, seed):
             assert torch.equal(full, part), f"{name} changes when it is the only gradient asked for"
         else:
             assert part is None, f"{name} was not asked for"
+
+
+@pytest.mark.gpu
+def test_gpu_auto_runs_the_fused_launch_for_few_rows_per_expert(fused_knobs, monkeypatch, seed):
+    """gemm='auto' with saved pre and <= 128 rows per expert: the fused launch (counted), bitwise what
+    gemm='fused' gives; with 512 rows per expert it is not launched."""
+    from flashdmoe import expert_backward as eb
+
+    launches = []
+    real = eb._fused
+    monkeypatch.setattr(eb, "_fused", lambda *args: launches.append(1) or real(*args))
+    case = Case(512, 256, 384, 16, 4, "gelu", capacity_factor=1.25, skew=2.0)  # 128 rows per expert
+    inputs, keep, capacity = _gpu_problem(case, seed, torch.bfloat16)
+    pre = saved_pre(inputs, keep)
+    auto = run(inputs, case, capacity, pre=pre)
+    assert len(launches) == 1
+    fused = run(inputs, Case(**{**case.__dict__, "gemm": "fused"}), capacity, pre=pre)
+    for name, a, b in zip(GRAD_NAMES, auto, fused):
+        assert torch.equal(a, b), f"{name}: auto and fused differ"
+    many = Case(2048, 256, 384, 16, 4, "gelu")  # 512 rows per expert
+    inputs, keep, capacity = _gpu_problem(many, seed, torch.bfloat16)
+    run(inputs, many, capacity, pre=saved_pre(inputs, keep))
+    assert len(launches) == 2  # the gemm='fused' call above, not this one
+    flashdmoe.check_errors()
 
 
 @pytest.mark.gpu
