@@ -252,6 +252,53 @@ py::dict fused_backward_layout_dict(int tokens, int hidden, int ffn, int experts
   return out;
 }
 
+// The backward's row exchange across a team (backward/expert_grad.h EpRowsArgs), `args` naming every
+// field (pointers as integers, 0 for null); records `status_event` (0: none) behind the launch.
+py::tuple ep_rows(const py::dict& args, uintptr_t stream, uintptr_t status_event) {
+  EpRowsArgs a{};
+  a.direction = get<int>(args, "direction");
+  a.rank = get<int>(args, "rank");
+  a.world_size = get<int>(args, "world_size");
+  a.local_experts = get<int>(args, "local_experts");
+  a.stream_rows = get<int>(args, "stream_rows");
+  a.hidden = get<int>(args, "hidden");
+  a.element_bytes = get<int>(args, "element_bytes");
+  a.sequence = get<uint32_t>(args, "sequence");
+  a.silent = get<bool>(args, "silent");
+  a.peer_recv = get<std::vector<uintptr_t>>(args, "peer_recv");
+  a.peer_comb = get<std::vector<uintptr_t>>(args, "peer_comb");
+  a.peer_signals = get<std::vector<uintptr_t>>(args, "peer_signals");
+  a.tokens = get<int>(args, "tokens");
+  a.top_k = get<int>(args, "top_k");
+  a.x = as_ptr<const void>(get<uintptr_t>(args, "x"));
+  a.dy = as_ptr<const void>(get<uintptr_t>(args, "dy"));
+  a.expert = as_ptr<const int>(get<uintptr_t>(args, "expert"));
+  a.row = as_ptr<const int>(get<uintptr_t>(args, "row"));
+  a.weight = as_ptr<const float>(get<uintptr_t>(args, "weight"));
+  a.kept_per_expert = as_ptr<const int>(get<uintptr_t>(args, "kept_per_expert"));
+  a.rows = get<int>(args, "rows");
+  a.received = as_ptr<const int>(get<uintptr_t>(args, "received"));
+  a.dx_rows = as_ptr<const void>(get<uintptr_t>(args, "dx_rows"));
+  a.dweight_row = as_ptr<const float>(get<uintptr_t>(args, "dweight_row"));
+  a.sync = as_ptr<void>(get<uintptr_t>(args, "sync"));
+  a.status_host = as_ptr<void>(get<uintptr_t>(args, "status_host"));
+  a.timeout_ns = get<uint64_t>(args, "timeout_ns");
+  a.debug_withhold_phase = get<int>(args, "debug_withhold_phase");
+  a.grid_percent = get<int>(args, "grid_percent");
+  const auto cuda_stream = reinterpret_cast<cudaStream_t>(stream);
+  LaunchInfo info;
+  {
+    py::gil_scoped_release release;
+    info = launch_ep_rows(a, cuda_stream);
+    if (status_event != 0) {
+      const cudaError_t status = cudaEventRecord(reinterpret_cast<cudaEvent_t>(status_event), cuda_stream);
+      if (status != cudaSuccess)
+        throw std::runtime_error(std::string("recording the status event: ") + cudaGetErrorString(status));
+    }
+  }
+  return py::make_tuple(info.grid, info.blocks_per_sm, info.smem_bytes);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(flashdmoe_cuda, m) {
@@ -298,6 +345,15 @@ PYBIND11_MODULE(flashdmoe_cuda, m) {
         "then `status_event` recorded (0: none). `args`: a dict of FusedBackwardArgs' fields. Returns (grid, "
         "blocks_per_sm, smem_bytes).",
         py::arg("args"), py::arg("stream"), py::arg("status_event"));
+  m.def("ep_rows", &ep_rows,
+        "The backward's row exchange across a team (one cooperative launch on `stream`); returns "
+        "(grid, blocks_per_sm, smem_bytes).",
+        py::arg("args"), py::arg("stream"), py::arg("status_event"));
+  m.def("ep_rows_sync_bytes", &ep_rows_sync_bytes);
+  m.def("ep_signal_words", &ep_signal_words, py::arg("world"), py::arg("local_experts"), py::arg("stream_rows"));
+  m.def("ep_signal_offset", [](const std::string& what, int world, int local_experts, int stream_rows, int a, int b) {
+    return ep_signal_offset(what.c_str(), world, local_experts, stream_rows, a, b);
+  }, py::arg("what"), py::arg("world"), py::arg("local_experts"), py::arg("stream_rows"), py::arg("a"), py::arg("b"));
   m.def("fused_backward_layout", &fused_backward_layout_dict,
         "Sync and scratch bytes of a fused backward (sync_bytes, scratch_bytes, row_of_choice_offset, padded_rows); "
         "ValueError when the shapes are not supported.",

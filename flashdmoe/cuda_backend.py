@@ -16,8 +16,10 @@ records the slot's event: two CUDA calls), and the report's bookkeeping.
 rank (:mod:`flashdmoe.api`).
 
 Backward: grouped GEMMs and element-wise kernels on the GPU from the routing the forward saved (and, one
-rank, its pre-activations) (:func:`flashdmoe.expert_backward.expert_backward`, one rank and emulated teams); across processes
-:func:`flashdmoe.ep_peer.expert_parallel_backward` (torch ops over peer-memory exchanges).
+rank, its pre-activations) (:func:`flashdmoe.expert_backward.expert_backward`, one rank and emulated teams); across processes the same
+GPU steps with the rows moved by the device (:func:`flashdmoe.ep_backward.team_backward`) where every peer
+has a load/store pointer, else :func:`flashdmoe.ep_peer.expert_parallel_backward` (torch ops over
+peer-memory exchanges).
 """
 
 from __future__ import annotations
@@ -563,8 +565,10 @@ class _FusedMoEEmulated(torch.autograd.Function):
 
 
 class _FusedMoETeam(torch.autograd.Function):
-    """This process's rank of a multi-process team: forward on the kernel; backward unfused across ranks
-    (:func:`flashdmoe.ep_peer.expert_parallel_backward`, collective)."""
+    """This process's rank of a multi-process team: forward on the kernel; backward a collective, on the GPU
+    with the rows moved by the device (:func:`flashdmoe.ep_backward.team_backward`) where every peer has a
+    load/store pointer, else torch ops over peer-memory exchanges
+    (:func:`flashdmoe.ep_peer.expert_parallel_backward`)."""
 
     @staticmethod
     def forward(ctx, team, options, routing_out, x, router_weight, w1, w2):
@@ -572,19 +576,24 @@ class _FusedMoETeam(torch.autograd.Function):
         routing_out.append(routing)
         ctx.team = team
         ctx.options = (options["activation"], options["normalize_topk"])
-        ctx.save_for_backward(x, router_weight, w1, w2, routing.expert, routing.row)
+        ctx.save_for_backward(x, router_weight, w1, w2, routing.expert, routing.row, routing.weight)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        from flashdmoe import ep_peer
+        from flashdmoe import ep_backward, ep_peer
 
         # A collective on a team whose forward timed out could wait forever: check the forward first, so
         # every rank raises KernelTimeout here instead.
         status_checks.settle_team(ctx.team)
         ctx.team.require_usable()
-        x, router_weight, w1, w2, expert, row = ctx.saved_tensors
+        x, router_weight, w1, w2, expert, row, weight = ctx.saved_tensors
         activation, normalize_topk = ctx.options
+        if debug.team_backward != "torch" and not ep_backward.unsupported(ctx.team, x):
+            grads = ep_backward.team_backward(
+                ctx.team, x, router_weight, w1, w2, expert, weight, row, dy.contiguous(), activation=activation,
+                normalize_topk=normalize_topk, needs=tuple(ctx.needs_input_grad[3:7]))
+            return (None, None, None, *grads)
         grads = ep_peer.expert_parallel_backward(
             ctx.team, x, router_weight, w1, w2, expert.long(), row >= 0, dy.contiguous(), activation=activation,
             normalize_topk=normalize_topk, needs_input_grad=tuple(ctx.needs_input_grad[3:7]),

@@ -85,7 +85,7 @@ from flashdmoe import fused_backward
 from flashdmoe.kernel_codes import ACTIVATION_CODES, DTYPE_CODES
 from flashdmoe.reference import ACTIVATIONS, compute_dtype
 
-__all__ = ["expert_backward", "choose_gemm", "ELEMENTWISE_BACKENDS", "FUSED_MAX_ROWS_PER_EXPERT", "GEMM_BACKENDS",
+__all__ = ["expert_backward", "choose_gemm", "PackedRows", "packed_row_grads", "ELEMENTWISE_BACKENDS", "FUSED_MAX_ROWS_PER_EXPERT", "GEMM_BACKENDS",
            "elementwise_kernels_supported", "grouped_mm_supported", "packed_rows"]
 
 GEMM_BACKENDS = ("auto", "fused", "grouped_mm", "padded_bmm")
@@ -289,6 +289,85 @@ class _Rows:
         return torch.bmm(a.view(*shape, a.shape[1]).transpose(1, 2), b.view(*shape, b.shape[1]))
 
 
+class PackedRows:
+    """Rows already packed by expert whose per-expert counts the host knows (``counts``: one int per expert;
+    :mod:`flashdmoe.ep_backward` reads them once per backward). The grouped GEMMs run as
+    ``torch._grouped_mm`` where it runs without a host synchronisation (:func:`grouped_mm_supported`), else
+    one ``torch.mm`` per expert with rows (the counts are on the host, so slicing costs no synchronisation)."""
+
+    def __init__(self, counts: Sequence[int], dtype: torch.dtype, device: torch.device, hidden: int,
+                 intermediate: int) -> None:
+        self.counts = [int(c) for c in counts]
+        if any(c < 0 for c in self.counts):
+            raise ValueError(f"counts={self.counts}: expected non-negative row counts")
+        self.experts = len(self.counts)
+        self.starts, at = [], 0
+        for c in self.counts:
+            self.starts.append(at)
+            at += c
+        self.rows = at
+        self.padded_rows = None
+        self.grouped = not grouped_mm_supported(dtype, device, hidden, intermediate)
+        self.offs = torch.tensor([s + c for s, c in zip(self.starts, self.counts)], dtype=torch.int32, device=device)
+
+    def _spans(self):
+        return [(e, s, s + c) for e, (s, c) in enumerate(zip(self.starts, self.counts)) if c]
+
+    def rows_times(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """Row ``r`` of expert ``e``: ``a[r] @ b[e]``. a: ``[rows, K]``; b: ``[E, K, N]`` -> ``[rows, N]``."""
+        if self.grouped:
+            return torch._grouped_mm(a, b, offs=self.offs)
+        out = a.new_empty(self.rows, b.shape[2])
+        for e, start, end in self._spans():
+            torch.mm(a[start:end], b[e], out=out[start:end])
+        return out
+
+    def per_expert_outer(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """``sum over expert e's rows r of a[r]^T b[r]``. a: ``[rows, K1]``; b: ``[rows, K2]`` -> ``[E, K1, K2]``
+        (zero for an expert with no rows)."""
+        if self.grouped:
+            return torch._grouped_mm(a.t(), b, offs=self.offs)
+        out = a.new_zeros(self.experts, a.shape[1], b.shape[1])
+        for e, start, end in self._spans():
+            torch.mm(a[start:end].t(), b[start:end], out=out[e])
+        return out
+
+
+def packed_row_grads(x_rows: torch.Tensor, dy_rows: torch.Tensor, w_row: torch.Tensor, counts: Sequence[int],
+                     w1: torch.Tensor, w2: torch.Tensor, *, activation: str, need_dw1: bool = True,
+                     need_dw2: bool = True, elementwise: str = "auto"):
+    """The expert half of the backward on rows already packed by expert (an expert owner's rows of a team):
+    ``pre`` recomputed, then :func:`expert_backward`'s steps up to (not including) the router and the
+    per-token sums.
+
+    x_rows, dy_rows: ``[rows, H]`` (16-bit or float32), expert ``e``'s rows at ``[sum(counts[:e]),
+    sum(counts[:e+1]))``; w_row: ``[rows]`` float32, each row's combine weight; counts: each expert's row
+    count (host ints, ``len(counts) = E``); w1 ``[E, H, I or 2I]``, w2 ``[E, I, H]``.
+
+    Returns ``(dweight_row [rows] float32, dx_rows [rows, H] x's dtype, dw1 like w1 or None, dw2 like w2 or
+    None)``: each row's combine-weight gradient ``<g, act(pre)>`` and dx share ``(w g act'(pre)) W1^T``.
+    """
+    dtype, device = x_rows.dtype, x_rows.device
+    hidden, intermediate = x_rows.shape[1], w2.shape[1]
+    layout = PackedRows(counts, dtype, device, hidden, intermediate)
+    if layout.experts != w1.shape[0] or x_rows.shape[0] != layout.rows or dy_rows.shape != x_rows.shape \
+            or w_row.shape != (layout.rows,):
+        raise ValueError(f"packed_row_grads: x_rows {list(x_rows.shape)}, dy_rows {list(dy_rows.shape)}, "
+                         f"w_row {list(w_row.shape)} do not match counts (E={layout.experts}, {layout.rows} rows) "
+                         f"and w1 {list(w1.shape)}")
+    if layout.rows == 0:
+        dw1 = torch.zeros_like(w1) if need_dw1 else None
+        dw2 = torch.zeros_like(w2) if need_dw2 else None
+        return (x_rows.new_zeros(0, dtype=torch.float32), x_rows.new_zeros(0, hidden), dw1, dw2)
+    kernels = _elementwise_kernels(elementwise, dtype, device, hidden, intermediate)
+    stream = torch.cuda.current_stream(device).cuda_stream if kernels is not None else None
+    w1, w2 = w1.contiguous(), w2.contiguous()
+    pre = layout.rows_times(x_rows, w1)
+    w = w_row.to(torch.float32 if kernels is not None else compute_dtype(dtype)).contiguous()
+    dweight_row, dx_rows, dw1, dw2 = _row_step(layout, x_rows, dy_rows, w, pre, w1, w2, activation, kernels, stream,
+                                               True, True, need_dw1, need_dw2)
+    return dweight_row.to(torch.float32), dx_rows, dw1, dw2
+
 def elementwise_kernels_supported(dtype: torch.dtype, device: torch.device, hidden: int, intermediate: int) -> str:
     """'' when the extension's element-wise backward kernels can run this backward, else why not."""
     if device.type != "cuda":
@@ -432,11 +511,43 @@ def expert_backward(
     else:
         pre = pre[:layout.rows]
     dy_rows = dy.index_select(0, token_of_row)
-    dw1 = dw2 = dx = d_router = dweight_row = dx_rows = None
+    dweight_row, dx_rows, dw1, dw2 = _row_step(layout, x_rows, dy_rows, w_row, pre, w1, w2, activation, kernels, stream,
+                                               need_weight_grad, need_dx, need_dw1, need_dw2)
+    dx = d_router = None
+    if need_weight_grad and kernels is not None:
+        dx, d_router = _router_and_dx(kernels, x, router_weight, expert32, layout.rows_of_tokens, dweight_row, dx_rows,
+                                      normalize_topk, need_router, need_dx, stream)
+    elif need_weight_grad:
+        kept = layout.kept.view(tokens, top_k)
+        dweight = torch.where(kept, dweight_row.index_select(0, layout.row_of_choice).view(tokens, top_k), 0)
+        x_compute = x.to(cdtype)
+        logits = x_compute @ router_weight.to(cdtype).t()
+        dlogits = _router_logit_grad(logits, expert.long(), dweight.to(cdtype), normalize_topk)
+        if need_router:
+            d_router = (dlogits.t() @ x_compute).to(router_weight.dtype)
+        if need_dx:
+            dx_router = dlogits @ router_weight.to(cdtype)
+            # where, not a multiply: rows past the packed ones are uninitialised (0 * NaN is NaN)
+            per_choice = dx_rows.index_select(0, layout.row_of_choice).view(tokens, top_k, hidden)
+            dx = (torch.where(kept[:, :, None], per_choice, 0).to(cdtype).sum(dim=1) + dx_router).to(dtype)
+    return dx, d_router, dw1, dw2
+
+
+def _row_step(layout, x_rows, dy_rows, w_row, pre, w1, w2, activation, kernels, stream, need_weight_grad, need_dx,
+              need_dw1, need_dw2):
+    """Everything between the row gathers and the router: ``g``, the element-wise step and the three GEMMs
+    after it, on rows packed by expert (``layout``: ``rows``, ``rows_times``, ``per_expert_outer``).
+    ``w_row [rows]``: each row's combine weight (float32 with ``kernels``, else the compute dtype).
+    Returns ``(dweight_row [rows] (float32 with kernels, else the compute dtype) or None, dx_rows [rows, H] or None, dw1, dw2)``."""
+    dtype, device = x_rows.dtype, x_rows.device
+    cdtype = compute_dtype(dtype)
+    intermediate = w2.shape[1]
+    need_g = need_weight_grad or need_dw1
+    dw1 = dw2 = dweight_row = dx_rows = None
     if kernels is not None:
         g = layout.rows_times(dy_rows, w2.transpose(1, 2))
-        hw, dpre = torch.empty(layout.rows, intermediate, dtype=dtype, device=x.device), torch.empty_like(pre)
-        dweight_row = torch.empty(layout.rows, dtype=torch.float32, device=x.device)
+        hw, dpre = torch.empty(layout.rows, intermediate, dtype=dtype, device=device), torch.empty_like(pre)
+        dweight_row = torch.empty(layout.rows, dtype=torch.float32, device=device)
         kernels.activation_grad(DTYPE_CODES[dtype], ACTIVATION_CODES[activation], pre.data_ptr(), g.data_ptr(),
                                 w_row.data_ptr(), hw.data_ptr(), dpre.data_ptr(), dweight_row.data_ptr(),
                                 layout.rows, intermediate, stream)
@@ -461,23 +572,7 @@ def expert_backward(
                 dx_rows = layout.rows_times(dpre, w1.transpose(1, 2))
             if need_weight_grad:
                 dweight_row = (g * h).sum(dim=1)
-    if need_weight_grad and kernels is not None:
-        dx, d_router = _router_and_dx(kernels, x, router_weight, expert32, layout.rows_of_tokens, dweight_row, dx_rows,
-                                      normalize_topk, need_router, need_dx, stream)
-    elif need_weight_grad:
-        kept = layout.kept.view(tokens, top_k)
-        dweight = torch.where(kept, dweight_row.index_select(0, layout.row_of_choice).view(tokens, top_k), 0)
-        x_compute = x.to(cdtype)
-        logits = x_compute @ router_weight.to(cdtype).t()
-        dlogits = _router_logit_grad(logits, expert.long(), dweight.to(cdtype), normalize_topk)
-        if need_router:
-            d_router = (dlogits.t() @ x_compute).to(router_weight.dtype)
-        if need_dx:
-            dx_router = dlogits @ router_weight.to(cdtype)
-            # where, not a multiply: rows past the packed ones are uninitialised (0 * NaN is NaN)
-            per_choice = dx_rows.index_select(0, layout.row_of_choice).view(tokens, top_k, hidden)
-            dx = (torch.where(kept[:, :, None], per_choice, 0).to(cdtype).sum(dim=1) + dx_router).to(dtype)
-    return dx, d_router, dw1, dw2
+    return dweight_row, dx_rows, dw1, dw2
 
 
 def _router_logit_grad(logits, expert, dweight, normalize_topk):

@@ -33,6 +33,10 @@ class DebugKnobs:
     # Expert GEMM variant (EXPERT_VARIANTS). None: chosen per shape (expert_variants.choose_variant);
     # a name (FLASHDMOE_EXPERT_VARIANT) forces it for measurement.
     expert_variant: str | None = os.environ.get("FLASHDMOE_EXPERT_VARIANT") or None
+    # An NVSHMEM team's backward: "auto" (the device exchange where every peer has a load/store pointer,
+    # flashdmoe.ep_backward) or "torch" (flashdmoe.ep_peer's torch ops, forced for measurement:
+    # FLASHDMOE_TEAM_BACKWARD=torch).
+    team_backward: str = os.environ.get("FLASHDMOE_TEAM_BACKWARD", "auto")
 
     def __setattr__(self, name, value) -> None:
         # Every setting bumps ``generation``: launches prepared under other knobs are not reused (a prepared

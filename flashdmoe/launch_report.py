@@ -49,6 +49,12 @@ PHASE_NAMES = {
     11: "backward: grid barrier after dy's and x's rows were gathered",
     12: "backward: dx tile waiting for its row tile's g tiles",
     13: "backward: weight-gradient tile waiting for its expert's g tiles",
+    14: "backward exchange: waiting for an expert owner to free its staging for this rank's rows",
+    15: "backward exchange: grid barrier after the rows to the owners were written",
+    16: "backward exchange: waiting for a source's dy and x rows",
+    17: "backward exchange: waiting for a source to free its staging for the dx rows",
+    18: "backward exchange: grid barrier after the dx rows were written",
+    19: "backward exchange: waiting for an owner's dx rows and weight gradients",
 }
 
 # Intervals between consecutive phase clock slots (slot 0 start, 1..4 after the grid barriers, 5 exit).

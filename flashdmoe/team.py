@@ -7,8 +7,10 @@ buffers (same size on every rank, so a peer can address them):
   region per source rank;
 * ``comb  [P, stream_rows, H]`` (input dtype): expert results for this rank's tokens, one region per
   rank that computed them;
-* ``signals [P * L + 3 * P]`` int32: per-source counts and the counts / rows-ready / results-done
-  flags, each holding the sequence number of the forward that wrote it (never cleared by the host).
+* ``signals`` int32: the forward's ``P * L + 3 * P`` words (per-source counts and the counts / rows-ready /
+  results-done flags, each holding the sequence number of the forward that wrote it, never cleared by the
+  host), then the backward's (:attr:`BufferPlan.backward_words`: its flags, per-source counts and one
+  word per stream row, ``csrc/backward/ep_rows.cuh``).
 
 ``stream_rows = max_tokens * min(top_k, L)``: the most rows one rank can send to one other rank, so a
 dropless batch never overflows. The sizes are fixed when the team is made (:class:`BufferPlan`) and a
@@ -104,8 +106,34 @@ class BufferPlan:
         return self.world_size * self.stream_rows * self.hidden * self.element_bytes
 
     @property
-    def signal_words(self) -> int:
+    def forward_signal_words(self) -> int:
+        """The forward kernel's signal words (``csrc/moe/params.cuh`` ``signal_words``)."""
         return self.world_size * self.local_experts + 3 * self.world_size
+
+    @property
+    def backward_words(self) -> int:
+        """The backward exchange's words after the forward's (``EpSignalLayout``): 4P flags, P*L counts and
+        one word per row of every source's stream."""
+        P = self.world_size
+        return 4 * P + P * self.local_experts + P * self.stream_rows
+
+    @property
+    def signal_words(self) -> int:
+        return self.forward_signal_words + self.backward_words
+
+    def backward_word(self, what: str, a: int, b: int) -> int:
+        """Index of a backward word in a rank's signals (mirrors ``EpSignalLayout``): ``("free" | "ready",
+        direction, peer)``, ``("count", source, local expert)``, ``("row_word", source, stream row)``."""
+        P, L, base = self.world_size, self.local_experts, self.forward_signal_words
+        if what == "free":
+            return base + 2 * a * P + b
+        if what == "ready":
+            return base + (2 * a + 1) * P + b
+        if what == "count":
+            return base + 4 * P + a * L + b
+        if what == "row_word":
+            return base + 4 * P + P * L + a * self.stream_rows + b
+        raise ValueError(f"what={what!r}: expected 'free', 'ready', 'count' or 'row_word'")
 
     @property
     def bytes_per_rank(self) -> int:
@@ -145,11 +173,14 @@ class RankBuffers:
     peer_signals: list[int] = field(default_factory=list)
     mapped_recv: list[int | None] = field(default_factory=list)
     mapped_comb: list[int | None] = field(default_factory=list)
+    mapped_signals: list[int | None] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         # A table given without mappings is all load/store mappings (emulated teams, tests).
         if not self.mapped_recv and not self.mapped_comb:
             self.mapped_recv, self.mapped_comb = list(self.peer_recv), list(self.peer_comb)
+        if not self.mapped_signals:
+            self.mapped_signals = list(self.peer_signals)
 
 
 def _torch_device(device) -> torch.device:
@@ -184,6 +215,7 @@ class Team:
         self.device = device
         self._signal_block = signal_block  # emulated: every rank's signal words, one allocation
         self._sequence = 0
+        self._backward_sequence = 0
         self._failure: str | None = None
         self._closed = False
         # The backend's state for this team: its last launch not checked yet (a LaunchReport), and the
@@ -300,6 +332,7 @@ class Team:
                 rank, own_addresses, mapped, transports, plan.stream_rows * plan.hidden * plan.element_bytes)
             own.mapped_recv = [None if m is None else m[0] for m in mapped]
             own.mapped_comb = [None if m is None else m[1] for m in mapped]
+            own.mapped_signals = [None if m is None else m[2] for m in mapped]
 
             # Everyone's signal words are zero before anyone's first kernel can write into them.
             torch.cuda.synchronize(device)
@@ -345,6 +378,14 @@ class Team:
         if self._signal_block is None:
             raise RuntimeError(f"{self!r}: only an emulated team holds every rank's signal words")
         self._signal_block.zero_()
+
+    def next_backward_sequence(self) -> int:
+        """Sequence number of the next backward exchange (its own count: every rank runs the same backwards
+        in the same order, and the backward's flags are other words than the forward's)."""
+        self._backward_sequence += 1
+        if self._backward_sequence >= 2**31:
+            raise TeamFailed("backward sequence numbers exhausted (2^31 backwards); make a new team")
+        return self._backward_sequence
 
     def next_sequence(self) -> int:
         """Sequence number of the next forward: the value its signals carry (1, 2, ...)."""

@@ -6,7 +6,8 @@
 # GPU_TESTS overrides the one-process test files, BENCH_CONFIGS the single-gpu bench shapes; NCU=1 adds Nsight Compute on the expert-bound shape; PROFILE=1 the backward's per-kernel profile;
 # PHASES=1 the fused backward's time per kind of task; SOAK=1 ~500 fused backward launches of the Mixtral
 # shape under a hard limit (a hang beyond the watchdog shows as a timeout); PROBES="base noepi nog" the
-# fused backward built with parts changed (scripts/backward_probe.sh).
+# fused backward built with parts changed (scripts/backward_probe.sh); TEAMBENCH=1 an NVSHMEM team's training
+# steps, the device-exchange backward beside the torch-ops one (scripts/team_backward_bench.py).
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 start=$(date +%s)
@@ -33,7 +34,7 @@ run_tests() {  # name, timeout, files...
   note "tests $name rc=$rc in $(( $(date +%s) - t )) s: $(tail -1 "$OUT/pytest.log")"
 }
 run_tests one-process 300 ${GPU_TESTS:-tests/test_fused_gpu.py tests/test_ep_emulated_gpu.py tests/test_api.py \
-  tests/test_team.py tests/test_reference.py tests/test_ep_exchange.py tests/test_expert_backward.py \
+  tests/test_team.py tests/test_reference.py tests/test_ep_exchange.py tests/test_expert_backward.py tests/test_ep_backward.py \
   $(ls tests/test_async_status*.py tests/test_custom_op.py tests/test_hf_integration.py tests/test_bench.py tests/test_bench_training.py \
        tests/test_training_gpu.py tests/test_training.py tests/test_weight_checks.py 2>/dev/null)}
 skip mp || run_tests multi-process 200 tests/test_ep_multiprocess.py
@@ -78,6 +79,11 @@ fi
 if [ -n "${PROBES:-}" ] && [ "$(left)" -gt 120 ]; then
   timeout $(( $(left) - 20 )) bash scripts/backward_probe.sh > /tmp/probe.log 2>&1
   note "backward probes ($PROBES) rc=$?"; sed -n '/== probe summary/,$p' /tmp/probe.log | grep -v torch.mm
+fi
+if [ "${TEAMBENCH:-0}" = "1" ] && [ "$(left)" -gt 100 ]; then
+  timeout $(( $(left) - 20 )) python3 scripts/team_backward_bench.py --ranks "${TEAMBENCH_RANKS:-2,4}" \
+    --json "$OUT/team_backward.json" > /tmp/teamb.log 2>&1
+  note "team backward bench rc=$?"; grep -E "^\|" /tmp/teamb.log || tail -30 /tmp/teamb.log
 fi
 if [ "${NCU:-0}" = "1" ] && [ "$(left)" -gt 70 ]; then
   ncu=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)

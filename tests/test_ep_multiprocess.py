@@ -183,8 +183,9 @@ def test_forward_backward_scenario_returns_every_gradient(monkeypatch, tmp_path)
     for name in ("y", "dx", "d_router", "dw1", "dw2"):
         assert_normwise_close(out.tensors[name], want[name], numerics.reorder_tolerance(torch.float32, 64, depth=6),
                               name)
+    # the CPU context's team is no NVSHMEM team: the device exchange would not run it
     assert out.info == {"traffic": traffic, "iterations": 3, "repeat_identical": True,
-                        "grads_repeat_identical": True, "missing_grads": []}
+                        "grads_repeat_identical": True, "missing_grads": [], "backward_path": "torch"}
 
 
 def test_timeout_scenario_reports_both_errors_and_restores_the_knobs(monkeypatch, tmp_path):
@@ -320,10 +321,11 @@ def test_expected_traffic_counts_remote_kept_choices():
 # ------------------------------------------------------------------------------------------------------------
 # GPU: P processes on the one GPU under MPS
 
-# y: the fused kernel's roundings (numerics.kernel_tolerance). Gradients: computed in float32 on both
-# sides (other summation orders over <= 4096 terms), then rounded to the input dtype once on each side.
+# y: the fused kernel's roundings (numerics.kernel_tolerance). Gradients: the GPU backward's roundings to
+# the storage format (numerics.backward_tolerance; the device exchange runs the one-rank backward's GEMMs
+# and kernels), plus other summation orders in float32 over <= 4096 terms.
 TOLERANCE_Y = {name: numerics.kernel_tolerance(name) for name in ("bfloat16", "float16")}
-TOLERANCE_GRAD = {name: numerics.rounding_tolerance(name, 2) + numerics.reorder_tolerance(torch.float32, 4096, depth=6)
+TOLERANCE_GRAD = {name: numerics.backward_tolerance(name) + numerics.reorder_tolerance(torch.float32, 4096, depth=6)
                   for name in ("bfloat16", "float16")}
 RUN_TIMEOUT_S = 240  # per run of P processes (start-up, team init, the scenario, teardown)
 
@@ -428,6 +430,8 @@ def test_forward_backward_matches_reference(mps_daemon, name, problem):
         assert [g for g in outcome.info["missing_grads"] if g not in allowed_missing] == [], where
         _check_close(got["y"], want["y"], TOLERANCE_Y[problem.dtype], f"{where}: y")
         assert outcome.info["repeat_identical"], f"{where}: y differs between back-to-back forwards"
+        assert outcome.info["backward_path"] == "device", f"{where}: the backward did not take the device exchange"
+        assert outcome.info["grads_repeat_identical"], f"{where}: gradients differ between back-to-back steps"
         _check_close(got["dx"], want["dx"], TOLERANCE_GRAD[problem.dtype], f"{where}: dx")
         _check_close(got["d_router"], want["d_router"], TOLERANCE_GRAD[problem.dtype], f"{where}: d_router")
         for expert in range(problem.local_experts):  # per expert: a busy expert must not hide an idle one
@@ -454,6 +458,26 @@ def test_only_routed_rows_travel(mps_daemon, name, problem):
         assert got["combine_bytes"] == want["combine_bytes"], (name, got, want)
         if want["rows_routed_remote"]:
             assert got["payload_efficiency"] == pytest.approx(1.0), (name, got)
+
+
+@pytest.mark.gpu
+def test_silent_rank_in_the_backward_makes_every_rank_time_out(mps_daemon):
+    problem = Problem((128, 96), 128, 128, 8, 2, "gelu", seed=22)
+    timeout_ms = 2000
+    result = _run(mps_daemon, "silent_rank_timeout", 2,
+                  {"problem": problem.to_dict(), "silent_rank": 1, "timeout_ms": timeout_ms, "in_backward": True},
+                  "backward timeout")
+    result.check()  # no rank hung
+    for outcome in result.ranks:
+        info = outcome.info
+        where = f"rank {outcome.rank}: {info}"
+        assert info["error"]["type"] == "KernelTimeout", where
+        assert "backward exchange" in info["error"]["message"], where
+        peer = r"waiting on rank 1\b" if outcome.rank == 0 else r"waiting on rank [01]\b"
+        assert re.search(peer, info["error"]["message"]), where
+        assert info["elapsed_s"] < timeout_ms / 1000 + 60, where
+        assert info["team_failed"] is True, where
+        assert info["second_call_error"]["type"] == "TeamFailed", where
 
 
 @pytest.mark.gpu

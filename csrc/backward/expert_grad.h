@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 #include <cstdint>
 #include <string>
+#include <vector>
 #include "moe/launch.h"
 
 namespace flashdmoe {
@@ -90,5 +91,45 @@ FusedBackwardLayout fused_backward_layout(int tokens, int hidden, int ffn, int e
                                           Activation activation);
 // Asynchronous on `stream` (one cooperative launch); throws std::invalid_argument on bad arguments.
 LaunchInfo launch_fused_backward(const FusedBackwardArgs& args, cudaStream_t stream);
+
+}  // namespace flashdmoe
+
+namespace flashdmoe {
+
+// The backward's row exchange across a team (backward/ep_rows.cuh): direction 0 sends each kept
+// choice's x and dy rows and combine weight to the expert's owner, direction 1 sends each row the
+// owner's experts took (dx row, weight gradient) back to its source. One cooperative launch; the host
+// reads nothing from it. The peer tables are the team's (NVLink / same-GPU pointers).
+struct EpRowsArgs {
+  int direction;  // 0: to the owners, 1: back to the sources
+  int rank, world_size, local_experts, stream_rows, hidden, element_bytes;
+  uint32_t sequence;
+  bool silent;
+  std::vector<uintptr_t> peer_recv, peer_comb, peer_signals;  // world_size each
+  int tokens, top_k;                                          // direction 0
+  const void* x;                                              // [T, H]
+  const void* dy;                                             // [T, H]
+  const int* expert;                                          // [T, k]
+  const int* row;                                             // [T, k]
+  const float* weight;                                        // [T, k]
+  const int* kept_per_expert;                                 // [E]
+  int rows;                                                   // direction 1
+  const int* received;                                        // [rows]
+  const void* dx_rows;                                        // [rows, H] (null: no dx wanted)
+  const float* dweight_row;                                   // [rows]
+  void* sync;         // ep_rows_sync_bytes() zero bytes, zero again after the launch
+  void* status_host;  // pinned status slot, or null
+  uint64_t timeout_ns;
+  int debug_withhold_phase;
+  int grid_percent;  // share of the SMs (MPS), 100: all
+};
+
+// Zeroed sync bytes one launch needs (the status block, barrier and exit counters).
+size_t ep_rows_sync_bytes();
+// The signal words of a rank of a team that runs this exchange (the forward's and the backward's), and
+// where the backward's start: Python's BufferPlan must agree (checked by the tests).
+int64_t ep_signal_words(int world, int local_experts, int stream_rows);
+int64_t ep_signal_offset(const char* what, int world, int local_experts, int stream_rows, int index_a, int index_b);
+LaunchInfo launch_ep_rows(const EpRowsArgs& args, cudaStream_t stream);
 
 }  // namespace flashdmoe

@@ -6,6 +6,9 @@ which the rank processes resolve by module and function name).
   ``mps-P`` rows of ``expert-parallel``);
 * :func:`checked_fused_forwards`: the same, then this rank's output checked against the reference (the
   ``fused`` rows of ``multi-gpu``);
+* :func:`timed_training_steps`: forward + ``backward`` of the public API over the team, forward and
+  backward timed apart with CUDA events, with the team's backward on the device exchange or forced onto
+  the torch-ops path (``scripts/team_backward_bench.py``);
 * :func:`nccl_forwards`: the unfused baseline (:func:`flashdmoe.bench.all_to_all.all_to_all_moe`) over a
   ``torch.distributed`` group, timed and checked the same way (the ``nccl`` rows of ``multi-gpu``).
 
@@ -29,7 +32,8 @@ from flashdmoe.ranks import scenarios
 from flashdmoe.ranks.child import RankContext, ScenarioOutput, synchronize
 from flashdmoe.ranks.problem import Problem
 
-__all__ = ["checked_fused_forwards", "nccl_forwards", "rank_reference_check", "timed_fused_forwards"]
+__all__ = ["checked_fused_forwards", "nccl_forwards", "rank_reference_check", "timed_fused_forwards",
+           "timed_training_steps"]
 
 
 def _input_set_count(problem: Problem, params: dict[str, Any], device: torch.device) -> int:
@@ -83,6 +87,58 @@ def timed_fused_forwards(context: RankContext) -> ScenarioOutput:
         stats = measure(runs, device=context.device, warmup=warmup, repeats=repeats)
     tensors = {"y": y} if context.params.get("return_output", True) else {}
     return ScenarioOutput(tensors, _timing_info(stats, count) | {"traffic": traffic})
+
+
+def timed_training_steps(context: RankContext) -> ScenarioOutput:
+    """params: ``problem``; ``warmup`` (default 3) and ``repeats`` (default 10) steps; ``backward``:
+    ``"auto"`` (what users get) or ``"torch"`` (the torch-ops backward, forced: the baseline).
+
+    A step is ``y = flashdmoe.moe(x, ...)`` with every input requiring grad, then ``y.backward(dy)`` on a
+    seeded ``dy``; CUDA events before the forward, between, and after the backward. Returns info
+    ``forward_ms``, ``backward_ms``, ``step_ms`` (medians), ``backward`` (the path asked for) and tensors
+    ``dx``, ``d_router``, ``dw1``, ``dw2`` of the last step (for comparing the two paths).
+    """
+    from flashdmoe.launch_knobs import debug
+
+    problem = Problem.from_dict(context.params["problem"])
+    warmup = int(context.params.get("warmup", 3))
+    repeats = int(context.params.get("repeats", 10))
+    path = str(context.params.get("backward", "auto"))
+    if path not in ("auto", "torch"):
+        raise ValueError(f"backward={path!r}: expected 'auto' or 'torch'")
+    inputs = problem.rank_inputs(context.rank).to(context.device)
+    leaves = [t.detach().clone().requires_grad_(True) for t in (inputs.x, inputs.router_weight, inputs.w1, inputs.w2)]
+    generator = torch.Generator(device="cpu").manual_seed(problem.seed + 1000 + context.rank)
+    dy = torch.randn(inputs.x.shape, generator=generator).to(context.device, problem.torch_dtype)
+    before = debug.team_backward
+    debug.team_backward = path
+    times = []
+    try:
+        context.enter_phase(f"timed training steps ({path} backward)")
+        for step in range(warmup + repeats):
+            for leaf in leaves:
+                leaf.grad = None
+            events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+            events[0].record()
+            y = scenarios.team_moe(problem, context, *leaves)
+            events[1].record()
+            y.backward(dy)
+            events[2].record()
+            synchronize(context.device)
+            if step >= warmup:
+                times.append((events[0].elapsed_time(events[1]), events[1].elapsed_time(events[2])))
+    finally:
+        debug.team_backward = before
+
+    def median(values):
+        ordered = sorted(values)
+        return ordered[len(ordered) // 2]
+
+    info = {"forward_ms": median([f for f, _ in times]), "backward_ms": median([b for _, b in times]),
+            "step_ms": median([f + b for f, b in times]), "backward": path, "repeats": repeats}
+    tensors = {name: (leaf.grad if leaf.grad is not None else torch.zeros_like(leaf))
+               for name, leaf in zip(("dx", "d_router", "dw1", "dw2"), leaves)}
+    return ScenarioOutput(tensors, info)
 
 
 def checked_fused_forwards(context: RankContext) -> ScenarioOutput:

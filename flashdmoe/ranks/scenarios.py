@@ -27,7 +27,7 @@ import flashdmoe
 from flashdmoe.ranks.child import RankContext, ScenarioOutput, error_info, synchronize
 from flashdmoe.ranks.problem import Problem
 
-__all__ = ["SCENARIOS", "forward_backward", "forward_backward_transports", "last_traffic", "selftest", "silent_rank_timeout", "team_moe"]
+__all__ = ["SCENARIOS", "backward_path", "forward_backward", "forward_backward_transports", "last_traffic", "selftest", "silent_rank_timeout", "team_moe"]
 
 
 def team_moe(problem: Problem, context: RankContext, x, router_weight, w1, w2) -> torch.Tensor:
@@ -90,15 +90,27 @@ def forward_backward(context: RankContext) -> ScenarioOutput:
     return ScenarioOutput(tensors, {
         "traffic": traffic, "iterations": iterations, "repeat_identical": bool(repeat_identical),
         "grads_repeat_identical": bool(grads_identical), "missing_grads": missing,
+        "backward_path": backward_path(context, inputs.x),
     })
 
 
-def silent_rank_timeout(context: RankContext) -> ScenarioOutput:
-    """params: ``problem``, ``silent_rank`` (its signals are never published), ``timeout_ms`` (default 2000).
+def backward_path(context: RankContext, x: torch.Tensor) -> str:
+    """Which backward this rank's team runs: ``"device"`` (:mod:`flashdmoe.ep_backward`) or ``"torch"``
+    (:mod:`flashdmoe.ep_peer`)."""
+    from flashdmoe import ep_backward
+    from flashdmoe.launch_knobs import debug
 
-    Returns info ``error`` (type/module/message of what the forward raised; type None if nothing),
-    ``elapsed_s`` (of that forward), ``team_failed`` (``team.failed`` afterwards) and ``second_call_error``
-    (what a further forward on the same team raised: it must be ``TeamFailed``).
+    return "device" if debug.team_backward != "torch" and not ep_backward.unsupported(context.team, x) else "torch"
+
+
+def silent_rank_timeout(context: RankContext) -> ScenarioOutput:
+    """params: ``problem``, ``silent_rank`` (its signals are never published), ``timeout_ms`` (default 2000),
+    ``in_backward`` (default False: the forward is silent; True: a forward with every rank, then a
+    backward in which the rank is silent).
+
+    Returns info ``error`` (type/module/message of what the forward, or the backward, raised; type None if
+    nothing), ``elapsed_s`` (of that call), ``team_failed`` (``team.failed`` afterwards) and
+    ``second_call_error`` (what a further forward on the same team raised: it must be ``TeamFailed``).
     """
     from flashdmoe import cuda_backend
 
@@ -109,14 +121,23 @@ def silent_rank_timeout(context: RankContext) -> ScenarioOutput:
     args = (inputs.x, inputs.router_weight, inputs.w1, inputs.w2)
     knobs = cuda_backend.debug
     saved = (getattr(knobs, "silent_rank", -1), knobs.timeout_ms)
-    knobs.silent_rank = silent_rank
+    in_backward = bool(context.params.get("in_backward", False))
+    knobs.silent_rank = -1 if in_backward else silent_rank
     knobs.timeout_ms = timeout_ms
     error = second = {"type": None, "module": None, "message": None}
     try:
         started = time.monotonic()
         try:
-            with torch.no_grad():
-                team_moe(problem, context, *args)
+            if in_backward:
+                leaves = [t.detach().clone().requires_grad_() for t in args]
+                y = team_moe(problem, context, *leaves)
+                synchronize(context.device)
+                knobs.silent_rank = silent_rank
+                started = time.monotonic()
+                y.backward(inputs.dy)
+            else:
+                with torch.no_grad():
+                    team_moe(problem, context, *args)
             synchronize(context.device)
         except Exception as caught:
             error = error_info(caught)

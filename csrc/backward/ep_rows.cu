@@ -1,0 +1,96 @@
+// Host side of the backward's row exchange: argument checks, the sync layout and the cooperative launch.
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include "backward/ep_rows.cuh"
+#include "backward/expert_grad.h"
+#include "common/host_launch.h"
+
+namespace flashdmoe {
+namespace {
+
+// The sync bytes: the status block (error word, phase clock, traffic) first, as every launch's.
+constexpr size_t kEpBarrierCounter = kStatusBytes;
+constexpr size_t kEpExitCounter = kStatusBytes + 128;
+constexpr size_t kEpSyncBytes = kStatusBytes + 256;
+
+}  // namespace
+
+size_t ep_rows_sync_bytes() { return kEpSyncBytes; }
+
+int64_t ep_signal_words(int world, int local_experts, int stream_rows) {
+  return EpSignalLayout{world, local_experts, stream_rows}.total_words();
+}
+
+int64_t ep_signal_offset(const char* what, int world, int local_experts, int stream_rows, int a, int b) {
+  const EpSignalLayout l{world, local_experts, stream_rows};
+  if (!std::strcmp(what, "free")) return l.free_flag(static_cast<EpDirection>(a), b);
+  if (!std::strcmp(what, "ready")) return l.ready_flag(static_cast<EpDirection>(a), b);
+  if (!std::strcmp(what, "count")) return l.count(a, b);
+  if (!std::strcmp(what, "row_word")) return l.row_word(a, b);
+  throw std::invalid_argument(std::string("ep_signal_offset: unknown word '") + what + "'");
+}
+
+LaunchInfo launch_ep_rows(const EpRowsArgs& a, cudaStream_t stream) {
+  if (a.direction != 0 && a.direction != 1) throw std::invalid_argument("ep_rows: direction must be 0 or 1");
+  if (a.world_size < 1 || a.world_size > kMaxRanks || a.rank < 0 || a.rank >= a.world_size)
+    throw std::invalid_argument("ep_rows: rank " + std::to_string(a.rank) + " of " + std::to_string(a.world_size));
+  if (static_cast<int>(a.peer_recv.size()) != a.world_size || static_cast<int>(a.peer_comb.size()) != a.world_size ||
+      static_cast<int>(a.peer_signals.size()) != a.world_size)
+    throw std::invalid_argument("ep_rows: expected one recv, comb and signals address per rank");
+  const int64_t row_bytes = static_cast<int64_t>(a.hidden) * a.element_bytes;
+  if (a.hidden <= 0 || row_bytes % 16) throw std::invalid_argument("ep_rows: H * element size must be a positive multiple of 16");
+  if (a.local_experts < 1 || a.stream_rows < 0) throw std::invalid_argument("ep_rows: bad local_experts or stream_rows");
+  if (a.sync == nullptr) throw std::invalid_argument("ep_rows: no sync words");
+  if (a.direction == 0 && a.tokens > 0 &&
+      (a.x == nullptr || a.dy == nullptr || a.expert == nullptr || a.row == nullptr || a.weight == nullptr ||
+       a.kept_per_expert == nullptr || a.top_k < 1 || a.top_k > 32))
+    throw std::invalid_argument("ep_rows: the rows to the owners need x, dy, the routing, kept counts and 1 <= k <= 32");
+  if (a.direction == 1 && a.rows > 0 && (a.received == nullptr || a.dweight_row == nullptr))
+    throw std::invalid_argument("ep_rows: the gradients back need the received-row table and dweight");
+
+  EpRowsParams p{};
+  p.direction = static_cast<EpDirection>(a.direction);
+  p.rank = a.rank, p.world_size = a.world_size, p.local_experts = a.local_experts, p.stream_rows = a.stream_rows;
+  p.row_bytes = static_cast<int>(row_bytes);
+  p.sequence = a.sequence;
+  p.silent = a.silent;
+  for (int q = 0; q < a.world_size; ++q) {
+    if (a.peer_recv[q] == 0 || a.peer_comb[q] == 0 || a.peer_signals[q] == 0)
+      throw std::invalid_argument("ep_rows: rank " + std::to_string(q) + " has no peer pointer (the exchange needs NVLink / same-GPU access to every rank)");
+    p.peers[q] = {reinterpret_cast<void*>(a.peer_recv[q]), reinterpret_cast<void*>(a.peer_comb[q]),
+                  reinterpret_cast<uint32_t*>(a.peer_signals[q])};
+  }
+  p.tokens = a.direction == 0 ? a.tokens : 0;
+  p.top_k = a.top_k;
+  p.x = a.x, p.dy = a.dy, p.topk_expert = a.expert, p.topk_row = a.row, p.topk_weight = a.weight;
+  p.kept_per_expert = a.kept_per_expert;
+  p.rows = a.direction == 1 ? a.rows : 0;
+  p.received = a.received, p.dx_rows = a.dx_rows, p.dweight_row = a.dweight_row;
+  char* w = static_cast<char*>(a.sync);
+  p.error_word = reinterpret_cast<unsigned long long*>(w + kStatusErrorWord);
+  p.traffic = reinterpret_cast<unsigned long long*>(w + kStatusTraffic);
+  p.barrier_counter = reinterpret_cast<uint32_t*>(w + kEpBarrierCounter);
+  p.exit_counter = reinterpret_cast<uint32_t*>(w + kEpExitCounter);
+  p.sync_words = reinterpret_cast<uint32_t*>(w);
+  p.sync_words_count = static_cast<int>(kEpSyncBytes / 4);
+  p.status_host = a.status_host;
+  p.first_block = 0;
+  p.timeout_ns = a.timeout_ns;
+  p.debug_withhold_phase = a.debug_withhold_phase;
+
+  int device = 0;
+  throw_on_cuda_error(cudaGetDevice(&device), "cudaGetDevice");
+  const ResidentGrid resident = resident_grid(reinterpret_cast<const void*>(ep_rows_kernel), device, 0, kEpRowsThreads);
+  int grid = resident.blocks_per_sm * resident.sms;
+  if (a.grid_percent > 0 && a.grid_percent < 100) grid = std::max(1, grid * a.grid_percent / 100);
+  // No more blocks than items (a warp each): small batches do not wake the whole GPU.
+  const int64_t items = a.direction == 0 ? a.tokens : a.rows;
+  const int64_t wanted = std::max<int64_t>(1, (items + kEpRowsThreads / 32 - 1) / (kEpRowsThreads / 32));
+  if (wanted < grid) grid = static_cast<int>(wanted);
+  p.blocks = grid;
+  launch_cooperative(ep_rows_kernel, grid, kEpRowsThreads, 0, stream, p, "launching ep_rows_kernel");
+  return {grid, resident.blocks_per_sm, 0};
+}
+
+}  // namespace flashdmoe

@@ -1,0 +1,216 @@
+"""The backward of a multi-process team's layer on the GPU, its rows moved by the device.
+
+:func:`team_backward` is what the fused backend's autograd runs on every rank of an NVSHMEM team whose
+peers all have load/store pointers (NVLink or the same GPU under MPS). It is a collective: every rank
+calls it for every backward, in the same order. Per rank ``r`` (``docs/design.md`` §5):
+
+1. **Rows to the owners** (one launch of ``csrc/backward/ep_rows.cuh``): each kept choice ``(t, j)`` of
+   ``r`` writes ``x[t]`` into its expert owner's ``recv`` region ``[r]`` and ``dy[t]`` into the owner's
+   ``comb`` region ``[r]``, at the choice's stream row (the forward's ``row``), its combine weight into the
+   owner's row word, and first ``r``'s kept counts per local expert. Each destination gets a flag with the
+   backward's sequence number; the launch ends when every source's flag arrived.
+2. **The owner's experts**: the host reads the counts (one synchronisation per backward: the sizes of the
+   owner's work), gathers the received rows by local expert, recomputes ``pre`` and runs
+   :func:`flashdmoe.expert_backward.packed_row_grads` (grouped GEMMs, the element-wise kernel): ``dw1``,
+   ``dw2`` of ``r``'s experts, and per received row ``dx_row`` and the combine weight's gradient.
+3. **Gradients back** (the same kernel, other direction): each received row's ``dx_row`` into its source's
+   ``comb`` region ``[r]`` at the same stream row, its weight gradient into the source's row word.
+4. **The source's tokens**: the router's logit gradient (``router_grad`` kernel) and ``dx`` = a token's
+   ``dx_row`` in choice order plus the router's term (``combine_grad``), both reading the rows where
+   step 3 wrote them; ``d_router``'s float32 share summed over ranks in rank order
+   (:meth:`flashdmoe.ep_peer.PeerExchange.all_reduce_sum`, bitwise the same on every rank), rounded once.
+
+Before writing into a peer's staging, a launch waits for that peer's "free" flag of the same sequence
+(raised by the peer's own launch of that direction, once its stream has finished reading the region).
+Every wait is bounded: a silent or stuck rank makes the waiting ranks' launches stop, and each launch is
+checked before the next step, so every rank raises :class:`flashdmoe.KernelTimeout` (naming the phase and
+the peer) and the team is marked failed; nothing waits forever.
+
+Memory held per rank: nothing between forward and backward beyond what autograd saves (``x``, the
+weights, the routing); the backward's staging is the team's ``recv`` / ``comb`` buffers and signal words.
+Not capturable in a CUDA graph (step 2 reads the counts on the host), like every NVSHMEM team's backward.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flashdmoe import status_checks
+from flashdmoe.ep_peer import PeerExchange
+from flashdmoe.expert_backward import packed_row_grads
+from flashdmoe.kernel_codes import DTYPE_CODES
+from flashdmoe.launch_knobs import debug, timeout_ms
+from flashdmoe.launch_report import LaunchReport, LaunchShape, status_layout
+from flashdmoe.workspace_pool import WorkspacePool
+
+__all__ = ["team_backward", "unsupported", "received_order"]
+
+_pool = WorkspacePool()
+TO_OWNERS, BACK_TO_SOURCES = 0, 1
+
+
+def unsupported(team, x: torch.Tensor) -> str:
+    """'' when :func:`team_backward` runs this team's backward, else why not."""
+    if getattr(team, "transport", None) != "nvshmem":
+        return "the device exchange is for NVSHMEM teams (one process per rank)"
+    if x.device.type != "cuda" or x.dtype not in (torch.bfloat16, torch.float16):
+        return f"the device exchange takes bfloat16 / float16 on CUDA, not {x.dtype} on {x.device.type}"
+    own = team.buffers[0]
+    missing = [q for q, address in enumerate(own.mapped_signals) if address is None]
+    missing += [q for q, address in enumerate(own.mapped_recv) if address is None and q not in missing]
+    if missing or len(own.mapped_signals) != team.world_size:
+        return f"ranks {sorted(missing)} have no load/store pointer from rank {team.rank} (NVSHMEM puts only)"
+    from flashdmoe import extension
+
+    return extension.unavailable_reason() or ""
+
+
+def received_order(counts: torch.Tensor, stream_rows: int) -> tuple[torch.Tensor, list[int]]:
+    """Where an owner's received rows are and in which order its expert GEMMs take them.
+
+    counts: ``[P, L]`` int (CPU): rows source ``q`` sent for local expert ``l``; source ``q``'s rows sit in
+    staging region ``q`` (rows ``q * stream_rows ...``) ordered by local expert. Returns ``(index, per_expert)``:
+    ``index [rows]`` int64, the staging row of each packed row (local expert 0's rows first, sources in rank
+    order within an expert), and each local expert's row count.
+    """
+    P, L = counts.shape
+    counts = counts.to(torch.int64).clamp(0, stream_rows)
+    # A failed launch may leave any value here: never index past a region.
+    within = torch.cumsum(counts, dim=1) - counts                     # start of (q, l) inside region q
+    overflow = (within + counts) > stream_rows
+    counts = torch.where(overflow, (stream_rows - within).clamp(min=0), counts)
+    starts = (torch.arange(P, dtype=torch.int64)[:, None] * stream_rows + within).t().reshape(-1)  # (l, q) order
+    sizes = counts.t().reshape(-1)
+    total = int(sizes.sum())
+    if total == 0:
+        return torch.zeros(0, dtype=torch.int64), [0] * L
+    offsets = torch.cumsum(sizes, 0) - sizes
+    index = torch.repeat_interleave(starts - offsets, sizes) + torch.arange(total, dtype=torch.int64)
+    return index, [int(c) for c in counts.sum(dim=0)]
+
+
+def _launch(ext, team, args: dict, device: torch.device, what_tokens: int) -> LaunchReport:
+    """One launch of the row exchange on the current stream, recorded like a forward's (its error surfaces
+    where a forward's does; :func:`status_checks.settle` waits for it)."""
+    index = device.index
+    status_checks.before_launch(index, None, False)
+    stream = torch._C._cuda_getCurrentRawStream(index)
+    sync_bytes = ext.ep_rows_sync_bytes()
+    args["sync"] = _pool.address(device, index, stream, sync_bytes, sync_bytes)
+    slot = status_checks.claim_slot(index, False)
+    args["status_host"] = slot.address
+    try:
+        info = ext.ep_rows(args, stream, slot.event.handle)
+    except Exception:
+        slot.give_back()
+        raise
+    plan = team.plan
+    shape = LaunchShape((team.rank,), (what_tokens,), plan.local_experts, plan.hidden * plan.element_bytes,
+                        timeout_ms())
+    report = LaunchReport(shape, status_checks.next_launch_id(), index, info, status_layout(), slot.view[:status_layout().bytes],
+                          slot.event, slot.give_back, False, team=team)
+    status_checks.launched(report, slot, team, forward=False)
+    return report
+
+
+def team_backward(team, x: torch.Tensor, router_weight: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                  expert: torch.Tensor, weight: torch.Tensor, row: torch.Tensor, dy: torch.Tensor, *,
+                  activation: str, normalize_topk: bool, needs=(True, True, True, True)):
+    """Gradients of this rank's share of the team's layer from its forward's routing; a collective.
+
+    x ``[T, H]`` (16-bit), router_weight ``[E, H]``, w1 ``[L, H, I or 2I]``, w2 ``[L, I, H]`` (this rank's
+    experts), all x's dtype and device; expert, row ``[T, k]`` int32 and weight ``[T, k]`` float32: the
+    forward's routing (global expert, stream row to its owner or -1 where dropped, combine weight); dy
+    ``[T, H]``. needs: which of ``(dx, d_router, dw1, dw2)`` to return (every rank still runs every step:
+    its peers need its rows).
+
+    Returns ``(dx [T, H], d_router [E, H], dw1, dw2)`` in the inputs' dtypes (None where not needed);
+    ``d_router`` is the sum over ranks, the same bits on every rank. Raises ``KernelTimeout`` (team marked
+    failed) when a peer's rows never came.
+    """
+    from flashdmoe import extension
+
+    ext = extension.loaded()
+    plan, rank, P = team.plan, team.rank, team.world_size
+    L, S, H = plan.local_experts, plan.stream_rows, plan.hidden
+    tokens, top_k = expert.shape
+    E = router_weight.shape[0]
+    device, dtype = x.device, x.dtype
+    need_dx, need_router, need_dw1, need_dw2 = needs
+    own = team.buffers[0]
+    peers = {"peer_recv": [int(a) for a in own.mapped_recv], "peer_comb": [int(a) for a in own.mapped_comb],
+             "peer_signals": [int(a) for a in own.mapped_signals]}
+    signals = own.signals
+    staged = P * S
+    recv = own.recv[:staged * H * plan.element_bytes].view(dtype).view(staged, H)
+    comb = own.comb[:staged * H * plan.element_bytes].view(dtype).view(staged, H)
+    row_words = signals[plan.backward_word("row_word", 0, 0):plan.backward_word("row_word", P, 0)]
+    common = {"rank": rank, "world_size": P, "local_experts": L, "stream_rows": S, "hidden": H,
+              "element_bytes": plan.element_bytes, "silent": rank == debug.silent_rank,
+              "timeout_ns": timeout_ms() * 1_000_000, "debug_withhold_phase": int(debug.withhold_phase),
+              "grid_percent": _grid_percent(), **peers}
+
+    # 1. rows, weights and counts to the owners
+    sequence = team.next_backward_sequence()
+    expert32 = expert.to(torch.int32).contiguous()
+    row32 = row.to(torch.int32).contiguous()
+    kept = torch.zeros(E, dtype=torch.int32, device=device).scatter_add_(
+        0, expert32.reshape(-1).long().clamp(0, E - 1), (row32.reshape(-1) >= 0).to(torch.int32))
+    dy16 = dy.to(dtype).contiguous()
+    xc = x.contiguous()
+    weight32 = weight.to(torch.float32).contiguous()
+    out_args = {**common, "direction": TO_OWNERS, "sequence": sequence, "tokens": tokens, "top_k": top_k,
+                "x": xc.data_ptr(), "dy": dy16.data_ptr(), "expert": expert32.data_ptr(), "row": row32.data_ptr(),
+                "weight": weight32.data_ptr(), "kept_per_expert": kept.data_ptr(),
+                "rows": 0, "received": 0, "dx_rows": 0, "dweight_row": 0}
+    status_checks.settle(_launch(ext, team, out_args, device, tokens))  # raises KernelTimeout on a stuck peer
+
+    # 2. this rank's experts on the rows it received (the counts sized on the host)
+    counts = signals[plan.backward_word("count", 0, 0):plan.backward_word("count", P, 0)].view(P, L).cpu()
+    index, per_expert = received_order(counts, S)
+    index = index.to(device)
+    w_row = row_words.view(torch.float32).index_select(0, index)
+    dweight_row, dx_rows, dw1, dw2 = packed_row_grads(
+        recv.index_select(0, index), comb.index_select(0, index), w_row, per_expert, w1, w2,
+        activation=activation, need_dw1=need_dw1, need_dw2=need_dw2)
+
+    # 3. each received row's dx share and weight gradient back to its source
+    received32 = index.to(torch.int32)
+    back_args = {**common, "direction": BACK_TO_SOURCES, "sequence": sequence, "tokens": 0, "top_k": top_k,
+                 "x": 0, "dy": 0, "expert": 0, "row": 0, "weight": 0, "kept_per_expert": 0,
+                 "rows": int(index.numel()), "received": received32.data_ptr(),
+                 "dx_rows": dx_rows.data_ptr() if dx_rows.numel() else 0,
+                 "dweight_row": dweight_row.data_ptr() if dweight_row.numel() else 0}
+    status_checks.settle(_launch(ext, team, back_args, device, int(index.numel())))
+
+    # 4. this rank's tokens: the router's gradient and dx, then d_router summed over the ranks
+    owner = expert32.long().div(L, rounding_mode="floor").clamp(0, P - 1)
+    staged_row = torch.where(row32 >= 0, (owner * S + row32.long()).to(torch.int32), -1).contiguous()
+    d_router_part = torch.zeros(E, H, dtype=torch.float32, device=device)
+    dx = None
+    if tokens:
+        stream = torch.cuda.current_stream(device).cuda_stream
+        logits = torch.mm(xc, router_weight.t(), out_dtype=torch.float32)
+        dlogits = torch.empty(tokens, E, dtype=dtype, device=device)
+        weight_grads = row_words.view(torch.float32)
+        ext.router_grad(DTYPE_CODES[dtype], logits.data_ptr(), expert32.data_ptr(), staged_row.data_ptr(),
+                        weight_grads.data_ptr(), dlogits.data_ptr(), tokens, top_k, E, normalize_topk, stream)
+        d_router_part = torch.mm(dlogits.t(), xc, out_dtype=torch.float32)
+        if need_dx:
+            dx_router = torch.mm(dlogits, router_weight, out_dtype=torch.float32)
+            dx = torch.empty_like(xc)
+            ext.combine_grad(DTYPE_CODES[dtype], comb.data_ptr(), staged_row.data_ptr(), dx_router.data_ptr(),
+                             dx.data_ptr(), tokens, top_k, H, stream)
+    elif need_dx:
+        dx = xc.new_zeros(0, H)
+    # every rank joins the sum, whatever it needs itself
+    d_router = PeerExchange.from_team(team).all_reduce_sum(d_router_part)
+    return (dx, d_router.to(router_weight.dtype) if need_router else None, dw1 if need_dw1 else None,
+            dw2 if need_dw2 else None)
+
+
+def _grid_percent() -> int:
+    from flashdmoe.team import mps_thread_percentage
+
+    percent = mps_thread_percentage()
+    return 100 if percent is None else int(percent)

@@ -1,0 +1,145 @@
+"""The pieces of an NVSHMEM team's device-exchange backward (flashdmoe/ep_backward.py) that run without a
+team: the order in which an owner takes its received rows, the backward's signal words, and the expert
+half of the backward on rows packed by expert against float64 autograd. The collective itself runs in
+tests/test_ep_multiprocess.py (2 and 4 processes under MPS on the GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashdmoe import numerics, reference
+from flashdmoe.ep_backward import received_order, unsupported
+from flashdmoe.expert_backward import packed_row_grads
+from flashdmoe.team import BufferPlan, Team
+
+requires_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def test_received_order_takes_each_expert_from_every_source_in_rank_order():
+    # 3 sources, 2 local experts; stream_rows 5: source q's rows for expert 0 then expert 1 in region q
+    counts = torch.tensor([[2, 1], [0, 3], [1, 0]])
+    index, per_expert = received_order(counts, 5)
+    assert per_expert == [3, 4]
+    assert index.tolist() == [0, 1, 10, 2, 5, 6, 7]
+
+
+@pytest.mark.parametrize("draw", range(5))
+def test_received_order_matches_a_row_by_row_walk(seed, draw):
+    generator = torch.Generator().manual_seed(seed + draw)
+    P, L, S = 4, 3, 9
+    counts = torch.randint(0, 4, (P, L), generator=generator)
+    index, per_expert = received_order(counts, S)
+    want = []
+    for local in range(L):
+        for source in range(P):
+            start = source * S + int(counts[source, :local].sum())
+            want += list(range(start, start + int(counts[source, local])))
+    assert index.tolist() == want
+    assert per_expert == counts.sum(dim=0).tolist()
+
+
+def test_received_order_stays_inside_each_region_whatever_the_counts_say():
+    # a failed launch may leave any value in the count words
+    counts = torch.tensor([[7, 9], [-3, 2]])
+    index, per_expert = received_order(counts, 5)
+    assert all(0 <= int(i) < 10 for i in index)
+    for source in range(2):
+        mine = [int(i) for i in index if int(i) // 5 == source]
+        assert len(mine) == len(set(mine)) and len(mine) <= 5
+    assert sum(per_expert) == index.numel()
+
+
+def test_received_order_of_nothing():
+    index, per_expert = received_order(torch.zeros(2, 3, dtype=torch.int32), 4)
+    assert index.numel() == 0 and per_expert == [0, 0, 0]
+
+
+@pytest.mark.parametrize("P, L, S", [(1, 1, 1), (2, 4, 7), (8, 32, 100)])
+def test_backward_words_follow_the_forward_words_without_overlap(P, L, S):
+    plan = BufferPlan(P, max_tokens=S, hidden=64, top_k=1, local_experts=L, dtype=torch.bfloat16)
+    assert plan.stream_rows == S
+    words = []
+    for direction in (0, 1):
+        for peer in range(P):
+            words += [plan.backward_word("free", direction, peer), plan.backward_word("ready", direction, peer)]
+    words += [plan.backward_word("count", q, local) for q in range(P) for local in range(L)]
+    words += [plan.backward_word("row_word", q, row) for q in range(P) for row in range(S)]
+    assert len(set(words)) == len(words) == plan.backward_words
+    assert min(words) == plan.forward_signal_words == P * L + 3 * P
+    assert max(words) == plan.signal_words - 1
+    with pytest.raises(ValueError, match="what="):
+        plan.backward_word("flags", 0, 0)
+
+
+def test_the_device_exchange_is_for_nvshmem_teams_only():
+    assert "NVSHMEM teams" in unsupported(Team.single(), torch.zeros(1, 8))
+
+
+@requires_gpu
+@pytest.mark.gpu
+def test_backward_words_agree_with_the_kernel():
+    from flashdmoe import extension
+
+    ext = extension.load()
+    for P, L, S in [(1, 1, 1), (2, 4, 7), (8, 32, 100)]:
+        plan = BufferPlan(P, max_tokens=S, hidden=64, top_k=1, local_experts=L, dtype=torch.bfloat16)
+        assert ext.ep_signal_words(P, L, S) == plan.signal_words
+        for what, a, b in [("free", 1, P - 1), ("ready", 0, P - 1), ("count", P - 1, L - 1), ("row_word", P - 1, S - 1)]:
+            assert ext.ep_signal_offset(what, P, L, S, a, b) == plan.backward_word(what, a, b), (what, P, L, S)
+
+
+def _autograd_rows(x, dy, w, counts, w1, w2, activation):
+    """float64 autograd of sum_r <dy_r, w_r * ffn_e(x_r)> per row (e: the row's expert): dx_rows, dweight, dw1, dw2."""
+    x = x.double().requires_grad_(True)
+    w = w.double().requires_grad_(True)
+    w1 = w1.double().requires_grad_(True)
+    w2 = w2.double().requires_grad_(True)
+    outs, start = [], 0
+    for e, count in enumerate(counts):
+        rows = slice(start, start + count)
+        outs.append(reference.expert_ffn(x[rows], w1[e], w2[e], activation) * w[rows, None])
+        start += count
+    y = torch.cat(outs)
+    (y * dy.double()).sum().backward()
+    return x.grad, w.grad, w1.grad, w2.grad
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu", "silu", "swiglu"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_packed_row_grads_match_float64_autograd(activation, dtype, seed):
+    generator = torch.Generator().manual_seed(seed)
+    E, H, I = 4, 32, 16
+    counts = [3, 0, 5, 1]
+    R = sum(counts)
+    cols = 2 * I if activation == "swiglu" else I
+    x = torch.randn(R, H, generator=generator).to(dtype)
+    dy = torch.randn(R, H, generator=generator).to(dtype)
+    w = torch.rand(R, generator=generator)
+    w1 = (torch.randn(E, H, cols, generator=generator) / H ** 0.5).to(dtype)
+    w2 = (torch.randn(E, I, H, generator=generator) / I ** 0.5).to(dtype)
+    dweight, dx_rows, dw1, dw2 = packed_row_grads(x, dy, w, counts, w1, w2, activation=activation)
+    want_dx, want_dw, want_dw1, want_dw2 = _autograd_rows(x, dy, w, counts, w1, w2, activation)
+    # the same arithmetic in another order (three chained GEMMs over at most 2I terms), plus for dweight
+    # its float32 result's rounding
+    reorder = numerics.reorder_tolerance(dtype, 2 * I, depth=3)
+    for got, want, what in ((dx_rows, want_dx, "dx_rows"), (dweight, want_dw, "dweight"), (dw1, want_dw1, "dw1"),
+                            (dw2, want_dw2, "dw2")):
+        assert got.dtype == (torch.float32 if what == "dweight" else dtype), what
+        tolerance = reorder + (numerics.rounding_tolerance(torch.float32, 1) if what == "dweight" else 0.0)
+        assert numerics.normwise_error(got.double(), want) < tolerance, what
+    assert dw1[1].abs().max() == 0 and dw2[1].abs().max() == 0  # the expert without rows
+
+
+def test_packed_row_grads_with_no_rows():
+    w1, w2 = torch.randn(2, 8, 4), torch.randn(2, 4, 8)
+    dweight, dx_rows, dw1, dw2 = packed_row_grads(torch.zeros(0, 8), torch.zeros(0, 8), torch.zeros(0), [0, 0], w1, w2,
+                                                  activation="gelu")
+    assert dweight.shape == (0,) and dx_rows.shape == (0, 8)
+    assert dw1.abs().max() == 0 and dw2.abs().max() == 0
+
+
+def test_packed_row_grads_rejects_counts_that_do_not_match_the_rows():
+    w1, w2 = torch.randn(2, 8, 4), torch.randn(2, 4, 8)
+    with pytest.raises(ValueError, match="do not match counts"):
+        packed_row_grads(torch.zeros(3, 8), torch.zeros(3, 8), torch.zeros(3), [1, 1], w1, w2, activation="gelu")
