@@ -280,6 +280,9 @@ py::tuple ep_rows(const py::dict& args, uintptr_t stream, uintptr_t status_event
   a.received = as_ptr<const int>(get<uintptr_t>(args, "received"));
   a.dx_rows = as_ptr<const void>(get<uintptr_t>(args, "dx_rows"));
   a.dweight_row = as_ptr<const float>(get<uintptr_t>(args, "dweight_row"));
+  a.n = args.contains("n") ? get<int64_t>(args, "n") : 0;
+  a.share = as_ptr<const float>(args.contains("share") ? get<uintptr_t>(args, "share") : 0);
+  a.sum = as_ptr<float>(args.contains("sum") ? get<uintptr_t>(args, "sum") : 0);
   a.sync = as_ptr<void>(get<uintptr_t>(args, "sync"));
   a.status_host = as_ptr<void>(get<uintptr_t>(args, "status_host"));
   a.timeout_ns = get<uint64_t>(args, "timeout_ns");

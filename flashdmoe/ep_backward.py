@@ -17,18 +17,23 @@ calls it for every backward, in the same order. Per rank ``r`` (``docs/design.md
    ``comb`` region ``[r]`` at the same stream row, its weight gradient into the source's row word.
 4. **The source's tokens**: the router's logit gradient (``router_grad`` kernel) and ``dx`` = a token's
    ``dx_row`` in choice order plus the router's term (``combine_grad``), both reading the rows where
-   step 3 wrote them; ``d_router``'s float32 share summed over ranks in rank order
-   (:meth:`flashdmoe.ep_peer.PeerExchange.all_reduce_sum`, bitwise the same on every rank), rounded once.
+   step 3 wrote them.
+5. **The router's gradient** (the same kernel, third direction): each rank's float32 share of
+   ``d_router`` into every peer's ``comb`` region, then every rank sums the ``P`` shares in rank order
+   (bitwise the same on every rank) and rounds once. A share larger than one ``comb`` region goes
+   through :meth:`flashdmoe.ep_peer.PeerExchange.all_reduce_sum` instead.
 
 Before writing into a peer's staging, a launch waits for that peer's "free" flag of the same sequence
 (raised by the peer's own launch of that direction, once its stream has finished reading the region).
-Every wait is bounded: a silent or stuck rank makes the waiting ranks' launches stop, and each launch is
-checked before the next step, so every rank raises :class:`flashdmoe.KernelTimeout` (naming the phase and
-the peer) and the team is marked failed; nothing waits forever.
+Every wait is bounded: a silent or stuck rank makes the waiting ranks' launches stop (a stopped launch
+publishes nothing further, so its peers stop too), and every rank raises :class:`flashdmoe.KernelTimeout`
+(naming the phase and the peer) with the team marked failed: at step 1's check when the rows to the
+owners never came (the host waits for that launch anyway, for the counts), else at the team's next use
+(its next forward, :func:`flashdmoe.check_errors`, :func:`flashdmoe.synchronize`); nothing waits forever.
 
 Memory held per rank: nothing between forward and backward beyond what autograd saves (``x``, the
 weights, the routing); the backward's staging is the team's ``recv`` / ``comb`` buffers and signal words.
-Not capturable in a CUDA graph (step 2 reads the counts on the host), like every NVSHMEM team's backward.
+Not capturable in a CUDA graph (step 2 reads the counts on the host), like every NVSHMEM team's step.
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ from flashdmoe.workspace_pool import WorkspacePool
 __all__ = ["team_backward", "unsupported", "received_order"]
 
 _pool = WorkspacePool()
-TO_OWNERS, BACK_TO_SOURCES = 0, 1
+TO_OWNERS, BACK_TO_SOURCES, SUM_OVER_RANKS = 0, 1, 2
 
 
 def unsupported(team, x: torch.Tensor) -> str:
@@ -181,9 +186,10 @@ def team_backward(team, x: torch.Tensor, router_weight: torch.Tensor, w1: torch.
                  "rows": int(index.numel()), "received": received32.data_ptr(),
                  "dx_rows": dx_rows.data_ptr() if dx_rows.numel() else 0,
                  "dweight_row": dweight_row.data_ptr() if dweight_row.numel() else 0}
-    status_checks.settle(_launch(ext, team, back_args, device, int(index.numel())))
+    back = _launch(ext, team, back_args, device, int(index.numel()))
 
-    # 4. this rank's tokens: the router's gradient and dx, then d_router summed over the ranks
+    # 4. this rank's tokens: the router's gradient and dx (stream-ordered after step 3's launch, which ends
+    # once every owner's rows are here), then d_router summed over the ranks
     owner = expert32.long().div(L, rounding_mode="floor").clamp(0, P - 1)
     staged_row = torch.where(row32 >= 0, (owner * S + row32.long()).to(torch.int32), -1).contiguous()
     d_router_part = torch.zeros(E, H, dtype=torch.float32, device=device)
@@ -204,9 +210,30 @@ def team_backward(team, x: torch.Tensor, router_weight: torch.Tensor, w1: torch.
     elif need_dx:
         dx = xc.new_zeros(0, H)
     # every rank joins the sum, whatever it needs itself
-    d_router = PeerExchange.from_team(team).all_reduce_sum(d_router_part)
+    d_router = _sum_over_ranks(ext, team, common, sequence, d_router_part, back, device)
     return (dx, d_router.to(router_weight.dtype) if need_router else None, dw1 if need_dw1 else None,
             dw2 if need_dw2 else None)
+
+
+def _sum_over_ranks(ext, team, common: dict, sequence: int, share: torch.Tensor, back: LaunchReport,
+                    device: torch.device) -> torch.Tensor:
+    """The sum over the team's ranks of each rank's float32 ``share`` in rank order (the same bits on every
+    rank): the exchange's third direction, staged in the peers' ``comb`` regions, where it fits one region;
+    else :meth:`PeerExchange.all_reduce_sum` (host-launched copies between team barriers, which wait
+    without a watchdog: the step before is checked first, so a rank that timed out raises instead of
+    leaving its peers in a barrier)."""
+    plan = team.plan
+    share = share.contiguous()
+    n = share.numel()
+    if n % 4 == 0 and n * 4 <= plan.stream_rows * plan.hidden * plan.element_bytes:
+        total = torch.empty_like(share)
+        args = {**common, "direction": SUM_OVER_RANKS, "sequence": sequence, "tokens": 0, "top_k": 1,
+                "x": 0, "dy": 0, "expert": 0, "row": 0, "weight": 0, "kept_per_expert": 0, "rows": 0, "received": 0,
+                "dx_rows": 0, "dweight_row": 0, "n": n, "share": share.data_ptr(), "sum": total.data_ptr()}
+        _launch(ext, team, args, device, 0)
+        return total
+    status_checks.settle(back)
+    return PeerExchange.from_team(team).all_reduce_sum(share)
 
 
 def _grid_percent() -> int:

@@ -55,6 +55,9 @@ PHASE_NAMES = {
     17: "backward exchange: waiting for a source to free its staging for the dx rows",
     18: "backward exchange: grid barrier after the dx rows were written",
     19: "backward exchange: waiting for an owner's dx rows and weight gradients",
+    20: "backward exchange: waiting for a peer to free its staging for this rank's share of the router's gradient",
+    21: "backward exchange: grid barrier after this rank's share of the router's gradient was written",
+    22: "backward exchange: waiting for a peer's share of the router's gradient",
 }
 
 # Intervals between consecutive phase clock slots (slot 0 start, 1..4 after the grid barriers, 5 exit).

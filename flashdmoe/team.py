@@ -112,10 +112,10 @@ class BufferPlan:
 
     @property
     def backward_words(self) -> int:
-        """The backward exchange's words after the forward's (``EpSignalLayout``): 4P flags, P*L counts and
-        one word per row of every source's stream."""
+        """The backward exchange's words after the forward's (``EpSignalLayout``): 6P flags (free and ready,
+        three directions), P*L counts and one word per row of every source's stream."""
         P = self.world_size
-        return 4 * P + P * self.local_experts + P * self.stream_rows
+        return 6 * P + P * self.local_experts + P * self.stream_rows
 
     @property
     def signal_words(self) -> int:
@@ -130,9 +130,9 @@ class BufferPlan:
         if what == "ready":
             return base + (2 * a + 1) * P + b
         if what == "count":
-            return base + 4 * P + a * L + b
+            return base + 6 * P + a * L + b
         if what == "row_word":
-            return base + 4 * P + P * L + a * self.stream_rows + b
+            return base + 6 * P + P * L + a * self.stream_rows + b
         raise ValueError(f"what={what!r}: expected 'free', 'ready', 'count' or 'row_word'")
 
     @property

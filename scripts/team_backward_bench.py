@@ -42,6 +42,8 @@ def main(argv=None) -> int:
     parser.add_argument("--ranks", default="2,4")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--profile", action="store_true",
+                        help="also print rank 0's torch-profiler tables of one device-exchange step")
     args = parser.parse_args(argv)
     rows, failed = [], False
     daemon = MpsDaemon().start()
@@ -52,6 +54,7 @@ def main(argv=None) -> int:
                 for path in ("auto", "torch"):
                     result = run_ranks(SCENARIO, world_size, mps=daemon, timeout_s=600,
                                        params={"problem": problem.to_dict(), "backward": path,
+                                               "profile": bool(args.profile and path == "auto"),
                                                "repeats": args.repeats if path == "auto" else max(3, args.repeats // 3)})
                     if not result.ok:
                         print(result.summary(), file=sys.stderr)
@@ -61,6 +64,9 @@ def main(argv=None) -> int:
                 if len(results) != 2:
                     continue
                 device, torch_path = results["auto"].ranks, results["torch"].ranks
+                if args.profile:
+                    print(f"== P={world_size} {name}: rank 0, one step, by self CPU time\n{device[0].info['profile']}")
+                    print(f"== by self CUDA time\n{device[0].info['profile_cuda']}", flush=True)
                 diff = max(relative(d.tensors[g], t.tensors[g]) for d, t in zip(device, torch_path)
                            for g in ("dx", "d_router", "dw1", "dw2"))
                 row = {"P": world_size, "shape": name, "tokens_per_rank": problem.tokens[0],

@@ -60,7 +60,7 @@ def test_backward_words_follow_the_forward_words_without_overlap(P, L, S):
     plan = BufferPlan(P, max_tokens=S, hidden=64, top_k=1, local_experts=L, dtype=torch.bfloat16)
     assert plan.stream_rows == S
     words = []
-    for direction in (0, 1):
+    for direction in (0, 1, 2):
         for peer in range(P):
             words += [plan.backward_word("free", direction, peer), plan.backward_word("ready", direction, peer)]
     words += [plan.backward_word("count", q, local) for q in range(P) for local in range(L)]
@@ -85,7 +85,8 @@ def test_backward_words_agree_with_the_kernel():
     for P, L, S in [(1, 1, 1), (2, 4, 7), (8, 32, 100)]:
         plan = BufferPlan(P, max_tokens=S, hidden=64, top_k=1, local_experts=L, dtype=torch.bfloat16)
         assert ext.ep_signal_words(P, L, S) == plan.signal_words
-        for what, a, b in [("free", 1, P - 1), ("ready", 0, P - 1), ("count", P - 1, L - 1), ("row_word", P - 1, S - 1)]:
+        for what, a, b in [("free", 1, P - 1), ("ready", 0, P - 1), ("free", 2, 0), ("ready", 2, P - 1),
+                           ("count", P - 1, L - 1), ("row_word", P - 1, S - 1)]:
             assert ext.ep_signal_offset(what, P, L, S, a, b) == plan.backward_word(what, a, b), (what, P, L, S)
 
 

@@ -31,16 +31,16 @@ def test_plan_sizes_by_hand():
     assert p.element_bytes == 2
     assert p.data_bytes == 4 * 200 * 64 * 2 == 102_400  # P regions of [stream_rows, H] bf16
     assert p.forward_signal_words == 4 * 3 + 3 * 4 == 24  # P*L counts + 3P flags
-    # the backward's: 4P flags, P*L counts, a word per stream row of every source
-    assert p.backward_words == 4 * 4 + 4 * 3 + 4 * 200 == 828
-    assert p.signal_words == 24 + 828
-    assert p.bytes_per_rank == 2 * 102_400 + 4 * 852 == 208_208  # recv + comb + int32 signals
+    # the backward's: 6P flags, P*L counts, a word per stream row of every source
+    assert p.backward_words == 6 * 4 + 4 * 3 + 4 * 200 == 836
+    assert p.signal_words == 24 + 836
+    assert p.bytes_per_rank == 2 * 102_400 + 4 * 860 == 208_240  # recv + comb + int32 signals
     # k > L: a token sends at most L rows to one rank (one per local expert)
     wide = plan(top_k=5, local_experts=2, world_size=2, max_tokens=7, hidden=128, dtype=torch.float16)
     assert wide.stream_rows == 14
     assert wide.data_bytes == 2 * 14 * 128 * 2
     assert wide.forward_signal_words == 2 * 2 + 6
-    assert wide.signal_words == 2 * 2 + 6 + 4 * 2 + 2 * 2 + 2 * 14
+    assert wide.signal_words == 2 * 2 + 6 + 6 * 2 + 2 * 2 + 2 * 14
     assert wide.bytes_per_rank == 2 * wide.data_bytes + 4 * wide.signal_words
 
 
@@ -227,8 +227,8 @@ def test_emulated_team_buffers_and_peer_tables():
     p = team.plan
     assert (team.transport, team.rank, team.world_size) == ("emulated", 0, P)
     assert p == BufferPlan(P, 50, 128, 2, 4, torch.bfloat16)
-    # signals: the forward's P*L + 3P words, then the backward's 4P + P*L + P*stream_rows
-    assert team.buffer_bytes == p.bytes_per_rank == 2 * (P * 100 * 128 * 2) + 4 * (P * 4 + 3 * P + 4 * P + P * 4 + P * 100)
+    # signals: the forward's P*L + 3P words, then the backward's 6P + P*L + P*stream_rows
+    assert team.buffer_bytes == p.bytes_per_rank == 2 * (P * 100 * 128 * 2) + 4 * (P * 4 + 3 * P + 6 * P + P * 4 + P * 100)
     assert team.describe()["stream_rows"] == 100 and team.device.type == "cuda"
     assert len(team.buffers) == P
     for own in team.buffers:

@@ -32,7 +32,7 @@ int64_t ep_signal_offset(const char* what, int world, int local_experts, int str
 }
 
 LaunchInfo launch_ep_rows(const EpRowsArgs& a, cudaStream_t stream) {
-  if (a.direction != 0 && a.direction != 1) throw std::invalid_argument("ep_rows: direction must be 0 or 1");
+  if (a.direction < 0 || a.direction >= kEpDirections) throw std::invalid_argument("ep_rows: direction must be 0, 1 or 2");
   if (a.world_size < 1 || a.world_size > kMaxRanks || a.rank < 0 || a.rank >= a.world_size)
     throw std::invalid_argument("ep_rows: rank " + std::to_string(a.rank) + " of " + std::to_string(a.world_size));
   if (static_cast<int>(a.peer_recv.size()) != a.world_size || static_cast<int>(a.peer_comb.size()) != a.world_size ||
@@ -48,6 +48,12 @@ LaunchInfo launch_ep_rows(const EpRowsArgs& a, cudaStream_t stream) {
     throw std::invalid_argument("ep_rows: the rows to the owners need x, dy, the routing, kept counts and 1 <= k <= 32");
   if (a.direction == 1 && a.rows > 0 && (a.received == nullptr || a.dweight_row == nullptr))
     throw std::invalid_argument("ep_rows: the gradients back need the received-row table and dweight");
+  if (a.direction == 2 &&
+      (a.n < 0 || a.n % 4 || (a.n > 0 && (a.share == nullptr || a.sum == nullptr)) ||
+       a.n * 4 > static_cast<int64_t>(a.stream_rows) * row_bytes))
+    throw std::invalid_argument("ep_rows: the sum takes n floats, a multiple of 4 that fits one comb region (n * 4 <= " +
+                                std::to_string(static_cast<int64_t>(a.stream_rows) * row_bytes) + " bytes), got n=" +
+                                std::to_string(a.n));
 
   EpRowsParams p{};
   p.direction = static_cast<EpDirection>(a.direction);
@@ -67,6 +73,8 @@ LaunchInfo launch_ep_rows(const EpRowsArgs& a, cudaStream_t stream) {
   p.kept_per_expert = a.kept_per_expert;
   p.rows = a.direction == 1 ? a.rows : 0;
   p.received = a.received, p.dx_rows = a.dx_rows, p.dweight_row = a.dweight_row;
+  p.n = a.direction == 2 ? a.n : 0;
+  p.share = a.share, p.sum = a.sum;
   char* w = static_cast<char*>(a.sync);
   p.error_word = reinterpret_cast<unsigned long long*>(w + kStatusErrorWord);
   p.traffic = reinterpret_cast<unsigned long long*>(w + kStatusTraffic);
@@ -85,8 +93,10 @@ LaunchInfo launch_ep_rows(const EpRowsArgs& a, cudaStream_t stream) {
   int grid = resident.blocks_per_sm * resident.sms;
   if (a.grid_percent > 0 && a.grid_percent < 100) grid = std::max(1, grid * a.grid_percent / 100);
   // No more blocks than items (a warp each): small batches do not wake the whole GPU.
-  const int64_t items = a.direction == 0 ? a.tokens : a.rows;
-  const int64_t wanted = std::max<int64_t>(1, (items + kEpRowsThreads / 32 - 1) / (kEpRowsThreads / 32));
+  const int64_t wanted =
+      a.direction == 2 ? std::max<int64_t>(1, (a.n / 4 + kEpRowsThreads - 1) / kEpRowsThreads)
+                       : std::max<int64_t>(1, ((a.direction == 0 ? a.tokens : a.rows) + kEpRowsThreads / 32 - 1) /
+                                                  (kEpRowsThreads / 32));
   if (wanted < grid) grid = static_cast<int>(wanted);
   p.blocks = grid;
   launch_cooperative(ep_rows_kernel, grid, kEpRowsThreads, 0, stream, p, "launching ep_rows_kernel");

@@ -8,6 +8,8 @@
 //   back:       each row this rank's experts took (packed order) writes its dx row into the source's
 //               comb region [this rank] at the same stream row, and the combine weight's gradient into
 //               the source's row words.
+//   sum:        this rank's float32 share of a gradient (the router's) into every peer's comb region
+//               [this rank]; then every rank sums the P shares in rank order (the same bits on every rank).
 //
 // Stores into peer memory (NVLink / same-GPU pointers of the team's peer table), then one flag per
 // destination carrying the backward's sequence number, exactly as the forward publishes. Before writing
@@ -28,12 +30,16 @@ enum EpBackwardPhase : uint32_t {
   kPhaseEpFreeToSources = 17,  // waiting for a source to free its staging for the dx rows
   kPhaseEpGradsOut = 18,       // grid barrier after this rank's dx rows were written
   kPhaseEpGradsIn = 19,        // waiting for an owner's dx rows and weight gradients
+  kPhaseEpFreeToSum = 20,      // waiting for a peer to free its staging for this rank's share of the sum
+  kPhaseEpSharesOut = 21,      // grid barrier after this rank's share was written
+  kPhaseEpSharesIn = 22,       // waiting for a peer's share
 };
 
-enum class EpDirection : int { ToOwners = 0, BackToSources = 1 };
+enum class EpDirection : int { ToOwners = 0, BackToSources = 1, SumOverRanks = 2 };
+constexpr int kEpDirections = 3;
 
 // The backward's words in a rank's signal buffer, after the forward's signal_words(P, L):
-//   free[dir][peer], ready[dir][peer]   4P flags (sequence numbers, never cleared)
+//   free[dir][peer], ready[dir][peer]   6P flags (three directions; sequence numbers, never cleared)
 //   count[src][local]                   P*L rows src sent this rank for each local expert
 //   row_word[src][stream_rows]          one 32-bit word per stream row: the combine weight on the way
 //                                       to the owner, the weight's gradient on the way back (f32 bits)
@@ -47,9 +53,11 @@ struct EpSignalLayout {
   __host__ __device__ int ready_flag(EpDirection dir, int peer) const {
     return base() + (2 * static_cast<int>(dir) + 1) * world + peer;
   }
-  __host__ __device__ int count(int src, int local) const { return base() + 4 * world + src * local_experts + local; }
+  __host__ __device__ int count(int src, int local) const {
+    return base() + 2 * kEpDirections * world + src * local_experts + local;
+  }
   __host__ __device__ int64_t row_word(int src, int row) const {
-    return base() + 4 * world + world * local_experts + static_cast<int64_t>(src) * stream_rows + row;
+    return base() + 2 * kEpDirections * world + world * local_experts + static_cast<int64_t>(src) * stream_rows + row;
   }
   __host__ __device__ int64_t total_words() const { return row_word(world, 0); }
 };
@@ -79,6 +87,12 @@ struct EpRowsParams {
   const void* dx_rows;        // [rows, H]
   const float* dweight_row;   // [rows]
 
+  // Sum over ranks: n floats (a multiple of 4, n * 4 <= stream_rows * row_bytes) of this rank's share,
+  // and where the sum goes.
+  int64_t n;
+  const float* share;
+  float* sum;
+
   // Watchdog and sync words (common/sync.cuh names).
   unsigned long long* error_word;
   unsigned long long* traffic;  // [kTrafficWords]: to owners counts as dispatch, back as combine
@@ -96,8 +110,8 @@ constexpr int kEpRowsThreads = 256;
 
 namespace ep_rows {
 
-__device__ __forceinline__ uint32_t phase(const EpRowsParams& p, uint32_t to_owners, uint32_t back) {
-  return p.direction == EpDirection::ToOwners ? to_owners : back;
+__device__ __forceinline__ uint32_t phase(const EpRowsParams& p, uint32_t to_owners, uint32_t back, uint32_t sum) {
+  return p.direction == EpDirection::ToOwners ? to_owners : p.direction == EpDirection::BackToSources ? back : sum;
 }
 
 // Thread `peer` of every block waits for that peer's free flag; true when every peer freed its staging.
@@ -106,7 +120,8 @@ __device__ inline bool wait_for_free(const EpRowsParams& p, const EpSignalLayout
   const int peer = threadIdx.x;
   if (peer < p.world_size && peer != p.rank) {
     const uint32_t* flag = p.peers[p.rank].signals + layout.free_flag(p.direction, peer);
-    ok = wait_at_least<Scope::System>(flag, p.sequence, p, phase(p, kPhaseEpFreeToOwners, kPhaseEpFreeToSources), peer);
+    ok = wait_at_least<Scope::System>(flag, p.sequence, p,
+                                      phase(p, kPhaseEpFreeToOwners, kPhaseEpFreeToSources, kPhaseEpFreeToSum), peer);
   }
   return __syncthreads_and(ok) != 0;
 }
@@ -199,6 +214,48 @@ __device__ inline void grads_to_sources(const EpRowsParams& p, const EpSignalLay
   if (lane == 0 && sent) atomicAdd(p.traffic + kTrafficCombine, sent);
 }
 
+// This rank's share into every peer's comb region [this rank] (16-byte pieces, grid-stride).
+__device__ inline void share_to_peers(const EpRowsParams& p) {
+  const int64_t pieces = p.n / 4;
+  const size_t region = static_cast<size_t>(p.stream_rows) * p.row_bytes;
+  const float4* src = reinterpret_cast<const float4*>(p.share);
+  unsigned long long sent = 0;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kEpRowsThreads + threadIdx.x; i < pieces;
+       i += static_cast<int64_t>(p.blocks) * kEpRowsThreads) {
+    const float4 v = __ldg(src + i);
+    for (int peer = 0; peer < p.world_size; ++peer) {
+      if (peer == p.rank) continue;
+      reinterpret_cast<float4*>(static_cast<char*>(p.peers[peer].comb) + p.rank * region)[i] = v;
+      sent += 16;
+    }
+  }
+  for (int offset = 16; offset > 0; offset >>= 1) sent += __shfl_xor_sync(0xffffffffu, sent, offset);
+  if ((threadIdx.x & 31) == 0 && sent) atomicAdd(p.traffic + kTrafficCombine, sent);
+}
+
+// Every peer's share has arrived (each block waits: they all read them), then the sum in rank order.
+__device__ inline void sum_shares(const EpRowsParams& p, const EpSignalLayout& layout) {
+  bool ok = true;
+  const int peer = threadIdx.x;
+  if (peer < p.world_size && peer != p.rank)
+    ok = wait_at_least<Scope::System>(p.peers[p.rank].signals + layout.ready_flag(p.direction, peer), p.sequence, p,
+                                      kPhaseEpSharesIn, peer);
+  if (!__syncthreads_and(ok)) return;
+  const int64_t pieces = p.n / 4;
+  const size_t region = static_cast<size_t>(p.stream_rows) * p.row_bytes;
+  const char* staging = static_cast<const char*>(p.peers[p.rank].comb);
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kEpRowsThreads + threadIdx.x; i < pieces;
+       i += static_cast<int64_t>(p.blocks) * kEpRowsThreads) {
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int q = 0; q < p.world_size; ++q) {  // rank order: the same bits on every rank
+      const float4 v = q == p.rank ? __ldg(reinterpret_cast<const float4*>(p.share) + i)
+                                   : __ldcg(reinterpret_cast<const float4*>(staging + q * region) + i);
+      acc.x += v.x, acc.y += v.y, acc.z += v.z, acc.w += v.w;
+    }
+    reinterpret_cast<float4*>(p.sum)[i] = acc;
+  }
+}
+
 }  // namespace ep_rows
 
 __global__ void __launch_bounds__(kEpRowsThreads) ep_rows_kernel(const __grid_constant__ EpRowsParams p) {
@@ -210,25 +267,32 @@ __global__ void __launch_bounds__(kEpRowsThreads) ep_rows_kernel(const __grid_co
     for (int peer = 0; peer < p.world_size; ++peer)
       if (peer != p.rank) ptx::store_release_sys(p.peers[peer].signals + layout.free_flag(p.direction, p.rank), p.sequence);
   }
+  const bool summing = p.direction == EpDirection::SumOverRanks;
   if (ep_rows::wait_for_free(p, layout)) {
     if (to_owners)
       ep_rows::rows_to_owners(p, layout);
+    else if (summing)
+      ep_rows::share_to_peers(p);
     else
       ep_rows::grads_to_sources(p, layout);
     __threadfence_system();  // the rows reach the peers before the ready flag
-    const uint32_t barrier_phase = ep_rows::phase(p, kPhaseEpRowsOut, kPhaseEpGradsOut);
-    if (grid_barrier(p, barrier_phase, 1) && blockIdx.x == 0) {
-      if (threadIdx.x == 0 && !p.silent) {
+    const uint32_t barrier_phase = ep_rows::phase(p, kPhaseEpRowsOut, kPhaseEpGradsOut, kPhaseEpSharesOut);
+    if (grid_barrier(p, barrier_phase, 1)) {
+      if (blockIdx.x == 0 && threadIdx.x == 0 && !p.silent) {
         __threadfence_system();
         for (int peer = 0; peer < p.world_size; ++peer)
           if (peer != p.rank)
             ptx::store_release_sys(p.peers[peer].signals + layout.ready_flag(p.direction, p.rank), p.sequence);
       }
-      // The launch ends once every peer's rows are here: the work after it on the stream reads them.
-      const int peer = threadIdx.x;
-      if (peer < p.world_size && peer != p.rank)
-        wait_at_least<Scope::System>(p.peers[p.rank].signals + layout.ready_flag(p.direction, peer), p.sequence, p,
-                                     ep_rows::phase(p, kPhaseEpRowsIn, kPhaseEpGradsIn), peer);
+      if (summing) {
+        ep_rows::sum_shares(p, layout);
+      } else if (blockIdx.x == 0) {
+        // The launch ends once every peer's rows are here: the work after it on the stream reads them.
+        const int peer = threadIdx.x;
+        if (peer < p.world_size && peer != p.rank)
+          wait_at_least<Scope::System>(p.peers[p.rank].signals + layout.ready_flag(p.direction, peer), p.sequence, p,
+                                       ep_rows::phase(p, kPhaseEpRowsIn, kPhaseEpGradsIn, kPhaseEpSharesIn), peer);
+      }
     }
   }
   finish_launch(p);

@@ -98,10 +98,11 @@ namespace flashdmoe {
 
 // The backward's row exchange across a team (backward/ep_rows.cuh): direction 0 sends each kept
 // choice's x and dy rows and combine weight to the expert's owner, direction 1 sends each row the
-// owner's experts took (dx row, weight gradient) back to its source. One cooperative launch; the host
+// owner's experts took (dx row, weight gradient) back to its source, direction 2 sums a float32 share
+// over the ranks in rank order. One cooperative launch; the host
 // reads nothing from it. The peer tables are the team's (NVLink / same-GPU pointers).
 struct EpRowsArgs {
-  int direction;  // 0: to the owners, 1: back to the sources
+  int direction;  // 0: to the owners, 1: back to the sources, 2: sum over the ranks
   int rank, world_size, local_experts, stream_rows, hidden, element_bytes;
   uint32_t sequence;
   bool silent;
@@ -117,6 +118,9 @@ struct EpRowsArgs {
   const int* received;                                        // [rows]
   const void* dx_rows;                                        // [rows, H] (null: no dx wanted)
   const float* dweight_row;                                   // [rows]
+  int64_t n;                                                  // direction 2: floats of the share
+  const float* share;                                         // [n] this rank's share
+  float* sum;                                                 // [n] the sum over ranks, in rank order
   void* sync;         // ep_rows_sync_bytes() zero bytes, zero again after the launch
   void* status_host;  // pinned status slot, or null
   uint64_t timeout_ns;

@@ -136,8 +136,22 @@ def timed_training_steps(context: RankContext) -> ScenarioOutput:
 
     info = {"forward_ms": median([f for f, _ in times]), "backward_ms": median([b for _, b in times]),
             "step_ms": median([f + b for f, b in times]), "backward": path, "repeats": repeats}
-    tensors = {name: (leaf.grad if leaf.grad is not None else torch.zeros_like(leaf))
-               for name, leaf in zip(("dx", "d_router", "dw1", "dw2"), leaves)}
+    grads = [leaf.grad.detach().clone() if leaf.grad is not None else torch.zeros_like(leaf) for leaf in leaves]
+    if context.params.get("profile"):  # one more step under the torch profiler: where the backward's time goes
+        for leaf in leaves:
+            leaf.grad = None
+        debug.team_backward = path
+        try:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                    torch.profiler.ProfilerActivity.CUDA]) as profiler:
+                y = scenarios.team_moe(problem, context, *leaves)
+                y.backward(dy)
+                synchronize(context.device)
+        finally:
+            debug.team_backward = before
+        info["profile"] = profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
+        info["profile_cuda"] = profiler.key_averages().table(sort_by="self_cuda_time_total", row_limit=15)
+    tensors = dict(zip(("dx", "d_router", "dw1", "dw2"), grads))
     return ScenarioOutput(tensors, info)
 
 
