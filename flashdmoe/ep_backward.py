@@ -70,13 +70,16 @@ def unsupported(team, x: torch.Tensor) -> str:
     return extension.unavailable_reason() or ""
 
 
-def received_order(counts: torch.Tensor, stream_rows: int) -> tuple[torch.Tensor, list[int]]:
+def received_order(counts: torch.Tensor, stream_rows: int,
+                   device: torch.device | None = None) -> tuple[torch.Tensor, list[int]]:
     """Where an owner's received rows are and in which order its expert GEMMs take them.
 
     counts: ``[P, L]`` int (CPU): rows source ``q`` sent for local expert ``l``; source ``q``'s rows sit in
     staging region ``q`` (rows ``q * stream_rows ...``) ordered by local expert. Returns ``(index, per_expert)``:
-    ``index [rows]`` int64, the staging row of each packed row (local expert 0's rows first, sources in rank
-    order within an expert), and each local expert's row count.
+    ``index [rows]`` int64 on ``device`` (default CPU), the staging row of each packed row (local expert 0's
+    rows first, sources in rank order within an expert), and each local expert's row count. The
+    ``P * L`` spans are laid out on the host and expanded on ``device`` (its size is known here: no
+    synchronisation).
     """
     P, L = counts.shape
     counts = counts.to(torch.int64).clamp(0, stream_rows)
@@ -87,10 +90,12 @@ def received_order(counts: torch.Tensor, stream_rows: int) -> tuple[torch.Tensor
     starts = (torch.arange(P, dtype=torch.int64)[:, None] * stream_rows + within).t().reshape(-1)  # (l, q) order
     sizes = counts.t().reshape(-1)
     total = int(sizes.sum())
+    device = torch.device("cpu") if device is None else device
     if total == 0:
-        return torch.zeros(0, dtype=torch.int64), [0] * L
+        return torch.zeros(0, dtype=torch.int64, device=device), [0] * L
     offsets = torch.cumsum(sizes, 0) - sizes
-    index = torch.repeat_interleave(starts - offsets, sizes) + torch.arange(total, dtype=torch.int64)
+    shift, sizes = (starts - offsets).to(device), sizes.to(device)
+    index = torch.repeat_interleave(shift, sizes, output_size=total) + torch.arange(total, device=device)
     return index, [int(c) for c in counts.sum(dim=0)]
 
 
@@ -172,8 +177,7 @@ def team_backward(team, x: torch.Tensor, router_weight: torch.Tensor, w1: torch.
 
     # 2. this rank's experts on the rows it received (the counts sized on the host)
     counts = signals[plan.backward_word("count", 0, 0):plan.backward_word("count", P, 0)].view(P, L).cpu()
-    index, per_expert = received_order(counts, S)
-    index = index.to(device)
+    index, per_expert = received_order(counts, S, device)
     w_row = row_words.view(torch.float32).index_select(0, index)
     dweight_row, dx_rows, dw1, dw2 = packed_row_grads(
         recv.index_select(0, index), comb.index_select(0, index), w_row, per_expert, w1, w2,
