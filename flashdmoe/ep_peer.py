@@ -1,5 +1,7 @@
 """The unfused backward of the fused kernel across NVSHMEM ranks: the expert-parallel layer recomputed with
-torch ops on the forward's fixed routing, its rows exchanged by writes into peers' symmetric memory.
+torch ops on the forward's fixed routing, its rows exchanged by writes into peers' symmetric memory. The
+fused backend takes it only where :mod:`flashdmoe.ep_backward` (the GPU backward with the rows moved by a
+kernel) does not run: a peer reachable only by NVSHMEM puts, or ``FLASHDMOE_TEAM_BACKWARD=torch``.
 
 :class:`PeerExchange` implements the exchange of :mod:`flashdmoe.ep_exchange` over a
 :meth:`flashdmoe.team.Team.nvshmem` team (one process per rank):
