@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import datetime
 import math
+import statistics
 from typing import Any
 
 import torch
@@ -94,7 +95,7 @@ def timed_training_steps(context: RankContext) -> ScenarioOutput:
     ``"auto"`` (what users get) or ``"torch"`` (the torch-ops backward, forced: the baseline).
 
     A step is ``y = flashdmoe.moe(x, ...)`` with every input requiring grad, then ``y.backward(dy)`` on a
-    seeded ``dy``; CUDA events before the forward, between, and after the backward. Returns info
+    the problem's seeded ``dy``; CUDA events before the forward, between, and after the backward. Returns info
     ``forward_ms``, ``backward_ms``, ``step_ms`` (medians), ``backward`` (the path asked for) and tensors
     ``dx``, ``d_router``, ``dw1``, ``dw2`` of the last step (for comparing the two paths).
     """
@@ -108,8 +109,7 @@ def timed_training_steps(context: RankContext) -> ScenarioOutput:
         raise ValueError(f"backward={path!r}: expected 'auto' or 'torch'")
     inputs = problem.rank_inputs(context.rank).to(context.device)
     leaves = [t.detach().clone().requires_grad_(True) for t in (inputs.x, inputs.router_weight, inputs.w1, inputs.w2)]
-    generator = torch.Generator(device="cpu").manual_seed(problem.seed + 1000 + context.rank)
-    dy = torch.randn(inputs.x.shape, generator=generator).to(context.device, problem.torch_dtype)
+    dy = inputs.dy
     before = debug.team_backward
     debug.team_backward = path
     times = []
@@ -129,11 +129,7 @@ def timed_training_steps(context: RankContext) -> ScenarioOutput:
                 times.append((events[0].elapsed_time(events[1]), events[1].elapsed_time(events[2])))
     finally:
         debug.team_backward = before
-
-    def median(values):
-        ordered = sorted(values)
-        return ordered[len(ordered) // 2]
-
+    median = statistics.median_high  # a measured step, not the mean of two
     info = {"forward_ms": median([f for f, _ in times]), "backward_ms": median([b for _, b in times]),
             "step_ms": median([f + b for f, b in times]), "backward": path, "repeats": repeats}
     grads = [leaf.grad.detach().clone() if leaf.grad is not None else torch.zeros_like(leaf) for leaf in leaves]
