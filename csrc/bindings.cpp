@@ -275,7 +275,7 @@ py::tuple ep_rows(const py::dict& args, uintptr_t stream, uintptr_t status_event
   a.expert = as_ptr<const int>(get<uintptr_t>(args, "expert"));
   a.row = as_ptr<const int>(get<uintptr_t>(args, "row"));
   a.weight = as_ptr<const float>(get<uintptr_t>(args, "weight"));
-  a.kept_per_expert = as_ptr<const int>(get<uintptr_t>(args, "kept_per_expert"));
+  a.place = as_ptr<const int>(get<uintptr_t>(args, "place"));
   a.rows = get<int>(args, "rows");
   a.received = as_ptr<const int>(get<uintptr_t>(args, "received"));
   a.dx_rows = as_ptr<const void>(get<uintptr_t>(args, "dx_rows"));

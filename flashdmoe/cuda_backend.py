@@ -572,8 +572,13 @@ class _FusedMoETeam(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, team, options, routing_out, x, router_weight, w1, w2):
+        from flashdmoe import ep_backward
+
         (y, routing), = run_forward([x], router_weight, [w1], [w2], team=team, **options)
         routing_out.append(routing)
+        ctx.counts = None
+        if any(ctx.needs_input_grad[3:]) and debug.team_backward != "torch" and not ep_backward.unsupported(team, x):
+            ctx.counts = ep_backward.ForwardCounts(team, routing)
         ctx.team = team
         ctx.options = (options["activation"], options["normalize_topk"])
         ctx.save_for_backward(x, router_weight, w1, w2, routing.expert, routing.row, routing.weight)
@@ -589,10 +594,10 @@ class _FusedMoETeam(torch.autograd.Function):
         ctx.team.require_usable()
         x, router_weight, w1, w2, expert, row, weight = ctx.saved_tensors
         activation, normalize_topk = ctx.options
-        if debug.team_backward != "torch" and not ep_backward.unsupported(ctx.team, x):
+        if ctx.counts is not None and debug.team_backward != "torch":
             grads = ep_backward.team_backward(
-                ctx.team, x, router_weight, w1, w2, expert, weight, row, dy.contiguous(), activation=activation,
-                normalize_topk=normalize_topk, needs=tuple(ctx.needs_input_grad[3:7]))
+                ctx.team, x, router_weight, w1, w2, expert, weight, row, dy.contiguous(), ctx.counts,
+                activation=activation, normalize_topk=normalize_topk, needs=tuple(ctx.needs_input_grad[3:7]))
             return (None, None, None, *grads)
         grads = ep_peer.expert_parallel_backward(
             ctx.team, x, router_weight, w1, w2, expert.long(), row >= 0, dy.contiguous(), activation=activation,

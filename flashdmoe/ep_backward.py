@@ -5,14 +5,18 @@ peers all have load/store pointers (NVLink or the same GPU under MPS). It is a c
 calls it for every backward, in the same order. Per rank ``r`` (``docs/design.md`` §5):
 
 1. **Rows to the owners** (one launch of ``csrc/backward/ep_rows.cuh``): each kept choice ``(t, j)`` of
-   ``r`` writes ``x[t]`` into its expert owner's ``recv`` region ``[r]`` and ``dy[t]`` into the owner's
-   ``comb`` region ``[r]``, at the choice's stream row (the forward's ``row``), its combine weight into the
-   owner's row word, and first ``r``'s kept counts per local expert. Each destination gets a flag with the
+   ``r`` writes ``x[t]`` into its expert owner's ``recv`` buffer, ``dy[t]`` into the owner's ``comb`` buffer
+   and its combine weight into the owner's row words, at the row's place in the owner's *packed* order
+   (local expert 0's rows of every source in rank order, then expert 1's, ...). The owner knows how many
+   rows each source sends for each of its experts from the forward (:class:`ForwardCounts`: the forward
+   kernel leaves them in its count words and a copy to the host is queued behind it), so it lays out
+   the packed order on the host (:func:`owner_layout`) and its launch first writes each source's part of
+   it into the source's place words, then lets the sources write. Each destination gets a flag with the
    backward's sequence number; the launch ends when every source's flag arrived.
-2. **The owner's experts**: the host reads the counts (one synchronisation per backward: the sizes of the
-   owner's work), gathers the received rows by local expert, recomputes ``pre`` and runs
+2. **The owner's experts** on the rows as they lie: recompute ``pre`` and run
    :func:`flashdmoe.expert_backward.packed_row_grads` (grouped GEMMs, the element-wise kernel): ``dw1``,
-   ``dw2`` of ``r``'s experts, and per received row ``dx_row`` and the combine weight's gradient.
+   ``dw2`` of ``r``'s experts, and per received row ``dx_row`` and the combine weight's gradient. The
+   host queues this behind step 1 without waiting for it.
 3. **Gradients back** (the same kernel, other direction): each received row's ``dx_row`` into its source's
    ``comb`` region ``[r]`` at the same stream row, its weight gradient into the source's row word.
 4. **The source's tokens**: the router's logit gradient (``router_grad`` kernel) and ``dx`` = a token's
@@ -26,17 +30,23 @@ calls it for every backward, in the same order. Per rank ``r`` (``docs/design.md
 Before writing into a peer's staging, a launch waits for that peer's "free" flag of the same sequence
 (raised by the peer's own launch of that direction, once its stream has finished reading the region).
 Every wait is bounded: a silent or stuck rank makes the waiting ranks' launches stop (a stopped launch
-publishes nothing further, so its peers stop too), and every rank raises :class:`flashdmoe.KernelTimeout`
-(naming the phase and the peer) with the team marked failed: at step 1's check when the rows to the
-owners never came (the host waits for that launch anyway, for the counts), else at the team's next use
-(its next forward, :func:`flashdmoe.check_errors`, :func:`flashdmoe.synchronize`); nothing waits forever.
+publishes nothing further, so its peers stop too; it leaves its error in the rank's abort words, and the
+backward's later launches stop at once with it), and every rank raises :class:`flashdmoe.KernelTimeout`
+(naming the phase and the peer) with the team marked failed, at the team's next use (its next forward,
+:func:`flashdmoe.check_errors`, :func:`flashdmoe.synchronize`); nothing waits forever.
+
+Host waits: one, for the forward's counts (:meth:`ForwardCounts.get`), which in a model's backward
+finished long before; none inside the backward.
 
 Memory held per rank: nothing between forward and backward beyond what autograd saves (``x``, the
-weights, the routing); the backward's staging is the team's ``recv`` / ``comb`` buffers and signal words.
-Not capturable in a CUDA graph (step 2 reads the counts on the host), like every NVSHMEM team's step.
+weights, the routing) and the forward's ``P * L`` counts in pinned host memory; the backward's staging is the team's ``recv`` / ``comb`` buffers and signal words.
+Not capturable in a CUDA graph (the sizes of step 2 come from the forward's counts on the host), like
+every NVSHMEM team's step.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -48,7 +58,7 @@ from flashdmoe.launch_knobs import debug, timeout_ms
 from flashdmoe.launch_report import LaunchReport, LaunchShape, status_layout
 from flashdmoe.workspace_pool import WorkspacePool
 
-__all__ = ["team_backward", "unsupported", "received_order"]
+__all__ = ["ForwardCounts", "OwnerLayout", "owner_layout", "team_backward", "unsupported"]
 
 _pool = WorkspacePool()
 TO_OWNERS, BACK_TO_SOURCES, SUM_OVER_RANKS = 0, 1, 2
@@ -70,33 +80,74 @@ def unsupported(team, x: torch.Tensor) -> str:
     return extension.unavailable_reason() or ""
 
 
-def received_order(counts: torch.Tensor, stream_rows: int,
-                   device: torch.device | None = None) -> tuple[torch.Tensor, list[int]]:
-    """Where an owner's received rows are and in which order its expert GEMMs take them.
+class OwnerLayout(NamedTuple):
+    """Where an owner's received rows lie and where they came from.
 
-    counts: ``[P, L]`` int (CPU): rows source ``q`` sent for local expert ``l``; source ``q``'s rows sit in
-    staging region ``q`` (rows ``q * stream_rows ...``) ordered by local expert. Returns ``(index, per_expert)``:
-    ``index [rows]`` int64 on ``device`` (default CPU), the staging row of each packed row (local expert 0's
-    rows first, sources in rank order within an expert), and each local expert's row count. The
-    ``P * L`` spans are laid out on the host and expanded on ``device`` (its size is known here: no
-    synchronisation).
+    index ``[rows]`` int64 (on the device asked for): each packed row's staging row in its source's stream,
+    ``source * stream_rows + stream row``; per_expert: each local expert's row count (host ints); place
+    ``[P, L]`` int32 (same device): source ``q``'s rows for local expert ``l`` go to packed row
+    ``place[q, l] +`` their stream row."""
+
+    index: torch.Tensor
+    per_expert: list[int]
+    place: torch.Tensor
+
+
+def owner_layout(counts: torch.Tensor, stream_rows: int, device: torch.device | None = None) -> OwnerLayout:
+    """An owner's packed order from its counts: local expert 0's rows of every source in rank order, then
+    expert 1's, ...; within a source its stream order.
+
+    counts: ``[P, L]`` int (CPU): rows source ``q`` sent for local expert ``l``; in its stream to this owner,
+    source ``q``'s rows are ordered by local expert from stream row 0 (the forward's numbering). The
+    ``P * L`` spans are laid out on the host and ``index`` expanded on ``device`` (default CPU) from one
+    asynchronous copy (its size is known here: no synchronisation); ``place`` is returned on ``device`` too.
     """
     P, L = counts.shape
     counts = counts.to(torch.int64).clamp(0, stream_rows)
-    # A failed launch may leave any value here: never index past a region.
-    within = torch.cumsum(counts, dim=1) - counts                     # start of (q, l) inside region q
+    # Counts of a failed forward may hold any value: never index past a stream.
+    within = torch.cumsum(counts, dim=1) - counts                     # start of (q, l) in q's stream
     overflow = (within + counts) > stream_rows
     counts = torch.where(overflow, (stream_rows - within).clamp(min=0), counts)
+    per_expert = counts.sum(dim=0)
+    expert_start = torch.cumsum(per_expert, 0) - per_expert
+    before = torch.cumsum(counts, dim=0) - counts                     # rows of sources < q for expert l
+    place = expert_start[None, :] + before - within
     starts = (torch.arange(P, dtype=torch.int64)[:, None] * stream_rows + within).t().reshape(-1)  # (l, q) order
     sizes = counts.t().reshape(-1)
     total = int(sizes.sum())
-    device = torch.device("cpu") if device is None else device
-    if total == 0:
-        return torch.zeros(0, dtype=torch.int64, device=device), [0] * L
     offsets = torch.cumsum(sizes, 0) - sizes
-    shift, sizes = (starts - offsets).to(device), sizes.to(device)
+    device = torch.device("cpu") if device is None else device
+    # One copy for all three; from pinned memory, so that it does not wait for the stream.
+    table = torch.cat([starts - offsets, sizes, place.reshape(-1)])
+    if device.type == "cuda":
+        table = table.pin_memory().to(device, non_blocking=True)
+    shift, sizes, place = table[:P * L], table[P * L:2 * P * L], table[2 * P * L:].view(P, L).to(torch.int32)
     index = torch.repeat_interleave(shift, sizes, output_size=total) + torch.arange(total, device=device)
-    return index, [int(c) for c in counts.sum(dim=0)]
+    return OwnerLayout(index, [int(c) for c in per_expert], place)
+
+
+class ForwardCounts:
+    """One forward's counts as an owner, on their way to the host: ``[P, L]`` int32, rows source ``q`` sent
+    this rank for local expert ``l``. The forward kernel leaves them in the rank's count words (every
+    source's, its own included); the copy is queued behind it, and :meth:`get` waits only for that copy,
+    so a backward that runs after the forward has finished (every layer's but the last) does not wait."""
+
+    def __init__(self, team, routing) -> None:
+        plan = team.plan
+        P, L = plan.world_size, plan.local_experts
+        words = team.buffers[0].signals[:P * L].view(P, L)
+        if P == 1:  # a one-rank launch publishes no counts
+            expert, row = routing.expert.reshape(-1).long(), routing.row.reshape(-1)
+            words = torch.zeros(1, L, dtype=torch.int32, device=expert.device)
+            words[0].scatter_add_(0, expert.clamp(0, L - 1), (row >= 0).to(torch.int32))
+        self._host = torch.empty((P, L), dtype=torch.int32, pin_memory=True)
+        self._host.copy_(words, non_blocking=True)
+        self._done = torch.cuda.Event()
+        self._done.record()
+
+    def get(self) -> torch.Tensor:
+        self._done.synchronize()
+        return self._host
 
 
 def _launch(ext, team, args: dict, device: torch.device, what_tokens: int) -> LaunchReport:
@@ -124,19 +175,20 @@ def _launch(ext, team, args: dict, device: torch.device, what_tokens: int) -> La
 
 
 def team_backward(team, x: torch.Tensor, router_weight: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-                  expert: torch.Tensor, weight: torch.Tensor, row: torch.Tensor, dy: torch.Tensor, *,
-                  activation: str, normalize_topk: bool, needs=(True, True, True, True)):
+                  expert: torch.Tensor, weight: torch.Tensor, row: torch.Tensor, dy: torch.Tensor,
+                  counts: ForwardCounts, *, activation: str, normalize_topk: bool, needs=(True, True, True, True)):
     """Gradients of this rank's share of the team's layer from its forward's routing; a collective.
 
     x ``[T, H]`` (16-bit), router_weight ``[E, H]``, w1 ``[L, H, I or 2I]``, w2 ``[L, I, H]`` (this rank's
     experts), all x's dtype and device; expert, row ``[T, k]`` int32 and weight ``[T, k]`` float32: the
     forward's routing (global expert, stream row to its owner or -1 where dropped, combine weight); dy
-    ``[T, H]``. needs: which of ``(dx, d_router, dw1, dw2)`` to return (every rank still runs every step:
-    its peers need its rows).
+    ``[T, H]``; counts: the same forward's :class:`ForwardCounts`. needs: which of ``(dx, d_router, dw1,
+    dw2)`` to return (every rank still runs every step: its peers need its rows).
 
     Returns ``(dx [T, H], d_router [E, H], dw1, dw2)`` in the inputs' dtypes (None where not needed);
-    ``d_router`` is the sum over ranks, the same bits on every rank. Raises ``KernelTimeout`` (team marked
-    failed) when a peer's rows never came.
+    ``d_router`` is the sum over ranks, the same bits on every rank. Nothing here waits for the GPU (but
+    for the forward's counts): a peer that never sends surfaces as ``KernelTimeout`` (team marked failed)
+    at the team's next use, :func:`flashdmoe.check_errors` or :func:`flashdmoe.synchronize`.
     """
     from flashdmoe import extension
 
@@ -160,37 +212,35 @@ def team_backward(team, x: torch.Tensor, router_weight: torch.Tensor, w1: torch.
               "timeout_ns": timeout_ms() * 1_000_000, "debug_withhold_phase": int(debug.withhold_phase),
               "grid_percent": _grid_percent(), **peers}
 
-    # 1. rows, weights and counts to the owners
+    # 1. rows and weights to the owners, in each owner's packed order (the host knows this rank's own
+    # packed order from the forward's counts: no wait for this launch)
+    layout = owner_layout(counts.get(), S, device)
+    index, rows, place = layout.index, int(layout.index.numel()), layout.place
     sequence = team.next_backward_sequence()
     expert32 = expert.to(torch.int32).contiguous()
     row32 = row.to(torch.int32).contiguous()
-    kept = torch.zeros(E, dtype=torch.int32, device=device).scatter_add_(
-        0, expert32.reshape(-1).long().clamp(0, E - 1), (row32.reshape(-1) >= 0).to(torch.int32))
     dy16 = dy.to(dtype).contiguous()
     xc = x.contiguous()
     weight32 = weight.to(torch.float32).contiguous()
     out_args = {**common, "direction": TO_OWNERS, "sequence": sequence, "tokens": tokens, "top_k": top_k,
                 "x": xc.data_ptr(), "dy": dy16.data_ptr(), "expert": expert32.data_ptr(), "row": row32.data_ptr(),
-                "weight": weight32.data_ptr(), "kept_per_expert": kept.data_ptr(),
+                "weight": weight32.data_ptr(), "place": place.data_ptr(),
                 "rows": 0, "received": 0, "dx_rows": 0, "dweight_row": 0}
-    status_checks.settle(_launch(ext, team, out_args, device, tokens))  # raises KernelTimeout on a stuck peer
+    _launch(ext, team, out_args, device, tokens)
 
-    # 2. this rank's experts on the rows it received (the counts sized on the host)
-    counts = signals[plan.backward_word("count", 0, 0):plan.backward_word("count", P, 0)].view(P, L).cpu()
-    index, per_expert = received_order(counts, S, device)
-    w_row = row_words.view(torch.float32).index_select(0, index)
+    # 2. this rank's experts on the rows it received, as they lie
     dweight_row, dx_rows, dw1, dw2 = packed_row_grads(
-        recv.index_select(0, index), comb.index_select(0, index), w_row, per_expert, w1, w2,
+        recv[:rows], comb[:rows], row_words[:rows].view(torch.float32), layout.per_expert, w1, w2,
         activation=activation, need_dw1=need_dw1, need_dw2=need_dw2)
 
     # 3. each received row's dx share and weight gradient back to its source
     received32 = index.to(torch.int32)
     back_args = {**common, "direction": BACK_TO_SOURCES, "sequence": sequence, "tokens": 0, "top_k": top_k,
-                 "x": 0, "dy": 0, "expert": 0, "row": 0, "weight": 0, "kept_per_expert": 0,
-                 "rows": int(index.numel()), "received": received32.data_ptr(),
+                 "x": 0, "dy": 0, "expert": 0, "row": 0, "weight": 0, "place": 0,
+                 "rows": rows, "received": received32.data_ptr(),
                  "dx_rows": dx_rows.data_ptr() if dx_rows.numel() else 0,
                  "dweight_row": dweight_row.data_ptr() if dweight_row.numel() else 0}
-    back = _launch(ext, team, back_args, device, int(index.numel()))
+    back = _launch(ext, team, back_args, device, rows)
 
     # 4. this rank's tokens: the router's gradient and dx (stream-ordered after step 3's launch, which ends
     # once every owner's rows are here), then d_router summed over the ranks
@@ -232,7 +282,7 @@ def _sum_over_ranks(ext, team, common: dict, sequence: int, share: torch.Tensor,
     if n % 4 == 0 and n * 4 <= plan.stream_rows * plan.hidden * plan.element_bytes:
         total = torch.empty_like(share)
         args = {**common, "direction": SUM_OVER_RANKS, "sequence": sequence, "tokens": 0, "top_k": 1,
-                "x": 0, "dy": 0, "expert": 0, "row": 0, "weight": 0, "kept_per_expert": 0, "rows": 0, "received": 0,
+                "x": 0, "dy": 0, "expert": 0, "row": 0, "weight": 0, "place": 0, "rows": 0, "received": 0,
                 "dx_rows": 0, "dweight_row": 0, "n": n, "share": share.data_ptr(), "sum": total.data_ptr()}
         _launch(ext, team, args, device, 0)
         return total

@@ -9,8 +9,8 @@ buffers (same size on every rank, so a peer can address them):
   rank that computed them;
 * ``signals`` int32: the forward's ``P * L + 3 * P`` words (per-source counts and the counts / rows-ready /
   results-done flags, each holding the sequence number of the forward that wrote it, never cleared by the
-  host), then the backward's (:attr:`BufferPlan.backward_words`: its flags, per-source counts and one
-  word per stream row, ``csrc/backward/ep_rows.cuh``).
+  host), then the backward's (:attr:`BufferPlan.backward_words`: its flags, abort words, each owner's
+  place table and one word per staged row, ``csrc/backward/ep_rows.cuh``).
 
 ``stream_rows = max_tokens * min(top_k, L)``: the most rows one rank can send to one other rank, so a
 dropless batch never overflows. The sizes are fixed when the team is made (:class:`BufferPlan`) and a
@@ -113,9 +113,10 @@ class BufferPlan:
     @property
     def backward_words(self) -> int:
         """The backward exchange's words after the forward's (``EpSignalLayout``): 6P flags (free and ready,
-        three directions), P*L counts and one word per row of every source's stream."""
+        three directions), 3 abort words, P*L place words (one per owner and local expert) and one word per
+        staged row (``P * stream_rows``)."""
         P = self.world_size
-        return 6 * P + P * self.local_experts + P * self.stream_rows
+        return 6 * P + 3 + P * self.local_experts + P * self.stream_rows
 
     @property
     def signal_words(self) -> int:
@@ -123,17 +124,20 @@ class BufferPlan:
 
     def backward_word(self, what: str, a: int, b: int) -> int:
         """Index of a backward word in a rank's signals (mirrors ``EpSignalLayout``): ``("free" | "ready",
-        direction, peer)``, ``("count", source, local expert)``, ``("row_word", source, stream row)``."""
+        direction, peer)``, ``("abort", i, 0)`` (i < 3), ``("place", owner, local expert)``, ``("row_word",
+        source, stream row)`` (word ``("row_word", 0, r)`` is also staged row ``r``)."""
         P, L, base = self.world_size, self.local_experts, self.forward_signal_words
         if what == "free":
             return base + 2 * a * P + b
         if what == "ready":
             return base + (2 * a + 1) * P + b
-        if what == "count":
-            return base + 6 * P + a * L + b
+        if what == "abort":
+            return base + 6 * P + a
+        if what == "place":
+            return base + 6 * P + 3 + a * L + b
         if what == "row_word":
-            return base + 6 * P + P * L + a * self.stream_rows + b
-        raise ValueError(f"what={what!r}: expected 'free', 'ready', 'count' or 'row_word'")
+            return base + 6 * P + 3 + P * L + a * self.stream_rows + b
+        raise ValueError(f"what={what!r}: expected 'free', 'ready', 'abort', 'place' or 'row_word'")
 
     @property
     def bytes_per_rank(self) -> int:

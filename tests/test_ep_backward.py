@@ -9,40 +9,54 @@ import pytest
 import torch
 
 from flashdmoe import numerics, reference
-from flashdmoe.ep_backward import received_order, unsupported
+from flashdmoe.ep_backward import owner_layout, unsupported
 from flashdmoe.expert_backward import packed_row_grads
 from flashdmoe.team import BufferPlan, Team
 
 requires_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-def test_received_order_takes_each_expert_from_every_source_in_rank_order():
-    # 3 sources, 2 local experts; stream_rows 5: source q's rows for expert 0 then expert 1 in region q
+def test_owner_layout_takes_each_expert_from_every_source_in_rank_order():
+    # 3 sources, 2 local experts; stream_rows 5: source q's rows for expert 0, then expert 1, in its stream
     counts = torch.tensor([[2, 1], [0, 3], [1, 0]])
-    index, per_expert = received_order(counts, 5)
-    assert per_expert == [3, 4]
-    assert index.tolist() == [0, 1, 10, 2, 5, 6, 7]
+    layout = owner_layout(counts, 5)
+    assert layout.per_expert == [3, 4]
+    assert layout.index.tolist() == [0, 1, 10, 2, 5, 6, 7]
+    assert layout.place.dtype == torch.int32
+    assert layout.place.tolist() == [[0, 1], [2, 4], [2, 6]]
+
+
+def _walk(counts, S):
+    """The packed order row by row: (staging row, source, stream row) of each packed row."""
+    P, L = counts.shape
+    rows = []
+    for local in range(L):
+        for source in range(P):
+            start = int(counts[source, :local].sum())
+            rows += [(source * S + r, source, r) for r in range(start, start + int(counts[source, local]))]
+    return rows
 
 
 @pytest.mark.parametrize("draw", range(5))
-def test_received_order_matches_a_row_by_row_walk(seed, draw):
+def test_owner_layout_matches_a_row_by_row_walk(seed, draw):
     generator = torch.Generator().manual_seed(seed + draw)
     P, L, S = 4, 3, 9
     counts = torch.randint(0, 4, (P, L), generator=generator)
-    index, per_expert = received_order(counts, S)
-    want = []
-    for local in range(L):
-        for source in range(P):
-            start = source * S + int(counts[source, :local].sum())
-            want += list(range(start, start + int(counts[source, local])))
-    assert index.tolist() == want
-    assert per_expert == counts.sum(dim=0).tolist()
+    layout = owner_layout(counts, S)
+    walk = _walk(counts, S)
+    assert layout.index.tolist() == [staged for staged, _, _ in walk]
+    assert layout.per_expert == counts.sum(dim=0).tolist()
+    # a source that writes its stream row r of local expert l to place[q, l] + r lands on the walk's row
+    for packed, (_, source, r) in enumerate(walk):
+        local = int((torch.cumsum(counts[source], 0) <= r).sum())
+        assert int(layout.place[source, local]) + r == packed, (packed, source, r)
 
 
-def test_received_order_stays_inside_each_region_whatever_the_counts_say():
-    # a failed launch may leave any value in the count words
+def test_owner_layout_stays_inside_each_stream_whatever_the_counts_say():
+    # a failed forward may leave any value in the count words
     counts = torch.tensor([[7, 9], [-3, 2]])
-    index, per_expert = received_order(counts, 5)
+    layout = owner_layout(counts, 5)
+    index, per_expert = layout.index, layout.per_expert
     assert all(0 <= int(i) < 10 for i in index)
     for source in range(2):
         mine = [int(i) for i in index if int(i) // 5 == source]
@@ -50,9 +64,9 @@ def test_received_order_stays_inside_each_region_whatever_the_counts_say():
     assert sum(per_expert) == index.numel()
 
 
-def test_received_order_of_nothing():
-    index, per_expert = received_order(torch.zeros(2, 3, dtype=torch.int32), 4)
-    assert index.numel() == 0 and per_expert == [0, 0, 0]
+def test_owner_layout_of_nothing():
+    layout = owner_layout(torch.zeros(2, 3, dtype=torch.int32), 4)
+    assert layout.index.numel() == 0 and layout.per_expert == [0, 0, 0]
 
 
 @pytest.mark.parametrize("P, L, S", [(1, 1, 1), (2, 4, 7), (8, 32, 100)])
@@ -63,7 +77,8 @@ def test_backward_words_follow_the_forward_words_without_overlap(P, L, S):
     for direction in (0, 1, 2):
         for peer in range(P):
             words += [plan.backward_word("free", direction, peer), plan.backward_word("ready", direction, peer)]
-    words += [plan.backward_word("count", q, local) for q in range(P) for local in range(L)]
+    words += [plan.backward_word("abort", i, 0) for i in range(3)]
+    words += [plan.backward_word("place", q, local) for q in range(P) for local in range(L)]
     words += [plan.backward_word("row_word", q, row) for q in range(P) for row in range(S)]
     assert len(set(words)) == len(words) == plan.backward_words
     assert min(words) == plan.forward_signal_words == P * L + 3 * P
@@ -86,7 +101,7 @@ def test_backward_words_agree_with_the_kernel():
         plan = BufferPlan(P, max_tokens=S, hidden=64, top_k=1, local_experts=L, dtype=torch.bfloat16)
         assert ext.ep_signal_words(P, L, S) == plan.signal_words
         for what, a, b in [("free", 1, P - 1), ("ready", 0, P - 1), ("free", 2, 0), ("ready", 2, P - 1),
-                           ("count", P - 1, L - 1), ("row_word", P - 1, S - 1)]:
+                           ("abort", 2, 0), ("place", P - 1, L - 1), ("row_word", P - 1, S - 1)]:
             assert ext.ep_signal_offset(what, P, L, S, a, b) == plan.backward_word(what, a, b), (what, P, L, S)
 
 

@@ -31,16 +31,16 @@ def test_plan_sizes_by_hand():
     assert p.element_bytes == 2
     assert p.data_bytes == 4 * 200 * 64 * 2 == 102_400  # P regions of [stream_rows, H] bf16
     assert p.forward_signal_words == 4 * 3 + 3 * 4 == 24  # P*L counts + 3P flags
-    # the backward's: 6P flags, P*L counts, a word per stream row of every source
-    assert p.backward_words == 6 * 4 + 4 * 3 + 4 * 200 == 836
-    assert p.signal_words == 24 + 836
-    assert p.bytes_per_rank == 2 * 102_400 + 4 * 860 == 208_240  # recv + comb + int32 signals
+    # the backward's: 6P flags, 3 abort words, P*L place words, a word per staged row
+    assert p.backward_words == 6 * 4 + 3 + 4 * 3 + 4 * 200 == 839
+    assert p.signal_words == 24 + 839
+    assert p.bytes_per_rank == 2 * 102_400 + 4 * 863 == 208_252  # recv + comb + int32 signals
     # k > L: a token sends at most L rows to one rank (one per local expert)
     wide = plan(top_k=5, local_experts=2, world_size=2, max_tokens=7, hidden=128, dtype=torch.float16)
     assert wide.stream_rows == 14
     assert wide.data_bytes == 2 * 14 * 128 * 2
     assert wide.forward_signal_words == 2 * 2 + 6
-    assert wide.signal_words == 2 * 2 + 6 + 6 * 2 + 2 * 2 + 2 * 14
+    assert wide.signal_words == 2 * 2 + 6 + 6 * 2 + 3 + 2 * 2 + 2 * 14
     assert wide.bytes_per_rank == 2 * wide.data_bytes + 4 * wide.signal_words
 
 

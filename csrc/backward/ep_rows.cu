@@ -26,7 +26,8 @@ int64_t ep_signal_offset(const char* what, int world, int local_experts, int str
   const EpSignalLayout l{world, local_experts, stream_rows};
   if (!std::strcmp(what, "free")) return l.free_flag(static_cast<EpDirection>(a), b);
   if (!std::strcmp(what, "ready")) return l.ready_flag(static_cast<EpDirection>(a), b);
-  if (!std::strcmp(what, "count")) return l.count(a, b);
+  if (!std::strcmp(what, "abort")) return l.abort_word(a);
+  if (!std::strcmp(what, "place")) return l.place(a, b);
   if (!std::strcmp(what, "row_word")) return l.row_word(a, b);
   throw std::invalid_argument(std::string("ep_signal_offset: unknown word '") + what + "'");
 }
@@ -44,8 +45,10 @@ LaunchInfo launch_ep_rows(const EpRowsArgs& a, cudaStream_t stream) {
   if (a.sync == nullptr) throw std::invalid_argument("ep_rows: no sync words");
   if (a.direction == 0 && a.tokens > 0 &&
       (a.x == nullptr || a.dy == nullptr || a.expert == nullptr || a.row == nullptr || a.weight == nullptr ||
-       a.kept_per_expert == nullptr || a.top_k < 1 || a.top_k > 32))
-    throw std::invalid_argument("ep_rows: the rows to the owners need x, dy, the routing, kept counts and 1 <= k <= 32");
+       a.top_k < 1 || a.top_k > 32))
+    throw std::invalid_argument("ep_rows: the rows to the owners need x, dy, the routing and 1 <= k <= 32");
+  if (a.direction == 0 && a.place == nullptr)
+    throw std::invalid_argument("ep_rows: the rows to the owners need the owner's place table [P, L]");
   if (a.direction == 1 && a.rows > 0 && (a.received == nullptr || a.dweight_row == nullptr))
     throw std::invalid_argument("ep_rows: the gradients back need the received-row table and dweight");
   if (a.direction == 2 &&
@@ -70,7 +73,7 @@ LaunchInfo launch_ep_rows(const EpRowsArgs& a, cudaStream_t stream) {
   p.tokens = a.direction == 0 ? a.tokens : 0;
   p.top_k = a.top_k;
   p.x = a.x, p.dy = a.dy, p.topk_expert = a.expert, p.topk_row = a.row, p.topk_weight = a.weight;
-  p.kept_per_expert = a.kept_per_expert;
+  p.place = a.place;
   p.rows = a.direction == 1 ? a.rows : 0;
   p.received = a.received, p.dx_rows = a.dx_rows, p.dweight_row = a.dweight_row;
   p.n = a.direction == 2 ? a.n : 0;

@@ -1,21 +1,25 @@
-// The backward's row exchange across the ranks of a team: one kernel, two directions.
+// The backward's row exchange across the ranks of a team: one kernel, three directions.
 //
-//   to owners:  each kept choice (t, j) of this rank writes x[t] into its expert owner's recv region
-//               [this rank] and dy[t] into the owner's comb region [this rank], at the choice's stream
-//               row (the forward's numbering, so the owner finds its rows grouped by local expert), and
-//               the combine weight into the owner's row words; the per-(source, local expert) counts
-//               go first.
+//   to owners:  each kept choice (t, j) of this rank writes x[t] into its expert owner's recv buffer and
+//               dy[t] into the owner's comb buffer, and the combine weight into the owner's row words, at
+//               the row's place in the owner's expert-major order (local expert 0's rows of every source
+//               in rank order, then expert 1's, ...), so the owner's grouped GEMMs read them as they lie.
+//               The owner knows its counts from the forward; it computes where each source's rows go and
+//               writes that into the source's place words before it lets the source write.
 //   back:       each row this rank's experts took (packed order) writes its dx row into the source's
-//               comb region [this rank] at the same stream row, and the combine weight's gradient into
-//               the source's row words.
+//               comb region [this rank] at the choice's stream row (the forward's numbering), and the
+//               combine weight's gradient into the source's row words.
 //   sum:        this rank's float32 share of a gradient (the router's) into every peer's comb region
 //               [this rank]; then every rank sums the P shares in rank order (the same bits on every rank).
 //
 // Stores into peer memory (NVLink / same-GPU pointers of the team's peer table), then one flag per
 // destination carrying the backward's sequence number, exactly as the forward publishes. Before writing
 // into a peer, a rank waits for that peer's "free" flag of the same sequence: the peer raises it at the
-// start of its own launch of this direction, once its stream has finished reading what the region held.
-// Every wait is bounded (the watchdog; KernelTimeout names the phase and the peer).
+// start of its own launch of this direction, once its stream has finished reading what the buffer held
+// (and, going to the owners, once it has written the source's place words). Every wait is bounded (the
+// watchdog; KernelTimeout names the phase and the peer). A launch that failed leaves its error in the
+// rank's abort words; the backward's later launches of the same sequence then stop at once with that
+// error instead of waiting out the watchdog again, since the host no longer waits between them.
 #pragma once
 #include "common/ptx.cuh"
 #include "common/sync.cuh"
@@ -40,9 +44,12 @@ constexpr int kEpDirections = 3;
 
 // The backward's words in a rank's signal buffer, after the forward's signal_words(P, L):
 //   free[dir][peer], ready[dir][peer]   6P flags (three directions; sequence numbers, never cleared)
-//   count[src][local]                   P*L rows src sent this rank for each local expert
-//   row_word[src][stream_rows]          one 32-bit word per stream row: the combine weight on the way
-//                                       to the owner, the weight's gradient on the way back (f32 bits)
+//   abort[3]                            sequence, low and high half of the error word of a failed launch
+//   place[owner][local]                 written by the owner: this rank's rows for that local expert go to
+//                                       the owner's packed row (place + stream row), a signed int32
+//   row_word[P * stream_rows]           one 32-bit word per row: the combine weight on the way to the owner
+//                                       (at the packed row), the weight's gradient on the way back (at
+//                                       owner * stream_rows + stream row; f32 bits)
 struct EpSignalLayout {
   int world, local_experts, stream_rows;
 
@@ -53,12 +60,14 @@ struct EpSignalLayout {
   __host__ __device__ int ready_flag(EpDirection dir, int peer) const {
     return base() + (2 * static_cast<int>(dir) + 1) * world + peer;
   }
-  __host__ __device__ int count(int src, int local) const {
-    return base() + 2 * kEpDirections * world + src * local_experts + local;
+  __host__ __device__ int abort_word(int i) const { return base() + 2 * kEpDirections * world + i; }
+  __host__ __device__ int place(int owner, int local) const {
+    return abort_word(kAbortWords) + owner * local_experts + local;
   }
   __host__ __device__ int64_t row_word(int src, int row) const {
-    return base() + 2 * kEpDirections * world + world * local_experts + static_cast<int64_t>(src) * stream_rows + row;
+    return place(world, 0) + static_cast<int64_t>(src) * stream_rows + row;
   }
+  static constexpr int kAbortWords = 3;
   __host__ __device__ int64_t total_words() const { return row_word(world, 0); }
 };
 
@@ -70,15 +79,15 @@ struct EpRowsParams {
   bool silent;    // debug: publish no flag (peers must time out, not hang)
   PeerBuffers peers[kMaxRanks];
 
-  // To owners: this rank's tokens and the forward's routing [T, k] (row -1: dropped), and the kept
-  // counts by global expert [E] (int32).
+  // To owners: this rank's tokens and the forward's routing [T, k] (row -1: dropped), and, as an owner,
+  // where each source's rows go: place[src][local] (int32 [P, L], packed row = place + stream row).
   int tokens, top_k;
   const void* x;
   const void* dy;
   const int* topk_expert;
   const int* topk_row;
   const float* topk_weight;
-  const int* kept_per_expert;
+  const int* place;
 
   // Back to sources: `rows` rows this rank's experts took, in packed order; received[r] is the row's
   // index in this rank's [P * stream_rows] staging (source * stream_rows + stream row).
@@ -114,11 +123,12 @@ __device__ __forceinline__ uint32_t phase(const EpRowsParams& p, uint32_t to_own
   return p.direction == EpDirection::ToOwners ? to_owners : p.direction == EpDirection::BackToSources ? back : sum;
 }
 
-// Thread `peer` of every block waits for that peer's free flag; true when every peer freed its staging.
+// Thread `peer` of every block waits for that peer's free flag (this rank's own too: it orders the place
+// words block 0 wrote before every block's reads); true when every rank freed its staging.
 __device__ inline bool wait_for_free(const EpRowsParams& p, const EpSignalLayout& layout) {
   bool ok = true;
   const int peer = threadIdx.x;
-  if (peer < p.world_size && peer != p.rank) {
+  if (peer < p.world_size) {
     const uint32_t* flag = p.peers[p.rank].signals + layout.free_flag(p.direction, peer);
     ok = wait_at_least<Scope::System>(flag, p.sequence, p,
                                       phase(p, kPhaseEpFreeToOwners, kPhaseEpFreeToSources, kPhaseEpFreeToSum), peer);
@@ -144,41 +154,46 @@ __device__ __forceinline__ void copy_row(int4* dst, const int4* src, int pieces,
   }
 }
 
+// Block 0, as an owner: each source's place words, then (by the caller) the free flags that release them.
+__device__ inline void publish_places(const EpRowsParams& p, const EpSignalLayout& layout) {
+  const int L = p.local_experts;
+  for (int i = threadIdx.x; i < p.world_size * L; i += kEpRowsThreads) {
+    const int src = i / L, local = i % L;
+    p.peers[src].signals[layout.place(p.rank, local)] = static_cast<uint32_t>(__ldg(p.place + i));
+  }
+}
+
 __device__ inline void rows_to_owners(const EpRowsParams& p, const EpSignalLayout& layout) {
   const int lane = threadIdx.x & 31, L = p.local_experts, k = p.top_k;
   const int warps = p.blocks * (kEpRowsThreads / 32);
   const int pieces = p.row_bytes / 16;
+  const int staged = p.world_size * p.stream_rows;
+  const uint32_t* places = p.peers[p.rank].signals;
   unsigned long long sent = 0;
-  // The counts first: the owner sizes its work from them once the ready flag arrives.
-  if (blockIdx.x == 0) {
-    for (int i = threadIdx.x; i < p.world_size * L; i += kEpRowsThreads) {
-      const int owner = i / L, local = i % L;
-      p.peers[owner].signals[layout.count(p.rank, local)] = static_cast<uint32_t>(__ldg(p.kept_per_expert + i));
-    }
-  }
   for (int token = blockIdx.x * (kEpRowsThreads / 32) + (threadIdx.x >> 5); token < p.tokens; token += warps) {
     const size_t first = static_cast<size_t>(token) * k;
-    int my_owner = 0, my_row = -1;
-    float my_weight = 0.f;
+    int my_owner = 0, my_packed = -1;
     if (lane < k) {
       const int expert = __ldg(p.topk_expert + first + lane);
-      my_row = __ldg(p.topk_row + first + lane);
+      const int row = __ldg(p.topk_row + first + lane);
       my_owner = expert / L;
-      // The routing of a failed forward is only ever used in bounds.
-      if (my_row >= p.stream_rows || my_owner < 0 || my_owner >= p.world_size) my_row = -1;
-      my_weight = __ldg(p.topk_weight + first + lane);
-      if (my_row >= 0) {
-        p.peers[my_owner].signals[layout.row_word(p.rank, my_row)] = __float_as_uint(my_weight);
+      // The routing of a failed forward, or places from an owner that failed, are only used in bounds.
+      if (row >= 0 && row < p.stream_rows && expert >= 0 && my_owner < p.world_size) {
+        my_packed = static_cast<int>(__ldcg(places + layout.place(my_owner, expert - my_owner * L))) + row;
+        if (my_packed >= staged) my_packed = -1;
+      }
+      if (my_packed >= 0) {
+        p.peers[my_owner].signals[layout.row_word(0, my_packed)] = __float_as_uint(__ldg(p.topk_weight + first + lane));
         if (my_owner != p.rank) sent += 2ull * p.row_bytes + 4;
       }
     }
-    const uint32_t copies = __ballot_sync(0xffffffffu, my_row >= 0);
+    const uint32_t copies = __ballot_sync(0xffffffffu, my_packed >= 0);
     const size_t src_offset = static_cast<size_t>(token) * p.row_bytes;
     for (uint32_t rest = copies; rest != 0; rest &= rest - 1) {
       const int j = __ffs(rest) - 1;
-      const int row = __shfl_sync(0xffffffffu, my_row, j);
+      const int packed = __shfl_sync(0xffffffffu, my_packed, j);
       const int owner = __shfl_sync(0xffffffffu, my_owner, j);
-      const size_t dst_offset = (static_cast<size_t>(p.rank) * p.stream_rows + row) * p.row_bytes;
+      const size_t dst_offset = static_cast<size_t>(packed) * p.row_bytes;
       copy_row(reinterpret_cast<int4*>(static_cast<char*>(p.peers[owner].recv) + dst_offset),
                reinterpret_cast<const int4*>(static_cast<const char*>(p.x) + src_offset), pieces, lane);
       copy_row(reinterpret_cast<int4*>(static_cast<char*>(p.peers[owner].comb) + dst_offset),
@@ -258,14 +273,52 @@ __device__ inline void sum_shares(const EpRowsParams& p, const EpSignalLayout& l
 
 }  // namespace ep_rows
 
+namespace ep_rows {
+
+// True when an earlier launch of this backward failed: its error becomes this launch's, and nothing runs.
+__device__ inline bool aborted(const EpRowsParams& p, const EpSignalLayout& layout) {
+  const uint32_t* own = p.peers[p.rank].signals;
+  if (ptx::load_acquire_gpu(own + layout.abort_word(0)) != p.sequence) return false;
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    const unsigned long long word = static_cast<unsigned long long>(own[layout.abort_word(1)]) |
+                                    (static_cast<unsigned long long>(own[layout.abort_word(2)]) << 32);
+    atomicCAS(p.error_word, 0ull, word);
+  }
+  return true;
+}
+
+// This launch failed: leave its error for the backward's later launches (see aborted).
+__device__ inline void leave_abort(const EpRowsParams& p, const EpSignalLayout& layout) {
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  const unsigned long long word = ptx::load_relaxed_u64(p.error_word);
+  if (word == 0) return;
+  uint32_t* own = p.peers[p.rank].signals;
+  own[layout.abort_word(1)] = static_cast<uint32_t>(word);
+  own[layout.abort_word(2)] = static_cast<uint32_t>(word >> 32);
+  __threadfence();
+  ptx::store_release_sys(own + layout.abort_word(0), p.sequence);
+}
+
+}  // namespace ep_rows
+
 __global__ void __launch_bounds__(kEpRowsThreads) ep_rows_kernel(const __grid_constant__ EpRowsParams p) {
   const EpSignalLayout layout{p.world_size, p.local_experts, p.stream_rows};
+  if (ep_rows::aborted(p, layout)) {
+    finish_launch(p);
+    return;
+  }
   const bool to_owners = p.direction == EpDirection::ToOwners;
   // Our staging is free for this direction: what it held was read by earlier work on this stream.
-  if (blockIdx.x == 0 && threadIdx.x == 0 && !p.silent) {
-    __threadfence_system();
-    for (int peer = 0; peer < p.world_size; ++peer)
-      if (peer != p.rank) ptx::store_release_sys(p.peers[peer].signals + layout.free_flag(p.direction, p.rank), p.sequence);
+  if (blockIdx.x == 0) {
+    if (to_owners) ep_rows::publish_places(p, layout);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      __threadfence_system();
+      for (int peer = 0; peer < p.world_size; ++peer)
+        if (peer == p.rank || !p.silent)
+          ptx::store_release_sys(p.peers[peer].signals + layout.free_flag(p.direction, p.rank), p.sequence);
+    }
   }
   const bool summing = p.direction == EpDirection::SumOverRanks;
   if (ep_rows::wait_for_free(p, layout)) {
@@ -295,6 +348,7 @@ __global__ void __launch_bounds__(kEpRowsThreads) ep_rows_kernel(const __grid_co
       }
     }
   }
+  ep_rows::leave_abort(p, layout);
   finish_launch(p);
 }
 

@@ -97,7 +97,8 @@ LaunchInfo launch_fused_backward(const FusedBackwardArgs& args, cudaStream_t str
 namespace flashdmoe {
 
 // The backward's row exchange across a team (backward/ep_rows.cuh): direction 0 sends each kept
-// choice's x and dy rows and combine weight to the expert's owner, direction 1 sends each row the
+// choice's x and dy rows and combine weight to the expert's owner, in the owner's expert-major order
+// (the owner's `place` table says where each source's rows go), direction 1 sends each row the
 // owner's experts took (dx row, weight gradient) back to its source, direction 2 sums a float32 share
 // over the ranks in rank order. One cooperative launch; the host
 // reads nothing from it. The peer tables are the team's (NVLink / same-GPU pointers).
@@ -113,7 +114,7 @@ struct EpRowsArgs {
   const int* expert;                                          // [T, k]
   const int* row;                                             // [T, k]
   const float* weight;                                        // [T, k]
-  const int* kept_per_expert;                                 // [E]
+  const int* place;                                           // [P, L] as an owner: packed row - stream row
   int rows;                                                   // direction 1
   const int* received;                                        // [rows]
   const void* dx_rows;                                        // [rows, H] (null: no dx wanted)

@@ -55,7 +55,7 @@ struct NvshmemTransport {
     const int P = p.world_size, L = p.local_experts;
     for (int i = threadIdx.x; i < P * L; i += kThreads) {
       const int owner = i / L, local = i % L;
-      if (owner == p.rank || via_nvshmem(p, owner)) continue;
+      if (via_nvshmem(p, owner)) continue;  // our own experts' counts too (dispatch.cuh publish_counts)
       p.peers[owner].signals[signal_count(L, p.rank, local)] = static_cast<uint32_t>(__ldcg(p.expert_kept + i));
     }
     sync_workers();
