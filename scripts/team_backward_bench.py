@@ -4,7 +4,10 @@ device exchange (``flashdmoe.ep_backward``, what users get) beside the torch-ops
 are apart. Prints one table row per (P, shape); the medians are per rank, the table shows rank 0's and
 the slowest rank's backward.
 
-    python scripts/team_backward_bench.py [--ranks 2,4] [--repeats 10] [--json out.json]
+    python scripts/team_backward_bench.py [--ranks 2,4] [--repeats 10] [--json out.json] [--device-only]
+
+``--device-only`` times the device exchange alone (no torch-ops run, no speed-up column): for comparing
+builds of the device path in one session.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ def main(argv=None) -> int:
     parser.add_argument("--ranks", default="2,4")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--device-only", action="store_true", help="skip the torch-ops backward")
     parser.add_argument("--profile", action="store_true",
                         help="also print rank 0's torch-profiler tables of one device-exchange step")
     args = parser.parse_args(argv)
@@ -51,7 +55,8 @@ def main(argv=None) -> int:
         for world_size in [int(p) for p in args.ranks.split(",")]:
             for name, problem in shapes(world_size):
                 results = {}
-                for path in ("auto", "torch"):
+                paths = ("auto",) if args.device_only else ("auto", "torch")
+                for path in paths:
                     result = run_ranks(SCENARIO, world_size, mps=daemon, timeout_s=600,
                                        params={"problem": problem.to_dict(), "backward": path,
                                                "profile": bool(args.profile and path == "auto"),
@@ -61,20 +66,24 @@ def main(argv=None) -> int:
                         failed = True
                         break
                     results[path] = result
-                if len(results) != 2:
+                if len(results) != len(paths):
                     continue
-                device, torch_path = results["auto"].ranks, results["torch"].ranks
+                device = results["auto"].ranks
+                torch_path = results["torch"].ranks if "torch" in results else None
                 if args.profile:
                     print(f"== P={world_size} {name}: rank 0, one step, by self CPU time\n{device[0].info['profile']}")
                     print(f"== by self CUDA time\n{device[0].info['profile_cuda']}", flush=True)
-                diff = max(relative(d.tensors[g], t.tensors[g]) for d, t in zip(device, torch_path)
-                           for g in ("dx", "d_router", "dw1", "dw2"))
+                nan = float("nan")
+                diff = nan if torch_path is None else max(
+                    relative(d.tensors[g], t.tensors[g]) for d, t in zip(device, torch_path)
+                    for g in ("dx", "d_router", "dw1", "dw2"))
                 row = {"P": world_size, "shape": name, "tokens_per_rank": problem.tokens[0],
                        "forward_ms": device[0].info["forward_ms"],
                        "backward_ms": device[0].info["backward_ms"],
                        "backward_ms_slowest": max(r.info["backward_ms"] for r in device),
-                       "torch_backward_ms": torch_path[0].info["backward_ms"],
-                       "torch_backward_ms_slowest": max(r.info["backward_ms"] for r in torch_path),
+                       "torch_backward_ms": nan if torch_path is None else torch_path[0].info["backward_ms"],
+                       "torch_backward_ms_slowest": nan if torch_path is None else max(
+                           r.info["backward_ms"] for r in torch_path),
                        "max_grad_difference": diff}
                 row["speedup"] = row["torch_backward_ms_slowest"] / row["backward_ms_slowest"]
                 rows.append(row)
