@@ -1,7 +1,8 @@
 // How the kernel's signals and staged data reach its peers: a transport policy type, chosen per kernel
 // instance through the expert variant (WithTransport<Variant, Transport>). The rows and results are always
 // written with the same stores (dispatch.cuh, the GEMM2 epilogues) to the addresses of the peer table;
-// the policy owns what happens at each publication point: the counts, rows-ready and results-done flags.
+// the policy owns what happens at each publication point: the counts, rows-ready and results-done flags
+// (and, for NVSHMEM peers, the puts of the staged rows and results, with the grid barriers they add).
 //
 // P2PTransport (every instance of flashdmoe_cuda): the peer table holds NVLink / same-GPU pointers, the
 // data is already in the peer when the flag is stored (dispatch.cuh's functions, unchanged).
@@ -13,10 +14,17 @@
 namespace flashdmoe {
 
 struct P2PTransport {
+  // Grid barriers a transport adds after the dispatch barrier and after the experts barrier.
+  static constexpr int kRowsBarriers = 0;
+  static constexpr int kResultsBarriers = 0;
   template <typename Element>
   __device__ __forceinline__ static void publish_counts(const MoEParams& p) { flashdmoe::publish_counts(p); }
+  // Every thread of every block; false when the launch failed (block-uniform).
   template <typename Element>
-  __device__ __forceinline__ static void publish_rows_ready(const MoEParams& p) { flashdmoe::publish_rows_ready(p); }
+  __device__ __forceinline__ static bool publish_rows_ready(const MoEParams& p, uint32_t) {
+    flashdmoe::publish_rows_ready(p);
+    return true;
+  }
   template <typename Element>
   __device__ __forceinline__ static void publish_empty_results(const MoEParams& p, const DestTables& tables) {
     flashdmoe::publish_empty_results(p, tables);
@@ -25,6 +33,9 @@ struct P2PTransport {
   __device__ __forceinline__ static void publish_results_done(const MoEParams& p, int src) {
     flashdmoe::publish_results_done(p, src);
   }
+  // Every thread of every block after the experts barrier: the results already went out tile by tile.
+  template <typename Element>
+  __device__ __forceinline__ static bool publish_results(const MoEParams&, uint32_t) { return true; }
 };
 
 // An expert variant whose kernel instance publishes through `Transport` (every tile parameter inherited).

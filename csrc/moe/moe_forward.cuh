@@ -43,7 +43,7 @@ __device__ __forceinline__ void forward_block(const MoEParams& p, char* smem) {
     dispatch_rows<Element>(p, stream_offset);
   }
   if (!grid_barrier(p, kPhaseDispatchDone, 3)) return;
-  Transport::template publish_rows_ready<Element>(p);
+  if (!Transport::template publish_rows_ready<Element>(p, 4)) return;
   stamp_phase(p, 3);
 
   // ---- 4. expert FFN tiles from the task queue, rows from every source ----
@@ -56,7 +56,9 @@ __device__ __forceinline__ void forward_block(const MoEParams& p, char* smem) {
   } else {
     if (!run_expert_tasks<Element, Variant>(p, tables, smem, a_rows)) return;
   }
-  if (!grid_barrier(p, kPhaseExpertsDone, 4)) return;
+  constexpr uint32_t kExpertsOrdinal = 4 + Transport::kRowsBarriers;
+  if (!grid_barrier(p, kPhaseExpertsDone, kExpertsOrdinal)) return;
+  if (!Transport::template publish_results<Element>(p, kExpertsOrdinal + 1)) return;
   stamp_phase(p, 4);
 
   // ---- 5. combine, once every peer returned its results ----

@@ -75,24 +75,52 @@ struct NvshmemTransport {
     }
   }
 
+  // This block's share of one contiguous put: [begin, end) of `bytes`, in 16-byte pieces.
+  __device__ __forceinline__ static void block_slice(const MoEParams& p, size_t bytes, size_t& begin, size_t& end) {
+    const size_t pieces = bytes / 16, per_block = (pieces + p.blocks - 1) / p.blocks;
+    begin = min(pieces, per_block * block_in_rank(p)) * 16;
+    end = min(pieces, per_block * (block_in_rank(p) + 1)) * 16;
+    if (block_in_rank(p) == p.blocks - 1) end = bytes;
+  }
+
+  // Every thread of every block: each NVSHMEM peer's staged region [from `staging`, region `peer`] into
+  // the peer's `buffer` region [rank], each block putting its slice (block-wide puts: NVSHMEM moves P2P
+  // bytes with the calling threads, so one thread or warp would crawl), completed by every thread
+  // (quiet), then a grid barrier; the caller then raises the flags. `rows_of(peer)` sizes each put.
+  template <typename Element, typename RowsOf>
+  __device__ static bool put_regions(const MoEParams& p, void* buffer, void* staging, RowsOf rows_of,
+                                     int traffic_word, uint32_t phase, uint32_t ordinal) {
+    if (!p.silent) {
+      for (int peer = 0; peer < p.world_size; ++peer) {
+        if (!via_nvshmem(p, peer)) continue;
+        const size_t bytes = rows_of(peer) * p.hidden * sizeof(Element);
+        size_t begin, end;
+        block_slice(p, bytes, begin, end);
+        if (end > begin)
+          nvshmemx_putmem_nbi_block(own_region<Element>(buffer, p, p.rank) + begin,
+                                    own_region<Element>(staging, p, peer) + begin, end - begin, peer);
+        if (block_in_rank(p) == 0 && threadIdx.x == 0 && bytes)
+          atomicAdd(p.traffic + traffic_word, static_cast<unsigned long long>(bytes));
+      }
+      nvshmem_quiet();  // this thread's part delivered before the barrier, so before any flag
+    }
+    return grid_barrier(p, phase, ordinal);
+  }
+
+  // The grid barriers the NVSHMEM puts add after the dispatch barrier and after the experts barrier.
+  static constexpr int kRowsBarriers = 1;
+  static constexpr int kResultsBarriers = 1;
+
   // Every thread of every block, after the rank's dispatch barrier (the staged rows are complete).
   template <typename Element>
-  __device__ static void publish_rows_ready(const MoEParams& p) {
-    if (block_in_rank(p) != 0 || p.silent) return;
+  __device__ static bool publish_rows_ready(const MoEParams& p, uint32_t ordinal) {
+    // Staged rows for q (own comb region [q]) into q's recv region [rank].
+    auto rows_of = [&](int owner) { return rows_to(p, owner); };
+    if (!put_regions<Element>(p, p.peers[p.rank].recv, p.peers[p.rank].comb, rows_of, kTrafficNvshmemDispatch,
+                              kPhaseDispatchDone, ordinal))
+      return false;
+    if (block_in_rank(p) != 0 || threadIdx.x != 0 || p.silent) return true;
     const int P = p.world_size, L = p.local_experts;
-    if (threadIdx.x < 32) {  // warp 0 puts each NVSHMEM peer's staged rows into its recv region [rank]
-      for (int owner = 0; owner < P; ++owner) {
-        if (owner == p.rank || !via_nvshmem(p, owner)) continue;
-        const size_t bytes = rows_to(p, owner) * p.hidden * sizeof(Element);
-        if (!bytes) continue;
-        nvshmemx_putmem_nbi_warp(own_region<Element>(p.peers[p.rank].recv, p, p.rank),
-                                 own_region<Element>(p.peers[p.rank].comb, p, owner), bytes, owner);
-        if (threadIdx.x == 0) atomicAdd(p.traffic + kTrafficNvshmemDispatch, static_cast<unsigned long long>(bytes));
-      }
-      nvshmem_quiet();  // delivered before any flag below
-    }
-    __syncwarp();
-    if (threadIdx.x != 0) return;
     __threadfence_system();
     for (int owner = 0; owner < P; ++owner) {
       if (owner == p.rank) continue;
@@ -101,34 +129,39 @@ struct NvshmemTransport {
       else
         ptx::store_release_sys(p.peers[owner].signals + signal_rows_ready(P, L, p.rank), p.sequence);
     }
+    return true;
   }
 
-  // One thread: the tile that completed `src`'s results (after its system fence), or publish_empty_results.
+  // One thread, as a tile completes `src`'s results: a peer-pointer source gets its flag now; an
+  // NVSHMEM source gets its results in one block-wide put per block after the experts (publish_results).
   template <typename Element>
   __device__ static void publish_results_done(const MoEParams& p, int src) {
-    if (p.silent) return;
-    if (!via_nvshmem(p, src)) {
-      flashdmoe::publish_results_done(p, src);
-      return;
-    }
-    const size_t bytes = rows_from(p, src) * p.hidden * sizeof(Element);
-    if (bytes) {  // the staged results (own recv region [src]) into src's comb region [rank]
-      nvshmem_putmem_nbi(own_region<Element>(p.peers[p.rank].comb, p, p.rank),
-                         own_region<Element>(p.peers[p.rank].recv, p, src), bytes, src);
-      atomicAdd(p.traffic + kTrafficNvshmemCombine, static_cast<unsigned long long>(bytes));
-    }
-    // Complete, not only ordered: the staging region is reused by this rank's next forward.
-    nvshmem_quiet();
-    nvshmem_uint32_atomic_set(own_signal(p, signal_results_done(p.world_size, p.local_experts, p.rank)), p.sequence,
-                              src);
+    if (!via_nvshmem(p, src)) flashdmoe::publish_results_done(p, src);
   }
 
   template <typename Element>
   __device__ static void publish_empty_results(const MoEParams& p, const DestTables& tables) {
     if (block_in_rank(p) != 0 || threadIdx.x != 0) return;
     for (int src = 0; src < p.world_size; ++src)
-      if (src != p.rank && tables.stream_start[src * (p.local_experts + 1) + p.local_experts] == 0)
-        publish_results_done<Element>(p, src);
+      if (src != p.rank && !via_nvshmem(p, src) && tables.stream_start[src * (p.local_experts + 1) + p.local_experts] == 0)
+        flashdmoe::publish_results_done(p, src);
+  }
+
+  // Every thread of every block, after the experts barrier (every result is staged): the staged results
+  // (own recv region [src]) into each NVSHMEM source's comb region [rank], then its results-done flag.
+  // Complete, not only ordered (quiet): the staging region is reused by this rank's next forward.
+  template <typename Element>
+  __device__ static bool publish_results(const MoEParams& p, uint32_t ordinal) {
+    auto rows_of = [&](int src) { return rows_from(p, src); };
+    if (!put_regions<Element>(p, p.peers[p.rank].comb, p.peers[p.rank].recv, rows_of, kTrafficNvshmemCombine,
+                              kPhaseExpertsDone, ordinal))
+      return false;
+    if (block_in_rank(p) != 0 || threadIdx.x != 0 || p.silent) return true;
+    for (int src = 0; src < p.world_size; ++src)
+      if (via_nvshmem(p, src))
+        nvshmem_uint32_atomic_set(own_signal(p, signal_results_done(p.world_size, p.local_experts, p.rank)),
+                                  p.sequence, src);
+    return true;
   }
 };
 
