@@ -8,8 +8,10 @@
 //   rows for q      -> own comb region [q] (q's results for this rank arrive there only after q got the rows)
 //   results for q   -> own recv region [q] (q's input rows there are dead once GEMM1 of their tile is done,
 //                      which GEMM2 of the tile waits for)
-// Each region is laid out as the peer's destination region, so one contiguous put per (peer, phase)
-// moves it: only routed rows travel. The counts and flags are single 32-bit words (nvshmem_uint32_p /
+// Each region is laid out as the peer's destination region, so one contiguous range per (peer, phase)
+// moves it, only routed rows travel, each block of the rank putting its slice after the phase's grid
+// barrier (NVSHMEM copies a put to a peer it reaches by load/store with the calling threads), then a
+// grid barrier before the flags. The counts and flags are single 32-bit words (nvshmem_uint32_p /
 // nvshmem_uint32_atomic_set) set after the data is complete (nvshmem_quiet; nvshmem_fence for the counts), so the waits of
 // the receiving rank (bounded loads of its own signal words, sequence numbers, watchdog) are the same for
 // both transports. Symmetric addresses are this rank's own buffers (peers[rank]), as NVSHMEM requires.
