@@ -140,8 +140,13 @@ class PeerExchange:
                 if q == team.rank:
                     staging.append([own.recv, own.comb])
                     continue
-                views = [_peer_tensor(own.recv, q), _peer_tensor(own.comb, q)]
                 expected = [own.mapped_recv[q], own.mapped_comb[q]]
+                if None in expected:
+                    raise RuntimeError(
+                        f"rank {team.rank}: rank {q} is reached by NVSHMEM puts only (no load/store mapping of "
+                        "its buffers, as across nodes); a team's backward needs every peer mapped (NVLink or the "
+                        "same GPU), so this team can run forwards only")
+                views = [_peer_tensor(own.recv, q), _peer_tensor(own.comb, q)]
                 if any(v is None for v in views) or [v.data_ptr() for v in views] != expected:
                     raise RuntimeError(
                         f"rank {team.rank}: the peer views of rank {q}'s recv/comb are at "

@@ -540,3 +540,13 @@ def test_gpu_single_team_backward_matches_reference():
                                 ("dw1", dw1, want_w1[0]), ("dw2", dw2, want_w2[0])):
         assert got.is_cuda, name
         assert_close(name, got.cpu(), expected, torch.bfloat16)
+
+
+def test_a_peer_without_a_mapping_is_refused_by_name(monkeypatch):
+    # across nodes a peer is reached by NVSHMEM puts only: the team's buffers hold no mapping of it
+    teams = _thread_teams(2, max_tokens=4, hidden=8, top_k=2, local_experts=2, monkeypatch=monkeypatch)
+    own = teams[0].buffers[0]
+    own.mapped_recv = [own.mapped_recv[0], None]
+    own.mapped_comb = [own.mapped_comb[0], None]
+    with pytest.raises(RuntimeError, match=r"rank 1 is reached by NVSHMEM puts only.*forwards only"):
+        PeerExchange.from_team(teams[0])
