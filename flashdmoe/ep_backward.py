@@ -58,7 +58,7 @@ from flashdmoe.launch_knobs import debug, timeout_ms
 from flashdmoe.launch_report import LaunchReport, LaunchShape, status_layout
 from flashdmoe.workspace_pool import WorkspacePool
 
-__all__ = ["ForwardCounts", "OwnerLayout", "owner_layout", "team_backward", "unsupported"]
+__all__ = ["ForwardCounts", "OwnerLayout", "forward_count_words", "owner_layout", "team_backward", "unsupported"]
 
 _pool = WorkspacePool()
 TO_OWNERS, BACK_TO_SOURCES, SUM_OVER_RANKS = 0, 1, 2
@@ -126,6 +126,21 @@ def owner_layout(counts: torch.Tensor, stream_rows: int, device: torch.device | 
     return OwnerLayout(index, [int(c) for c in per_expert], place)
 
 
+def forward_count_words(team, routing) -> torch.Tensor:
+    """``[P, L]`` int32 on the team's device, as the forward that produced ``routing`` (its ``expert`` and
+    ``row`` ``[T, k]``) left them: rows source ``q`` sent this rank for local expert ``l``. A team's forward
+    kernel writes every source's count words, its own included; a one-rank team's launch publishes none,
+    so there they are counted from the routing (kept choices: ``row >= 0``)."""
+    plan = team.plan
+    P, L = plan.world_size, plan.local_experts
+    if P > 1:
+        return team.buffers[0].signals[:P * L].view(P, L)
+    expert, row = routing.expert.reshape(-1).long(), routing.row.reshape(-1)
+    words = torch.zeros(1, L, dtype=torch.int32, device=expert.device)
+    words[0].scatter_add_(0, expert.clamp(0, L - 1), (row >= 0).to(torch.int32))
+    return words
+
+
 class ForwardCounts:
     """One forward's counts as an owner, on their way to the host: ``[P, L]`` int32, rows source ``q`` sent
     this rank for local expert ``l``. The forward kernel leaves them in the rank's count words (every
@@ -133,14 +148,8 @@ class ForwardCounts:
     so a backward that runs after the forward has finished (every layer's but the last) does not wait."""
 
     def __init__(self, team, routing) -> None:
-        plan = team.plan
-        P, L = plan.world_size, plan.local_experts
-        words = team.buffers[0].signals[:P * L].view(P, L)
-        if P == 1:  # a one-rank launch publishes no counts
-            expert, row = routing.expert.reshape(-1).long(), routing.row.reshape(-1)
-            words = torch.zeros(1, L, dtype=torch.int32, device=expert.device)
-            words[0].scatter_add_(0, expert.clamp(0, L - 1), (row >= 0).to(torch.int32))
-        self._host = torch.empty((P, L), dtype=torch.int32, pin_memory=True)
+        words = forward_count_words(team, routing)
+        self._host = torch.empty(words.shape, dtype=torch.int32, pin_memory=True)
         self._host.copy_(words, non_blocking=True)
         self._done = torch.cuda.Event()
         self._done.record()

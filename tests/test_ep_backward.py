@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from flashdmoe import numerics, reference
-from flashdmoe.ep_backward import owner_layout, unsupported
+from flashdmoe.ep_backward import forward_count_words, owner_layout, unsupported
 from flashdmoe.expert_backward import packed_row_grads
 from flashdmoe.team import BufferPlan, Team
 
@@ -159,3 +159,35 @@ def test_packed_row_grads_rejects_counts_that_do_not_match_the_rows():
     w1, w2 = torch.randn(2, 8, 4), torch.randn(2, 4, 8)
     with pytest.raises(ValueError, match="do not match counts"):
         packed_row_grads(torch.zeros(3, 8), torch.zeros(3, 8), torch.zeros(3), [1, 1], w1, w2, activation="gelu")
+
+
+class _Routing:
+    def __init__(self, expert, row):
+        self.expert, self.row = expert, row
+
+
+class _CountTeam:
+    def __init__(self, plan, signals):
+        self.plan = plan
+        self.buffers = [type("Buffers", (), {"signals": signals})()]
+
+
+def test_forward_count_words_of_a_team_are_its_signal_words(seed):
+    generator = torch.Generator().manual_seed(seed)
+    P, L = 3, 4
+    plan = BufferPlan(P, max_tokens=8, hidden=64, top_k=2, local_experts=L, dtype=torch.bfloat16)
+    signals = torch.randint(0, 9, (plan.signal_words,), generator=generator, dtype=torch.int32)
+    words = forward_count_words(_CountTeam(plan, signals), None)
+    assert words.shape == (P, L) and torch.equal(words.reshape(-1), signals[:P * L])
+
+
+def test_forward_count_words_of_one_rank_count_the_kept_choices(seed):
+    generator = torch.Generator().manual_seed(seed)
+    T, k, E = 50, 3, 6
+    plan = BufferPlan(1, max_tokens=T, hidden=64, top_k=k, local_experts=E, dtype=torch.bfloat16)
+    expert = torch.randint(0, E, (T, k), generator=generator, dtype=torch.int32)
+    row = torch.where(torch.rand(T, k, generator=generator) < 0.2, -1, 0).to(torch.int32)  # some dropped
+    words = forward_count_words(_CountTeam(plan, torch.zeros(plan.signal_words, dtype=torch.int32)),
+                                _Routing(expert, row))
+    want = [int(((expert == e) & (row >= 0)).sum()) for e in range(E)]
+    assert words.tolist() == [want]
