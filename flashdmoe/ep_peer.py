@@ -345,6 +345,8 @@ def expert_parallel_backward(team, x: torch.Tensor, router_weight: torch.Tensor,
             team's buffers.
         flashdmoe.team.TeamFailed: the team failed or was closed earlier. An error in the middle of the
             exchanges marks the team failed (ranks may be out of step).
+        RuntimeError: a peer is reached by NVSHMEM puts only (no mapping, as across nodes); raised before
+            any exchange, on every rank of such a team.
     """
     exchange = PeerExchange.from_team(team, traffic=traffic)
     world_size, rank = exchange.world_size, exchange.rank
