@@ -7,7 +7,7 @@ the slowest rank's backward.
     python scripts/team_backward_bench.py [--ranks 2,4] [--repeats 10] [--json out.json] [--device-only]
 
 ``--device-only`` times the device exchange alone (no torch-ops run, no speed-up column): for comparing
-builds of the device path in one session.
+builds of the device path back to back on one machine.
 """
 
 from __future__ import annotations
