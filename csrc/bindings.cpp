@@ -268,6 +268,10 @@ py::tuple ep_rows(const py::dict& args, uintptr_t stream, uintptr_t status_event
   a.peer_recv = get<std::vector<uintptr_t>>(args, "peer_recv");
   a.peer_comb = get<std::vector<uintptr_t>>(args, "peer_comb");
   a.peer_signals = get<std::vector<uintptr_t>>(args, "peer_signals");
+  a.stage = as_ptr<void>(args.contains("stage") ? get<uintptr_t>(args, "stage") : 0);
+  a.stage_rows = args.contains("stage_rows") ? get<int>(args, "stage_rows") : 0;
+  a.sent = as_ptr<const int>(args.contains("sent") ? get<uintptr_t>(args, "sent") : 0);
+  a.from_rows = as_ptr<const int>(args.contains("from_rows") ? get<uintptr_t>(args, "from_rows") : 0);
   a.tokens = get<int>(args, "tokens");
   a.top_k = get<int>(args, "top_k");
   a.x = as_ptr<const void>(get<uintptr_t>(args, "x"));
@@ -354,6 +358,9 @@ PYBIND11_MODULE(flashdmoe_cuda, m) {
         py::arg("args"), py::arg("stream"), py::arg("status_event"));
   m.def("ep_rows_sync_bytes", &ep_rows_sync_bytes);
   m.def("ep_signal_words", &ep_signal_words, py::arg("world"), py::arg("local_experts"), py::arg("stream_rows"));
+  m.def("ep_stage_bytes", &ep_stage_bytes, "Bytes of a rank's staging for NVSHMEM peers in the backward exchange.",
+        py::arg("world"), py::arg("stream_rows"), py::arg("stage_rows"), py::arg("row_bytes"));
+  m.def("ep_rows_puts", &ep_rows_puts, "Whether this build's backward exchange reaches peers by NVSHMEM puts.");
   m.def("ep_signal_offset", [](const std::string& what, int world, int local_experts, int stream_rows, int a, int b) {
     return ep_signal_offset(what.c_str(), world, local_experts, stream_rows, a, b);
   }, py::arg("what"), py::arg("world"), py::arg("local_experts"), py::arg("stream_rows"), py::arg("a"), py::arg("b"));

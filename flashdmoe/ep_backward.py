@@ -1,8 +1,12 @@
 """The backward of a multi-process team's layer on the GPU, its rows moved by the device.
 
-:func:`team_backward` is what the fused backend's autograd runs on every rank of an NVSHMEM team whose
-peers all have load/store pointers (NVLink or the same GPU under MPS). It is a collective: every rank
-calls it for every backward, in the same order. Per rank ``r`` (``docs/design.md`` §5):
+:func:`team_backward` is what the fused backend's autograd runs on every rank of an NVSHMEM team. It is
+a collective: every rank calls it for every backward, in the same order. A peer with a load/store
+pointer (NVLink, or the same GPU under MPS) gets plain stores; a peer reached by NVSHMEM puts (another
+node, or ``peer_transport="nvshmem"``; the NVSHMEM kernel build) gets the same data staged in this rank's
+symmetric memory (the team's ``stage`` buffer, :attr:`BufferPlan.stage_bytes
+<flashdmoe.team.BufferPlan.stage_bytes>`) and put, at the same places, before the same flags
+(``csrc/nvshmem/ep_rows_puts.cuh``). Per rank ``r`` (``docs/design.md`` §5):
 
 1. **Rows to the owners** (one launch of ``csrc/backward/ep_rows.cuh``): each kept choice ``(t, j)`` of
    ``r`` writes ``x[t]`` into its expert owner's ``recv`` buffer, ``dy[t]`` into the owner's ``comb`` buffer
@@ -58,7 +62,8 @@ from flashdmoe.launch_knobs import debug, timeout_ms
 from flashdmoe.launch_report import LaunchReport, LaunchShape, status_layout
 from flashdmoe.workspace_pool import WorkspacePool
 
-__all__ = ["ForwardCounts", "OwnerLayout", "forward_count_words", "owner_layout", "team_backward", "unsupported"]
+__all__ = ["ForwardCounts", "OwnerLayout", "exchange_traffic", "forward_count_words", "owner_layout", "team_backward",
+           "unsupported"]
 
 _pool = WorkspacePool()
 TO_OWNERS, BACK_TO_SOURCES, SUM_OVER_RANKS = 0, 1, 2
@@ -71,13 +76,41 @@ def unsupported(team, x: torch.Tensor) -> str:
     if x.device.type != "cuda" or x.dtype not in (torch.bfloat16, torch.float16):
         return f"the device exchange takes bfloat16 / float16 on CUDA, not {x.dtype} on {x.device.type}"
     own = team.buffers[0]
-    missing = [q for q, address in enumerate(own.mapped_signals) if address is None]
-    missing += [q for q, address in enumerate(own.mapped_recv) if address is None and q not in missing]
+    puts = _put_peers(team)
+    missing = [q for q, address in enumerate(own.mapped_signals) if address is None and q not in puts]
+    missing += [q for q, address in enumerate(own.mapped_recv) if address is None and q not in missing + puts]
     if missing or len(own.mapped_signals) != team.world_size:
-        return f"ranks {sorted(missing)} have no load/store pointer from rank {team.rank} (NVSHMEM puts only)"
+        return f"ranks {sorted(missing)} have no load/store pointer from rank {team.rank} and no NVSHMEM transport"
     from flashdmoe import extension
 
+    if puts:
+        if extension.kernel_build() != "nvshmem":
+            return (f"ranks {puts} are reached by NVSHMEM puts, which the {extension.kernel_build()!r} kernel build "
+                    "cannot do (FLASHDMOE_KERNEL_BUILD=nvshmem)")
+        if own.stage is None:
+            return f"ranks {puts} are reached by NVSHMEM puts but the team holds no stage buffer for them"
     return extension.unavailable_reason() or ""
+
+
+def _put_peers(team) -> list[int]:
+    """The peers this rank's team reaches by NVSHMEM puts (``team.peer_transports``)."""
+    return [q for q, kind in enumerate(getattr(team, "peer_transports", None) or ()) if kind == "nvshmem"]
+
+
+def _exchange_peers(team) -> dict:
+    """The exchange's peer table: a peer's mapped buffers, or for a peer reached by puts this rank's own
+    addresses (its own signal words are the kernel's mark of such a peer, as in the forward's table)."""
+    own = team.buffers[0]
+    puts = set(_put_peers(team))
+    mine = (own.recv.data_ptr(), own.comb.data_ptr(), own.signals.data_ptr())
+    table = {"peer_recv": [], "peer_comb": [], "peer_signals": []}
+    for q in range(team.world_size):
+        entry = mine if q in puts else (own.mapped_recv[q], own.mapped_comb[q], own.mapped_signals[q])
+        for key, address in zip(table, entry):
+            table[key].append(int(address))
+    if puts:
+        table.update(stage=own.stage.data_ptr(), stage_rows=team.plan.stage_rows)
+    return table
 
 
 class OwnerLayout(NamedTuple):
@@ -86,11 +119,12 @@ class OwnerLayout(NamedTuple):
     index ``[rows]`` int64 (on the device asked for): each packed row's staging row in its source's stream,
     ``source * stream_rows + stream row``; per_expert: each local expert's row count (host ints); place
     ``[P, L]`` int32 (same device): source ``q``'s rows for local expert ``l`` go to packed row
-    ``place[q, l] +`` their stream row."""
+    ``place[q, l] +`` their stream row; from_rows ``[P]`` int32 (same device): rows each source sent."""
 
     index: torch.Tensor
     per_expert: list[int]
     place: torch.Tensor
+    from_rows: torch.Tensor
 
 
 def owner_layout(counts: torch.Tensor, stream_rows: int, device: torch.device | None = None) -> OwnerLayout:
@@ -118,12 +152,42 @@ def owner_layout(counts: torch.Tensor, stream_rows: int, device: torch.device | 
     offsets = torch.cumsum(sizes, 0) - sizes
     device = torch.device("cpu") if device is None else device
     # One copy for all three; from pinned memory, so that it does not wait for the stream.
-    table = torch.cat([starts - offsets, sizes, place.reshape(-1)])
+    table = torch.cat([starts - offsets, sizes, place.reshape(-1), counts.sum(dim=1)])
     if device.type == "cuda":
         table = table.pin_memory().to(device, non_blocking=True)
-    shift, sizes, place = table[:P * L], table[P * L:2 * P * L], table[2 * P * L:].view(P, L).to(torch.int32)
+    shift, sizes = table[:P * L], table[P * L:2 * P * L]
+    place, from_rows = table[2 * P * L:3 * P * L].view(P, L).to(torch.int32), table[3 * P * L:].to(torch.int32)
     index = torch.repeat_interleave(shift, sizes, output_size=total) + torch.arange(total, device=device)
-    return OwnerLayout(index, [int(c) for c in per_expert], place)
+    return OwnerLayout(index, [int(c) for c in per_expert], place, from_rows)
+
+
+def sent_runs(expert: torch.Tensor, row: torch.Tensor, world_size: int, local_experts: int) -> torch.Tensor:
+    """``[2, P * L]`` int32 (``expert``'s device), computed there without waiting: for each (owner, local
+    expert), the first row of this rank's run to it in the stage (its kept choices in owner-major, then
+    expert order, as each owner's stream) and the run's rows. expert, row ``[T, k]``: the forward's routing
+    (row -1: dropped)."""
+    E = world_size * local_experts
+    kept = (row.reshape(-1) >= 0).to(torch.int32)
+    counts = torch.zeros(E, dtype=torch.int32, device=expert.device)
+    counts.index_add_(0, expert.reshape(-1).long().clamp(0, E - 1), kept)
+    return torch.stack([torch.cumsum(counts, 0, dtype=torch.int32) - counts, counts])
+
+
+def exchange_traffic(team) -> dict[str, int] | None:
+    """Bytes the team's last backward exchange sent this rank's peers, summed over its launches:
+    ``dispatch_bytes`` (rows, weights to the owners), ``combine_bytes`` (dx rows and weight gradients back,
+    the router's share), and the parts of each that went by NVSHMEM puts. ``None`` before a backward.
+    Waits for those launches."""
+    reports = getattr(team, "backward_reports", None)
+    if not reports:
+        return None
+    keys = ("dispatch_bytes", "combine_bytes", "nvshmem_dispatch_bytes", "nvshmem_combine_bytes")
+    total = dict.fromkeys(keys, 0)
+    for report in reports:
+        for status in report.statuses:
+            for key in keys:
+                total[key] += getattr(status, key)
+    return total
 
 
 def forward_count_words(team, routing) -> torch.Tensor:
@@ -209,8 +273,8 @@ def team_backward(team, x: torch.Tensor, router_weight: torch.Tensor, w1: torch.
     device, dtype = x.device, x.dtype
     need_dx, need_router, need_dw1, need_dw2 = needs
     own = team.buffers[0]
-    peers = {"peer_recv": [int(a) for a in own.mapped_recv], "peer_comb": [int(a) for a in own.mapped_comb],
-             "peer_signals": [int(a) for a in own.mapped_signals]}
+    peers = _exchange_peers(team)
+    puts = "stage" in peers
     signals = own.signals
     staged = P * S
     recv = own.recv[:staged * H * plan.element_bytes].view(dtype).view(staged, H)
@@ -235,7 +299,10 @@ def team_backward(team, x: torch.Tensor, router_weight: torch.Tensor, w1: torch.
                 "x": xc.data_ptr(), "dy": dy16.data_ptr(), "expert": expert32.data_ptr(), "row": row32.data_ptr(),
                 "weight": weight32.data_ptr(), "place": place.data_ptr(),
                 "rows": 0, "received": 0, "dx_rows": 0, "dweight_row": 0}
-    _launch(ext, team, out_args, device, tokens)
+    if puts:
+        sent = sent_runs(expert32, row32, P, L)
+        out_args["sent"] = sent.data_ptr()
+    reports = [_launch(ext, team, out_args, device, tokens)]
 
     # 2. this rank's experts on the rows it received, as they lie
     dweight_row, dx_rows, dw1, dw2 = packed_row_grads(
@@ -248,8 +315,10 @@ def team_backward(team, x: torch.Tensor, router_weight: torch.Tensor, w1: torch.
                  "x": 0, "dy": 0, "expert": 0, "row": 0, "weight": 0, "place": 0,
                  "rows": rows, "received": received32.data_ptr(),
                  "dx_rows": dx_rows.data_ptr() if dx_rows.numel() else 0,
-                 "dweight_row": dweight_row.data_ptr() if dweight_row.numel() else 0}
+                 "dweight_row": dweight_row.data_ptr() if dweight_row.numel() else 0,
+                 "from_rows": layout.from_rows.data_ptr()}
     back = _launch(ext, team, back_args, device, rows)
+    reports.append(back)
 
     # 4. this rank's tokens: the router's gradient and dx (stream-ordered after step 3's launch, which ends
     # once every owner's rows are here), then d_router summed over the ranks
@@ -273,13 +342,14 @@ def team_backward(team, x: torch.Tensor, router_weight: torch.Tensor, w1: torch.
     elif need_dx:
         dx = xc.new_zeros(0, H)
     # every rank joins the sum, whatever it needs itself
-    d_router = _sum_over_ranks(ext, team, common, sequence, d_router_part, back, device)
+    d_router = _sum_over_ranks(ext, team, common, sequence, d_router_part, back, device, reports)
+    team.backward_reports = tuple(reports)
     return (dx, d_router.to(router_weight.dtype) if need_router else None, dw1 if need_dw1 else None,
             dw2 if need_dw2 else None)
 
 
 def _sum_over_ranks(ext, team, common: dict, sequence: int, share: torch.Tensor, back: LaunchReport,
-                    device: torch.device) -> torch.Tensor:
+                    device: torch.device, reports: list) -> torch.Tensor:
     """The sum over the team's ranks of each rank's float32 ``share`` in rank order (the same bits on every
     rank): the exchange's third direction, staged in the peers' ``comb`` regions, where it fits one region;
     else :meth:`PeerExchange.all_reduce_sum` (host-launched copies between team barriers, which wait
@@ -293,8 +363,13 @@ def _sum_over_ranks(ext, team, common: dict, sequence: int, share: torch.Tensor,
         args = {**common, "direction": SUM_OVER_RANKS, "sequence": sequence, "tokens": 0, "top_k": 1,
                 "x": 0, "dy": 0, "expert": 0, "row": 0, "weight": 0, "place": 0, "rows": 0, "received": 0,
                 "dx_rows": 0, "dweight_row": 0, "n": n, "share": share.data_ptr(), "sum": total.data_ptr()}
-        _launch(ext, team, args, device, 0)
+        reports.append(_launch(ext, team, args, device, 0))
         return total
+    if _put_peers(team):
+        raise ValueError(
+            f"d_router: {n} floats do not fit one comb region ({plan.stream_rows * plan.hidden * plan.element_bytes} "
+            "bytes, or n is not a multiple of 4), and a team with NVSHMEM peers has no other way to sum them; "
+            "make the team with a larger max_tokens")
     status_checks.settle(back)
     return PeerExchange.from_team(team).all_reduce_sum(share)
 

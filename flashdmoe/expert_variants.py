@@ -263,14 +263,35 @@ def _render_instances(variant: ExpertVariant, capacity: str, transport: str | No
 # Transport policy types other than the default P2PTransport -> the header that defines them.
 TRANSPORT_HEADERS = {"NvshmemTransport": "nvshmem/nvshmem_transport.cuh"}
 
+# The backward exchange's publication policy per transport (csrc/backward/ep_rows.cuh): header, type.
+EP_ROWS_POLICIES = {None: ("backward/ep_rows.cuh", "EpStores"),
+                    "NvshmemTransport": ("nvshmem/ep_rows_puts.cuh", "EpPuts")}
+EP_ROWS_POLICY_HEADER = "generated/ep_rows_policy.h"
+
+
+def _render_ep_rows_policy(transport: str | None) -> str:
+    header, policy = EP_ROWS_POLICIES[transport]
+    return "\n".join([
+        _NOTICE,
+        "// The backward exchange's publication policy in this build (backward/ep_rows.cu instantiates its kernel",
+        "// with it): stores through peer pointers, or NVSHMEM puts where a peer has none.",
+        "#pragma once",
+        f'#include "{header}"',
+        "",
+        "namespace flashdmoe {",
+        f"using EpRowsPolicy = {policy};",
+        "}  // namespace flashdmoe",
+        "",
+    ])
+
 
 def generated_sources(transport: str | None = None) -> dict[str, str]:
-    """Build-folder relative path -> contents of every generated file (the header and one compile unit
-    per variant). ``transport``: a policy type of :data:`TRANSPORT_HEADERS` every instance publishes
+    """Build-folder relative path -> contents of every generated file (the variants' header, the backward
+    exchange's policy header and one compile unit per variant). ``transport``: a policy type of :data:`TRANSPORT_HEADERS` every instance publishes
     through (the NVSHMEM transport module), else the default peer-pointer stores."""
     if transport is not None and transport not in TRANSPORT_HEADERS:
         raise ValueError(f"transport={transport!r}: expected None or one of {sorted(TRANSPORT_HEADERS)}")
-    files = {GENERATED_HEADER: _render_header(transport)}
+    files = {GENERATED_HEADER: _render_header(transport), EP_ROWS_POLICY_HEADER: _render_ep_rows_policy(transport)}
     for variant in VARIANTS:
         for suffix, capacity in RANK_CAPACITIES.items():
             files[instance_unit(variant, suffix)] = _render_instances(variant, capacity, transport)

@@ -140,8 +140,22 @@ class BufferPlan:
         raise ValueError(f"what={what!r}: expected 'free', 'ready', 'abort', 'place' or 'row_word'")
 
     @property
+    def stage_rows(self) -> int:
+        """Rows of the backward's staging for NVSHMEM peers: every kept choice of a batch, ``max_tokens * k``."""
+        return self.max_tokens * self.top_k
+
+    @property
+    def stage_bytes(self) -> int:
+        """The backward exchange's staging for peers reached by NVSHMEM puts (``EpStage``): x and dy rows and
+        combine weights of ``stage_rows`` choices, then one weight-gradient word per staged row
+        (``P * stream_rows``); rounded up to 16 bytes."""
+        words = self.stage_rows + self.world_size * self.stream_rows
+        return -(-(2 * self.stage_rows * self.hidden * self.element_bytes + 4 * words) // 16) * 16
+
+    @property
     def bytes_per_rank(self) -> int:
-        """Symmetric memory one rank holds: recv + comb + signals."""
+        """Symmetric memory one rank holds: recv + comb + signals (plus :attr:`stage_bytes` in a team with
+        NVSHMEM peers)."""
         return 2 * self.data_bytes + 4 * self.signal_words
 
     def check_batch(self, tokens: int, hidden: int, top_k: int, local_experts: int, dtype: torch.dtype,
@@ -172,6 +186,7 @@ class RankBuffers:
     recv: torch.Tensor
     comb: torch.Tensor
     signals: torch.Tensor
+    stage: torch.Tensor | None = None  # the backward's staging for NVSHMEM peers (BufferPlan.stage_bytes)
     peer_recv: list[int] = field(default_factory=list)
     peer_comb: list[int] = field(default_factory=list)
     peer_signals: list[int] = field(default_factory=list)
@@ -229,6 +244,8 @@ class Team:
         # How the kernel reaches each peer ("p2p": stores through a mapping; "nvshmem": NVSHMEM puts).
         self.peer_transports: list[str] = ["p2p"] * world_size
         self.unique_id: bytes = b""  # NVSHMEM teams: the id the team was bootstrapped with
+        # NVSHMEM teams: the launch reports of the last backward exchange (flashdmoe.ep_backward.exchange_traffic).
+        self.backward_reports: tuple = ()
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("failed" if self._failure else "ok")
@@ -308,7 +325,8 @@ class Team:
 
         # The symmetric heap must hold this team's buffers (NVSHMEM's default is 1 GiB); an explicit
         # NVSHMEM_SYMMETRIC_SIZE in the environment wins.
-        os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(max(1 << 30, plan.bytes_per_rank * 5 // 4 + (64 << 20))))
+        held = plan.bytes_per_rank + (0 if peer_transport == "p2p" else plan.stage_bytes)
+        os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(max(1 << 30, held * 5 // 4 + (64 << 20))))
         cuda_device = _cuda_core_device(device.index)
         cuda_device.set_current()
         uid = nvshmem.get_unique_id(empty=True)
@@ -337,6 +355,10 @@ class Team:
             own.mapped_recv = [None if m is None else m[0] for m in mapped]
             own.mapped_comb = [None if m is None else m[1] for m in mapped]
             own.mapped_signals = [None if m is None else m[2] for m in mapped]
+            if "nvshmem" in transports:
+                # The backward's staging for those peers (collective: every rank of a team with NVSHMEM
+                # peers allocates it, as reachability is symmetric).
+                own.stage = nvshmem.tensor((plan.stage_bytes,), dtype=torch.uint8)
 
             # Everyone's signal words are zero before anyone's first kernel can write into them.
             torch.cuda.synchronize(device)
@@ -363,8 +385,11 @@ class Team:
 
     @property
     def buffer_bytes(self) -> int:
-        """Symmetric bytes per rank (0 for a single team)."""
-        return 0 if self.plan is None else self.plan.bytes_per_rank
+        """Symmetric bytes per rank (0 for a single team), the backward's staging for NVSHMEM peers included."""
+        if self.plan is None:
+            return 0
+        staged = any(own.stage is not None for own in self.buffers)
+        return self.plan.bytes_per_rank + (self.plan.stage_bytes if staged else 0)
 
     def require_usable(self) -> None:
         if self._closed:
@@ -429,8 +454,9 @@ class Team:
             try:
                 torch.cuda.synchronize(self.device)
                 for own in self.buffers:
-                    for t in (own.recv, own.comb, own.signals):
-                        nvshmem.free_tensor(t)
+                    for t in (own.recv, own.comb, own.signals, own.stage):
+                        if t is not None:
+                            nvshmem.free_tensor(t)
             finally:
                 self.buffers = []
                 try:

@@ -7,7 +7,8 @@
 # PHASES=1 the fused backward's time per kind of task; SOAK=1 ~500 fused backward launches of the Mixtral
 # shape under a hard limit (a hang beyond the watchdog shows as a timeout); PROBES="base noepi nog" the
 # fused backward built with parts changed (scripts/backward_probe.sh); TEAMBENCH=1 an NVSHMEM team's training
-# steps, the device-exchange backward beside the torch-ops one (scripts/team_backward_bench.py).
+# steps, the device-exchange backward beside the torch-ops one (scripts/team_backward_bench.py; TEAMBENCH_TRANSPORTS
+# "p2p nvshmem" runs it once per peer transport, TEAMBENCH_ARGS adds its options, e.g. --device-only).
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 start=$(date +%s)
@@ -81,9 +82,12 @@ if [ -n "${PROBES:-}" ] && [ "$(left)" -gt 120 ]; then
   note "backward probes ($PROBES) rc=$?"; sed -n '/== probe summary/,$p' /tmp/probe.log | grep -v torch.mm
 fi
 if [ "${TEAMBENCH:-0}" = "1" ] && [ "$(left)" -gt 100 ]; then
-  timeout $(( $(left) - 20 )) python3 scripts/team_backward_bench.py --ranks "${TEAMBENCH_RANKS:-2,4}" \
-    --json "$OUT/team_backward.json" > /tmp/teamb.log 2>&1
-  note "team backward bench rc=$?"; grep -E "^\|" /tmp/teamb.log || tail -30 /tmp/teamb.log
+  # TEAMBENCH_TRANSPORTS="p2p nvshmem": one run per peer transport (TEAMBENCH_ARGS e.g. --device-only)
+  for transport in ${TEAMBENCH_TRANSPORTS:-p2p}; do
+    timeout $(( $(left) - 20 )) python3 scripts/team_backward_bench.py --ranks "${TEAMBENCH_RANKS:-2,4}" \
+      --peer-transport "$transport" ${TEAMBENCH_ARGS:-} --json "$OUT/team_backward_$transport.json" > /tmp/teamb.log 2>&1
+    note "team backward bench ($transport) rc=$?"; grep -E "^\|" /tmp/teamb.log || tail -30 /tmp/teamb.log
+  done
 fi
 if [ "${NCU:-0}" = "1" ] && [ "$(left)" -gt 70 ]; then
   ncu=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)

@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from flashdmoe import numerics, reference
-from flashdmoe.ep_backward import forward_count_words, owner_layout, unsupported
+from flashdmoe import ep_backward
+from flashdmoe.ep_backward import forward_count_words, owner_layout, sent_runs, unsupported
 from flashdmoe.expert_backward import packed_row_grads
-from flashdmoe.team import BufferPlan, Team
+from flashdmoe.team import BufferPlan, RankBuffers, Team
 
 requires_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -24,6 +25,7 @@ def test_owner_layout_takes_each_expert_from_every_source_in_rank_order():
     assert layout.index.tolist() == [0, 1, 10, 2, 5, 6, 7]
     assert layout.place.dtype == torch.int32
     assert layout.place.tolist() == [[0, 1], [2, 4], [2, 6]]
+    assert layout.from_rows.dtype == torch.int32 and layout.from_rows.tolist() == [3, 3, 1]
 
 
 def _walk(counts, S):
@@ -62,6 +64,87 @@ def test_owner_layout_stays_inside_each_stream_whatever_the_counts_say():
         mine = [int(i) for i in index if int(i) // 5 == source]
         assert len(mine) == len(set(mine)) and len(mine) <= 5
     assert sum(per_expert) == index.numel()
+
+
+@pytest.mark.parametrize("draw", range(4))
+def test_sent_runs_give_each_owner_expert_run_its_stage_rows(seed, draw):
+    """A source's rows to an NVSHMEM owner are staged at sent[0][owner * L] + stream row; run (owner, l) must
+    be exactly the stage rows of that expert's kept choices, its stream rows numbered as the forward does
+    (per owner by local expert, kept choices only)."""
+    generator = torch.Generator().manual_seed(seed + draw)
+    P, L, T, k = 3, 2, 11, 2
+    expert = torch.stack([torch.randperm(P * L, generator=generator)[:k] for _ in range(T)]).to(torch.int32)
+    kept = torch.rand(T, k, generator=generator) < 0.8
+    row = torch.full((T, k), -1, dtype=torch.int32)
+    for owner in range(P):  # the forward's stream rows to each owner: local expert 0's kept choices first
+        next_row = 0
+        for local in range(L):
+            for t, j in ((t, j) for t in range(T) for j in range(k)):
+                if kept[t, j] and int(expert[t, j]) == owner * L + local:
+                    row[t, j] = next_row
+                    next_row += 1
+    start, count = sent_runs(expert, row, P, L)
+    assert start.dtype == count.dtype == torch.int32
+    for owner in range(P):
+        for local in range(L):
+            e = owner * L + local
+            staged = sorted(int(start[owner * L]) + int(r) for r in row[(expert == e) & kept])
+            first = int(start[e])
+            assert staged == list(range(first, first + int(count[e]))), (owner, local)
+    assert int(count.sum()) == int(kept.sum()) and int(start[-1] + count[-1]) == int(kept.sum())
+
+
+def test_sent_runs_of_no_tokens():
+    start, count = sent_runs(torch.zeros(0, 2, dtype=torch.int32), torch.zeros(0, 2, dtype=torch.int32), 2, 3)
+    assert start.tolist() == count.tolist() == [0] * 6
+
+
+@pytest.mark.parametrize("P, T, k, L, H", [(2, 96, 2, 4, 128), (8, 1000, 8, 2, 2048), (4, 1, 1, 32, 64)])
+def test_stage_holds_every_kept_choice_and_every_weight_gradient(P, T, k, L, H):
+    plan = BufferPlan(P, max_tokens=T, hidden=H, top_k=k, local_experts=L, dtype=torch.float16)
+    assert plan.stage_rows == T * k  # a batch's kept choices, whatever the routing
+    need = 2 * plan.stage_rows * H * 2 + 4 * (plan.stage_rows + P * plan.stream_rows)  # EpStage's layout
+    assert need <= plan.stage_bytes < need + 16 and plan.stage_bytes % 16 == 0
+
+
+def _fake_nvshmem_team(transports):
+    P = len(transports)
+    plan = BufferPlan(P, max_tokens=4, hidden=64, top_k=2, local_experts=2, dtype=torch.bfloat16)
+    own = RankBuffers(recv=torch.zeros(plan.data_bytes, dtype=torch.uint8),
+                      comb=torch.zeros(plan.data_bytes, dtype=torch.uint8),
+                      signals=torch.zeros(plan.signal_words, dtype=torch.int32),
+                      stage=torch.zeros(plan.stage_bytes, dtype=torch.uint8))
+    own.mapped_recv = [1000 + q if kind == "p2p" else None for q, kind in enumerate(transports)]
+    own.mapped_comb = [2000 + q if kind == "p2p" else None for q, kind in enumerate(transports)]
+    own.mapped_signals = [3000 + q if kind == "p2p" else None for q, kind in enumerate(transports)]
+    team = Team("nvshmem", 0, P, plan, [own], None)
+    team.peer_transports = list(transports)
+    return team, own
+
+
+def test_exchange_table_marks_put_peers_with_own_signal_words():
+    team, own = _fake_nvshmem_team(["p2p", "nvshmem", "p2p"])
+    table = ep_backward._exchange_peers(team)
+    mine = (own.recv.data_ptr(), own.comb.data_ptr(), own.signals.data_ptr())
+    assert table["peer_signals"] == [3000, mine[2], 3002]  # the kernel's mark: a peer entry holding own words
+    assert table["peer_recv"] == [1000, mine[0], 1002] and table["peer_comb"] == [2000, mine[1], 2002]
+    assert table["stage"] == own.stage.data_ptr() and table["stage_rows"] == team.plan.stage_rows
+    all_p2p, _ = _fake_nvshmem_team(["p2p", "p2p"])
+    assert "stage" not in ep_backward._exchange_peers(all_p2p)  # stores only: no staging
+    assert team.buffer_bytes == team.plan.bytes_per_rank + team.plan.stage_bytes
+
+
+def test_a_put_peer_needs_the_nvshmem_build_and_a_stage():
+    team, own = _fake_nvshmem_team(["p2p", "nvshmem"])
+    from flashdmoe import extension
+
+    cuda_x = type("FakeX", (), {"device": torch.device("cuda", 0), "dtype": torch.bfloat16})()
+    if extension.kernel_build() != "nvshmem":
+        assert "NVSHMEM puts, which the 'main' kernel build cannot do" in unsupported(team, cuda_x)
+    own.stage = None
+    team.peer_transports = ["p2p", "nvshmem"]
+    reason = unsupported(team, cuda_x)
+    assert "ranks [1]" in reason
 
 
 def test_owner_layout_of_nothing():
@@ -103,6 +186,9 @@ def test_backward_words_agree_with_the_kernel():
         for what, a, b in [("free", 1, P - 1), ("ready", 0, P - 1), ("free", 2, 0), ("ready", 2, P - 1),
                            ("abort", 2, 0), ("place", P - 1, L - 1), ("row_word", P - 1, S - 1)]:
             assert ext.ep_signal_offset(what, P, L, S, a, b) == plan.backward_word(what, a, b), (what, P, L, S)
+        kernel_stage = ext.ep_stage_bytes(P, S, plan.stage_rows, plan.hidden * plan.element_bytes)
+        assert kernel_stage <= plan.stage_bytes < kernel_stage + 16, (P, L, S)
+    assert ext.ep_rows_puts() is (extension.kernel_build() == "nvshmem")
 
 
 def _autograd_rows(x, dy, w, counts, w1, w2, activation):

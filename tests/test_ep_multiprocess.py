@@ -185,7 +185,8 @@ def test_forward_backward_scenario_returns_every_gradient(monkeypatch, tmp_path)
                               name)
     # the CPU context's team is no NVSHMEM team: the device exchange would not run it
     assert out.info == {"traffic": traffic, "iterations": 3, "repeat_identical": True,
-                        "grads_repeat_identical": True, "missing_grads": [], "backward_path": "torch"}
+                        "grads_repeat_identical": True, "missing_grads": [], "backward_path": "torch",
+                        "backward_traffic": None}
 
 
 def test_timeout_scenario_reports_both_errors_and_restores_the_knobs(monkeypatch, tmp_path):

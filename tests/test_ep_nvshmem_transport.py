@@ -6,7 +6,8 @@ pointer exists.
 * forward and backward of 2 and 4 ranks bitwise equal to the same problem on ``peer_transport="p2p"`` (the
   main build): the transport moves bytes, it computes nothing; and within tolerance of
   ``reference.moe_expert_parallel``; the traffic counters still count only routed rows, and the forced
-  NVSHMEM run reports all of them as NVSHMEM bytes (the p2p run none);
+  NVSHMEM run reports all of them as NVSHMEM bytes (the p2p run none), the backward's device exchange
+  included (its rows, gradients and router share staged and put);
 * a silent rank makes every rank raise ``KernelTimeout`` (the watchdog covers NVSHMEM peers too).
 
 GPU only (``gpu``); on a GPU machine they fail, not skip, when nvshmem4py, the nvidia-nvshmem wheel or MPS
@@ -108,6 +109,15 @@ def test_nvshmem_transport_matches_the_reference_and_sends_only_routed_rows(mps_
         # Every peer is an NVSHMEM peer: each routed row and result went through a put.
         assert counted["nvshmem_dispatch_bytes"] == traffic["dispatch_bytes"], (where, counted, traffic)
         assert counted["nvshmem_combine_bytes"] == traffic["combine_bytes"], (where, counted, traffic)
+        # The backward ran the device exchange, every byte of it by puts: each remote kept choice's x and dy
+        # rows and weight to its owner; dx rows, weight gradients and the router's share back.
+        assert outcome.info["backward_path"] == "device", where
+        back = outcome.info["backward_traffic"]
+        row_bytes = problem.hidden * torch.empty((), dtype=problem.torch_dtype).element_size()
+        assert back["dispatch_bytes"] == traffic["rows_routed_remote"] * (2 * row_bytes + 4), (where, back, traffic)
+        assert back["combine_bytes"] > 0, (where, back)
+        assert back["nvshmem_dispatch_bytes"] == back["dispatch_bytes"], (where, back)
+        assert back["nvshmem_combine_bytes"] == back["combine_bytes"], (where, back)
 
 
 @pytest.mark.gpu
@@ -120,6 +130,9 @@ def test_p2p_transport_reports_no_nvshmem_bytes(mps_daemon, world_size):
         where = f"{world_size} ranks, rank {outcome.rank}"
         assert counted["dispatch_bytes"] == traffic["dispatch_bytes"], (where, counted, traffic)
         assert counted["nvshmem_dispatch_bytes"] == 0 and counted["nvshmem_combine_bytes"] == 0, (where, counted)
+        back = outcome.info["backward_traffic"]
+        assert outcome.info["backward_path"] == "device" and back["combine_bytes"] > 0, (where, back)
+        assert back["nvshmem_dispatch_bytes"] == 0 and back["nvshmem_combine_bytes"] == 0, (where, back)
 
 
 @pytest.mark.gpu
@@ -134,3 +147,24 @@ def test_silent_rank_times_out_every_rank_over_nvshmem(mps_daemon):
         info = outcome.info
         assert info["error"]["type"] == "KernelTimeout", f"rank {outcome.rank}: {info}"
         assert info["team_failed"] is True and info["second_call_error"]["type"] == "TeamFailed", info
+
+
+@pytest.mark.gpu
+def test_silent_rank_in_the_backward_times_out_every_rank_over_nvshmem(mps_daemon):
+    """The backward's exchange by puts keeps the watchdog: a rank that publishes nothing in it (no place
+    words, free or ready flags, no puts) makes every rank raise, naming the backward exchange."""
+    problem = Problem((128, 96), 128, 128, 8, 2, "gelu", seed=48)
+    timeout_ms = 2000
+    result = run_ranks("silent_rank_timeout", 2, mps=mps_daemon, env=NVSHMEM_ENV, timeout_s=RUN_TIMEOUT_S,
+                       params={"problem": problem.to_dict(), "silent_rank": 1, "timeout_ms": timeout_ms,
+                               "in_backward": True},
+                       team={**problem.team_kwargs(), "peer_transport": "nvshmem"})
+    assert not result.hung_ranks, f"ranks {result.hung_ranks} hung: the watchdog must end every kernel"
+    result.check()
+    for outcome in result.ranks:
+        info = outcome.info
+        where = f"rank {outcome.rank}: {info}"
+        assert info["error"]["type"] == "KernelTimeout", where
+        assert "backward exchange" in info["error"]["message"], where
+        assert info["elapsed_s"] < timeout_ms / 1000 + 60, where
+        assert info["team_failed"] is True and info["second_call_error"]["type"] == "TeamFailed", where

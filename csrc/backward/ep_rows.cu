@@ -5,6 +5,7 @@
 #include "backward/ep_rows.cuh"
 #include "backward/expert_grad.h"
 #include "common/host_launch.h"
+#include "generated/ep_rows_policy.h"  // written by the builder: EpStores, or EpPuts in the NVSHMEM build
 
 namespace flashdmoe {
 namespace {
@@ -21,6 +22,12 @@ size_t ep_rows_sync_bytes() { return kEpSyncBytes; }
 int64_t ep_signal_words(int world, int local_experts, int stream_rows) {
   return EpSignalLayout{world, local_experts, stream_rows}.total_words();
 }
+
+int64_t ep_stage_bytes(int world, int stream_rows, int stage_rows, int64_t row_bytes) {
+  return static_cast<int64_t>(EpStage{nullptr, stage_rows, world, stream_rows, static_cast<int>(row_bytes)}.bytes());
+}
+
+bool ep_rows_puts() { return EpRowsPolicy::kPuts; }
 
 int64_t ep_signal_offset(const char* what, int world, int local_experts, int stream_rows, int a, int b) {
   const EpSignalLayout l{world, local_experts, stream_rows};
@@ -64,12 +71,30 @@ LaunchInfo launch_ep_rows(const EpRowsArgs& a, cudaStream_t stream) {
   p.row_bytes = static_cast<int>(row_bytes);
   p.sequence = a.sequence;
   p.silent = a.silent;
+  bool any_put = false;
   for (int q = 0; q < a.world_size; ++q) {
     if (a.peer_recv[q] == 0 || a.peer_comb[q] == 0 || a.peer_signals[q] == 0)
-      throw std::invalid_argument("ep_rows: rank " + std::to_string(q) + " has no peer pointer (the exchange needs NVLink / same-GPU access to every rank)");
+      throw std::invalid_argument("ep_rows: rank " + std::to_string(q) + " has no address in the peer table");
+    const bool put = q != a.rank && a.peer_signals[q] == a.peer_signals[a.rank];
+    if (put && !EpRowsPolicy::kPuts)
+      throw std::invalid_argument("ep_rows: rank " + std::to_string(q) + " is reached by NVSHMEM puts, which this "
+                                  "build cannot do (the NVSHMEM build's module can)");
+    any_put |= put;
     p.peers[q] = {reinterpret_cast<void*>(a.peer_recv[q]), reinterpret_cast<void*>(a.peer_comb[q]),
                   reinterpret_cast<uint32_t*>(a.peer_signals[q])};
   }
+  if (any_put) {
+    if (a.stage == nullptr || a.stage_rows < 0)
+      throw std::invalid_argument("ep_rows: a peer reached by NVSHMEM puts needs the stage buffer");
+    if (a.direction == 0 && a.sent == nullptr)
+      throw std::invalid_argument("ep_rows: the rows to an NVSHMEM owner need the sent table [2, P, L]");
+    if (a.direction == 1 && a.from_rows == nullptr)
+      throw std::invalid_argument("ep_rows: the gradients back to an NVSHMEM source need from_rows [P]");
+  }
+  p.stage = static_cast<char*>(a.stage);
+  p.stage_rows = a.stage_rows;
+  p.sent = a.sent;
+  p.from_rows = a.from_rows;
   p.tokens = a.direction == 0 ? a.tokens : 0;
   p.top_k = a.top_k;
   p.x = a.x, p.dy = a.dy, p.topk_expert = a.expert, p.topk_row = a.row, p.topk_weight = a.weight;
@@ -92,7 +117,7 @@ LaunchInfo launch_ep_rows(const EpRowsArgs& a, cudaStream_t stream) {
 
   int device = 0;
   throw_on_cuda_error(cudaGetDevice(&device), "cudaGetDevice");
-  const ResidentGrid resident = resident_grid(reinterpret_cast<const void*>(ep_rows_kernel), device, 0, kEpRowsThreads);
+  const ResidentGrid resident = resident_grid(reinterpret_cast<const void*>(ep_rows_kernel<EpRowsPolicy>), device, 0, kEpRowsThreads);
   int grid = resident.blocks_per_sm * resident.sms;
   if (a.grid_percent > 0 && a.grid_percent < 100) grid = std::max(1, grid * a.grid_percent / 100);
   // No more blocks than items (a warp each): small batches do not wake the whole GPU.
@@ -102,7 +127,7 @@ LaunchInfo launch_ep_rows(const EpRowsArgs& a, cudaStream_t stream) {
                                                   (kEpRowsThreads / 32));
   if (wanted < grid) grid = static_cast<int>(wanted);
   p.blocks = grid;
-  launch_cooperative(ep_rows_kernel, grid, kEpRowsThreads, 0, stream, p, "launching ep_rows_kernel");
+  launch_cooperative(ep_rows_kernel<EpRowsPolicy>, grid, kEpRowsThreads, 0, stream, p, "launching ep_rows_kernel");
   return {grid, resident.blocks_per_sm, 0};
 }
 

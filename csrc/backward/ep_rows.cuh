@@ -13,8 +13,13 @@
 //               [this rank]; then every rank sums the P shares in rank order (the same bits on every rank).
 //
 // Stores into peer memory (NVLink / same-GPU pointers of the team's peer table), then one flag per
-// destination carrying the backward's sequence number, exactly as the forward publishes. Before writing
-// into a peer, a rank waits for that peer's "free" flag of the same sequence: the peer raises it at the
+// destination carrying the backward's sequence number, exactly as the forward publishes. A peer without
+// a pointer (another node) is reached through NVSHMEM puts instead: the kernel is a template on its
+// publication policy (EpStores here; EpPuts in csrc/nvshmem/ep_rows_puts.cuh, the NVSHMEM build only),
+// which stages what goes to such a peer in this rank's own symmetric memory and puts it after a grid
+// barrier (see EpStage for where).
+//
+// Before writing into a peer, a rank waits for that peer's "free" flag of the same sequence: the peer raises it at the
 // start of its own launch of this direction, once its stream has finished reading what the buffer held
 // (and, going to the owners, once it has written the source's place words). Every wait is bounded (the
 // watchdog; KernelTimeout names the phase and the peer). A launch that failed leaves its error in the
@@ -71,6 +76,29 @@ struct EpSignalLayout {
   __host__ __device__ int64_t total_words() const { return row_word(world, 0); }
 };
 
+// Where a rank stages what goes to its NVSHMEM peers (symmetric memory, so the puts can read it):
+//   to owners:  the `stage` buffer: x rows [stage_rows, H], dy rows [stage_rows, H], combine weights
+//               [stage_rows] (f32 bits), this rank's rows to owner q from row sent_start[q * L] on, in its
+//               stream order to q (stage_rows = max tokens * k: every kept choice fits);
+//   back:       dx rows in own recv region [source] at the stream row (recv is read by nothing else until
+//               the next backward's rows arrive, which wait for this rank's free flag), weight gradients in
+//               the stage buffer's last P * stream_rows words, region [source];
+//   sum:        the share at the start of own recv (it fits one region).
+struct EpStage {
+  char* base;
+  int rows, world, stream_rows, row_bytes;
+
+  __host__ __device__ char* x_rows() const { return base; }
+  __host__ __device__ char* dy_rows() const { return base + static_cast<size_t>(rows) * row_bytes; }
+  __host__ __device__ uint32_t* weights() const {
+    return reinterpret_cast<uint32_t*>(base + 2 * static_cast<size_t>(rows) * row_bytes);
+  }
+  __host__ __device__ uint32_t* weight_grads() const { return weights() + rows; }
+  __host__ __device__ size_t bytes() const {
+    return 2 * static_cast<size_t>(rows) * row_bytes + 4 * (static_cast<size_t>(rows) + static_cast<size_t>(world) * stream_rows);
+  }
+};
+
 struct EpRowsParams {
   EpDirection direction;
   int rank, world_size, local_experts, stream_rows;
@@ -78,6 +106,14 @@ struct EpRowsParams {
   uint32_t sequence;
   bool silent;    // debug: publish no flag (peers must time out, not hang)
   PeerBuffers peers[kMaxRanks];
+
+  // NVSHMEM peers only (null / 0 without): own staging (EpStage), and the run of this rank's rows to each
+  // (owner, local expert): sent[o * L + l] its first stage row, sent[P * L + o * L + l] its rows (to owners);
+  // rows each source sent this rank, from_rows[src] (back).
+  char* stage;
+  int stage_rows;
+  const int* sent;
+  const int* from_rows;
 
   // To owners: this rank's tokens and the forward's routing [T, k] (row -1: dropped), and, as an owner,
   // where each source's rows go: place[src][local] (int32 [P, L], packed row = place + stream row).
@@ -117,10 +153,32 @@ struct EpRowsParams {
 
 constexpr int kEpRowsThreads = 256;
 
+// The publication policy of the peer-pointer build: every peer has a load/store pointer; flags and words
+// are stores into its signal words. (EpPuts, csrc/nvshmem/ep_rows_puts.cuh, has the same members.)
+struct EpStores {
+  static constexpr bool kPuts = false;
+  __device__ __forceinline__ static bool via_puts(const EpRowsParams&, int) { return false; }
+  __device__ __forceinline__ static void set_word(const EpRowsParams& p, int peer, int word, uint32_t value) {
+    p.peers[peer].signals[word] = value;
+  }
+  __device__ __forceinline__ static void set_flag(const EpRowsParams& p, int peer, int word, uint32_t value) {
+    ptx::store_release_sys(p.peers[peer].signals + word, value);
+  }
+  // The calling thread's words and puts delivered (nothing to do for stores: the fence that follows).
+  __device__ __forceinline__ static void complete() {}
+  // Every thread of every block, once the staging is complete: the puts of this direction.
+  template <typename Layout>
+  __device__ __forceinline__ static void put_staged(const EpRowsParams&, const Layout&, const EpStage&) {}
+};
+
 namespace ep_rows {
 
 __device__ __forceinline__ uint32_t phase(const EpRowsParams& p, uint32_t to_owners, uint32_t back, uint32_t sum) {
   return p.direction == EpDirection::ToOwners ? to_owners : p.direction == EpDirection::BackToSources ? back : sum;
+}
+
+__device__ __forceinline__ EpStage stage_of(const EpRowsParams& p) {
+  return EpStage{p.stage, p.stage_rows, p.world_size, p.stream_rows, p.row_bytes};
 }
 
 // Thread `peer` of every block waits for that peer's free flag (this rank's own too: it orders the place
@@ -155,48 +213,64 @@ __device__ __forceinline__ void copy_row(int4* dst, const int4* src, int pieces,
 }
 
 // Block 0, as an owner: each source's place words, then (by the caller) the free flags that release them.
+template <typename Publish>
 __device__ inline void publish_places(const EpRowsParams& p, const EpSignalLayout& layout) {
   const int L = p.local_experts;
   for (int i = threadIdx.x; i < p.world_size * L; i += kEpRowsThreads) {
     const int src = i / L, local = i % L;
-    p.peers[src].signals[layout.place(p.rank, local)] = static_cast<uint32_t>(__ldg(p.place + i));
+    Publish::set_word(p, src, layout.place(p.rank, local), static_cast<uint32_t>(__ldg(p.place + i)));
   }
 }
 
+// Each kept choice's x, dy rows and weight: into the owner's packed rows, or for an owner reached by puts
+// into this rank's stage at the choice's row of the run to that owner.
+template <typename Publish>
 __device__ inline void rows_to_owners(const EpRowsParams& p, const EpSignalLayout& layout) {
   const int lane = threadIdx.x & 31, L = p.local_experts, k = p.top_k;
   const int warps = p.blocks * (kEpRowsThreads / 32);
   const int pieces = p.row_bytes / 16;
   const int staged = p.world_size * p.stream_rows;
   const uint32_t* places = p.peers[p.rank].signals;
+  const EpStage stage = stage_of(p);
   unsigned long long sent = 0;
   for (int token = blockIdx.x * (kEpRowsThreads / 32) + (threadIdx.x >> 5); token < p.tokens; token += warps) {
     const size_t first = static_cast<size_t>(token) * k;
-    int my_owner = 0, my_packed = -1;
+    int my_owner = 0, my_row = -1;  // the destination row: packed at the owner, or in own stage
+    bool my_put = false;
     if (lane < k) {
       const int expert = __ldg(p.topk_expert + first + lane);
       const int row = __ldg(p.topk_row + first + lane);
       my_owner = expert / L;
       // The routing of a failed forward, or places from an owner that failed, are only used in bounds.
       if (row >= 0 && row < p.stream_rows && expert >= 0 && my_owner < p.world_size) {
-        my_packed = static_cast<int>(__ldcg(places + layout.place(my_owner, expert - my_owner * L))) + row;
-        if (my_packed >= staged) my_packed = -1;
+        my_put = Publish::via_puts(p, my_owner);
+        if (my_put) {
+          my_row = __ldg(p.sent + my_owner * L) + row;
+          if (my_row >= p.stage_rows) my_row = -1;
+        } else {
+          my_row = static_cast<int>(__ldcg(places + layout.place(my_owner, expert - my_owner * L))) + row;
+          if (my_row >= staged) my_row = -1;
+        }
       }
-      if (my_packed >= 0) {
-        p.peers[my_owner].signals[layout.row_word(0, my_packed)] = __float_as_uint(__ldg(p.topk_weight + first + lane));
+      if (my_row >= 0) {
+        uint32_t* word = my_put ? stage.weights() + my_row : p.peers[my_owner].signals + layout.row_word(0, my_row);
+        *word = __float_as_uint(__ldg(p.topk_weight + first + lane));
         if (my_owner != p.rank) sent += 2ull * p.row_bytes + 4;
       }
     }
-    const uint32_t copies = __ballot_sync(0xffffffffu, my_packed >= 0);
+    const uint32_t copies = __ballot_sync(0xffffffffu, my_row >= 0);
     const size_t src_offset = static_cast<size_t>(token) * p.row_bytes;
     for (uint32_t rest = copies; rest != 0; rest &= rest - 1) {
       const int j = __ffs(rest) - 1;
-      const int packed = __shfl_sync(0xffffffffu, my_packed, j);
+      const int dst_row = __shfl_sync(0xffffffffu, my_row, j);
       const int owner = __shfl_sync(0xffffffffu, my_owner, j);
-      const size_t dst_offset = static_cast<size_t>(packed) * p.row_bytes;
-      copy_row(reinterpret_cast<int4*>(static_cast<char*>(p.peers[owner].recv) + dst_offset),
+      const bool put = __shfl_sync(0xffffffffu, my_put, j);
+      const size_t dst_offset = static_cast<size_t>(dst_row) * p.row_bytes;
+      char* x_dst = put ? stage.x_rows() : static_cast<char*>(p.peers[owner].recv);
+      char* dy_dst = put ? stage.dy_rows() : static_cast<char*>(p.peers[owner].comb);
+      copy_row(reinterpret_cast<int4*>(x_dst + dst_offset),
                reinterpret_cast<const int4*>(static_cast<const char*>(p.x) + src_offset), pieces, lane);
-      copy_row(reinterpret_cast<int4*>(static_cast<char*>(p.peers[owner].comb) + dst_offset),
+      copy_row(reinterpret_cast<int4*>(dy_dst + dst_offset),
                reinterpret_cast<const int4*>(static_cast<const char*>(p.dy) + src_offset), pieces, lane);
     }
   }
@@ -204,23 +278,31 @@ __device__ inline void rows_to_owners(const EpRowsParams& p, const EpSignalLayou
   if (lane == 0 && sent) atomicAdd(p.traffic + kTrafficDispatch, sent);
 }
 
+// Each received row's dx row and weight gradient: into its source's comb region [this rank] and row words,
+// or for a source reached by puts into own recv region [source] and the stage's weight gradients.
+template <typename Publish>
 __device__ inline void grads_to_sources(const EpRowsParams& p, const EpSignalLayout& layout) {
   const int lane = threadIdx.x & 31;
   const int warps = p.blocks * (kEpRowsThreads / 32);
   const int pieces = p.row_bytes / 16;
   const int staged = p.world_size * p.stream_rows;
+  const EpStage stage = stage_of(p);
   unsigned long long sent = 0;
   for (int r = blockIdx.x * (kEpRowsThreads / 32) + (threadIdx.x >> 5); r < p.rows; r += warps) {
     const int index = __ldg(p.received + r);
     if (index < 0 || index >= staged) continue;  // never written out of bounds, whatever the table holds
     const int src = index / p.stream_rows, row = index % p.stream_rows;
+    const bool put = Publish::via_puts(p, src);
     if (lane == 0) {
-      p.peers[src].signals[layout.row_word(p.rank, row)] = __float_as_uint(__ldg(p.dweight_row + r));
+      uint32_t* word = put ? stage.weight_grads() + index : p.peers[src].signals + layout.row_word(p.rank, row);
+      *word = __float_as_uint(__ldg(p.dweight_row + r));
       if (src != p.rank) sent += 4;
     }
     if (p.dx_rows != nullptr) {
-      const size_t dst_offset = (static_cast<size_t>(p.rank) * p.stream_rows + row) * p.row_bytes;
-      copy_row(reinterpret_cast<int4*>(static_cast<char*>(p.peers[src].comb) + dst_offset),
+      char* dst = put ? static_cast<char*>(p.peers[p.rank].recv) + static_cast<size_t>(index) * p.row_bytes
+                      : static_cast<char*>(p.peers[src].comb) +
+                            (static_cast<size_t>(p.rank) * p.stream_rows + row) * p.row_bytes;
+      copy_row(reinterpret_cast<int4*>(dst),
                reinterpret_cast<const int4*>(static_cast<const char*>(p.dx_rows) + static_cast<size_t>(r) * p.row_bytes),
                pieces, lane);
       if (lane == 0 && src != p.rank) sent += p.row_bytes;
@@ -229,18 +311,24 @@ __device__ inline void grads_to_sources(const EpRowsParams& p, const EpSignalLay
   if (lane == 0 && sent) atomicAdd(p.traffic + kTrafficCombine, sent);
 }
 
-// This rank's share into every peer's comb region [this rank] (16-byte pieces, grid-stride).
+// This rank's share into every peer's comb region [this rank] (16-byte pieces, grid-stride); once into
+// the start of own recv when a peer is reached by puts (put_staged sends it from there).
+template <typename Publish>
 __device__ inline void share_to_peers(const EpRowsParams& p) {
   const int64_t pieces = p.n / 4;
   const size_t region = static_cast<size_t>(p.stream_rows) * p.row_bytes;
   const float4* src = reinterpret_cast<const float4*>(p.share);
+  bool any_put = false;
+  for (int peer = 0; peer < p.world_size; ++peer) any_put |= Publish::via_puts(p, peer);
   unsigned long long sent = 0;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * kEpRowsThreads + threadIdx.x; i < pieces;
        i += static_cast<int64_t>(p.blocks) * kEpRowsThreads) {
     const float4 v = __ldg(src + i);
+    if (any_put) reinterpret_cast<float4*>(p.peers[p.rank].recv)[i] = v;
     for (int peer = 0; peer < p.world_size; ++peer) {
       if (peer == p.rank) continue;
-      reinterpret_cast<float4*>(static_cast<char*>(p.peers[peer].comb) + p.rank * region)[i] = v;
+      if (!Publish::via_puts(p, peer))
+        reinterpret_cast<float4*>(static_cast<char*>(p.peers[peer].comb) + p.rank * region)[i] = v;
       sent += 16;
     }
   }
@@ -271,10 +359,6 @@ __device__ inline void sum_shares(const EpRowsParams& p, const EpSignalLayout& l
   }
 }
 
-}  // namespace ep_rows
-
-namespace ep_rows {
-
 // True when an earlier launch of this backward failed: its error becomes this launch's, and nothing runs.
 __device__ inline bool aborted(const EpRowsParams& p, const EpSignalLayout& layout) {
   const uint32_t* own = p.peers[p.rank].signals;
@@ -302,6 +386,7 @@ __device__ inline void leave_abort(const EpRowsParams& p, const EpSignalLayout& 
 
 }  // namespace ep_rows
 
+template <typename Publish>
 __global__ void __launch_bounds__(kEpRowsThreads) ep_rows_kernel(const __grid_constant__ EpRowsParams p) {
   const EpSignalLayout layout{p.world_size, p.local_experts, p.stream_rows};
   if (ep_rows::aborted(p, layout)) {
@@ -311,31 +396,39 @@ __global__ void __launch_bounds__(kEpRowsThreads) ep_rows_kernel(const __grid_co
   const bool to_owners = p.direction == EpDirection::ToOwners;
   // Our staging is free for this direction: what it held was read by earlier work on this stream.
   if (blockIdx.x == 0) {
-    if (to_owners) ep_rows::publish_places(p, layout);
+    if (to_owners) ep_rows::publish_places<Publish>(p, layout);
+    Publish::complete();  // the place words delivered before the flags that release them
     __syncthreads();
     if (threadIdx.x == 0) {
       __threadfence_system();
       for (int peer = 0; peer < p.world_size; ++peer)
-        if (peer == p.rank || !p.silent)
-          ptx::store_release_sys(p.peers[peer].signals + layout.free_flag(p.direction, p.rank), p.sequence);
+        if (peer == p.rank || !p.silent) Publish::set_flag(p, peer, layout.free_flag(p.direction, p.rank), p.sequence);
     }
   }
   const bool summing = p.direction == EpDirection::SumOverRanks;
   if (ep_rows::wait_for_free(p, layout)) {
     if (to_owners)
-      ep_rows::rows_to_owners(p, layout);
+      ep_rows::rows_to_owners<Publish>(p, layout);
     else if (summing)
-      ep_rows::share_to_peers(p);
+      ep_rows::share_to_peers<Publish>(p);
     else
-      ep_rows::grads_to_sources(p, layout);
+      ep_rows::grads_to_sources<Publish>(p, layout);
     __threadfence_system();  // the rows reach the peers before the ready flag
     const uint32_t barrier_phase = ep_rows::phase(p, kPhaseEpRowsOut, kPhaseEpGradsOut, kPhaseEpSharesOut);
-    if (grid_barrier(p, barrier_phase, 1)) {
+    bool written = grid_barrier(p, barrier_phase, 1);
+    if constexpr (Publish::kPuts) {
+      // The stage is complete: its puts (each block a share, delivered by each thread), then every block's.
+      if (written) {
+        if (!p.silent) Publish::put_staged(p, layout, ep_rows::stage_of(p));
+        Publish::complete();
+        written = grid_barrier(p, barrier_phase, 2);
+      }
+    }
+    if (written) {
       if (blockIdx.x == 0 && threadIdx.x == 0 && !p.silent) {
         __threadfence_system();
         for (int peer = 0; peer < p.world_size; ++peer)
-          if (peer != p.rank)
-            ptx::store_release_sys(p.peers[peer].signals + layout.ready_flag(p.direction, p.rank), p.sequence);
+          if (peer != p.rank) Publish::set_flag(p, peer, layout.ready_flag(p.direction, p.rank), p.sequence);
       }
       if (summing) {
         ep_rows::sum_shares(p, layout);

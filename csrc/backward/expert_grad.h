@@ -100,14 +100,20 @@ namespace flashdmoe {
 // choice's x and dy rows and combine weight to the expert's owner, in the owner's expert-major order
 // (the owner's `place` table says where each source's rows go), direction 1 sends each row the
 // owner's experts took (dx row, weight gradient) back to its source, direction 2 sums a float32 share
-// over the ranks in rank order. One cooperative launch; the host
-// reads nothing from it. The peer tables are the team's (NVLink / same-GPU pointers).
+// over the ranks in rank order. One cooperative launch; the host reads nothing from it. The peer table:
+// NVLink / same-GPU pointers, or for a peer reached by NVSHMEM puts (the NVSHMEM build only) this rank's
+// own addresses (its signals are the mark), as the forward's.
 struct EpRowsArgs {
   int direction;  // 0: to the owners, 1: back to the sources, 2: sum over the ranks
   int rank, world_size, local_experts, stream_rows, hidden, element_bytes;
   uint32_t sequence;
   bool silent;
-  std::vector<uintptr_t> peer_recv, peer_comb, peer_signals;  // world_size each
+  std::vector<uintptr_t> peer_recv, peer_comb, peer_signals;  // world_size each (an NVSHMEM peer: own addresses)
+  void* stage;                                                // own symmetric staging (EpStage), NVSHMEM peers only
+  int stage_rows;                                             // its rows (max tokens * k)
+  const int* sent;                                            // [2, P, L] direction 0 with NVSHMEM peers: first
+                                                              // stage row and rows of each (owner, local) run
+  const int* from_rows;                                       // [P] direction 1 with NVSHMEM peers: rows per source
   int tokens, top_k;                                          // direction 0
   const void* x;                                              // [T, H]
   const void* dy;                                             // [T, H]
@@ -136,5 +142,9 @@ size_t ep_rows_sync_bytes();
 int64_t ep_signal_words(int world, int local_experts, int stream_rows);
 int64_t ep_signal_offset(const char* what, int world, int local_experts, int stream_rows, int index_a, int index_b);
 LaunchInfo launch_ep_rows(const EpRowsArgs& args, cudaStream_t stream);
+// Bytes of a rank's staging for NVSHMEM peers (EpStage); Python's BufferPlan must agree.
+int64_t ep_stage_bytes(int world, int stream_rows, int stage_rows, int64_t row_bytes);
+// Whether this build's exchange reaches a peer by NVSHMEM puts (the NVSHMEM build).
+bool ep_rows_puts();
 
 }  // namespace flashdmoe

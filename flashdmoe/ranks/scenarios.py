@@ -50,7 +50,8 @@ def forward_backward(context: RankContext) -> ScenarioOutput:
     (the problem's dtype; y of the first iteration, gradients of the last) and info ``traffic`` (the
     first forward's :func:`last_traffic`), ``repeat_identical`` (every iteration's y equal to the first
     bit for bit), ``grads_repeat_identical``, ``missing_grads`` (leaves whose ``.grad`` stayed None; filled
-    with zeros in the tensors).
+    with zeros in the tensors), ``backward_path`` and ``backward_traffic`` (the last backward exchange's bytes
+    per transport, None without one).
     """
     problem = Problem.from_dict(context.params["problem"])
     iterations = int(context.params.get("iterations", 2))
@@ -91,7 +92,16 @@ def forward_backward(context: RankContext) -> ScenarioOutput:
         "traffic": traffic, "iterations": iterations, "repeat_identical": bool(repeat_identical),
         "grads_repeat_identical": bool(grads_identical), "missing_grads": missing,
         "backward_path": backward_path(context, inputs.x),
+        "backward_traffic": _backward_traffic(context),
     })
+
+
+def _backward_traffic(context: RankContext) -> dict | None:
+    """Bytes the last backward exchange sent (:func:`flashdmoe.ep_backward.exchange_traffic`); None where the
+    device exchange did not run."""
+    from flashdmoe import ep_backward
+
+    return ep_backward.exchange_traffic(context.team)
 
 
 def backward_path(context: RankContext, x: torch.Tensor) -> str:
