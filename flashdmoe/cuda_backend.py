@@ -566,9 +566,9 @@ class _FusedMoEEmulated(torch.autograd.Function):
 
 class _FusedMoETeam(torch.autograd.Function):
     """This process's rank of a multi-process team: forward on the kernel; backward a collective, on the GPU
-    with the rows moved by the device (:func:`flashdmoe.ep_backward.team_backward`) where every peer has a
-    load/store pointer, else torch ops over peer-memory exchanges
-    (:func:`flashdmoe.ep_peer.expert_parallel_backward`)."""
+    with the rows moved by the device (:func:`flashdmoe.ep_backward.team_backward`: stores to peers with a
+    load/store pointer, NVSHMEM puts to the others), else (``ep_backward.unsupported``, or forced) torch ops
+    over peer-memory exchanges (:func:`flashdmoe.ep_peer.expert_parallel_backward`)."""
 
     @staticmethod
     def forward(ctx, team, options, routing_out, x, router_weight, w1, w2):

@@ -144,8 +144,9 @@ class PeerExchange:
                 if None in expected:
                     raise RuntimeError(
                         f"rank {team.rank}: rank {q} is reached by NVSHMEM puts only (no load/store mapping of "
-                        "its buffers, as across nodes); a team's backward needs every peer mapped (NVLink or the "
-                        "same GPU), so this team can run forwards only")
+                        "its buffers, as across nodes); the torch-ops backward needs every peer mapped (NVLink "
+                        "or the same GPU). The device exchange (flashdmoe.ep_backward, the NVSHMEM kernel "
+                        "build, bf16/fp16) reaches such peers")
                 views = [_peer_tensor(own.recv, q), _peer_tensor(own.comb, q)]
                 if any(v is None for v in views) or [v.data_ptr() for v in views] != expected:
                     raise RuntimeError(
