@@ -33,10 +33,6 @@ class DebugKnobs:
     # Expert GEMM variant (EXPERT_VARIANTS). None: chosen per shape (expert_variants.choose_variant);
     # a name (FLASHDMOE_EXPERT_VARIANT) forces it for measurement.
     expert_variant: str | None = os.environ.get("FLASHDMOE_EXPERT_VARIANT") or None
-    # An expert task whose inputs are not ready yet (a GEMM2 tile's GEMM1 row tile, a peer's rows) first
-    # prefetches its weight slabs into L2 (csrc/moe/expert_pipeline.cuh); off (FLASHDMOE_WEIGHT_PREFETCH=0)
-    # for measurement.
-    weight_prefetch: bool = os.environ.get("FLASHDMOE_WEIGHT_PREFETCH", "1") != "0"
     # An NVSHMEM team's backward: "auto" (the device exchange where every peer has a load/store pointer,
     # flashdmoe.ep_backward) or "torch" (flashdmoe.ep_peer's torch ops, forced for measurement:
     # FLASHDMOE_TEAM_BACKWARD=torch).

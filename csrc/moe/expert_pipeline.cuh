@@ -72,31 +72,6 @@ __device__ __forceinline__ void load_b_slab(uint32_t dst, const MoEParams& p, Ff
   }
 }
 
-// Whether a task's inputs are there now (no wait): its GEMM1 row tile done, or its source's rows ready.
-__device__ __forceinline__ bool inputs_ready_now(const MoEParams& p, const ExpertTask& job, const RowTile& tile,
-                                                 const TaskCounts& counts, uint32_t ready_seen) {
-  if (job.gemm == FfnGemm::Gemm2) return ptx::load_acquire_gpu(p.row_tile_done + job.row_tile) >= counts.tiles1;
-  if (tile.src == p.rank || (ready_seen >> tile.src) & 1u) return true;
-  return ptx::load_acquire_sys(p.peers[p.rank].signals + signal_rows_ready(p.world_size, p.local_experts, tile.src)) >=
-         p.sequence;
-}
-
-// Every weight slab of a task into L2: its weights do not depend on the inputs it waits for, so a block
-// that would idle streams them from HBM meanwhile (decode: GEMM2's weights under GEMM1's).
-template <int kPanels>
-__device__ __forceinline__ void prefetch_weights(const MoEParams& p, FfnGemm gemm, const WeightColumns& cols, int local,
-                                                 int k_tiles) {
-  const CUtensorMap* weights = gemm == FfnGemm::Gemm1 ? &p.maps.w1 : &p.maps.w2;
-  constexpr int kPanelColumns = static_cast<int>(kWeightPanelColumns);
-  for (int k = 0; k < k_tiles; ++k) {
-#pragma unroll
-    for (int panel = 0; panel < kPanels; ++panel) {
-      const int col = panel < kPanels / 2 ? cols.lo + panel * kPanelColumns : cols.hi + (panel - kPanels / 2) * kPanelColumns;
-      tma::prefetch_3d(weights, col, k * static_cast<int>(kTmaSlabK), local);
-    }
-  }
-}
-
 // The producer warp's lane 0: takes tasks from the queue, waits for their inputs, hands them to the
 // consumers in order and streams their K slabs.
 template <typename Element, typename Variant>
@@ -115,18 +90,16 @@ __device__ bool produce_tasks(const MoEParams& p, const DestTables& tables, char
     }
     const ExpertTask job = decode_task(task, counts);
     const RowTile tile = row_tile_of(p, tables, job.row_tile);
-    const WeightColumns cols = weight_columns<Variant>(p, job.gemm, job.col_tile);
-    const int k_tiles = task_k_tiles(p, job.gemm);
-    if (p.weight_prefetch && !inputs_ready_now(p, job, tile, counts, ready_seen))
-      prefetch_weights<Gemm::kPanels>(p, job.gemm, cols, tile.local, k_tiles);
     const bool ready = job.gemm == FfnGemm::Gemm2
         ? wait_at_least(p.row_tile_done + job.row_tile, counts.tiles1, p, kPhaseIntermediate, p.rank)
         : wait_rows_ready(p, tile.src, ready_seen);
     tma::fence_proxy_async_global();
     ring.hand_over(slot, ready ? task : kTaskAbort);
     if (!ready) return false;
+    const int k_tiles = task_k_tiles(p, job.gemm);
     const int a_row = a_first_row(p, tile, job.gemm);
     const int a_boxes = expert_row_boxes(tile.rows, Variant::kRowBoxRows);
+    const WeightColumns cols = weight_columns<Variant>(p, job.gemm, job.col_tile);
     auto load_slab = [&](uint32_t a_dst, uint32_t b_dst, int k0, uint32_t bar) {
       load_a_slab<Variant::kRowBoxRows>(a_dst, p, job.gemm, a_row, a_boxes, k0, bar);
       load_b_slab<Gemm::kPanels>(b_dst, p, job.gemm, cols, tile.local, k0, bar);
