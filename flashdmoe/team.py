@@ -244,6 +244,7 @@ class Team:
         # How the kernel reaches each peer ("p2p": stores through a mapping; "nvshmem": NVSHMEM puts).
         self.peer_transports: list[str] = ["p2p"] * world_size
         self.unique_id: bytes = b""  # NVSHMEM teams: the id the team was bootstrapped with
+        self.ranks_per_node: int | None = None  # NVSHMEM teams: an emulated node layout (Team.nvshmem)
         # NVSHMEM teams: the launch reports of the last backward exchange (flashdmoe.ep_backward.exchange_traffic).
         self.backward_reports: tuple = ()
 
@@ -296,7 +297,7 @@ class Team:
     @classmethod
     def nvshmem(cls, uid_bytes: bytes, rank: int, world_size: int, *, max_tokens: int, hidden: int, top_k: int,
                 local_experts: int, dtype: torch.dtype = torch.bfloat16, device=None,
-                peer_transport: str = "auto") -> "Team":
+                peer_transport: str = "auto", ranks_per_node: int | None = None) -> "Team":
         """Join an NVSHMEM team as ``rank`` of ``world_size`` (collective: every rank must call it).
 
         ``uid_bytes``: the 128 bytes of :meth:`make_unique_id` from rank 0. Sizing arguments as in
@@ -306,6 +307,11 @@ class Team:
         (forced for every peer). NVSHMEM puts need the process's kernel from the NVSHMEM build
         (``FLASHDMOE_KERNEL_BUILD=nvshmem``); the choice per peer is ``team.peer_transports``. Every rank
         should pass the same option.
+        ``ranks_per_node``: a node layout the machine does not have, for testing a team across nodes on one
+        node: ranks ``[n * ranks_per_node, (n + 1) * ranks_per_node)`` form node ``n``, and a peer on another
+        node is treated as having no load/store path although one exists (no mapping of its buffers; "auto"
+        reaches it by NVSHMEM puts, "p2p" is refused), as across real nodes. Default ``None``: the topology
+        decides.
         """
         from flashdmoe import nvshmem_transport
 
@@ -317,6 +323,8 @@ class Team:
         _positive_int("world_size", world_size)
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
             raise ValueError(f"rank={rank!r}: expected an integer in [0, {world_size})")
+        if ranks_per_node is not None:
+            _positive_int("ranks_per_node", ranks_per_node)
         plan = BufferPlan(world_size, max_tokens, hidden, top_k, local_experts, dtype)
         device = _torch_device(device)
         torch.cuda.set_device(device)
@@ -344,6 +352,8 @@ class Team:
                 views = [nvshmem.get_peer_tensor(t, peer) for t in (recv, comb, signals)] if peer != rank else None
                 if peer == rank:
                     mapped.append(own_addresses)
+                elif not same_node(rank, peer, ranks_per_node):
+                    mapped.append(None)  # another (emulated) node: as if no path existed
                 elif any(v is None for v in views):
                     mapped.append(None)  # no NVLink / same-GPU path: NVSHMEM puts only
                 else:
@@ -369,6 +379,7 @@ class Team:
             raise
         team = cls("nvshmem", rank, world_size, plan, [own], device)
         team.peer_transports = transports
+        team.ranks_per_node = ranks_per_node
         team.unique_id = bytes(uid_bytes)  # binding the transport module re-initialises NVSHMEM with it
         if nvshmem_transport.kernel_build_problem() is None:
             try:
@@ -473,6 +484,12 @@ class Team:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def same_node(rank: int, peer: int, ranks_per_node: int | None) -> bool:
+    """Whether ``peer`` is on ``rank``'s node in a layout of ``ranks_per_node`` ranks per node (node-major
+    ranks); always True without a layout (``None``)."""
+    return ranks_per_node is None or rank // ranks_per_node == peer // ranks_per_node
 
 
 def plan_for(world_size: int, max_tokens: int, hidden: int, top_k: int, experts: int, dtype) -> BufferPlan:

@@ -5,11 +5,13 @@ are apart. Prints one table row per (P, shape); the medians are per rank, the ta
 the slowest rank's backward.
 
     python scripts/team_backward_bench.py [--ranks 2,4] [--repeats 10] [--json out.json] [--device-only]
-        [--peer-transport p2p|nvshmem]
+        [--peer-transport p2p|nvshmem|auto] [--ranks-per-node N]
 
 ``--device-only`` times the device exchange alone (no torch-ops run, no speed-up column): for comparing
 builds of the device path back to back on one machine. ``--peer-transport nvshmem`` makes every peer an
-NVSHMEM peer (the NVSHMEM kernel build; forward and backward exchange by puts, as across nodes).
+NVSHMEM peer (the NVSHMEM kernel build; forward and backward exchange by puts, as across nodes);
+``--ranks-per-node 2`` lays the ranks out as nodes of 2 (stores within a node, puts across: a team over
+several nodes, emulated on one GPU; with ``--peer-transport auto``).
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--json", default=None)
     parser.add_argument("--device-only", action="store_true", help="skip the torch-ops backward")
-    parser.add_argument("--peer-transport", choices=("p2p", "nvshmem"), default="p2p")
+    parser.add_argument("--peer-transport", choices=("p2p", "nvshmem", "auto"), default="p2p")
+    parser.add_argument("--ranks-per-node", type=int, default=None)
     parser.add_argument("--profile", action="store_true",
                         help="also print rank 0's torch-profiler tables of one device-exchange step")
     args = parser.parse_args(argv)
@@ -60,10 +63,12 @@ def main(argv=None) -> int:
                 results = {}
                 paths = ("auto",) if args.device_only else ("auto", "torch")
                 for path in paths:
-                    nvshmem = args.peer_transport == "nvshmem"
+                    nvshmem = args.peer_transport == "nvshmem" or args.ranks_per_node is not None
+                    team = {**problem.team_kwargs(), "peer_transport": args.peer_transport}
+                    if args.ranks_per_node is not None:
+                        team["ranks_per_node"] = args.ranks_per_node
                     result = run_ranks(SCENARIO, world_size, mps=daemon, timeout_s=600,
-                                       env={"FLASHDMOE_KERNEL_BUILD": "nvshmem"} if nvshmem else {},
-                                       team={**problem.team_kwargs(), "peer_transport": args.peer_transport},
+                                       env={"FLASHDMOE_KERNEL_BUILD": "nvshmem"} if nvshmem else {}, team=team,
                                        params={"problem": problem.to_dict(), "backward": path,
                                                "profile": bool(args.profile and path == "auto"),
                                                "repeats": args.repeats if path == "auto" else max(3, args.repeats // 3)})
@@ -84,7 +89,7 @@ def main(argv=None) -> int:
                     relative(d.tensors[g], t.tensors[g]) for d, t in zip(device, torch_path)
                     for g in ("dx", "d_router", "dw1", "dw2"))
                 row = {"P": world_size, "shape": name, "tokens_per_rank": problem.tokens[0],
-                       "peer_transport": args.peer_transport,
+                       "peer_transport": args.peer_transport, "ranks_per_node": args.ranks_per_node,
                        "forward_ms": device[0].info["forward_ms"],
                        "backward_ms": device[0].info["backward_ms"],
                        "backward_ms_slowest": max(r.info["backward_ms"] for r in device),

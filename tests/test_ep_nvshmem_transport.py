@@ -55,19 +55,22 @@ def mps_daemon():
     daemon.stop()
 
 
-_RUNS: dict[tuple[int, str], RunResult] = {}
+_RUNS: dict[tuple[int, str, int | None], RunResult] = {}
 
 
-def _run(mps_daemon, world_size: int, peer_transport: str) -> RunResult:
-    key = (world_size, peer_transport)
+def _run(mps_daemon, world_size: int, peer_transport: str, ranks_per_node: int | None = None) -> RunResult:
+    key = (world_size, peer_transport, ranks_per_node)
     if key not in _RUNS:
         problem = PROBLEMS[world_size]
-        env = NVSHMEM_ENV if peer_transport == "nvshmem" else {}
+        env = NVSHMEM_ENV if peer_transport == "nvshmem" or ranks_per_node else {}
+        team = {**problem.team_kwargs(), "peer_transport": peer_transport}
+        if ranks_per_node:
+            team["ranks_per_node"] = ranks_per_node
         _RUNS[key] = run_ranks(SCENARIO, world_size, mps=mps_daemon, env=env, timeout_s=RUN_TIMEOUT_S,
-                               params={"problem": problem.to_dict(), "iterations": 2},
-                               team={**problem.team_kwargs(), "peer_transport": peer_transport})
+                               params={"problem": problem.to_dict(), "iterations": 2}, team=team)
     result = _RUNS[key]
-    assert result.ok, f"{world_size} ranks, peer_transport={peer_transport!r}:\n{result.summary()}"
+    assert result.ok, f"{world_size} ranks, peer_transport={peer_transport!r}, ranks_per_node={ranks_per_node}:\n" \
+                      f"{result.summary()}"
     return result
 
 
@@ -168,3 +171,31 @@ def test_silent_rank_in_the_backward_times_out_every_rank_over_nvshmem(mps_daemo
         assert "backward exchange" in info["error"]["message"], where
         assert info["elapsed_s"] < timeout_ms / 1000 + 60, where
         assert info["team_failed"] is True and info["second_call_error"]["type"] == "TeamFailed", where
+
+
+@pytest.mark.gpu
+def test_a_team_over_two_emulated_nodes_mixes_transports_bitwise_as_p2p(mps_daemon):
+    """4 ranks as 2 nodes of 2 (``ranks_per_node=2``, "auto"): stores to the peer on the same node, NVSHMEM
+    puts to the other node's two, in one forward and one backward, as a team across real nodes runs;
+    outputs and gradients bitwise those of the all-p2p run, and exactly the rows to or from the other node
+    counted as NVSHMEM bytes, forward and backward."""
+    problem = PROBLEMS[4]
+    mixed = _run(mps_daemon, 4, "auto", ranks_per_node=2)
+    p2p = _run(mps_daemon, 4, "p2p")
+    row_bytes = problem.hidden * torch.empty((), dtype=problem.torch_dtype).element_size()
+    for got, want, traffic in zip(mixed.ranks, p2p.ranks, expected_traffic(problem, ranks_per_node=2)):
+        where = f"rank {got.rank}"
+        node = got.rank // 2
+        assert got.info["peer_transports"] == ["p2p" if q // 2 == node else "nvshmem" for q in range(4)], where
+        for name in GRADS:
+            assert torch.equal(got.tensors[name], want.tensors[name]), f"{where}: {name} differs from the p2p run"
+        (counted,) = got.info["traffic"]
+        for key in ("dispatch_bytes", "combine_bytes", "nvshmem_dispatch_bytes", "nvshmem_combine_bytes"):
+            assert counted[key] == traffic[key], (where, key, counted, traffic)
+        back = got.info["backward_traffic"]
+        assert got.info["backward_path"] == "device", where
+        assert back["dispatch_bytes"] == traffic["rows_routed_remote"] * (2 * row_bytes + 4), (where, back, traffic)
+        assert back["nvshmem_dispatch_bytes"] == traffic["nvshmem_dispatch_bytes"] // row_bytes * (2 * row_bytes + 4), (
+            where, back, traffic)
+        assert back["nvshmem_combine_bytes"] < back["combine_bytes"], (where, back)
+        assert got.info["repeat_identical"] and got.info["grads_repeat_identical"], where

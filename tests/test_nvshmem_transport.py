@@ -47,6 +47,43 @@ def test_forced_p2p_without_a_pointer_and_missing_module_are_refused():
         nt.resolve_peer_transports("auto", [True, True], rank=3)
 
 
+def test_an_emulated_node_layout_puts_other_nodes_on_nvshmem():
+    from flashdmoe.team import same_node
+
+    # 6 ranks as 3 nodes of 2: rank 3's node is {2, 3}
+    pointers = [same_node(3, q, 2) for q in range(6)]
+    assert pointers == [False, False, True, True, False, False]
+    assert nt.resolve_peer_transports("auto", pointers, rank=3) == ["nvshmem", "nvshmem", "p2p", "p2p", "nvshmem",
+                                                                   "nvshmem"]
+    assert all(same_node(0, q, None) for q in range(8))  # no layout: the topology decides
+
+
+def test_ranks_per_node_is_checked_before_nvshmem_starts():
+    import torch
+
+    from flashdmoe.team import Team
+
+    with pytest.raises(ValueError, match=r"ranks_per_node=0: expected an integer >= 1"):
+        Team.nvshmem(bytes(128), 0, 2, max_tokens=8, hidden=64, top_k=1, local_experts=1, dtype=torch.bfloat16,
+                     device="cuda:0", ranks_per_node=0)
+
+
+def test_expected_traffic_splits_the_rows_by_node():
+    from flashdmoe.ranks.problem import Problem, expected_traffic
+
+    problem = Problem((33, 65, 0, 129), 64, 64, 8, 2, "swiglu", False, seed=43)
+    flat = expected_traffic(problem)
+    nodes = expected_traffic(problem, ranks_per_node=2)
+    same = expected_traffic(problem, ranks_per_node=4)  # one node: nothing crosses
+    for f, n, one in zip(flat, nodes, same):
+        assert {k: n[k] for k in f} == f
+        assert 0 <= n["nvshmem_dispatch_bytes"] <= n["dispatch_bytes"]
+        assert one["nvshmem_dispatch_bytes"] == one["nvshmem_combine_bytes"] == 0
+    assert nodes[2]["nvshmem_dispatch_bytes"] == 0  # no tokens
+    # every row leaving node 0 arrives at node 1
+    assert sum(n["nvshmem_dispatch_bytes"] for n in nodes) == sum(n["nvshmem_combine_bytes"] for n in nodes) > 0
+
+
 def test_smoke_needs_an_nvshmem_team():
     class EmulatedTeam:
         transport = "emulated"

@@ -50,9 +50,12 @@ EMULATED_RANKS = (1, 2, 4, 8)
 MPS_RANKS = (2, 4)
 # The kernel's transports to peers (Team.nvshmem's peer_transport); "p2p" is the plain mps-P entry.
 MPS_TRANSPORTS = ("p2p", "nvshmem")
+# "mps-4-2nodes": 4 processes as 2 nodes of 2 (Team.nvshmem ranks_per_node=2, "auto"): stores within a
+# node, NVSHMEM puts across, the transports of a team across real nodes.
+TWO_NODES = "2nodes"
 ENTRY_NAMES = ("single", *(f"emulated-{p}" for p in EMULATED_RANKS),
                *(f"mps-{p}" if transport == "p2p" else f"mps-{p}-{transport}"
-                 for p in MPS_RANKS for transport in MPS_TRANSPORTS), "reference")
+                 for p in MPS_RANKS for transport in MPS_TRANSPORTS), f"mps-4-{TWO_NODES}", "reference")
 # The environment of an NVSHMEM-transport rank process: it imports flashdmoe_cuda from the NVSHMEM build.
 NVSHMEM_BUILD_ENV = {"FLASHDMOE_KERNEL_BUILD": "nvshmem"}
 # The FlashDMoE paper's per-GPU problem as the total, and a smaller one (E = 32: every P up to 8 divides it).
@@ -65,13 +68,19 @@ KERNEL_DTYPES = ("bfloat16", "float16")
 @dataclass(frozen=True)
 class EntrySpec:
     """name: as in --entries; kind: single | emulated | mps | reference; world_size: P; peer_transport:
-    the team's transport to its peers (mps entries only: "p2p" or "nvshmem")."""
+    the team's transport to its peers (mps entries only: "p2p", "nvshmem" or "auto"); ranks_per_node: the
+    team's emulated node layout (Team.nvshmem), or None."""
 
     name: str
     kind: str
     world_size: int
     label: str
     peer_transport: str | None = None
+    ranks_per_node: int | None = None
+
+    @property
+    def needs_nvshmem_build(self) -> bool:
+        return self.peer_transport == "nvshmem" or self.ranks_per_node is not None
 
 
 def entry_spec(name: str) -> EntrySpec:
@@ -87,6 +96,8 @@ def entry_spec(name: str) -> EntrySpec:
         if not transport:
             return EntrySpec(name, "mps", int(count), f"{count} processes (MPS)", "p2p")
         return EntrySpec(name, "mps", int(count), f"{count} processes (MPS), {transport}", transport)
+    if name == f"mps-4-{TWO_NODES}":
+        return EntrySpec(name, "mps", 4, "4 processes (MPS) as 2 nodes of 2: p2p within, nvshmem across", "auto", 2)
     raise ValueError(f"entry {name!r}: expected one of {list(ENTRY_NAMES)}")
 
 
@@ -117,6 +128,8 @@ def _entry_details(spec: EntrySpec) -> dict:
     details = {"world_size": spec.world_size, "transport": spec.kind}
     if spec.peer_transport is not None:
         details["peer_transport"] = spec.peer_transport
+    if spec.ranks_per_node is not None:
+        details["ranks_per_node"] = spec.ranks_per_node
     return details
 
 
@@ -160,10 +173,10 @@ def _run_mps_entries(options: SuiteOptions, names: list[str]) -> dict[tuple[int,
         return {(index, spec.name): _unavailable(spec, reason)
                 for index in range(len(options.shapes)) for spec in specs}
     out: dict[tuple[int, str], object] = {}
-    if any(spec.peer_transport == "nvshmem" for spec in specs):
+    if any(spec.needs_nvshmem_build for spec in specs):
         reason = _nvshmem_build_reason()
         if reason:
-            for spec in [spec for spec in specs if spec.peer_transport == "nvshmem"]:
+            for spec in [spec for spec in specs if spec.needs_nvshmem_build]:
                 specs.remove(spec)
                 out |= {(index, spec.name): _unavailable(spec, reason) for index in range(len(options.shapes))}
     if not specs:
@@ -197,9 +210,12 @@ def _run_mps_entries(options: SuiteOptions, names: list[str]) -> dict[tuple[int,
 
 def mps_run_kwargs(spec: EntrySpec, problem: Problem) -> dict:
     """The :func:`~flashdmoe.ranks.run_ranks` arguments that choose the entry's transport: the team's
-    ``peer_transport`` and, for "nvshmem", the NVSHMEM build in the rank processes."""
+    ``peer_transport`` (and node layout) and, where a peer goes by puts, the NVSHMEM build in the rank
+    processes."""
     kwargs = {"team": {**problem.team_kwargs(), "peer_transport": spec.peer_transport or "p2p"}}
-    if spec.peer_transport == "nvshmem":
+    if spec.ranks_per_node is not None:
+        kwargs["team"]["ranks_per_node"] = spec.ranks_per_node
+    if spec.needs_nvshmem_build:
         kwargs["env"] = dict(NVSHMEM_BUILD_ENV)
     return kwargs
 

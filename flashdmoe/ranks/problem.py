@@ -332,11 +332,12 @@ def reference_results(problem: Problem) -> list[dict[str, torch.Tensor]]:
     return out
 
 
-def expected_traffic(problem: Problem) -> list[dict[str, int]]:
+def expected_traffic(problem: Problem, ranks_per_node: int | None = None) -> list[dict[str, int]]:
     """Per rank, from the reference routing: ``rows_routed_remote`` (this rank's kept choices whose expert
     lives on another rank), ``rows_computed_remote`` (kept choices of other ranks' tokens computed by this
     rank's experts) and the byte counts those rows make in the problem's dtype (``dispatch_bytes``,
-    ``combine_bytes``) when only routed rows travel."""
+    ``combine_bytes``) when only routed rows travel. With ``ranks_per_node`` (node-major ranks), also
+    ``nvshmem_dispatch_bytes`` / ``nvshmem_combine_bytes``: the part of those to or from other nodes."""
     inputs = problem.all_inputs()
     router = inputs[0].router_weight.float()
     element = torch.empty((), dtype=problem.torch_dtype).element_size()
@@ -353,6 +354,13 @@ def expected_traffic(problem: Problem) -> list[dict[str, int]]:
     for rank in range(problem.world_size):
         sent = sum(owner_rows[rank][dst] for dst in range(problem.world_size) if dst != rank)
         computed = sum(owner_rows[src][rank] for src in range(problem.world_size) if src != rank)
-        out.append({"rank": rank, "rows_routed_remote": sent, "rows_computed_remote": computed,
-                    "dispatch_bytes": sent * row_bytes, "combine_bytes": computed * row_bytes})
+        entry = {"rank": rank, "rows_routed_remote": sent, "rows_computed_remote": computed,
+                 "dispatch_bytes": sent * row_bytes, "combine_bytes": computed * row_bytes}
+        if ranks_per_node is not None:
+            node = rank // ranks_per_node
+            entry["nvshmem_dispatch_bytes"] = row_bytes * sum(
+                owner_rows[rank][dst] for dst in range(problem.world_size) if dst // ranks_per_node != node)
+            entry["nvshmem_combine_bytes"] = row_bytes * sum(
+                owner_rows[src][rank] for src in range(problem.world_size) if src // ranks_per_node != node)
+        out.append(entry)
     return out
