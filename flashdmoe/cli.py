@@ -336,8 +336,9 @@ def _command_run(args: argparse.Namespace) -> int:
 def _command_build(args: argparse.Namespace) -> int:
     from flashdmoe import extension
 
+    builder = extension.build_nvshmem if args.nvshmem else extension.build
     try:
-        path = extension.build(arch=args.arch, force=args.force, verbose=args.verbose)
+        path = builder(arch=args.arch, force=args.force, verbose=args.verbose)
     except extension.BuildError as error:
         print(f"error: build failed: {error}", file=sys.stderr)
         return 1
@@ -455,6 +456,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="GPU architecture, e.g. sm_90a (default: $FLASHDMOE_CUDA_ARCH, the GPU's, else sm_90a)")
     build.add_argument("--force", action="store_true", help="rebuild even if a cached build matches")
     build.add_argument("--verbose", action="store_true", help="show the compiler commands")
+    build.add_argument("--nvshmem", action="store_true",
+                       help="build the NVSHMEM kernel build instead (flashdmoe_nvshmem: what a team across nodes "
+                            "runs, FLASHDMOE_KERNEL_BUILD=nvshmem)")
     build.set_defaults(handler=_command_build)
     return parser
 

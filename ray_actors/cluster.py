@@ -302,7 +302,8 @@ class MoECluster(RankExecutor):
         if gpus_per_worker < 1:
             mps_pipe_dir = os.environ.get("CUDA_MPS_PIPE_DIRECTORY") if mps_pipe_dir is None else mps_pipe_dir
             mps_log_dir = os.environ.get("CUDA_MPS_LOG_DIRECTORY") if mps_log_dir is None else mps_log_dir
-        self._gpu_env = gpu_env_vars(gpus_per_worker, mps_pipe_dir=mps_pipe_dir, mps_log_dir=mps_log_dir)
+        self._gpu_env = gpu_env_vars(gpus_per_worker, mps_pipe_dir=mps_pipe_dir, mps_log_dir=mps_log_dir,
+                                     nodes=config.nodes)
 
         self.config = config
         self.requested_backend = backend

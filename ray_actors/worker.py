@@ -108,17 +108,21 @@ def mps_share_percentage(gpus_per_worker: float) -> int:
 
 
 def gpu_env_vars(gpus_per_worker: float = 1.0, *, mps_pipe_dir: str | os.PathLike | None = None,
-                 mps_log_dir: str | os.PathLike | None = None) -> dict[str, str]:
+                 mps_log_dir: str | os.PathLike | None = None, nodes: int = 1) -> dict[str, str]:
     """``runtime_env["env_vars"]`` of a GPU worker actor.
 
     Always the three multicast-off variables (:data:`GPU_ENVIRONMENT`). With ``gpus_per_worker < 1``
     (several ranks share a GPU under MPS) also ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` =
     :func:`mps_share_percentage`. ``mps_pipe_dir`` / ``mps_log_dir``, when given, become
     ``CUDA_MPS_PIPE_DIRECTORY`` / ``CUDA_MPS_LOG_DIRECTORY`` (the MPS daemon's directories; the daemon is
-    started by whoever starts the cluster, e.g. :class:`flashdmoe.mps.MpsDaemon`).
+    started by whoever starts the cluster, e.g. :class:`flashdmoe.mps.MpsDaemon`). With ``nodes > 1`` also
+    ``FLASHDMOE_KERNEL_BUILD=nvshmem``: peers on other nodes have no load/store path, and only the NVSHMEM
+    build of the kernel reaches them (docs/design.md §8).
     """
     percentage = mps_share_percentage(gpus_per_worker)
     environment = dict(GPU_ENVIRONMENT)
+    if nodes > 1:
+        environment["FLASHDMOE_KERNEL_BUILD"] = "nvshmem"
     if gpus_per_worker < 1:
         environment["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(percentage)
     for argument, variable, value in (("mps_pipe_dir", "CUDA_MPS_PIPE_DIRECTORY", mps_pipe_dir),

@@ -342,6 +342,17 @@ def test_build_prints_the_extension_path(monkeypatch, capsys, tmp_path):
     assert "build failed: nvcc: not found" in capsys.readouterr().err
 
 
+def test_build_nvshmem_builds_the_transport_module(monkeypatch, capsys, tmp_path):
+    from flashdmoe import extension
+
+    calls = []
+    monkeypatch.setattr(extension, "build", lambda **kw: calls.append(("main", kw)) or tmp_path / "main.so")
+    monkeypatch.setattr(extension, "build_nvshmem", lambda **kw: calls.append(("nvshmem", kw)) or tmp_path / "nv.so")
+    assert cli.main(["build", "--nvshmem", "--verbose"]) == 0
+    assert capsys.readouterr().out.strip() == str(tmp_path / "nv.so")
+    assert calls == [("nvshmem", {"arch": None, "force": False, "verbose": True})]
+
+
 # -- the in-process executor and the verification -------------------------------------------------
 
 

@@ -101,6 +101,7 @@ HOSTNAME_KEY = "kubernetes.io/hostname"
 #: unique-id bootstrap and NCCL's / gloo's sockets on the pod network, NCCL's InfiniBand on.
 MULTINODE_ENV = {
     **MULTICAST_OFF_ENV,
+    "FLASHDMOE_KERNEL_BUILD": "nvshmem",
     "NVSHMEM_REMOTE_TRANSPORT": "ibrc",
     "NVSHMEM_IB_ENABLE_IBGDA": "0",
     "NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME": "eth0",
@@ -1031,6 +1032,8 @@ def test_dockerfile_contract():
     (base_image,) = re.findall(r"^FROM\s+(\S+)", text, flags=re.MULTILINE)
     assert re.fullmatch(r"nvcr\.io/nvidia/cuda:13\.0\.\d+-[a-z-]*devel-ubuntu\d+\.\d+", base_image), base_image
     assert re.search(r"^RUN .*\bflashdmoe build\b", re.sub(r"\\\n", " ", text), flags=re.MULTILINE)
+    # the NVSHMEM build too, which a team across nodes runs
+    assert re.search(r"^RUN .*\bflashdmoe build --nvshmem\b", re.sub(r"\\\n", " ", text), flags=re.MULTILINE)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1394,7 +1397,8 @@ def test_multinode_check_rejects_single_node_or_multicast_environment():
     container["env"] = copy.deepcopy(base_object("RayCluster")["spec"]["workerGroupSpecs"][0]["template"]["spec"]
                                      ["containers"][0]["env"])
     problems = check_multinode_workers([ray_cluster], nodes)
-    expected = ["NVSHMEM_REMOTE_TRANSPORT is 'none', expected 'ibrc'", "NVSHMEM_IB_ENABLE_IBGDA is None",
+    expected = ["FLASHDMOE_KERNEL_BUILD is None, expected 'nvshmem'",
+                "NVSHMEM_REMOTE_TRANSPORT is 'none', expected 'ibrc'", "NVSHMEM_IB_ENABLE_IBGDA is None",
                 "NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME is 'lo', expected 'eth0'", "NVSHMEM_BOOTSTRAP_UID_SOCK_FAMILY is None",
                 "NCCL_SOCKET_IFNAME is 'lo'", "NCCL_IB_DISABLE is '1', expected '0'", "GLOO_SOCKET_IFNAME is 'lo'",
                 "NCCL_IB_HCA must name the HCAs"]

@@ -234,6 +234,9 @@ def test_gpu_worker_environment():
         **trio, "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "50", "CUDA_MPS_PIPE_DIRECTORY": "/tmp/pipe",
         "CUDA_MPS_LOG_DIRECTORY": "/tmp/log"}
     assert worker.gpu_env_vars(1.0, mps_pipe_dir="/tmp/pipe") == {**trio, "CUDA_MPS_PIPE_DIRECTORY": "/tmp/pipe"}
+    # across nodes the workers run the kernel build that reaches the other nodes' ranks by NVSHMEM puts
+    assert worker.gpu_env_vars(1.0, nodes=2) == {**trio, "FLASHDMOE_KERNEL_BUILD": "nvshmem"}
+    assert "FLASHDMOE_KERNEL_BUILD" not in worker.gpu_env_vars(1.0, nodes=1)
     shares = (1.0, 0.5, 1 / 3, 0.29, 0.25, 0.125, 0.001)
     assert [worker.mps_share_percentage(share) for share in shares] == [100, 50, 33, 29, 25, 12, 1]
     for share in (0, -0.5, 1.01, True, "0.5"):
