@@ -28,6 +28,23 @@ T get(const py::dict& d, const char* key) {
   return d[key].cast<T>();
 }
 
+// Runs `launch` (returning LaunchInfo) on `stream` without the GIL, then records `status_event` (when not
+// 0) behind it; nothing waits. Returns (grid, blocks per SM, shared memory bytes per block).
+template <typename Launch>
+py::tuple launch_and_record(Launch&& launch, cudaStream_t stream, uintptr_t status_event) {
+  LaunchInfo info;
+  {
+    py::gil_scoped_release release;
+    info = launch();
+    if (status_event != 0) {
+      const cudaError_t status = cudaEventRecord(reinterpret_cast<cudaEvent_t>(status_event), stream);
+      if (status != cudaSuccess)
+        throw std::runtime_error(std::string("recording the status event: ") + cudaGetErrorString(status));
+    }
+  }
+  return py::make_tuple(info.grid, info.blocks_per_sm, info.smem_bytes);
+}
+
 // A launch's options, checked and laid out once (moe/launch.h PreparedLaunch): a forward passes only
 // the per-call addresses (CallAddress order after the router), the sequence number and the stream.
 using PreparedForward = PreparedLaunch;
@@ -89,17 +106,9 @@ py::tuple launch(PreparedForward& prepared, const std::vector<uintptr_t>& addres
                                 " addresses per rank for " + std::to_string(num_ranks) + " ranks, got " +
                                 std::to_string(addresses.size()));
   const auto cuda_stream = reinterpret_cast<cudaStream_t>(stream);
-  LaunchInfo info;
-  {
-    py::gil_scoped_release release;
-    info = launch_prepared(prepared, addresses.data(), sequence, as_ptr<void>(status_host), cuda_stream);
-    if (status_event != 0) {
-      const cudaError_t status = cudaEventRecord(reinterpret_cast<cudaEvent_t>(status_event), cuda_stream);
-      if (status != cudaSuccess)
-        throw std::runtime_error(std::string("recording the status event: ") + cudaGetErrorString(status));
-    }
-  }
-  return py::make_tuple(info.grid, info.blocks_per_sm, info.smem_bytes);
+  return launch_and_record(
+      [&] { return launch_prepared(prepared, addresses.data(), sequence, as_ptr<void>(status_host), cuda_stream); },
+      cuda_stream, status_event);
 }
 
 // Completion events of the status copies, owned by the Python side's slots (one per slot, for the
@@ -228,17 +237,7 @@ py::tuple fused_backward(const py::dict& args, uintptr_t stream, uintptr_t statu
   a.debug_withhold_phase = get<int>(args, "debug_withhold_phase");
   a.max_blocks = get<int>(args, "max_blocks");
   const auto cuda_stream = reinterpret_cast<cudaStream_t>(stream);
-  LaunchInfo info;
-  {
-    py::gil_scoped_release release;
-    info = launch_fused_backward(a, cuda_stream);
-    if (status_event != 0) {
-      const cudaError_t status = cudaEventRecord(reinterpret_cast<cudaEvent_t>(status_event), cuda_stream);
-      if (status != cudaSuccess)
-        throw std::runtime_error(std::string("recording the status event: ") + cudaGetErrorString(status));
-    }
-  }
-  return py::make_tuple(info.grid, info.blocks_per_sm, info.smem_bytes);
+  return launch_and_record([&] { return launch_fused_backward(a, cuda_stream); }, cuda_stream, status_event);
 }
 
 py::dict fused_backward_layout_dict(int tokens, int hidden, int ffn, int experts, int top_k, int activation) {
@@ -293,17 +292,7 @@ py::tuple ep_rows(const py::dict& args, uintptr_t stream, uintptr_t status_event
   a.debug_withhold_phase = get<int>(args, "debug_withhold_phase");
   a.grid_percent = get<int>(args, "grid_percent");
   const auto cuda_stream = reinterpret_cast<cudaStream_t>(stream);
-  LaunchInfo info;
-  {
-    py::gil_scoped_release release;
-    info = launch_ep_rows(a, cuda_stream);
-    if (status_event != 0) {
-      const cudaError_t status = cudaEventRecord(reinterpret_cast<cudaEvent_t>(status_event), cuda_stream);
-      if (status != cudaSuccess)
-        throw std::runtime_error(std::string("recording the status event: ") + cudaGetErrorString(status));
-    }
-  }
-  return py::make_tuple(info.grid, info.blocks_per_sm, info.smem_bytes);
+  return launch_and_record([&] { return launch_ep_rows(a, cuda_stream); }, cuda_stream, status_event);
 }
 
 }  // namespace
