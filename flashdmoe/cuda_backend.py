@@ -224,6 +224,7 @@ def _make_plan(ext, kind, team, tokens, H, I, E, top_k, dtype, activation, norma
         "timeout_ns": timeout * 1_000_000, "debug_withhold_phase": int(debug.withhold_phase),
         "expert_variant": variant, "max_blocks": int(debug.max_blocks),
         "gate_split": True if debug.gate_split is None else bool(debug.gate_split),
+        "small_tile_epilogue": bool(debug.small_tile_epilogue),
         "grid_percent": 100 if percent is None else percent,
     }
     rank_args = []

@@ -33,6 +33,9 @@ class DebugKnobs:
     # Expert GEMM variant (EXPERT_VARIANTS). None: chosen per shape (expert_variants.choose_variant);
     # a name (FLASHDMOE_EXPERT_VARIANT) forces it for measurement.
     expert_variant: str | None = os.environ.get("FLASHDMOE_EXPERT_VARIANT") or None
+    # GEMM1 tiles of at most 16 rows spread their activation over every warp of the block (decode and small
+    # batches); off (FLASHDMOE_SMALL_TILE_EPILOGUE=0) leaves it to the warp holding the rows, for measurement.
+    small_tile_epilogue: bool = os.environ.get("FLASHDMOE_SMALL_TILE_EPILOGUE", "1") != "0"
     # An NVSHMEM team's backward: "auto" (the device exchange where every peer has a load/store pointer,
     # flashdmoe.ep_backward) or "torch" (flashdmoe.ep_peer's torch ops, forced for measurement:
     # FLASHDMOE_TEAM_BACKWARD=torch).

@@ -6,6 +6,7 @@ Environment knobs:
   QUICK_ACTIVATION=relu  activation of shapes that name none (gelu by default).
   QUICK_VARIANTS=a,b     expert variants to force; "auto" = what the public call picks (printed).
   QUICK_GATE_SPLIT=auto,on,off  split-gate settings to compare (auto by default).
+  QUICK_SMALL_EPILOGUE=on,off  the small-tile GEMM1 epilogue settings to compare (on by default).
 Each row prints the graph-free event time, the kernel time from the profiler, the kernel's phase split and
 the weight-bytes floor (the distinct experts' weights expected hit, at 4.3 TB/s).
 """
@@ -58,6 +59,9 @@ def main():
     for name in splits:
         if name not in GATE_SPLIT:
             raise ValueError(f"QUICK_GATE_SPLIT={name!r}: expected a list of {sorted(GATE_SPLIT)}")
+    small = [v for v in os.environ.get("QUICK_SMALL_EPILOGUE", "on").split(",") if v]
+    if not set(small) <= {"on", "off"}:
+        raise ValueError(f"QUICK_SMALL_EPILOGUE={small!r}: expected a list of on / off")
     # QUICK_ACTIVATION=relu: how much of a tile's time the GEMM1 epilogue's activation takes.
     activation = os.environ.get("QUICK_ACTIVATION", "gelu")
     # QUICK_SHAPES="T/H/I/E/k,...": shapes besides docs/design.md §12's (e.g. to separate per-tile from per-slab cost).
@@ -73,7 +77,9 @@ def main():
             sets.append((x, r, w1, w2))
         for variant in wanted:
             for split in splits:
-                time_one(sets, T, H, I, E, k, activation, variant, split)
+                for setting in small:
+                    cuda_backend.debug.small_tile_epilogue = setting == "on"
+                    time_one(sets, T, H, I, E, k, activation, variant, split)
         del sets, x, r, w1, w2  # before the next shape's inputs (DeepSeek-V3's are 22 GB a set)
         torch.cuda.empty_cache()
 
@@ -131,7 +137,8 @@ def time_one(sets, T, H, I, E, k, activation, variant, split):
         pstats.Stats(profiler).sort_stats("tottime").print_stats(12)
     print(f"{variant:>16} {T:>6} {H:>5} {I:>5} {E:>4} {k:>2} {ms:>8.3f} {flops / ms / 1e9:>7.1f}  kernel {kernel_ms:.3f} ms"
           f" ({flops / kernel_ms / 1e9:.0f} TF/s)  host {host_us:.0f} us/call  phases(ms) {phases}"
-          f"  {activation} gate_split={split} floor {bytes_floor_ms(T, H, I, E, k, activation):.3f} ms")
+          f"  {activation} gate_split={split} small_epilogue={cuda_backend.debug.small_tile_epilogue}"
+          f" floor {bytes_floor_ms(T, H, I, E, k, activation):.3f} ms")
 
 
 if __name__ == "__main__":

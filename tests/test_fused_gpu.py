@@ -351,3 +351,29 @@ def test_one_token_on_a_deep_ffn(backend, monkeypatch):
     x, router, w1, w2 = make_inputs(T, H, I, E, k, "swiglu", torch.bfloat16)
     check_against_reference(backend, x, router, w1, w2, top_k=k, activation="swiglu", normalize=True,
                             capacity_factor=None)
+
+
+@pytest.mark.parametrize("variant", ["tma-wgmma-128x256-4stage-prefetch", NARROW_VARIANT])
+@pytest.mark.parametrize("activation", ["gelu", "swiglu", "relu", "silu"])
+@pytest.mark.parametrize("save_pre", [False, True])
+def test_small_tile_epilogue_is_bitwise_the_warp_epilogue(backend, monkeypatch, variant, activation, save_pre):
+    """GEMM1 tiles of at most 16 rows spread their activation over every warp (csrc/moe/epilogue.cuh): the
+    same values as leaving it to the warp that holds the rows, for every activation, both TMA variants,
+    with and without the saved pre-activations. 96 tokens x 6 choices over 64 experts, capacity 12 per
+    expert (some choices dropped): every tile has at most 12 rows; a partial last column tile (I = 384)."""
+    monkeypatch.setattr(backend.debug, "expert_variant", variant)
+    T, H, I, E, k = 96, 512, 384, 64, 6
+    x, router, w1, w2 = make_inputs(T, H, I, E, k, activation, torch.bfloat16)
+    options = dict(top_k=k, activation=activation, normalize_topk=True, capacity_factor=1.25)
+    outputs = {}
+    for spread in (True, False):
+        monkeypatch.setattr(backend.debug, "small_tile_epilogue", spread)
+        saved = torch.full((T * k, w1.shape[2]), float("nan"), dtype=x.dtype, device="cuda") if save_pre else None
+        y, routing = backend.fused_forward(x, router, w1, w2, saved_pre=saved, **options)
+        flashdmoe.synchronize()
+        outputs[spread] = (y, saved)
+    assert torch.equal(outputs[True][0], outputs[False][0]), "the small-tile epilogue changed y"
+    if save_pre:
+        assert torch.equal(outputs[True][1].nan_to_num(7.0), outputs[False][1].nan_to_num(7.0))
+    check_against_reference(backend, x, router, w1, w2, top_k=k, activation=activation, normalize=True,
+                            capacity_factor=1.25)

@@ -142,6 +142,64 @@ __device__ __forceinline__ void gemm1_epilogue_warp(const MoEParams& p, const Ge
   store_warp_rows<Element, BN / 8>(staging, packed, out, p.ffn, rows - row0, cols);
 }
 
+// GEMM1 epilogue of a tile of at most 16 rows, all of them warp 0's: spread over every worker. Warp 0 puts
+// its fp32 accumulators into the block's staging (the eight warps' buffers together: 16 rows x BN floats),
+// then each worker thread takes (row, 8 output columns) items: the activation, and one 16-byte store.
+// The same values as gemm1_epilogue_warp, which would leave the activation of the whole tile to one warp
+// while seven wait (decode and small batches, where experts get a few rows each). Float pairs are
+// XOR-swizzled by row in groups of four (conflict-light fragment writes, contiguous 32-byte reads).
+template <typename Element, int BN, bool kSavePre, typename Gemm>
+__device__ __forceinline__ void gemm1_epilogue_small(const MoEParams& p, const Gemm& gemm, char* own_staging,
+                                                     char* block_staging, int packed_row0, int rows, int out_col0) {
+  static_assert(16 * BN * 4 <= (kThreads / 32) * kWarpStagingBytes, "16 rows of fp32 fit the warps' buffers");
+  if constexpr (kSavePre) save_pre_warp<Element, BN>(p, gemm, own_staging, packed_row0, rows, out_col0);
+  float2* staged = reinterpret_cast<float2*>(block_staging);
+  constexpr int kPairsPerRow = BN / 2;
+  auto at = [](int row, int pair) { return row * kPairsPerRow + (pair ^ ((row & 7) << 2)); };
+  sync_workers();  // every warp is done with its own buffer
+  if (threadIdx.x < 32) {
+    const int lane = threadIdx.x;
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+        staged[at((lane >> 2) + 8 * h, 4 * j + (lane & 3))] = make_float2(gemm.acc[j * 4 + h * 2], gemm.acc[j * 4 + h * 2 + 1]);
+  }
+  sync_workers();
+  const bool gated = p.activation == Activation::Swiglu;
+  const int chunks = (gated ? BN / 2 : BN) / 8;  // 8 output columns each
+  const int cols = p.ffn - out_col0;
+  Element* out = static_cast<Element*>(p.intermediate) + static_cast<size_t>(packed_row0) * p.ffn + out_col0;
+  for (int item = threadIdx.x; item < rows * chunks; item += kThreads) {
+    const int row = item / chunks, chunk = item % chunks;
+    if (chunk * 8 >= cols) continue;
+    float v[8];
+    const float4* x = reinterpret_cast<const float4*>(staged + at(row, 4 * chunk));
+    *reinterpret_cast<float4*>(v) = x[0];
+    *reinterpret_cast<float4*>(v + 4) = x[1];
+    if (gated) {
+      float u[8];
+      const float4* y = reinterpret_cast<const float4*>(staged + at(row, 4 * chunk + BN / 4));
+      *reinterpret_cast<float4*>(u) = y[0];
+      *reinterpret_cast<float4*>(u + 4) = y[1];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) v[i] = silu(v[i]) * u[i];
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+        v[i] = p.activation == Activation::Relu ? fmaxf(v[i], 0.f)
+             : p.activation == Activation::Gelu ? activate(Activation::Gelu, v[i])
+                                                : silu(v[i]);
+    }
+    uint4 packed;
+    packed.x = pack_pair<Element>(v[0], v[1]);
+    packed.y = pack_pair<Element>(v[2], v[3]);
+    packed.z = pack_pair<Element>(v[4], v[5]);
+    packed.w = pack_pair<Element>(v[6], v[7]);
+    *reinterpret_cast<uint4*>(out + static_cast<size_t>(row) * p.ffn + chunk * 8) = packed;
+  }
+}
+
 // GEMM2 epilogue: the accumulators as they are, into `out` (the tile's first result row, column col0).
 template <typename Element, int BN, typename Gemm>
 __device__ __forceinline__ void gemm2_epilogue_warp(const Gemm& gemm, char* staging, Element* out, int H, int rows,

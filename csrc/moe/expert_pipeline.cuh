@@ -28,8 +28,14 @@ __device__ __forceinline__ void finish_tile_tma(const MoEParams& p, const DestTa
                                                 FfnGemm which, const RowTile& tile, int row_tile, int col_tile) {
   constexpr int kTileN = Variant::kTileN;
   if (which == FfnGemm::Gemm1) {
-    gemm1_epilogue_warp<Element, kTileN, Variant::kSavePre>(p, gemm, warp_staging<Variant>(smem), tile.packed_row0, tile.rows,
-                                         col_tile * gemm1_output_columns<Variant>(p));
+    const int out_col0 = col_tile * gemm1_output_columns<Variant>(p);
+    if (tile.rows <= 16 && p.small_tile_epilogue)
+      gemm1_epilogue_small<Element, kTileN, Variant::kSavePre>(p, gemm, warp_staging<Variant>(smem),
+                                                               smem + Variant::kWarpStagingOffset, tile.packed_row0,
+                                                               tile.rows, out_col0);
+    else
+      gemm1_epilogue_warp<Element, kTileN, Variant::kSavePre>(p, gemm, warp_staging<Variant>(smem), tile.packed_row0,
+                                                              tile.rows, out_col0);
     tma::fence_proxy_async_global();  // GEMM2's TMA loads (async proxy) read these rows
     sync_workers();
     if (threadIdx.x == 0) {

@@ -40,6 +40,7 @@ struct ForwardArgs {
   int expert_variant;  // tile_config.cuh: 0 TMA-fed wgmma 128x256/4 stages, 1 mma.sync 128x128/3
   int max_blocks;      // 0: the whole resident grid; else at most this many blocks
   bool gate_split;     // small batches split gate tiles over blocks (false: one block per tile)
+  bool small_tile_epilogue;  // GEMM1 tiles of <= 16 rows spread their epilogue over every warp
   int grid_percent;    // 1..100: this share of the resident grid (ranks sharing one GPU under MPS)
   int num_ranks;       // ranks in this launch: P for an emulated team, else 1
   RankArgs ranks[kMaxRanks];

@@ -154,6 +154,7 @@ struct MoEParams {
   void* status_host;         // pinned host slot of this rank's status block (UVA address), or null
   int gate_tiles;
   int gate_splits;           // K ranges per gate tile (1: a tile on one block)
+  bool small_tile_epilogue;  // GEMM1 tiles of <= 16 rows: activation spread over every warp (epilogue.cuh)
   int max_row_tiles;
   uint64_t timeout_ns;
   int debug_withhold_phase;  // > 0: block 0 never arrives at that barrier (tests the watchdog)
