@@ -98,10 +98,17 @@ def _extension_info() -> dict[str, Any]:
     except Exception as error:
         return {"available": False, "reason": f"flashdmoe.extension cannot be imported: {_error_text(error)}"}
     try:
+        build = extension.kernel_build()
+    except ValueError as error:
+        build = f"invalid: {error}"
+    # The NVSHMEM build (what a team across nodes runs) needs NVSHMEM's device and host libraries.
+    nvshmem_problem = extension.nvshmem_problem()
+    builds = {"kernel_build": build, "nvshmem_build": "buildable" if nvshmem_problem is None else nvshmem_problem}
+    try:
         available = bool(extension.available())
-        return {"available": available, "reason": None if available else extension.unavailable_reason()}
+        return {"available": available, "reason": None if available else extension.unavailable_reason(), **builds}
     except Exception as error:
-        return {"available": False, "reason": _error_text(error)}
+        return {"available": False, "reason": _error_text(error), **builds}
 
 
 def collect_info() -> dict[str, Any]:
@@ -165,6 +172,9 @@ def _print_info(info: dict[str, Any], console: Console) -> None:
     table.add_row("CUTLASS (nvidia-cutlass)", shown(info["cutlass"]))
     extension = info["extension"]
     table.add_row("CUDA extension", "available" if extension["available"] else f"unavailable: {extension['reason']}")
+    if "kernel_build" in extension:
+        table.add_row("kernel build", f"{extension['kernel_build']} (FLASHDMOE_KERNEL_BUILD; NVSHMEM build: "
+                                      f"{extension['nvshmem_build']})")
     table.add_row("ray", shown(info["ray"]))
     console.print(table)
 

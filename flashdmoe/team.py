@@ -441,6 +441,8 @@ class Team:
             "buffer_bytes_per_rank": self.buffer_bytes,
             "stream_rows": None if plan is None else plan.stream_rows,
             "max_tokens": None if plan is None else plan.max_tokens,
+            # how this rank reaches each peer ("p2p" stores or "nvshmem" puts), and an emulated node layout
+            "peer_transports": list(self.peer_transports), "ranks_per_node": self.ranks_per_node,
         }
 
     def barrier(self) -> None:

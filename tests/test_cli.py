@@ -42,7 +42,7 @@ def test_info_prints_a_readable_table():
     result = run_cli("info")
     assert result.returncode == 0, result.stderr
     for text in ("flashdmoe info", "torch", torch.__version__, "CUDA available", "nvcc", "nvshmem4py",
-                 "CUDA extension", "ray"):
+                 "CUDA extension", "kernel build", "ray"):
         assert text in result.stdout, (text, result.stdout)
     if not torch.cuda.is_available():
         assert "none visible" in result.stdout
@@ -59,6 +59,8 @@ def test_info_json_matches_this_machine():
     assert isinstance(info["extension"]["available"], bool)
     if not info["extension"]["available"]:
         assert info["extension"]["reason"]
+    assert info["extension"]["kernel_build"] in ("main", "nvshmem")  # FLASHDMOE_KERNEL_BUILD (main unless set)
+    assert info["extension"]["nvshmem_build"]  # "buildable", or why not
     assert info["ray"] is not None
 
 

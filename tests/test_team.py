@@ -96,7 +96,8 @@ def test_single_team():
     assert (team.transport, team.rank, team.world_size, team.plan, team.buffers) == ("single", 0, 1, None, [])
     assert team.buffer_bytes == 0 and not team.failed
     assert team.describe() == {"transport": "single", "rank": 0, "world_size": 1, "buffer_bytes_per_rank": 0,
-                               "stream_rows": None, "max_tokens": None}
+                               "stream_rows": None, "max_tokens": None, "peer_transports": ["p2p"],
+                               "ranks_per_node": None}
     team.require_usable()
     team.barrier()  # a no-op for one rank
     assert "ok" in repr(team)
