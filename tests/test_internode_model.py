@@ -61,3 +61,31 @@ def test_cli_prints_a_row_per_layer_and_node_count(capsys):
     assert len(lines) == 6
     assert "not placeable" in lines[2]  # 32 experts on 64 ranks
     assert lines[0].split("|")[8].strip() == "0.60 .. 0.86"  # docs/design.md section 8, 1 node
+
+
+def test_training_step_adds_three_row_directions_and_the_router_share():
+    # paper layer on 2 nodes x 8: half of a rank's 16384 choices cross InfiniBand, 4 KiB a row
+    forward = model.predict(8192, 2048, 32, 2, 2, 0.6)
+    step = model.predict_step(8192, 2048, 32, 2, 2, 0.6, 1.2)
+    one_way_ib = 8192 * 4096 / 50e9 * 1e3  # ms: the IB side is the slower one
+    assert step.forward_comm_ms == pytest.approx(forward.direct_comm_ms) == pytest.approx(2 * one_way_ib)
+    words_ib = 8192 * 4 / 50e9 * 1e3
+    share_ib = 8 * 32 * 2048 * 4 / 50e9 * 1e3  # the 8 ranks of the other node, E*H float32 each
+    assert step.share_ms == pytest.approx(share_ib)
+    assert step.backward_comm_ms == pytest.approx(3 * one_way_ib + 2 * words_ib + share_ib)
+    assert step.compute_ms == pytest.approx(1.8)
+    assert step.bounds() == (pytest.approx(max(1.8, step.comm_ms)), pytest.approx(1.8 + step.comm_ms))
+
+
+def test_training_step_on_one_node_pays_only_nvlink():
+    step = model.predict_step(8192, 2048, 128, 2, 1, 0.6, 1.2)
+    nvlink_rows = 8192 * 2 * 7 / 8
+    assert step.forward_comm_ms == pytest.approx(2 * nvlink_rows * 4096 / 450e9 * 1e3)
+    assert step.share_ms == pytest.approx(7 * 128 * 2048 * 4 / 450e9 * 1e3)
+
+
+def test_step_table_prints_one_row_per_node_count(capsys):
+    model.main([str(CONFIGS / "paper.yaml"), "--step", "--nodes", "1,2", "--compute-ms", "0.6"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "---" not in line]
+    assert len(rows) == 3 and "backward exchange ms" in rows[0]
+    assert rows[2].split("|")[6].strip() == "1.80"  # 0.6 forward + 2 x 0.6 backward by default
