@@ -13,51 +13,20 @@ Tolerances: tests/ep_checks.py (derived from flashdmoe.numerics).
 
 from __future__ import annotations
 
-import datetime
-import os
-import socket
-import traceback
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from flashdmoe import reference
 from flashdmoe.ep_gloo import TrafficCounter, expert_parallel_moe
 
 from ep_checks import assert_close
+from gloo_ranks import case_inputs, spawn
 
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _case_inputs(case: dict, world_size: int):
-    """Seeded inputs of every rank: xs, dys ``[T_r, H]``, router ``[E, H]``, w1s/w2s shards (random normal)."""
-    generator = torch.Generator().manual_seed(case["seed"])
-    hidden, ffn, local, dtype = case["hidden"], case["ffn"], case["local_experts"], case["dtype"]
-    experts = local * world_size
-    w1_cols = 2 * ffn if case["activation"] == "swiglu" else ffn
-
-    def randn(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=generator, dtype=torch.float64) * scale).to(dtype)
-
-    router = randn(experts, hidden, scale=hidden ** -0.5)
-    if case.get("zero_router"):
-        router = torch.zeros_like(router)
-    w1s = [randn(local, hidden, w1_cols, scale=hidden ** -0.5) for _ in range(world_size)]
-    w2s = [randn(local, ffn, hidden, scale=ffn ** -0.5) for _ in range(world_size)]
-    xs = [randn(tokens, hidden) for tokens in case["tokens"]]
-    dys = [randn(tokens, hidden) for tokens in case["tokens"]]
-    return xs, dys, router, w1s, w2s
 
 
 def _run_case(case: dict, rank: int, world_size: int) -> None:
-    xs, dys, router, w1s, w2s = _case_inputs(case, world_size)
+    xs, dys, router, w1s, w2s = case_inputs(case, world_size)
     options = dict(top_k=case["top_k"], activation=case["activation"], normalize_topk=case["normalize_topk"],
                    capacity_factor=case["capacity_factor"])
     dtype = case["dtype"]
@@ -126,7 +95,7 @@ def _fixed_routing(case: dict, xs, router, world_size: int):
 def _run_fixed_case(case: dict, rank: int, world_size: int) -> None:
     """``experts``/``keep`` given: y and every gradient vs ``reference.moe_fixed_routing`` (all experts on
     one rank, loss summed over ranks)."""
-    xs, dys, router, w1s, w2s = _case_inputs(case, world_size)
+    xs, dys, router, w1s, w2s = case_inputs(case, world_size)
     routing = _fixed_routing(case, xs, router, world_size)
     dtype, local = case["dtype"], case["local_experts"]
     options = dict(activation=case["activation"], normalize_topk=case["normalize_topk"])
@@ -163,7 +132,7 @@ def _run_fixed_case(case: dict, rank: int, world_size: int) -> None:
 def _run_bad_rank(case: dict, rank: int, world_size: int) -> None:
     """One rank's own input check fails: every rank raises ValueError (none waits in a collective), and the
     group is still in step afterwards."""
-    xs, _, router, w1s, w2s = _case_inputs(case, world_size)
+    xs, _, router, w1s, w2s = case_inputs(case, world_size)
     options = dict(top_k=case["top_k"], activation=case["activation"])
     w1 = w1s[rank]
     bad = rank == case["bad_rank"]
@@ -188,44 +157,29 @@ def _run_bad_rank(case: dict, rank: int, world_size: int) -> None:
     expert_parallel_moe(xs[rank], router, w1s[rank], w2s[rank], **options)
 
 
-def _worker(rank: int, world_size: int, port: int, cases: list[dict], error_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=60))
-    try:
-        for case in cases:
-            if case.get("mismatch_rank") is not None:
-                _run_mismatch(case, rank, world_size)
-            elif case.get("fault") is not None:
-                _run_bad_rank(case, rank, world_size)
-            elif case.get("fixed") is not None:
-                _run_fixed_case(case, rank, world_size)
-            else:
-                _run_case(case, rank, world_size)
-            dist.barrier()
-    except BaseException:
-        with open(os.path.join(error_dir, f"rank{rank}.txt"), "w") as handle:
-            handle.write(traceback.format_exc())
-        raise
-    finally:
-        dist.destroy_process_group()
+def _run_cases(rank: int, world_size: int, cases: list[dict]) -> None:
+    for case in cases:
+        if case.get("mismatch_rank") is not None:
+            _run_mismatch(case, rank, world_size)
+        elif case.get("fault") is not None:
+            _run_bad_rank(case, rank, world_size)
+        elif case.get("fixed") is not None:
+            _run_fixed_case(case, rank, world_size)
+        else:
+            _run_case(case, rank, world_size)
+        dist.barrier()
 
 
 def _run_mismatch(case: dict, rank: int, world_size: int) -> None:
     """One rank uses a different top_k: every rank must raise ValueError naming it (no hang)."""
-    xs, _, router, w1s, w2s = _case_inputs(case, world_size)
+    xs, _, router, w1s, w2s = case_inputs(case, world_size)
     top_k = case["top_k"] + (1 if rank == case["mismatch_rank"] else 0)
     with pytest.raises(ValueError, match="top_k"):
         expert_parallel_moe(xs[rank], router, w1s[rank], w2s[rank], top_k=top_k, activation=case["activation"])
 
 
 def _spawn(world_size: int, cases: list[dict], tmp_path) -> None:
-    try:
-        mp.spawn(_worker, args=(world_size, _free_port(), cases, str(tmp_path)), nprocs=world_size, join=True)
-    except mp.ProcessRaisedException as error:
-        reports = sorted(tmp_path.glob("rank*.txt"))
-        details = "\n".join(report.read_text() for report in reports)
-        raise AssertionError(f"a rank failed:\n{details or error}") from None
+    spawn(_run_cases, world_size, tmp_path, cases)
 
 
 def _cases(world_size: int) -> list[dict]:

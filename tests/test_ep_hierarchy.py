@@ -6,59 +6,32 @@ node. One spawn covers every case."""
 
 from __future__ import annotations
 
-import datetime
-import os
-import socket
-import traceback
-
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from flashdmoe import reference
 from flashdmoe.ep_hierarchy import HierarchyTraffic, direct_rows, hierarchical_moe
 from flashdmoe.ep_gloo import GlooExchange
 
 from ep_checks import assert_close
+from gloo_ranks import case_inputs, spawn
 
 WORLD = 6  # 3 nodes of 2, or 2 nodes of 3
 
 CASES = [
-    dict(name="3x2-k4-gelu-f64", ranks_per_node=2, tokens=[23, 0, 17, 31, 5, 12], hidden=16, ffn=12, local=2, top_k=4,
+    dict(name="3x2-k4-gelu-f64", ranks_per_node=2, tokens=[23, 0, 17, 31, 5, 12], hidden=16, ffn=12, local_experts=2, top_k=4,
          activation="gelu", normalize=True, capacity=None, dtype=torch.float64, seed=1),
-    dict(name="2x3-k3-swiglu-capacity-f64", ranks_per_node=3, tokens=[40, 9, 27, 0, 33, 18], hidden=8, ffn=8, local=2,
+    dict(name="2x3-k3-swiglu-capacity-f64", ranks_per_node=3, tokens=[40, 9, 27, 0, 33, 18], hidden=8, ffn=8, local_experts=2,
          top_k=3, activation="swiglu", normalize=False, capacity=0.75, dtype=torch.float64, seed=2),
-    dict(name="3x2-k2-relu-f32", ranks_per_node=2, tokens=[30, 30, 30, 30, 30, 30], hidden=12, ffn=10, local=1,
+    dict(name="3x2-k2-relu-f32", ranks_per_node=2, tokens=[30, 30, 30, 30, 30, 30], hidden=12, ffn=10, local_experts=1,
          top_k=2, activation="relu", normalize=True, capacity=None, dtype=torch.float32, seed=3),
-    dict(name="6x1-k1-silu-f64", ranks_per_node=1, tokens=[7, 3, 0, 11, 5, 2], hidden=8, ffn=6, local=3, top_k=1,
+    dict(name="6x1-k1-silu-f64", ranks_per_node=1, tokens=[7, 3, 0, 11, 5, 2], hidden=8, ffn=6, local_experts=3, top_k=1,
          activation="silu", normalize=True, capacity=1.0, dtype=torch.float64, seed=4),
 ]
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _inputs(case: dict):
-    generator = torch.Generator().manual_seed(case["seed"])
-    dtype, H, I, L = case["dtype"], case["hidden"], case["ffn"], case["local"]
-    cols = 2 * I if case["activation"] == "swiglu" else I
-
-    def randn(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=generator, dtype=torch.float64) * scale).to(dtype)
-
-    router = randn(L * WORLD, H, scale=H ** -0.5)
-    w1s = [randn(L, H, cols, scale=H ** -0.5) for _ in range(WORLD)]
-    w2s = [randn(L, I, H, scale=I ** -0.5) for _ in range(WORLD)]
-    xs = [randn(t, H) for t in case["tokens"]]
-    dys = [randn(t, H) for t in case["tokens"]]
-    return xs, dys, router, w1s, w2s
-
-
 def _run_case(case: dict, rank: int) -> None:
-    xs, dys, router, w1s, w2s = _inputs(case)
+    xs, dys, router, w1s, w2s = case_inputs(case, WORLD)
     options = dict(top_k=case["top_k"], activation=case["activation"], normalize_topk=case["normalize"],
                    capacity_factor=case["capacity"])
     ref_xs = [x.clone().requires_grad_() for x in xs]
@@ -87,7 +60,7 @@ def _run_case(case: dict, rank: int) -> None:
 
     # Rows across nodes: this rank's tokens once per other node they hit, out, and as many partial sums
     # back for the tokens other ranks relayed here. Direct puts would send one per remote kept choice.
-    G, L, E = case["ranks_per_node"], case["local"], case["local"] * WORLD
+    G, L, E = case["ranks_per_node"], case["local_experts"], case["local_experts"] * WORLD
     node = rank // G
 
     def tokens_hitting(source: int, target_node: int) -> int:
@@ -108,28 +81,14 @@ def _run_case(case: dict, rank: int) -> None:
     assert (out_rows < cross_direct) == (shared > 0), (label, out_rows, cross_direct, shared)
 
 
-def _worker(rank: int, port: int, error_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=120))
-    try:
-        for case in CASES:
-            _run_case(case, rank)
-            dist.barrier()
-    except BaseException:
-        with open(os.path.join(error_dir, f"rank{rank}.txt"), "w") as handle:
-            handle.write(traceback.format_exc())
-        raise
-    finally:
-        dist.destroy_process_group()
+def _run_cases(rank: int, world_size: int) -> None:
+    for case in CASES:
+        _run_case(case, rank)
+        dist.barrier()
 
 
 def test_hierarchical_exchange_matches_the_reference_and_sends_one_row_per_node(tmp_path):
-    try:
-        mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
-    except mp.ProcessRaisedException as error:
-        details = "\n".join(report.read_text() for report in sorted(tmp_path.glob("rank*.txt")))
-        raise AssertionError(f"a rank failed:\n{details or error}") from None
+    spawn(_run_cases, WORLD, tmp_path, timeout_s=120)
 
 
 def test_direct_rows_split_remote_choices_by_node():

@@ -53,6 +53,8 @@ def forward_backward(context: RankContext) -> ScenarioOutput:
     with zeros in the tensors), ``backward_path`` and ``backward_traffic`` (the last backward exchange's bytes
     per transport, None without one).
     """
+    from flashdmoe import ep_backward
+
     problem = Problem.from_dict(context.params["problem"])
     iterations = int(context.params.get("iterations", 2))
     if iterations < 1:
@@ -92,16 +94,8 @@ def forward_backward(context: RankContext) -> ScenarioOutput:
         "traffic": traffic, "iterations": iterations, "repeat_identical": bool(repeat_identical),
         "grads_repeat_identical": bool(grads_identical), "missing_grads": missing,
         "backward_path": backward_path(context, inputs.x),
-        "backward_traffic": _backward_traffic(context),
+        "backward_traffic": ep_backward.exchange_traffic(context.team),
     })
-
-
-def _backward_traffic(context: RankContext) -> dict | None:
-    """Bytes the last backward exchange sent (:func:`flashdmoe.ep_backward.exchange_traffic`); None where the
-    device exchange did not run."""
-    from flashdmoe import ep_backward
-
-    return ep_backward.exchange_traffic(context.team)
 
 
 def backward_path(context: RankContext, x: torch.Tensor) -> str:
