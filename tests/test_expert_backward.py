@@ -393,6 +393,38 @@ def test_gpu_against_float64_oracle(case, dtype, gemm, elementwise, seed):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("with_router_term", [True, False])
+@pytest.mark.parametrize("top_k", [1, 3, 8, 11])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_gpu_combine_grad_sums_each_token_in_choice_order(dtype, top_k, with_router_term, seed):
+    """The extension's dx combine: a token's kept rows summed in float32 in choice order, then the
+    router's term, rounded once; dropped choices (-1) add nothing. Bitwise against the same float32 sum
+    in torch, for k below, at and above the rows it loads at once (8), H a multiple of 8 but not of the
+    2048 columns a block covers per step."""
+    from flashdmoe import extension
+    from flashdmoe.kernel_codes import DTYPE_CODES
+
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    tokens, hidden, rows = 300, 2056, 4000
+    dx_rows = torch.randn(rows, hidden, device="cuda", generator=generator).to(dtype)
+    row = torch.randint(0, rows, (tokens, top_k), device="cuda", generator=generator, dtype=torch.int32)
+    dropped = torch.rand(tokens, top_k, device="cuda", generator=generator) < 0.2
+    row = torch.where(dropped, -1, row).contiguous()
+    extra = torch.randn(tokens, hidden, device="cuda", generator=generator) if with_router_term else None
+    dx = torch.full((tokens, hidden), float("nan"), dtype=dtype, device="cuda")
+    extension.loaded().combine_grad(DTYPE_CODES[dtype], dx_rows.data_ptr(), row.data_ptr(),
+                                    0 if extra is None else extra.data_ptr(), dx.data_ptr(), tokens, top_k, hidden,
+                                    torch.cuda.current_stream().cuda_stream)
+    want = torch.zeros(tokens, hidden, device="cuda")
+    for j in range(top_k):
+        kept = row[:, j] >= 0
+        want = torch.where(kept[:, None], want + dx_rows[row[:, j].clamp(min=0).long()].float(), want)
+    if extra is not None:
+        want = want + extra
+    assert torch.equal(dx, want.to(dtype)), f"largest difference {(dx.float() - want.to(dtype).float()).abs().max()}"
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_gpu_no_host_synchronisation(dtype, seed):
     case = Case(1024, 256, 512, 16, 4, "swiglu", capacity_factor=1.0, skew=2.0)

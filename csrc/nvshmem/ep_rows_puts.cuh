@@ -12,6 +12,7 @@
 #include <nvshmem.h>
 #include <nvshmemx.h>
 #include "backward/ep_rows.cuh"
+#include "nvshmem/peer_words.cuh"
 
 namespace flashdmoe {
 
@@ -21,20 +22,14 @@ struct EpPuts {
   static constexpr size_t kChunkBytes = 64 << 10;  // bytes per block-wide put of the router's share
 
   __device__ __forceinline__ static bool via_puts(const EpRowsParams& p, int peer) {
-    return peer != p.rank && p.peers[peer].signals == p.peers[p.rank].signals;
+    return peer_words::by_puts(p, peer);
   }
-  __device__ __forceinline__ static uint32_t* own_signals(const EpRowsParams& p) { return p.peers[p.rank].signals; }
+  __device__ __forceinline__ static uint32_t* own_signals(const EpRowsParams& p) { return peer_words::own(p, 0); }
   __device__ __forceinline__ static void set_word(const EpRowsParams& p, int peer, int word, uint32_t value) {
-    if (via_puts(p, peer))
-      nvshmem_uint32_p(own_signals(p) + word, value, peer);
-    else
-      p.peers[peer].signals[word] = value;
+    peer_words::set(p, peer, word, value);
   }
   __device__ __forceinline__ static void set_flag(const EpRowsParams& p, int peer, int word, uint32_t value) {
-    if (via_puts(p, peer))
-      nvshmem_uint32_atomic_set(own_signals(p) + word, value, peer);
-    else
-      ptx::store_release_sys(p.peers[peer].signals + word, value);
+    peer_words::raise(p, peer, word, value);
   }
   __device__ __forceinline__ static void complete() { nvshmem_quiet(); }
 

@@ -21,16 +21,16 @@
 #include <nvshmem.h>
 #include <nvshmemx.h>
 #include "comm/peer_transport.cuh"
+#include "nvshmem/peer_words.cuh"
 
 namespace flashdmoe {
 
 struct NvshmemTransport {
-  // The host's mark of an NVSHMEM peer: this rank's own signal words in the peer's entry.
   __device__ __forceinline__ static bool via_nvshmem(const MoEParams& p, int peer) {
-    return peer != p.rank && p.peers[peer].signals == p.peers[p.rank].signals;
+    return peer_words::by_puts(p, peer);
   }
   __device__ __forceinline__ static uint32_t* own_signal(const MoEParams& p, int index) {
-    return p.peers[p.rank].signals + index;
+    return peer_words::own(p, index);
   }
   template <typename Element>
   __device__ __forceinline__ static char* own_region(void* buffer, const MoEParams& p, int region) {
@@ -65,15 +65,13 @@ struct NvshmemTransport {
     __threadfence_system();
     for (int owner = 0; owner < P; ++owner) {
       if (owner == p.rank) continue;
-      if (!via_nvshmem(p, owner)) {
-        ptx::store_release_sys(p.peers[owner].signals + signal_counts_flag(P, L, p.rank), p.sequence);
-        continue;
+      if (via_nvshmem(p, owner)) {
+        for (int local = 0; local < L; ++local)
+          peer_words::set(p, owner, signal_count(L, p.rank, local),
+                          static_cast<uint32_t>(__ldcg(p.expert_kept + owner * L + local)));
+        nvshmem_fence();  // the counts land before their flag
       }
-      for (int local = 0; local < L; ++local)
-        nvshmem_uint32_p(own_signal(p, signal_count(L, p.rank, local)),
-                         static_cast<uint32_t>(__ldcg(p.expert_kept + owner * L + local)), owner);
-      nvshmem_fence();  // the counts land before their flag
-      nvshmem_uint32_atomic_set(own_signal(p, signal_counts_flag(P, L, p.rank)), p.sequence, owner);
+      peer_words::raise(p, owner, signal_counts_flag(P, L, p.rank), p.sequence);
     }
   }
 
@@ -124,13 +122,8 @@ struct NvshmemTransport {
     if (block_in_rank(p) != 0 || threadIdx.x != 0 || p.silent) return true;
     const int P = p.world_size, L = p.local_experts;
     __threadfence_system();
-    for (int owner = 0; owner < P; ++owner) {
-      if (owner == p.rank) continue;
-      if (via_nvshmem(p, owner))
-        nvshmem_uint32_atomic_set(own_signal(p, signal_rows_ready(P, L, p.rank)), p.sequence, owner);
-      else
-        ptx::store_release_sys(p.peers[owner].signals + signal_rows_ready(P, L, p.rank), p.sequence);
-    }
+    for (int owner = 0; owner < P; ++owner)
+      if (owner != p.rank) peer_words::raise(p, owner, signal_rows_ready(P, L, p.rank), p.sequence);
     return true;
   }
 
@@ -161,8 +154,7 @@ struct NvshmemTransport {
     if (block_in_rank(p) != 0 || threadIdx.x != 0 || p.silent) return true;
     for (int src = 0; src < p.world_size; ++src)
       if (via_nvshmem(p, src))
-        nvshmem_uint32_atomic_set(own_signal(p, signal_results_done(p.world_size, p.local_experts, p.rank)),
-                                  p.sequence, src);
+        peer_words::raise(p, src, signal_results_done(p.world_size, p.local_experts, p.rank), p.sequence);
     return true;
   }
 };
