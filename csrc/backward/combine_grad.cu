@@ -8,9 +8,6 @@ namespace {
 using backward::Vec8;
 
 constexpr int kCombineThreads = 256;
-// Choices whose rows are loaded before any of them is summed: a token's k loads overlap instead of
-// each waiting out the previous one's memory latency (the sum keeps choice order, so the bits do not change).
-constexpr int kChoicesInFlight = 8;
 
 // One block per token; each thread owns 8 consecutive columns per step.
 template <typename Element>
@@ -20,32 +17,20 @@ __global__ void __launch_bounds__(kCombineThreads)
   const int64_t token = blockIdx.x;
   const int* choices = row + token * top_k;
   for (int col = threadIdx.x * 8; col < hidden; col += kCombineThreads * 8) {
-    float4 extra_lo = make_float4(0.f, 0.f, 0.f, 0.f), extra_hi = extra_lo;
+    float sum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    for (int j = 0; j < top_k; ++j) {
+      const int r = choices[j];
+      if (r < 0) continue;  // dropped by capacity: no expert term
+      float v[8];
+      Vec8<Element>::load(dx_rows + static_cast<int64_t>(r) * hidden + col).to_float(v);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) sum[i] += v[i];
+    }
     if (extra != nullptr) {
       const float4* e = reinterpret_cast<const float4*>(extra + token * hidden + col);
-      extra_lo = e[0], extra_hi = e[1];
-    }
-    float sum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    for (int first = 0; first < top_k; first += kChoicesInFlight) {
-      int r[kChoicesInFlight];
-      Vec8<Element> v[kChoicesInFlight];
-#pragma unroll
-      for (int j = 0; j < kChoicesInFlight; ++j) r[j] = first + j < top_k ? choices[first + j] : -1;
-#pragma unroll
-      for (int j = 0; j < kChoicesInFlight; ++j)
-        if (r[j] >= 0) v[j] = Vec8<Element>::load(dx_rows + static_cast<int64_t>(r[j]) * hidden + col);
-#pragma unroll
-      for (int j = 0; j < kChoicesInFlight; ++j) {
-        if (r[j] < 0) continue;  // dropped by capacity (or past k): no expert term
-        float f[8];
-        v[j].to_float(f);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) sum[i] += f[i];
-      }
-    }
-    if (extra != nullptr) {
-      sum[0] += extra_lo.x, sum[1] += extra_lo.y, sum[2] += extra_lo.z, sum[3] += extra_lo.w;
-      sum[4] += extra_hi.x, sum[5] += extra_hi.y, sum[6] += extra_hi.z, sum[7] += extra_hi.w;
+      const float4 a = e[0], b = e[1];
+      sum[0] += a.x, sum[1] += a.y, sum[2] += a.z, sum[3] += a.w;
+      sum[4] += b.x, sum[5] += b.y, sum[6] += b.z, sum[7] += b.w;
     }
     Vec8<Element>::from_float(sum).store(dx + token * hidden + col);
   }
