@@ -71,9 +71,6 @@ struct StagePipeline {
     tma::arrive_expect_tx(bar, tx_bytes);
     return bar;
   }
-  // The "full" barrier of the stage at `at`, for loads issued after its commit (a slab whose operands
-  // go out at different times: the commit already expects both).
-  __device__ __forceinline__ uint32_t full_barrier(const State& at) { return ptx::smem_addr(&full[at.index()]); }
   // Consumers: wait until the stage is filled.
   template <typename Params>
   __device__ __forceinline__ bool consumer_wait(const State& at, const Params& p) {

@@ -192,13 +192,6 @@ __device__ __forceinline__ void account_results(const MoEParams& p, const DestTa
 }
 
 // Once per block and source: wait (bounded) until the source's rows for this rank are in place.
-// Whether `src`'s rows are here, without waiting.
-__device__ __forceinline__ bool rows_ready_now(const MoEParams& p, int src, uint32_t ready_seen) {
-  if (src == p.rank || (ready_seen >> src) & 1u) return true;
-  return ptx::load_acquire_sys(p.peers[p.rank].signals + signal_rows_ready(p.world_size, p.local_experts, src)) >=
-         p.sequence;
-}
-
 __device__ __forceinline__ bool wait_rows_ready(const MoEParams& p, int src, uint32_t& ready_seen) {
   if (src == p.rank || (ready_seen >> src) & 1u) return true;
   const uint32_t* flag = p.peers[p.rank].signals + signal_rows_ready(p.world_size, p.local_experts, src);

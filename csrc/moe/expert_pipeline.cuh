@@ -96,41 +96,22 @@ __device__ bool produce_tasks(const MoEParams& p, const DestTables& tables, char
     }
     const ExpertTask job = decode_task(task, counts);
     const RowTile tile = row_tile_of(p, tables, job.row_tile);
+    const bool ready = job.gemm == FfnGemm::Gemm2
+        ? wait_at_least(p.row_tile_done + job.row_tile, counts.tiles1, p, kPhaseIntermediate, p.rank)
+        : wait_rows_ready(p, tile.src, ready_seen);
+    tma::fence_proxy_async_global();
+    ring.hand_over(slot, ready ? task : kTaskAbort);
+    if (!ready) return false;
     const int k_tiles = task_k_tiles(p, job.gemm);
     const int a_row = a_first_row(p, tile, job.gemm);
     const int a_boxes = expert_row_boxes(tile.rows, Variant::kRowBoxRows);
     const WeightColumns cols = weight_columns<Variant>(p, job.gemm, job.col_tile);
-    const uint32_t tx_bytes = Gemm::stage_tx_bytes(a_boxes);
-    const bool gemm2 = job.gemm == FfnGemm::Gemm2;
-    // A task whose rows are not there yet (GEMM1's row tile unfinished, a peer's rows not arrived) first
-    // loads the weights of its first slabs, which depend on nothing, so they stream while it waits (in
-    // decode GEMM2 otherwise starts reading its weights only once GEMM1 is done). Each stage's barrier
-    // expects both operands, so the consumers still wait for the rows.
-    const bool waiting = gemm2 ? ptx::load_acquire_gpu(p.row_tile_done + job.row_tile) < counts.tiles1
-                               : !rows_ready_now(p, tile.src, ready_seen);
-    const int early = waiting ? min(k_tiles, Variant::kStages) : 0;
-    const typename Gemm::State first = stage;
-    const uint32_t base = ptx::smem_addr(smem);
-    for (int kt = 0; kt < early; ++kt, stage.advance()) {
-      if (!stages.producer_acquire(stage, p)) return false;  // the error word stops the consumers
-      load_b_slab<Gemm::kPanels>(Gemm::b_stage(base, stage.index()), p, job.gemm, cols, tile.local,
-                                 kt * Gemm::kBlockK, stages.producer_commit(stage, tx_bytes));
-    }
-    const bool ready = gemm2 ? wait_at_least(p.row_tile_done + job.row_tile, counts.tiles1, p, kPhaseIntermediate, p.rank)
-                             : wait_rows_ready(p, tile.src, ready_seen);
-    tma::fence_proxy_async_global();
-    ring.hand_over(slot, ready ? task : kTaskAbort);
-    if (!ready) return false;
-    typename Gemm::State at = first;
-    for (int kt = 0; kt < early; ++kt, at.advance())
-      load_a_slab<Variant::kRowBoxRows>(Gemm::a_stage(base, at.index()), p, job.gemm, a_row, a_boxes, kt * Gemm::kBlockK,
-                                        stages.full_barrier(at));
     auto load_slab = [&](uint32_t a_dst, uint32_t b_dst, int k0, uint32_t bar) {
       load_a_slab<Variant::kRowBoxRows>(a_dst, p, job.gemm, a_row, a_boxes, k0, bar);
       load_b_slab<Gemm::kPanels>(b_dst, p, job.gemm, cols, tile.local, k0, bar);
     };
     // the error word stops the consumers
-    if (!Gemm::produce_from(smem, stages, stage, early, k_tiles, tx_bytes, p, load_slab)) return false;
+    if (!Gemm::produce(smem, stages, stage, k_tiles, Gemm::stage_tx_bytes(a_boxes), p, load_slab)) return false;
   }
 }
 

@@ -162,11 +162,6 @@ __device__ void finish_gate_tile(const MoEParams& p, int tile, char* smem) {
     uint32_t taken = 0;  // bit i: expert lane + 32 i already chosen (E <= 1024)
     float chosen_sum = 0.f;
     const int token = first_token + row;
-    // Choice j's expert and probability stay with lane j (every lane holds each round's winner; k <=
-    // kMaxTopK = 32), which writes them once the sum is known: no store-then-reload through global memory.
-    static_assert(kMaxTopK <= 32, "one lane per choice");
-    float my_weight = 0.f;
-    int my_expert = 0;
     for (int j = 0; j < k; ++j) {
       float best = -INFINITY;
       int best_expert = INT_MAX;
@@ -179,16 +174,16 @@ __device__ void finish_gate_tile(const MoEParams& p, int tile, char* smem) {
       if (best_expert >= E) best_expert = j;  // only with non-finite logits, which the host reports
       if ((best_expert & 31) == lane) taken |= 1u << (best_expert >> 5);
       chosen_sum += best;
-      if (j == lane) {
-        my_weight = best;
-        my_expert = best_expert;
+      if (lane == 0) {
         choice[row * k + j] = best_expert;
+        p.topk_expert[static_cast<size_t>(token) * k + j] = best_expert;
+        p.topk_weight[static_cast<size_t>(token) * k + j] = best;  // normalised below
       }
     }
-    if (lane < k) {
+    __syncwarp();  // lane 0's weight stores are read back by the other lanes
+    if (p.normalize_topk && lane < k) {
       const size_t at = static_cast<size_t>(token) * k + lane;
-      p.topk_expert[at] = my_expert;
-      p.topk_weight[at] = p.normalize_topk ? my_weight / chosen_sum : my_weight;
+      p.topk_weight[at] = p.topk_weight[at] / chosen_sum;
     }
   }
   sync_workers();
@@ -222,34 +217,43 @@ __device__ void gate_tile(const MoEParams& p, int tile, char* smem, const SmemLa
 
 // The split tile's logits (rows x E, into `logits` with row stride `stride`) from the splits' partials
 // at `first`. A split's partials for the tile's rows are rows * E consecutive floats, 16-byte aligned
-// (the workspace region is, and a split's are 32 * E floats apart). Every element is summed in split
-// order from zero. In batches that fill `staging` (the gate pipeline's shared memory, idle by now: a
-// block has at most one split item), all workers first load every split's float4s of the batch together
-// (one memory round trip per batch), then each float is summed from shared memory: a decode tile's 32
-// splits are one round trip, where one thread per float4 waited for them four at a time. Not inlined:
-// the kernel's register allocation elsewhere (the training instance's epilogue) stays as it was.
+// (the workspace region is, and a split's are 32 * E floats apart): summed four at a time, four splits'
+// loads in flight, each element in split order (the scalar tail sums the same way). Not inlined: the
+// kernel's register allocation elsewhere (the training instance's epilogue) stays as it was.
 static __device__ __noinline__ void sum_gate_partials(const float* first, int splits, int rows, int E, float* logits,
-                                                      int stride, float4* staging, int staging_vectors) {
+                                                      int stride) {
   const size_t split_stride = static_cast<size_t>(kGateTileM) * E;
-  const int count = rows * E, vectors = count / 4;
+  const int count = rows * E;
+  constexpr int kBatch = 4;
   auto to_logits = [&](int i, float v) { logits[(i / E) * stride + i % E] = v; };
-  const int batch = max(1, min(vectors, staging_vectors / splits));
-  for (int v0 = 0; v0 < vectors; v0 += batch) {
-    const int n = min(batch, vectors - v0);
-    for (int f = threadIdx.x; f < splits * n; f += kThreads) {
-      const int s = f / n, v = f % n;
-      staging[f] = __ldcg(reinterpret_cast<const float4*>(first + s * split_stride) + v0 + v);
+  for (int q = threadIdx.x; q < count / 4; q += kThreads) {
+    float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+    int s = 0;
+    for (; s + kBatch <= splits; s += kBatch) {
+      float4 v[kBatch];
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) v[j] = __ldcg(reinterpret_cast<const float4*>(first + (s + j) * split_stride) + q);
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        sum.x += v[j].x;
+        sum.y += v[j].y;
+        sum.z += v[j].z;
+        sum.w += v[j].w;
+      }
     }
-    sync_workers();
-    for (int c = threadIdx.x; c < 4 * n; c += kThreads) {
-      const float* lane = reinterpret_cast<const float*>(staging) + c;  // float c % 4 of vector c / 4
-      float sum = 0.f;
-      for (int s = 0; s < splits; ++s) sum += lane[4 * s * n];
-      to_logits(4 * v0 + c, sum);
+    for (; s < splits; ++s) {
+      const float4 v = __ldcg(reinterpret_cast<const float4*>(first + s * split_stride) + q);
+      sum.x += v.x;
+      sum.y += v.y;
+      sum.z += v.z;
+      sum.w += v.w;
     }
-    sync_workers();
+    to_logits(4 * q, sum.x);
+    to_logits(4 * q + 1, sum.y);
+    to_logits(4 * q + 2, sum.z);
+    to_logits(4 * q + 3, sum.w);
   }
-  for (int i = vectors * 4 + threadIdx.x; i < count; i += kThreads) {
+  for (int i = count / 4 * 4 + threadIdx.x; i < count; i += kThreads) {
     float sum = 0.f;
     for (int s = 0; s < splits; ++s) sum += __ldcg(first + s * split_stride + i);
     to_logits(i, sum);
@@ -282,8 +286,7 @@ __device__ void gate_split_item(const MoEParams& p, int item, char* smem, const 
   if (!last_to_arrive) return;
   __threadfence();
   sum_gate_partials(p.gate_partial + static_cast<size_t>(tile) * splits * kGateTileM * E, splits, tile_tokens, E,
-                    gate_logits<STAGES>(smem), gate_logits_stride(E), reinterpret_cast<float4*>(smem),
-                    gate_pipeline_bytes(STAGES) / 16);
+                    gate_logits<STAGES>(smem), gate_logits_stride(E));
   sync_workers();
   finish_gate_tile<STAGES>(p, tile, smem);
 }

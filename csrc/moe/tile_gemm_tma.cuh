@@ -75,24 +75,19 @@ struct TmaTileGemm {
     wgmma::commit_group();
   }
 
-  // Producer lane: the tile's slabs first_tile .. k_tiles - 1 into the ring from position `at` on (advanced
-  // past them), each once the consumers released the stage. load(a_dst, b_dst, k0, bar) issues a slab's TMA
-  // loads, tx_bytes of them (stage_tx_bytes).
+  // Producer lane: the tile's k_tiles slabs into the ring from position `at` on (advanced past them),
+  // each once the consumers released the stage. load(a_dst, b_dst, k0, bar) issues a slab's TMA loads,
+  // tx_bytes of them (stage_tx_bytes).
   template <typename Params, typename Load>
-  __device__ static bool produce_from(char* smem, Pipeline& pipe, State& at, int first_tile, int k_tiles,
-                                      uint32_t tx_bytes, const Params& p, Load&& load) {
+  __device__ static bool produce(char* smem, Pipeline& pipe, State& at, int k_tiles, uint32_t tx_bytes,
+                                 const Params& p, Load&& load) {
     const uint32_t base = ptx::smem_addr(smem);
-    for (int kt = first_tile; kt < k_tiles; ++kt, at.advance()) {
+    for (int kt = 0; kt < k_tiles; ++kt, at.advance()) {
       if (!pipe.producer_acquire(at, p)) return false;
       const uint32_t full = pipe.producer_commit(at, tx_bytes);
       load(a_stage(base, at.index()), b_stage(base, at.index()), kt * kBlockK, full);
     }
     return true;
-  }
-  template <typename Params, typename Load>
-  __device__ static bool produce(char* smem, Pipeline& pipe, State& at, int k_tiles, uint32_t tx_bytes,
-                                 const Params& p, Load&& load) {
-    return produce_from(smem, pipe, at, 0, k_tiles, tx_bytes, p, load);
   }
 
   // Consumer warpgroups: the tile's k_tiles slabs from ring position `at` on (advanced past them);
