@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A/B of the forward kernel in one session: the working tree's csrc/ ("new", the default build cache)
+# A/B of the forward kernel in one run: the working tree's csrc/ ("new", the default build cache)
 # against another source tree ("base": AB_BASE, e.g. an earlier commit's csrc/ from `git archive`), built
 # into its own cache, timed in alternation by scripts/quick_time.py so that clock drift hits both alike.
 #   AB_BASE=/path/to/csrc AB_SHAPES="decode" AB_ROUNDS=2 bash scripts/forward_ab.sh
