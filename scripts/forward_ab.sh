@@ -6,10 +6,10 @@
 # Prints quick_time's rows prefixed by side and round.
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
+source "$(dirname "$0")/probe_build.sh"
 base=${AB_BASE:?AB_BASE: the other source tree}
 export FLASHDMOE_BUILD_JOBS=${FLASHDMOE_BUILD_JOBS:-16}
-FLASHDMOE_SOURCE_DIR=$base FLASHDMOE_CACHE_DIR=/tmp/ab_base_cache timeout 300 python3 -m flashdmoe build \
-  > /tmp/ab_base_build.log 2>&1 || { echo "base build failed"; tail -20 /tmp/ab_base_build.log; exit 1; }
+( build_tree ab_base "$base" ) || exit 1  # a subshell: its exports stay there
 timeout 300 python3 -m flashdmoe build > /tmp/ab_new_build.log 2>&1 || { echo "new build failed"; tail -20 /tmp/ab_new_build.log; exit 1; }
 for round in $(seq "${AB_ROUNDS:-2}"); do
   for side in base new; do

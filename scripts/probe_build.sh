@@ -5,8 +5,9 @@
 #
 # copies csrc/ to /tmp/probe_src_NAME, applies EDIT -- a Python expression over a file's text `s` (`re`
 # imported) -- to each of FILES (paths under csrc/), which must change one of them unless EDIT is `s`,
-# builds, and exports FLASHDMOE_SOURCE_DIR and FLASHDMOE_CACHE_DIR for the timing that follows. Returns
-# non-zero, saying why, when the edit matched nothing or the build failed (log: /tmp/probe_build_NAME.log).
+# builds (build_tree below), and exports FLASHDMOE_SOURCE_DIR and FLASHDMOE_CACHE_DIR for the timing that
+# follows. Returns non-zero, saying why, when the edit matched nothing or the build failed (log:
+# /tmp/probe_NAME_build.log).
 probe_build() {
   local name=$1 files=$2 edit=$3 src=/tmp/probe_src_$1
   rm -rf "$src" && cp -r csrc "$src"
@@ -21,7 +22,15 @@ for path in sys.argv[1:]:
     open(path, "w").write(t)
 assert edit == "s" or changed, "the edit matched nothing"
 PY
-  export FLASHDMOE_SOURCE_DIR=$src FLASHDMOE_CACHE_DIR=/tmp/probe_cache_$name
-  timeout 300 python3 -m flashdmoe build --verbose > "/tmp/probe_build_$name.log" 2>&1 \
-    || { echo "$name: build failed"; tail -20 "/tmp/probe_build_$name.log"; return 1; }
+  build_tree "probe_$name" "$src"
+}
+
+# build_tree NAME SRC: the kernel built from the source tree SRC into its own cache (/tmp/NAME_cache), with
+# FLASHDMOE_SOURCE_DIR and FLASHDMOE_CACHE_DIR exported for what runs next; non-zero, saying why, when the
+# build failed (log: /tmp/NAME_build.log).
+build_tree() {
+  local name=$1 src=$2
+  export FLASHDMOE_SOURCE_DIR=$src FLASHDMOE_CACHE_DIR=/tmp/${name}_cache
+  timeout 300 python3 -m flashdmoe build --verbose > "/tmp/${name}_build.log" 2>&1 \
+    || { echo "$name: build failed"; tail -20 "/tmp/${name}_build.log"; return 1; }
 }

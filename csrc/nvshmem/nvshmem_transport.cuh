@@ -67,8 +67,8 @@ struct NvshmemTransport {
       if (owner == p.rank) continue;
       if (via_nvshmem(p, owner)) {
         for (int local = 0; local < L; ++local)
-          peer_words::set(p, owner, signal_count(L, p.rank, local),
-                          static_cast<uint32_t>(__ldcg(p.expert_kept + owner * L + local)));
+          nvshmem_uint32_p(own_signal(p, signal_count(L, p.rank, local)),
+                           static_cast<uint32_t>(__ldcg(p.expert_kept + owner * L + local)), owner);
         nvshmem_fence();  // the counts land before their flag
       }
       peer_words::raise(p, owner, signal_counts_flag(P, L, p.rank), p.sequence);
