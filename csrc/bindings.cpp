@@ -252,9 +252,9 @@ py::dict fused_backward_layout_dict(int tokens, int hidden, int ffn, int experts
   return out;
 }
 
-// The backward's row exchange across a team (backward/expert_grad.h EpRowsArgs), `args` naming every
-// field (pointers as integers, 0 for null); records `status_event` (0: none) behind the launch.
-py::tuple ep_rows(const py::dict& args, uintptr_t stream, uintptr_t status_event) {
+// One rank's arguments of the backward's row exchange (backward/expert_grad.h EpRowsArgs), `args` naming
+// every field (pointers as integers, 0 for null).
+EpRowsArgs ep_rows_args(const py::dict& args) {
   EpRowsArgs a{};
   a.direction = get<int>(args, "direction");
   a.rank = get<int>(args, "rank");
@@ -292,8 +292,20 @@ py::tuple ep_rows(const py::dict& args, uintptr_t stream, uintptr_t status_event
   a.timeout_ns = get<uint64_t>(args, "timeout_ns");
   a.debug_withhold_phase = get<int>(args, "debug_withhold_phase");
   a.grid_percent = get<int>(args, "grid_percent");
+  return a;
+}
+
+// The exchange for one rank (`args` a dict) or for every rank of an emulated team in one launch (a list of
+// dicts, rank order); records `status_event` (0: none) behind the launch.
+py::tuple ep_rows(const py::object& args, uintptr_t stream, uintptr_t status_event) {
+  std::vector<EpRowsArgs> ranks;
+  if (py::isinstance<py::dict>(args)) {
+    ranks.push_back(ep_rows_args(args.cast<py::dict>()));
+  } else {
+    for (const py::handle item : args.cast<py::list>()) ranks.push_back(ep_rows_args(item.cast<py::dict>()));
+  }
   const auto cuda_stream = reinterpret_cast<cudaStream_t>(stream);
-  return launch_and_record([&] { return launch_ep_rows(a, cuda_stream); }, cuda_stream, status_event);
+  return launch_and_record([&] { return launch_ep_rows(ranks, cuda_stream); }, cuda_stream, status_event);
 }
 
 }  // namespace
@@ -343,7 +355,8 @@ PYBIND11_MODULE(flashdmoe_cuda, m) {
         "blocks_per_sm, smem_bytes).",
         py::arg("args"), py::arg("stream"), py::arg("status_event"));
   m.def("ep_rows", &ep_rows,
-        "The backward's row exchange across a team (one cooperative launch on `stream`); returns "
+        "The backward's row exchange: one rank (a dict) or every rank of an emulated team (a list of dicts, rank "
+        "order) in one cooperative launch on `stream`; returns "
         "(grid, blocks_per_sm, smem_bytes).",
         py::arg("args"), py::arg("stream"), py::arg("status_event"));
   m.def("ep_rows_sync_bytes", &ep_rows_sync_bytes);

@@ -512,16 +512,23 @@ def _accumulate(total: torch.Tensor | None, part: torch.Tensor | None) -> torch.
 
 class _FusedMoEEmulated(torch.autograd.Function):
     """P virtual ranks in one launch. Inputs after the options: router_weight, xs (P), w1s (P), w2s (P);
-    outputs: ys (P). Backward: each rank's gradients against the concatenated experts (the emulated team
-    holds every shard in this process) by :func:`flashdmoe.expert_backward.expert_backward`, summed over
-    ranks in rank order."""
+    outputs: ys (P). Backward: on the device exchange (:func:`flashdmoe.ep_backward.emulated_backward`:
+    every rank's rows to the owners and back by the exchange kernel, all ranks in each launch), else
+    (``ep_backward.unsupported``, or ``FLASHDMOE_TEAM_BACKWARD=torch``) each rank's gradients against the
+    concatenated experts (the emulated team holds every shard in this process) by
+    :func:`flashdmoe.expert_backward.expert_backward`, summed over ranks in rank order."""
 
     @staticmethod
     def forward(ctx, team, options, routing_out, router_weight, *tensors):
+        from flashdmoe import ep_backward
+
         P = team.world_size
         xs, w1s, w2s = tensors[:P], tensors[P:2 * P], tensors[2 * P:]
         results = run_forward(list(xs), router_weight, list(w1s), list(w2s), team=team, **options)
         routing_out.extend(routing for _, routing in results)
+        ctx.counts = None
+        if any(ctx.needs_input_grad[3:]) and debug.team_backward != "torch" and not ep_backward.unsupported(team, xs[0]):
+            ctx.counts = [ep_backward.ForwardCounts(team, routing, local=r) for r, (_, routing) in enumerate(results)]
         ctx.world_size = P
         ctx.team = team
         ctx.options = (options["activation"], options["normalize_topk"], options["top_k"], options["capacity_factor"])
@@ -541,6 +548,17 @@ class _FusedMoEEmulated(torch.autograd.Function):
         needs = ctx.needs_input_grad[3:]
         xs, w1s, w2s = tensors[:P], tensors[P:2 * P], tensors[2 * P:]
         need_w1, need_w2 = any(needs[1 + P:1 + 2 * P]), any(needs[1 + 2 * P:])
+        if ctx.counts is not None:
+            from flashdmoe import ep_backward
+
+            # every rank takes part in every exchange, an unused output with a zero gradient
+            full = [dy if dy is not None else torch.zeros_like(x) for dy, x in zip(dys, xs)]
+            dxs, d_router, dw1s, dw2s = ep_backward.emulated_backward(
+                ctx.team, list(xs), router_weight, list(w1s), list(w2s), list(experts), list(weights), list(rows),
+                full, ctx.counts, activation=activation, normalize_topk=normalize_topk,
+                needs=(any(needs[1:1 + P]), needs[0], need_w1, need_w2))
+            out = [g if need else None for g, need in zip([d_router, *dxs, *dw1s, *dw2s], needs)]
+            return (None, None, None, *out)
         w1_all, w2_all = torch.cat(w1s), torch.cat(w2s)
         E = w1_all.shape[0]
         d_router = d_w1 = d_w2 = None

@@ -62,19 +62,25 @@ from flashdmoe.launch_knobs import debug, timeout_ms
 from flashdmoe.launch_report import LaunchReport, LaunchShape, status_layout
 from flashdmoe.workspace_pool import WorkspacePool
 
-__all__ = ["ForwardCounts", "OwnerLayout", "exchange_traffic", "forward_count_words", "owner_layout", "team_backward",
-           "unsupported"]
+__all__ = ["ForwardCounts", "OwnerLayout", "emulated_backward", "exchange_traffic", "forward_count_words",
+           "owner_layout", "team_backward", "unsupported"]
 
 _pool = WorkspacePool()
 TO_OWNERS, BACK_TO_SOURCES, SUM_OVER_RANKS = 0, 1, 2
 
 
 def unsupported(team, x: torch.Tensor) -> str:
-    """'' when :func:`team_backward` runs this team's backward, else why not."""
-    if getattr(team, "transport", None) != "nvshmem":
-        return "the device exchange is for NVSHMEM teams (one process per rank)"
+    """'' when :func:`team_backward` (a process of an NVSHMEM team) or :func:`emulated_backward` (an
+    emulated team) runs this team's backward, else why not."""
+    transport = getattr(team, "transport", None)
+    if transport not in ("nvshmem", "emulated"):
+        return "the device exchange is for NVSHMEM and emulated teams"
     if x.device.type != "cuda" or x.dtype not in (torch.bfloat16, torch.float16):
         return f"the device exchange takes bfloat16 / float16 on CUDA, not {x.dtype} on {x.device.type}"
+    if transport == "emulated":
+        from flashdmoe import extension
+
+        return extension.unavailable_reason() or ""
     own = team.buffers[0]
     puts = _put_peers(team)
     missing = [q for q, address in enumerate(own.mapped_signals) if address is None and q not in puts]
@@ -97,10 +103,11 @@ def _put_peers(team) -> list[int]:
     return [q for q, kind in enumerate(getattr(team, "peer_transports", None) or ()) if kind == "nvshmem"]
 
 
-def _exchange_peers(team) -> dict:
-    """The exchange's peer table: a peer's mapped buffers, or for a peer reached by puts this rank's own
-    addresses (its own signal words are the kernel's mark of such a peer, as in the forward's table)."""
-    own = team.buffers[0]
+def _exchange_peers(team, local: int = 0) -> dict:
+    """The exchange's peer table of the rank held in ``team.buffers[local]``: a peer's mapped buffers, or
+    for a peer reached by puts this rank's own addresses (its own signal words are the kernel's mark of
+    such a peer, as in the forward's table)."""
+    own = team.buffers[local]
     puts = set(_put_peers(team))
     mine = (own.recv.data_ptr(), own.comb.data_ptr(), own.signals.data_ptr())
     table = {"peer_recv": [], "peer_comb": [], "peer_signals": []}
@@ -190,15 +197,16 @@ def exchange_traffic(team) -> dict[str, int] | None:
     return total
 
 
-def forward_count_words(team, routing) -> torch.Tensor:
+def forward_count_words(team, routing, local: int = 0) -> torch.Tensor:
     """``[P, L]`` int32 on the team's device, as the forward that produced ``routing`` (its ``expert`` and
     ``row`` ``[T, k]``) left them: rows source ``q`` sent this rank for local expert ``l``. A team's forward
     kernel writes every source's count words, its own included; a one-rank team's launch publishes none,
-    so there they are counted from the routing (kept choices: ``row >= 0``)."""
+    so there they are counted from the routing (kept choices: ``row >= 0``). ``local``: which of the
+    buffers this process holds (an emulated team's rank; 0 for a process of a team)."""
     plan = team.plan
     P, L = plan.world_size, plan.local_experts
     if P > 1:
-        return team.buffers[0].signals[:P * L].view(P, L)
+        return team.buffers[local].signals[:P * L].view(P, L)
     expert, row = routing.expert.reshape(-1).long(), routing.row.reshape(-1)
     words = torch.zeros(1, L, dtype=torch.int32, device=expert.device)
     words[0].scatter_add_(0, expert.clamp(0, L - 1), (row >= 0).to(torch.int32))
@@ -211,8 +219,8 @@ class ForwardCounts:
     source's, its own included); the copy is queued behind it, and :meth:`get` waits only for that copy,
     so a backward that runs after the forward has finished (every layer's but the last) does not wait."""
 
-    def __init__(self, team, routing) -> None:
-        words = forward_count_words(team, routing)
+    def __init__(self, team, routing, local: int = 0) -> None:
+        words = forward_count_words(team, routing, local)
         self._host = torch.empty(words.shape, dtype=torch.int32, pin_memory=True)
         self._host.copy_(words, non_blocking=True)
         self._done = torch.cuda.Event()
@@ -223,28 +231,50 @@ class ForwardCounts:
         return self._host
 
 
-def _launch(ext, team, args: dict, device: torch.device, what_tokens: int) -> LaunchReport:
-    """One launch of the row exchange on the current stream, recorded like a forward's (its error surfaces
-    where a forward's does; :func:`status_checks.settle` waits for it)."""
+def _launch(ext, team, rank_args: list[dict], device: torch.device, what_tokens: tuple[int, ...]) -> LaunchReport:
+    """One launch of the row exchange on the current stream for the ranks this process drives (one, or an
+    emulated team's every rank), recorded like a forward's (its error surfaces where a forward's does;
+    :func:`status_checks.settle` waits for it)."""
     index = device.index
     status_checks.before_launch(index, None, False)
     stream = torch._C._cuda_getCurrentRawStream(index)
     sync_bytes = ext.ep_rows_sync_bytes()
-    args["sync"] = _pool.address(device, index, stream, sync_bytes, sync_bytes)
+    stride = -(-sync_bytes // 256) * 256
+    sync = _pool.address(device, index, stream, stride, sync_bytes, len(rank_args))
     slot = status_checks.claim_slot(index, False)
-    args["status_host"] = slot.address
+    status = status_layout()
+    for i, args in enumerate(rank_args):
+        args["sync"] = sync + i * stride
+        args["status_host"] = slot.address + i * status.bytes
     try:
-        info = ext.ep_rows(args, stream, slot.event.handle)
+        info = ext.ep_rows(rank_args[0] if len(rank_args) == 1 else rank_args, stream, slot.event.handle)
     except Exception:
         slot.give_back()
         raise
     plan = team.plan
-    shape = LaunchShape((team.rank,), (what_tokens,), plan.local_experts, plan.hidden * plan.element_bytes,
-                        timeout_ms())
-    report = LaunchReport(shape, status_checks.next_launch_id(), index, info, status_layout(), slot.view[:status_layout().bytes],
-                          slot.event, slot.give_back, False, team=team)
+    shape = LaunchShape(tuple(args["rank"] for args in rank_args), what_tokens, plan.local_experts,
+                        plan.hidden * plan.element_bytes, timeout_ms())
+    report = LaunchReport(shape, status_checks.next_launch_id(), index, info, status,
+                          slot.view[:len(rank_args) * status.bytes], slot.event, slot.give_back, False, team=team)
     status_checks.launched(report, slot, team, forward=False)
     return report
+
+
+class _Local(NamedTuple):
+    """One rank this process drives in a backward (a process of a team drives one, an emulated team all):
+    ``local`` indexes ``team.buffers``; its tokens' ``x`` / ``dy`` ``[T, H]``, its routing ``expert`` / ``row``
+    (int32) and ``weight`` (float32) ``[T, k]``, its experts' ``w1`` / ``w2`` and its forward's counts."""
+
+    local: int
+    rank: int
+    x: torch.Tensor
+    dy: torch.Tensor
+    expert: torch.Tensor
+    row: torch.Tensor
+    weight: torch.Tensor
+    w1: torch.Tensor
+    w2: torch.Tensor
+    counts: "ForwardCounts"
 
 
 def team_backward(team, x: torch.Tensor, router_weight: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
@@ -263,107 +293,158 @@ def team_backward(team, x: torch.Tensor, router_weight: torch.Tensor, w1: torch.
     for the forward's counts): a peer that never sends surfaces as ``KernelTimeout`` (team marked failed)
     at the team's next use, :func:`flashdmoe.check_errors` or :func:`flashdmoe.synchronize`.
     """
+    local = _Local(0, team.rank, x, dy, expert, row, weight, w1, w2, counts)
+    (dx,), d_router, (dw1,), (dw2,) = _backward(team, [local], router_weight, activation=activation,
+                                                normalize_topk=normalize_topk, needs=needs)
+    return dx, d_router, dw1, dw2
+
+
+def emulated_backward(team, xs, router_weight: torch.Tensor, w1s, w2s, experts, weights, rows, dys, counts, *,
+                      activation: str, normalize_topk: bool, needs=(True, True, True, True)):
+    """Every rank's gradients of an emulated team's layer (:meth:`flashdmoe.Team.emulated`), by the same
+    steps as :func:`team_backward`, each of the exchange's launches running all ``P`` ranks side by side
+    (their flags waited for within the launch, with the same sequence numbers and watchdog).
+
+    Per rank ``r`` (lists of ``P``): xs[r], dys[r] ``[T_r, H]``; w1s[r], w2s[r] its experts; experts[r],
+    rows[r] ``[T_r, k]`` int32 and weights[r] float32: its forward's routing; counts[r]: its
+    :class:`ForwardCounts` (``local=r``). Returns ``(dxs, d_router, dw1s, dw2s)``: lists of ``P`` (None
+    where ``needs`` says so), ``d_router`` the sum over ranks in rank order."""
+    locals_ = [_Local(r, r, xs[r], dys[r], experts[r], rows[r], weights[r], w1s[r], w2s[r], counts[r])
+               for r in range(team.world_size)]
+    return _backward(team, locals_, router_weight, activation=activation, normalize_topk=normalize_topk, needs=needs)
+
+
+def _backward(team, locals_: list[_Local], router_weight: torch.Tensor, *, activation: str, normalize_topk: bool,
+              needs) -> tuple[list, torch.Tensor | None, list, list]:
+    """The steps of :func:`team_backward` for the ranks this process drives; returns lists over them."""
     from flashdmoe import extension
 
     ext = extension.loaded()
-    plan, rank, P = team.plan, team.rank, team.world_size
+    plan, P = team.plan, team.world_size
     L, S, H = plan.local_experts, plan.stream_rows, plan.hidden
-    tokens, top_k = expert.shape
     E = router_weight.shape[0]
-    device, dtype = x.device, x.dtype
+    device, dtype = locals_[0].x.device, locals_[0].x.dtype
     need_dx, need_router, need_dw1, need_dw2 = needs
-    own = team.buffers[0]
-    peers = _exchange_peers(team)
-    puts = "stage" in peers
-    signals = own.signals
     staged = P * S
-    recv = own.recv[:staged * H * plan.element_bytes].view(dtype).view(staged, H)
-    comb = own.comb[:staged * H * plan.element_bytes].view(dtype).view(staged, H)
-    row_words = signals[plan.backward_word("row_word", 0, 0):plan.backward_word("row_word", P, 0)]
-    common = {"rank": rank, "world_size": P, "local_experts": L, "stream_rows": S, "hidden": H,
-              "element_bytes": plan.element_bytes, "silent": rank == debug.silent_rank,
-              "timeout_ns": timeout_ms() * 1_000_000, "debug_withhold_phase": int(debug.withhold_phase),
-              "grid_percent": _grid_percent(), **peers}
-
-    # 1. rows and weights to the owners, in each owner's packed order (the host knows this rank's own
-    # packed order from the forward's counts: no wait for this launch)
-    layout = owner_layout(counts.get(), S, device)
-    index, rows, place = layout.index, int(layout.index.numel()), layout.place
     sequence = team.next_backward_sequence()
-    expert32 = expert.to(torch.int32).contiguous()
-    row32 = row.to(torch.int32).contiguous()
-    dy16 = dy.to(dtype).contiguous()
-    xc = x.contiguous()
-    weight32 = weight.to(torch.float32).contiguous()
-    out_args = {**common, "direction": TO_OWNERS, "sequence": sequence, "tokens": tokens, "top_k": top_k,
-                "x": xc.data_ptr(), "dy": dy16.data_ptr(), "expert": expert32.data_ptr(), "row": row32.data_ptr(),
-                "weight": weight32.data_ptr(), "place": place.data_ptr(),
-                "rows": 0, "received": 0, "dx_rows": 0, "dweight_row": 0}
-    if puts:
-        sent = sent_runs(expert32, row32, P, L)
-        out_args["sent"] = sent.data_ptr()
-    reports = [_launch(ext, team, out_args, device, tokens)]
+    common_all = {"world_size": P, "local_experts": L, "stream_rows": S, "hidden": H,
+                  "element_bytes": plan.element_bytes, "timeout_ns": timeout_ms() * 1_000_000,
+                  "debug_withhold_phase": int(debug.withhold_phase), "grid_percent": _grid_percent(),
+                  "sequence": sequence}
+    ranks = []
+    for loc in locals_:
+        own = team.buffers[loc.local]
+        peers = _exchange_peers(team, loc.local)
+        tokens, top_k = loc.expert.shape
+        ranks.append({
+            "loc": loc, "tokens": tokens, "top_k": top_k, "puts": "stage" in peers,
+            "common": {**common_all, "rank": loc.rank, "silent": loc.rank == debug.silent_rank, **peers},
+            "recv": own.recv[:staged * H * plan.element_bytes].view(dtype).view(staged, H),
+            "comb": own.comb[:staged * H * plan.element_bytes].view(dtype).view(staged, H),
+            "row_words": own.signals[plan.backward_word("row_word", 0, 0):plan.backward_word("row_word", P, 0)],
+            # the host knows each rank's packed order from the forward's counts: no wait for the launches
+            "layout": owner_layout(loc.counts.get(), S, device),
+            "expert32": loc.expert.to(torch.int32).contiguous(), "row32": loc.row.to(torch.int32).contiguous(),
+            "dy16": loc.dy.to(dtype).contiguous(), "xc": loc.x.contiguous(),
+            "weight32": loc.weight.to(torch.float32).contiguous(),
+        })
 
-    # 2. this rank's experts on the rows it received, as they lie
-    dweight_row, dx_rows, dw1, dw2 = packed_row_grads(
-        recv[:rows], comb[:rows], row_words[:rows].view(torch.float32), layout.per_expert, w1, w2,
-        activation=activation, need_dw1=need_dw1, need_dw2=need_dw2)
+    # 1. rows and weights to the owners, in each owner's packed order
+    out_args = []
+    for r in ranks:
+        args = {**r["common"], "direction": TO_OWNERS, "tokens": r["tokens"], "top_k": r["top_k"],
+                "x": r["xc"].data_ptr(), "dy": r["dy16"].data_ptr(), "expert": r["expert32"].data_ptr(),
+                "row": r["row32"].data_ptr(), "weight": r["weight32"].data_ptr(),
+                "place": r["layout"].place.data_ptr(), "rows": 0, "received": 0, "dx_rows": 0, "dweight_row": 0}
+        if r["puts"]:
+            r["sent"] = sent_runs(r["expert32"], r["row32"], P, L)
+            args["sent"] = r["sent"].data_ptr()
+        out_args.append(args)
+    reports = [_launch(ext, team, out_args, device, tuple(r["tokens"] for r in ranks))]
+
+    # 2. each rank's experts on the rows it received, as they lie
+    for r in ranks:
+        n = int(r["layout"].index.numel())
+        r["rows"] = n
+        r["dweight_row"], r["dx_rows"], r["dw1"], r["dw2"] = packed_row_grads(
+            r["recv"][:n], r["comb"][:n], r["row_words"][:n].view(torch.float32), r["layout"].per_expert,
+            r["loc"].w1, r["loc"].w2, activation=activation, need_dw1=need_dw1, need_dw2=need_dw2)
 
     # 3. each received row's dx share and weight gradient back to its source
-    received32 = index.to(torch.int32)
-    back_args = {**common, "direction": BACK_TO_SOURCES, "sequence": sequence, "tokens": 0, "top_k": top_k,
-                 "x": 0, "dy": 0, "expert": 0, "row": 0, "weight": 0, "place": 0,
-                 "rows": rows, "received": received32.data_ptr(),
-                 "dx_rows": dx_rows.data_ptr() if dx_rows.numel() else 0,
-                 "dweight_row": dweight_row.data_ptr() if dweight_row.numel() else 0,
-                 "from_rows": layout.from_rows.data_ptr()}
-    back = _launch(ext, team, back_args, device, rows)
+    back_args = []
+    for r in ranks:
+        r["received32"] = r["layout"].index.to(torch.int32)
+        back_args.append({**r["common"], "direction": BACK_TO_SOURCES, "tokens": 0, "top_k": r["top_k"],
+                          "x": 0, "dy": 0, "expert": 0, "row": 0, "weight": 0, "place": 0,
+                          "rows": r["rows"], "received": r["received32"].data_ptr(),
+                          "dx_rows": r["dx_rows"].data_ptr() if r["dx_rows"].numel() else 0,
+                          "dweight_row": r["dweight_row"].data_ptr() if r["dweight_row"].numel() else 0,
+                          "from_rows": r["layout"].from_rows.data_ptr()})
+    back = _launch(ext, team, back_args, device, tuple(r["rows"] for r in ranks))
     reports.append(back)
 
-    # 4. this rank's tokens: the router's gradient and dx (stream-ordered after step 3's launch, which ends
-    # once every owner's rows are here), then d_router summed over the ranks
+    # 4. each rank's tokens: the router's gradient and dx (stream-ordered after step 3's launch, which ends
+    # once every owner's rows are here)
+    shares, dxs = [], []
+    for r in ranks:
+        dx, share = _tokens_grads(ext, r, router_weight, P, L, S, E, H, dtype, device, normalize_topk, need_dx)
+        dxs.append(dx)
+        shares.append(share)
+    # 5. d_router summed over the ranks; every rank joins, whatever it needs itself
+    d_router = _sum_over_ranks(ext, team, ranks, shares, back, device, reports)
+    team.backward_reports = tuple(reports)
+    return (dxs, d_router.to(router_weight.dtype) if need_router else None,
+            [r["dw1"] if need_dw1 else None for r in ranks], [r["dw2"] if need_dw2 else None for r in ranks])
+
+
+def _tokens_grads(ext, r: dict, router_weight, P, L, S, E, H, dtype, device, normalize_topk, need_dx):
+    """One rank's dx (its tokens' dx rows, where step 3 left them in its comb regions, summed in choice order,
+    plus the router's term) and its float32 share of d_router."""
+    tokens, top_k = r["tokens"], r["top_k"]
+    expert32, row32, xc = r["expert32"], r["row32"], r["xc"]
     owner = expert32.long().div(L, rounding_mode="floor").clamp(0, P - 1)
     staged_row = torch.where(row32 >= 0, (owner * S + row32.long()).to(torch.int32), -1).contiguous()
-    d_router_part = torch.zeros(E, H, dtype=torch.float32, device=device)
+    if not tokens:
+        return (xc.new_zeros(0, H) if need_dx else None), torch.zeros(E, H, dtype=torch.float32, device=device)
+    stream = torch.cuda.current_stream(device).cuda_stream
+    logits = torch.mm(xc, router_weight.t(), out_dtype=torch.float32)
+    dlogits = torch.empty(tokens, E, dtype=dtype, device=device)
+    weight_grads = r["row_words"].view(torch.float32)
+    ext.router_grad(DTYPE_CODES[dtype], logits.data_ptr(), expert32.data_ptr(), staged_row.data_ptr(),
+                    weight_grads.data_ptr(), dlogits.data_ptr(), tokens, top_k, E, normalize_topk, stream)
+    share = torch.mm(dlogits.t(), xc, out_dtype=torch.float32)
     dx = None
-    if tokens:
-        stream = torch.cuda.current_stream(device).cuda_stream
-        logits = torch.mm(xc, router_weight.t(), out_dtype=torch.float32)
-        dlogits = torch.empty(tokens, E, dtype=dtype, device=device)
-        weight_grads = row_words.view(torch.float32)
-        ext.router_grad(DTYPE_CODES[dtype], logits.data_ptr(), expert32.data_ptr(), staged_row.data_ptr(),
-                        weight_grads.data_ptr(), dlogits.data_ptr(), tokens, top_k, E, normalize_topk, stream)
-        d_router_part = torch.mm(dlogits.t(), xc, out_dtype=torch.float32)
-        if need_dx:
-            dx_router = torch.mm(dlogits, router_weight, out_dtype=torch.float32)
-            dx = torch.empty_like(xc)
-            ext.combine_grad(DTYPE_CODES[dtype], comb.data_ptr(), staged_row.data_ptr(), dx_router.data_ptr(),
-                             dx.data_ptr(), tokens, top_k, H, stream)
-    elif need_dx:
-        dx = xc.new_zeros(0, H)
-    # every rank joins the sum, whatever it needs itself
-    d_router = _sum_over_ranks(ext, team, common, sequence, d_router_part, back, device, reports)
-    team.backward_reports = tuple(reports)
-    return (dx, d_router.to(router_weight.dtype) if need_router else None, dw1 if need_dw1 else None,
-            dw2 if need_dw2 else None)
+    if need_dx:
+        dx_router = torch.mm(dlogits, router_weight, out_dtype=torch.float32)
+        dx = torch.empty_like(xc)
+        ext.combine_grad(DTYPE_CODES[dtype], r["comb"].data_ptr(), staged_row.data_ptr(), dx_router.data_ptr(),
+                         dx.data_ptr(), tokens, top_k, H, stream)
+    return dx, share
 
 
-def _sum_over_ranks(ext, team, common: dict, sequence: int, share: torch.Tensor, back: LaunchReport,
+def _sum_over_ranks(ext, team, ranks: list[dict], shares: list[torch.Tensor], back: LaunchReport,
                     device: torch.device, reports: list) -> torch.Tensor:
-    """The sum over the team's ranks of each rank's float32 ``share`` in rank order (the same bits on every
-    rank): the exchange's third direction, staged in the peers' ``comb`` regions, where it fits one region;
-    else :meth:`PeerExchange.all_reduce_sum` (host-launched copies between team barriers, which wait
-    without a watchdog: the step before is checked first, so a rank that timed out raises instead of
-    leaving its peers in a barrier)."""
+    """The sum over the team's ranks of each rank's float32 share in rank order (the same bits on every
+    rank): the exchange's third direction, staged in the peers' ``comb`` regions, where it fits one region.
+    Else an emulated team (every share here) adds them in rank order, and a process of a team uses
+    :meth:`PeerExchange.all_reduce_sum` (host-launched copies between team barriers, which wait without a
+    watchdog: the step before is checked first, so a rank that timed out raises instead of leaving its
+    peers in a barrier)."""
     plan = team.plan
-    share = share.contiguous()
-    n = share.numel()
+    shares = [share.contiguous() for share in shares]
+    n = shares[0].numel()
     if n % 4 == 0 and n * 4 <= plan.stream_rows * plan.hidden * plan.element_bytes:
-        total = torch.empty_like(share)
-        args = {**common, "direction": SUM_OVER_RANKS, "sequence": sequence, "tokens": 0, "top_k": 1,
-                "x": 0, "dy": 0, "expert": 0, "row": 0, "weight": 0, "place": 0, "rows": 0, "received": 0,
-                "dx_rows": 0, "dweight_row": 0, "n": n, "share": share.data_ptr(), "sum": total.data_ptr()}
-        reports.append(_launch(ext, team, args, device, 0))
+        totals = [torch.empty_like(share) for share in shares]
+        args = [{**r["common"], "direction": SUM_OVER_RANKS, "tokens": 0, "top_k": 1,
+                 "x": 0, "dy": 0, "expert": 0, "row": 0, "weight": 0, "place": 0, "rows": 0, "received": 0,
+                 "dx_rows": 0, "dweight_row": 0, "n": n, "share": share.data_ptr(), "sum": total.data_ptr()}
+                for r, share, total in zip(ranks, shares, totals)]
+        reports.append(_launch(ext, team, args, device, tuple(0 for _ in ranks)))
+        return totals[0]
+    if len(ranks) == team.world_size:  # every rank here: the sum in rank order
+        total = shares[0].clone()
+        for share in shares[1:]:
+            total += share
         return total
     if _put_peers(team):
         raise ValueError(
@@ -371,7 +452,7 @@ def _sum_over_ranks(ext, team, common: dict, sequence: int, share: torch.Tensor,
             "bytes, or n is not a multiple of 4), and a team with NVSHMEM peers has no other way to sum them; "
             "make the team with a larger max_tokens")
     status_checks.settle(back)
-    return PeerExchange.from_team(team).all_reduce_sum(share)
+    return PeerExchange.from_team(team).all_reduce_sum(shares[0])
 
 
 def _grid_percent() -> int:

@@ -278,10 +278,11 @@ class Team:
                 comb=torch.empty(plan.data_bytes, dtype=torch.uint8, device=device),
                 signals=signal_block[r * stride:r * stride + plan.signal_words],
             ))
-        for own in buffers:
-            own.peer_recv = [b.recv.data_ptr() for b in buffers]
-            own.peer_comb = [b.comb.data_ptr() for b in buffers]
-            own.peer_signals = [b.signals.data_ptr() for b in buffers]
+        recv, comb = [b.recv.data_ptr() for b in buffers], [b.comb.data_ptr() for b in buffers]
+        signals = [b.signals.data_ptr() for b in buffers]
+        for own in buffers:  # every rank maps every other (one process, one GPU)
+            own.peer_recv, own.peer_comb, own.peer_signals = list(recv), list(comb), list(signals)
+            own.mapped_recv, own.mapped_comb, own.mapped_signals = list(recv), list(comb), list(signals)
         return cls("emulated", 0, world_size, plan, buffers, device, signal_block)
 
     @staticmethod

@@ -170,8 +170,15 @@ def test_backward_words_follow_the_forward_words_without_overlap(P, L, S):
         plan.backward_word("flags", 0, 0)
 
 
-def test_the_device_exchange_is_for_nvshmem_teams_only():
-    assert "NVSHMEM teams" in unsupported(Team.single(), torch.zeros(1, 8))
+def test_the_device_exchange_is_for_nvshmem_and_emulated_teams_only():
+    assert "NVSHMEM and emulated teams" in unsupported(Team.single(), torch.zeros(1, 8))
+
+
+def test_the_emulated_exchange_takes_16_bit_cuda_tensors():
+    class Emulated:  # what unsupported() reads of a team
+        transport = "emulated"
+
+    assert "bfloat16 / float16 on CUDA" in unsupported(Emulated(), torch.zeros(1, 8, dtype=torch.bfloat16))
 
 
 @requires_gpu

@@ -241,6 +241,9 @@ def test_emulated_team_buffers_and_peer_tables():
         assert own.peer_recv == [b.recv.data_ptr() for b in team.buffers]
         assert own.peer_comb == [b.comb.data_ptr() for b in team.buffers]
         assert own.peer_signals == [b.signals.data_ptr() for b in team.buffers]
+        # ...and maps them for load/store (the backward's exchange reads these tables)
+        assert (own.mapped_recv, own.mapped_comb, own.mapped_signals) == (own.peer_recv, own.peer_comb,
+                                                                          own.peer_signals)
         # region q of recv = rows from source q, [stream_rows, H] in the token dtype
         assert own.recv.view(torch.bfloat16).view(P, p.stream_rows, p.hidden).shape == (P, 100, 128)
     addresses = [b.recv.data_ptr() for b in team.buffers] + [b.comb.data_ptr() for b in team.buffers]

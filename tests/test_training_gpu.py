@@ -10,6 +10,8 @@
   reference backend's loss curve within the band of tests/training_checks.py, learns, and repeats bitwise.
 - A rank that times out in an emulated team's forward makes the backward raise ``KernelTimeout`` naming
   every rank, produce no gradient, and fail the team; a new team works.
+- An emulated team's backward moves its rows by the exchange kernel (bytes both ways, every rank of a
+  direction in one launch); a rank silent in it makes ``KernelTimeout`` name every rank and fails the team.
 
 The tests marked ``gpu`` need a Hopper GPU; the unmarked ones check the sweep itself on the CPU
 (tests/test_training.py runs the same checks on the reference backend).
@@ -240,9 +242,9 @@ def test_emulated_team_gradients_against_float64_oracle(fused, P, tokens, H, I, 
 @pytest.mark.gpu
 @pytest.mark.parametrize("P,silent", [(2, 1), (3, 0), (4, 2)])
 def test_backward_after_a_timed_out_forward_raises_on_every_rank(fused, P, silent):
-    """The backward has no wait of its own yet (it runs torch ops after checking the forward's launch): the
-    timeout is forced in the forward it depends on (a rank that publishes no signal), with the default
-    deferred checks, so that the forward returns and the backward is where it surfaces."""
+    """A timeout forced in the forward (a rank that publishes no signal), with the default deferred checks:
+    the forward returns, and the backward, which checks the forward's launch before it starts, is where it
+    surfaces (a silent rank in the backward itself: the test below)."""
     config, xs, router_weight, w1s, w2s, dys = emulated_problem(P, (256,) * P, 128, 128, 2, 2, "gelu", True, None,
                                                                 0.0, torch.bfloat16)
     team = Team.emulated(P, max_tokens=256, hidden=128, top_k=2, local_experts=2, dtype=torch.bfloat16)
@@ -274,3 +276,58 @@ def test_backward_after_a_timed_out_forward_raises_on_every_rank(fused, P, silen
     fresh = Team.emulated(P, max_tokens=256, hidden=128, top_k=2, local_experts=2, dtype=torch.bfloat16)
     leaves, ys, routings = run_emulated(fresh, config, xs, router_weight, w1s, w2s, dys)
     check_emulated(config, xs, router_weight, w1s, w2s, dys, leaves, ys, routings)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("P,tokens", [(2, (200, 64)), (3, (200, 0, 77)), (8, (40,) * 8)])
+def test_emulated_backward_moves_rows_by_the_exchange(fused, P, tokens):
+    """An emulated team's backward runs on the device exchange (every rank of a direction in one launch):
+    gradients against the float64 oracle and bytes moved between ranks both ways; with
+    FLASHDMOE_TEAM_BACKWARD=torch (each rank's expert_backward) the oracle's gradients too."""
+    from flashdmoe import ep_backward
+
+    config, xs, router_weight, w1s, w2s, dys = emulated_problem(P, tokens, 128, 128, 2, 2, "gelu", True, None, 0.0,
+                                                                torch.bfloat16)
+    team = Team.emulated(P, max_tokens=max(tokens), hidden=128, top_k=2, local_experts=2, dtype=torch.bfloat16)
+    leaves, ys, routings = run_emulated(team, config, xs, router_weight, w1s, w2s, dys)
+    check_emulated(config, xs, router_weight, w1s, w2s, dys, leaves, ys, routings)
+    reports = team.backward_reports
+    assert len(reports) == 3 and all(report.ranks == tuple(range(P)) for report in reports)
+    traffic = ep_backward.exchange_traffic(team)
+    assert traffic["dispatch_bytes"] > 0 and traffic["combine_bytes"] > 0, traffic
+    assert traffic["nvshmem_dispatch_bytes"] == traffic["nvshmem_combine_bytes"] == 0, traffic
+    previous = fused.debug.team_backward
+    fused.debug.team_backward = "torch"
+    try:
+        leaves, ys, routings = run_emulated(team, config, xs, router_weight, w1s, w2s, dys)
+    finally:
+        fused.debug.team_backward = previous
+    check_emulated(config, xs, router_weight, w1s, w2s, dys, leaves, ys, routings)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("P,silent", [(2, 1), (4, 0)])
+def test_a_silent_rank_in_the_emulated_backward_times_out_every_rank(fused, P, silent):
+    config, xs, router_weight, w1s, w2s, dys = emulated_problem(P, (128,) * P, 128, 128, 2, 2, "gelu", True, None,
+                                                                0.0, torch.bfloat16)
+    team = Team.emulated(P, max_tokens=128, hidden=128, top_k=2, local_experts=2, dtype=torch.bfloat16)
+    leaves = [t.detach().clone().requires_grad_() for t in (router_weight, *xs, *w1s, *w2s)]
+    previous = flashdmoe.set_sync_checks(False)
+    try:
+        ys = flashdmoe.moe_expert_parallel(leaves[1:1 + P], leaves[0], leaves[1 + P:1 + 2 * P], leaves[1 + 2 * P:],
+                                           top_k=2, team=team)
+        loss = sum((y.float() * dy.float()).sum() for y, dy in zip(ys, dys))
+        fused.debug.silent_rank, fused.debug.timeout_ms = silent, 300
+        try:
+            loss.backward()  # returns: nothing waits for the exchange
+        finally:
+            fused.debug.silent_rank, fused.debug.timeout_ms = -1, None
+        with pytest.raises(flashdmoe.KernelTimeout) as caught:
+            flashdmoe.synchronize()
+    finally:
+        flashdmoe.set_sync_checks(previous)
+    for rank in range(P):
+        assert f"rank {rank} timed out" in str(caught.value), str(caught.value)
+    assert team.failed
+    with pytest.raises(TeamFailed):
+        flashdmoe.moe_expert_parallel(xs, router_weight, w1s, w2s, top_k=2, team=team)

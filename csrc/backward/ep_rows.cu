@@ -39,7 +39,10 @@ int64_t ep_signal_offset(const char* what, int world, int local_experts, int str
   throw std::invalid_argument(std::string("ep_signal_offset: unknown word '") + what + "'");
 }
 
-LaunchInfo launch_ep_rows(const EpRowsArgs& a, cudaStream_t stream) {
+namespace {
+
+// One rank's arguments checked and laid out as the kernel's parameters (all but its blocks).
+void fill_params(const EpRowsArgs& a, EpRowsParams& p) {
   if (a.direction < 0 || a.direction >= kEpDirections) throw std::invalid_argument("ep_rows: direction must be 0, 1 or 2");
   if (a.world_size < 1 || a.world_size > kMaxRanks || a.rank < 0 || a.rank >= a.world_size)
     throw std::invalid_argument("ep_rows: rank " + std::to_string(a.rank) + " of " + std::to_string(a.world_size));
@@ -65,7 +68,7 @@ LaunchInfo launch_ep_rows(const EpRowsArgs& a, cudaStream_t stream) {
                                 std::to_string(static_cast<int64_t>(a.stream_rows) * row_bytes) + " bytes), got n=" +
                                 std::to_string(a.n));
 
-  EpRowsParams p{};
+  p = EpRowsParams{};
   p.direction = static_cast<EpDirection>(a.direction);
   p.rank = a.rank, p.world_size = a.world_size, p.local_experts = a.local_experts, p.stream_rows = a.stream_rows;
   p.row_bytes = static_cast<int>(row_bytes);
@@ -111,24 +114,68 @@ LaunchInfo launch_ep_rows(const EpRowsArgs& a, cudaStream_t stream) {
   p.sync_words = reinterpret_cast<uint32_t*>(w);
   p.sync_words_count = static_cast<int>(kEpSyncBytes / 4);
   p.status_host = a.status_host;
-  p.first_block = 0;
   p.timeout_ns = a.timeout_ns;
   p.debug_withhold_phase = a.debug_withhold_phase;
+}
 
+// Blocks a rank's work wants: no more than its items (a warp each), so that small batches do not wake the
+// whole GPU.
+int64_t wanted_blocks(const EpRowsArgs& a) {
+  return a.direction == 2 ? std::max<int64_t>(1, (a.n / 4 + kEpRowsThreads - 1) / kEpRowsThreads)
+                          : std::max<int64_t>(1, ((a.direction == 0 ? a.tokens : a.rows) + kEpRowsThreads / 32 - 1) /
+                                                     (kEpRowsThreads / 32));
+}
+
+template <int kRankCapacity>
+LaunchInfo launch_ranks(const std::vector<EpRowsArgs>& ranks, cudaStream_t stream) {
+  const int count = static_cast<int>(ranks.size());
+  EpRowsLaunch<kRankCapacity> launch{};
+  int64_t wanted = 1;
+  for (int i = 0; i < count; ++i) {
+    fill_params(ranks[i], launch.rank[i]);
+    wanted = std::max(wanted, wanted_blocks(ranks[i]));
+  }
+  const auto kernel = ep_rows_kernel<EpRowsPolicy, kRankCapacity>;
   int device = 0;
   throw_on_cuda_error(cudaGetDevice(&device), "cudaGetDevice");
-  const ResidentGrid resident = resident_grid(reinterpret_cast<const void*>(ep_rows_kernel<EpRowsPolicy>), device, 0, kEpRowsThreads);
+  const ResidentGrid resident = resident_grid(reinterpret_cast<const void*>(kernel), device, 0, kEpRowsThreads);
   int grid = resident.blocks_per_sm * resident.sms;
-  if (a.grid_percent > 0 && a.grid_percent < 100) grid = std::max(1, grid * a.grid_percent / 100);
-  // No more blocks than items (a warp each): small batches do not wake the whole GPU.
-  const int64_t wanted =
-      a.direction == 2 ? std::max<int64_t>(1, (a.n / 4 + kEpRowsThreads - 1) / kEpRowsThreads)
-                       : std::max<int64_t>(1, ((a.direction == 0 ? a.tokens : a.rows) + kEpRowsThreads / 32 - 1) /
-                                                  (kEpRowsThreads / 32));
-  if (wanted < grid) grid = static_cast<int>(wanted);
-  p.blocks = grid;
-  launch_cooperative(ep_rows_kernel<EpRowsPolicy>, grid, kEpRowsThreads, 0, stream, p, "launching ep_rows_kernel");
-  return {grid, resident.blocks_per_sm, 0};
+  const int percent = ranks[0].grid_percent;
+  if (percent > 0 && percent < 100) grid = std::max(1, grid * percent / 100);
+  // Each rank an equal share of the resident grid, all of them resident at once (their flags are waited
+  // for within the launch).
+  int per_rank = std::max(1, grid / count);
+  if (wanted < per_rank) per_rank = static_cast<int>(wanted);
+  for (int i = 0; i < count; ++i) {
+    launch.rank[i].first_block = i * per_rank;
+    launch.rank[i].blocks = per_rank;
+  }
+  launch_cooperative(kernel, per_rank * count, kEpRowsThreads, 0, stream, launch, "launching ep_rows_kernel");
+  return {per_rank * count, resident.blocks_per_sm, 0};
+}
+
+}  // namespace
+
+LaunchInfo launch_ep_rows(const std::vector<EpRowsArgs>& ranks, cudaStream_t stream) {
+  const int count = static_cast<int>(ranks.size());
+  if (count < 1 || count > kMaxRanks)
+    throw std::invalid_argument("ep_rows: expected 1.." + std::to_string(kMaxRanks) + " ranks per launch, got " +
+                                std::to_string(count));
+  if (count > 1) {
+    // Every rank of one team in one launch (an emulated team): the same direction, sequence and team,
+    // ranks in order, every peer a load/store pointer (the ranks wait for each other inside the launch).
+    for (int i = 0; i < count; ++i) {
+      const EpRowsArgs& a = ranks[i];
+      if (a.rank != i || a.world_size != count || a.direction != ranks[0].direction || a.sequence != ranks[0].sequence)
+        throw std::invalid_argument("ep_rows: a launch of several ranks takes every rank of the team in order, one "
+                                    "direction and sequence (rank " + std::to_string(i) + " is rank " +
+                                    std::to_string(a.rank) + " of " + std::to_string(a.world_size) + ")");
+      if (a.stage != nullptr)
+        throw std::invalid_argument("ep_rows: a launch of several ranks has no NVSHMEM peers (no stage buffer)");
+    }
+    return launch_ranks<kMaxRanks>(ranks, stream);
+  }
+  return launch_ranks<1>(ranks, stream);
 }
 
 }  // namespace flashdmoe

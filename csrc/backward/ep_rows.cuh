@@ -233,7 +233,7 @@ __device__ inline void rows_to_owners(const EpRowsParams& p, const EpSignalLayou
   const uint32_t* places = p.peers[p.rank].signals;
   const EpStage stage = stage_of(p);
   unsigned long long sent = 0;
-  for (int token = blockIdx.x * (kEpRowsThreads / 32) + (threadIdx.x >> 5); token < p.tokens; token += warps) {
+  for (int token = block_in_rank(p) * (kEpRowsThreads / 32) + (threadIdx.x >> 5); token < p.tokens; token += warps) {
     const size_t first = static_cast<size_t>(token) * k;
     int my_owner = 0, my_row = -1;  // the destination row: packed at the owner, or in own stage
     bool my_put = false;
@@ -288,7 +288,7 @@ __device__ inline void grads_to_sources(const EpRowsParams& p, const EpSignalLay
   const int staged = p.world_size * p.stream_rows;
   const EpStage stage = stage_of(p);
   unsigned long long sent = 0;
-  for (int r = blockIdx.x * (kEpRowsThreads / 32) + (threadIdx.x >> 5); r < p.rows; r += warps) {
+  for (int r = block_in_rank(p) * (kEpRowsThreads / 32) + (threadIdx.x >> 5); r < p.rows; r += warps) {
     const int index = __ldg(p.received + r);
     if (index < 0 || index >= staged) continue;  // never written out of bounds, whatever the table holds
     const int src = index / p.stream_rows, row = index % p.stream_rows;
@@ -321,7 +321,7 @@ __device__ inline void share_to_peers(const EpRowsParams& p) {
   bool any_put = false;
   for (int peer = 0; peer < p.world_size; ++peer) any_put |= Publish::via_puts(p, peer);
   unsigned long long sent = 0;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kEpRowsThreads + threadIdx.x; i < pieces;
+  for (int64_t i = static_cast<int64_t>(block_in_rank(p)) * kEpRowsThreads + threadIdx.x; i < pieces;
        i += static_cast<int64_t>(p.blocks) * kEpRowsThreads) {
     const float4 v = __ldg(src + i);
     if (any_put) reinterpret_cast<float4*>(p.peers[p.rank].recv)[i] = v;
@@ -347,7 +347,7 @@ __device__ inline void sum_shares(const EpRowsParams& p, const EpSignalLayout& l
   const int64_t pieces = p.n / 4;
   const size_t region = static_cast<size_t>(p.stream_rows) * p.row_bytes;
   const char* staging = static_cast<const char*>(p.peers[p.rank].comb);
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kEpRowsThreads + threadIdx.x; i < pieces;
+  for (int64_t i = static_cast<int64_t>(block_in_rank(p)) * kEpRowsThreads + threadIdx.x; i < pieces;
        i += static_cast<int64_t>(p.blocks) * kEpRowsThreads) {
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
     for (int q = 0; q < p.world_size; ++q) {  // rank order: the same bits on every rank
@@ -363,7 +363,7 @@ __device__ inline void sum_shares(const EpRowsParams& p, const EpSignalLayout& l
 __device__ inline bool aborted(const EpRowsParams& p, const EpSignalLayout& layout) {
   const uint32_t* own = p.peers[p.rank].signals;
   if (ptx::load_acquire_gpu(own + layout.abort_word(0)) != p.sequence) return false;
-  if (blockIdx.x == 0 && threadIdx.x == 0) {
+  if (block_in_rank(p) == 0 && threadIdx.x == 0) {
     const unsigned long long word = static_cast<unsigned long long>(own[layout.abort_word(1)]) |
                                     (static_cast<unsigned long long>(own[layout.abort_word(2)]) << 32);
     atomicCAS(p.error_word, 0ull, word);
@@ -386,8 +386,17 @@ __device__ inline void leave_abort(const EpRowsParams& p, const EpSignalLayout& 
 
 }  // namespace ep_rows
 
+// The ranks one launch runs: one (a process of a team), or every rank of an emulated team side by side,
+// rank i on blocks [i * blocks, (i + 1) * blocks) (all resident at once: a cooperative launch), so that
+// the flags between them are waited for within the launch.
+template <int kRankCapacity>
+struct EpRowsLaunch {
+  EpRowsParams rank[kRankCapacity];
+};
+
+// One rank's part of a launch, in one block of it.
 template <typename Publish>
-__global__ void __launch_bounds__(kEpRowsThreads) ep_rows_kernel(const __grid_constant__ EpRowsParams p) {
+__device__ void ep_rows_block(const EpRowsParams& p) {
   const EpSignalLayout layout{p.world_size, p.local_experts, p.stream_rows};
   if (ep_rows::aborted(p, layout)) {
     finish_launch(p);
@@ -395,7 +404,7 @@ __global__ void __launch_bounds__(kEpRowsThreads) ep_rows_kernel(const __grid_co
   }
   const bool to_owners = p.direction == EpDirection::ToOwners;
   // Our staging is free for this direction: what it held was read by earlier work on this stream.
-  if (blockIdx.x == 0) {
+  if (block_in_rank(p) == 0) {
     if (to_owners) ep_rows::publish_places<Publish>(p, layout);
     Publish::complete();  // the place words delivered before the flags that release them
     __syncthreads();
@@ -425,14 +434,14 @@ __global__ void __launch_bounds__(kEpRowsThreads) ep_rows_kernel(const __grid_co
       }
     }
     if (written) {
-      if (blockIdx.x == 0 && threadIdx.x == 0 && !p.silent) {
+      if (block_in_rank(p) == 0 && threadIdx.x == 0 && !p.silent) {
         __threadfence_system();
         for (int peer = 0; peer < p.world_size; ++peer)
           if (peer != p.rank) Publish::set_flag(p, peer, layout.ready_flag(p.direction, p.rank), p.sequence);
       }
       if (summing) {
         ep_rows::sum_shares(p, layout);
-      } else if (blockIdx.x == 0) {
+      } else if (block_in_rank(p) == 0) {
         // The launch ends once every peer's rows are here: the work after it on the stream reads them.
         const int peer = threadIdx.x;
         if (peer < p.world_size && peer != p.rank)
@@ -443,6 +452,11 @@ __global__ void __launch_bounds__(kEpRowsThreads) ep_rows_kernel(const __grid_co
   }
   ep_rows::leave_abort(p, layout);
   finish_launch(p);
+}
+
+template <typename Publish, int kRankCapacity>
+__global__ void __launch_bounds__(kEpRowsThreads, 2) ep_rows_kernel(const __grid_constant__ EpRowsLaunch<kRankCapacity> launch) {
+  ep_rows_block<Publish>(kRankCapacity == 1 ? launch.rank[0] : launch.rank[blockIdx.x / launch.rank[0].blocks]);
 }
 
 }  // namespace flashdmoe

@@ -141,7 +141,9 @@ size_t ep_rows_sync_bytes();
 // where the backward's start: Python's BufferPlan must agree (checked by the tests).
 int64_t ep_signal_words(int world, int local_experts, int stream_rows);
 int64_t ep_signal_offset(const char* what, int world, int local_experts, int stream_rows, int index_a, int index_b);
-LaunchInfo launch_ep_rows(const EpRowsArgs& args, cudaStream_t stream);
+// One launch of the exchange for one rank (a process of a team), or for every rank of an emulated team in
+// order (all peers load/store pointers), each rank on its own share of the grid.
+LaunchInfo launch_ep_rows(const std::vector<EpRowsArgs>& ranks, cudaStream_t stream);
 // Bytes of a rank's staging for NVSHMEM peers (EpStage); Python's BufferPlan must agree.
 int64_t ep_stage_bytes(int world, int stream_rows, int stage_rows, int64_t row_bytes);
 // Whether this build's exchange reaches a peer by NVSHMEM puts (the NVSHMEM build).

@@ -36,7 +36,7 @@ struct EpPuts {
   // Chunk `chunk` of run `run` is this block's when (run + chunk) % blocks == block: every block gets a
   // share of every large run, and small runs spread over the blocks.
   __device__ __forceinline__ static bool mine(const EpRowsParams& p, int run, int chunk) {
-    return (run + chunk) % p.blocks == static_cast<int>(blockIdx.x);
+    return (run + chunk) % p.blocks == block_in_rank(p);
   }
 
   // This block's chunks of a run of `count` rows: rows from `src` to `dst` and their words from `src_words`
