@@ -308,7 +308,9 @@ class PackedRows:
         self.rows = at
         self.padded_rows = None
         self.grouped = not grouped_mm_supported(dtype, device, hidden, intermediate)
-        self.offs = torch.tensor([s + c for s, c in zip(self.starts, self.counts)], dtype=torch.int32, device=device)
+        offs = torch.tensor([s + c for s, c in zip(self.starts, self.counts)], dtype=torch.int32)
+        # from pinned memory: a pageable copy to the device would wait for everything queued on the stream
+        self.offs = offs.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else offs
 
     def _spans(self):
         return [(e, s, s + c) for e, (s, c) in enumerate(zip(self.starts, self.counts)) if c]

@@ -2,7 +2,8 @@
 ``flashdmoe.moe_expert_parallel``: the backward on the device exchange (``ep_backward.emulated_backward``,
 what users get) beside the torch-ops backward (``FLASHDMOE_TEAM_BACKWARD=torch``: each rank's one-rank
 backward against all shards) in the same run, and how far their gradients are apart. CUDA-event medians of
-forward, backward and the step, per shape and P.
+forward, backward and the step, per shape and P, and the host's time in the backward call (where it is
+as long as the backward's GPU time, the step is host-bound).
 
     python scripts/emulated_backward_bench.py [--ranks 2,4,8] [--repeats 10] [--seed 0]
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import time
 
 import torch
 
@@ -40,6 +42,7 @@ def step_times(team, tensors, k, activation, repeats):
     leaves = [t.detach().clone().requires_grad_() for t in (router, *xs, *w1s, *w2s)]
     P = len(xs)
     events = [[torch.cuda.Event(enable_timing=True) for _ in range(3)] for _ in range(repeats + 2)]
+    host = []
     for marks in events:
         for leaf in leaves:
             leaf.grad = None
@@ -47,7 +50,9 @@ def step_times(team, tensors, k, activation, repeats):
         ys = flashdmoe.moe_expert_parallel(leaves[1:1 + P], leaves[0], leaves[1 + P:1 + 2 * P], leaves[1 + 2 * P:],
                                            top_k=k, activation=activation, team=team)
         marks[1].record()
+        started = time.perf_counter()
         torch.autograd.backward(ys, dys)
+        host.append((time.perf_counter() - started) * 1e3)
         marks[2].record()
     torch.cuda.synchronize()
     flashdmoe.check_errors()
@@ -55,7 +60,7 @@ def step_times(team, tensors, k, activation, repeats):
     fwd = statistics.median(a.elapsed_time(b) for a, b, _ in timed)
     bwd = statistics.median(b.elapsed_time(c) for _, b, c in timed)
     step = statistics.median(a.elapsed_time(c) for a, _, c in timed)
-    return (fwd, bwd, step), [leaf.grad.float() for leaf in leaves]
+    return (fwd, bwd, step, statistics.median(host[2:])), [leaf.grad.float() for leaf in leaves]
 
 
 def main():
@@ -82,12 +87,12 @@ def main():
             # relative to each leaf's largest gradient element (both paths round to bf16 once)
             apart = max(float((a - b).abs().max() / b.abs().max().clamp_min(1e-30)) for a, b in zip(grads, reference))
             rows.append((P, name, T, *exchange, *torch_ops, apart))
-    print("| P | shape | tokens per rank | exchange fwd | exchange bwd | exchange step | torch-ops fwd | torch-ops bwd "
-          "| torch-ops step | bwd speed-up | grads apart (rel. max) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for P, name, T, f, b, s, tf, tb, ts, apart in rows:
-        print(f"| {P} | {name} | {T} | {f:.3f} | {b:.3f} | {s:.3f} | {tf:.3f} | {tb:.3f} | {ts:.3f} | {tb / b:.2f}x "
-              f"| {apart:.1e} |")
+    print("| P | shape | tokens per rank | exchange fwd / bwd / step | its bwd host | torch-ops fwd / bwd / step "
+          "| its bwd host | bwd speed-up | grads apart (rel. max) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for P, name, T, f, b, s, h, tf, tb, ts, th, apart in rows:
+        print(f"| {P} | {name} | {T} | {f:.3f} / {b:.3f} / {s:.3f} | {h:.3f} | {tf:.3f} / {tb:.3f} / {ts:.3f} "
+              f"| {th:.3f} | {tb / b:.2f}x | {apart:.1e} |")
 
 
 if __name__ == "__main__":

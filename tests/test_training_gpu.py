@@ -306,6 +306,29 @@ def test_emulated_backward_moves_rows_by_the_exchange(fused, P, tokens):
 
 
 @pytest.mark.gpu
+def test_the_emulated_backward_queues_its_work_without_a_stream_synchronisation(fused):
+    """Once the forward is checked, the exchange backward only queues work: a synchronising copy or query
+    (torch's sync debug mode) would stall the host behind every launch before it."""
+    P, tokens = 3, (96, 0, 150)
+    config, xs, router_weight, w1s, w2s, dys = emulated_problem(P, tokens, 128, 128, 2, 2, "swiglu", True, None, 0.0,
+                                                                torch.bfloat16)
+    team = Team.emulated(P, max_tokens=max(tokens), hidden=128, top_k=2, local_experts=2, dtype=torch.bfloat16)
+    leaves = [t.detach().clone().requires_grad_() for t in (router_weight, *xs, *w1s, *w2s)]
+    ys = flashdmoe.moe_expert_parallel(leaves[1:1 + P], leaves[0], leaves[1 + P:1 + 2 * P], leaves[1 + 2 * P:],
+                                       top_k=2, activation="swiglu", team=team)
+    loss = sum((y.float() * dy.float()).sum() for y, dy in zip(ys, dys))
+    flashdmoe.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss.backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    flashdmoe.synchronize()
+    assert len(team.backward_reports) == 3
+    assert all(leaf.grad is not None and bool(leaf.grad.isfinite().all()) for leaf in leaves)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("P,silent", [(2, 1), (4, 0)])
 def test_a_silent_rank_in_the_emulated_backward_times_out_every_rank(fused, P, silent):
     config, xs, router_weight, w1s, w2s, dys = emulated_problem(P, (128,) * P, 128, 128, 2, 2, "gelu", True, None,
@@ -318,12 +341,14 @@ def test_a_silent_rank_in_the_emulated_backward_times_out_every_rank(fused, P, s
                                            top_k=2, team=team)
         loss = sum((y.float() * dy.float()).sum() for y, dy in zip(ys, dys))
         fused.debug.silent_rank, fused.debug.timeout_ms = silent, 300
+        # The first exchange launch's timeout surfaces at the backward's next launch if it has finished by
+        # then (the backward's host work may outlast the 300 ms watchdog), else at synchronize().
         try:
-            loss.backward()  # returns: nothing waits for the exchange
+            with pytest.raises(flashdmoe.KernelTimeout) as caught:
+                loss.backward()
+                flashdmoe.synchronize()
         finally:
             fused.debug.silent_rank, fused.debug.timeout_ms = -1, None
-        with pytest.raises(flashdmoe.KernelTimeout) as caught:
-            flashdmoe.synchronize()
     finally:
         flashdmoe.set_sync_checks(previous)
     for rank in range(P):
