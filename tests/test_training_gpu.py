@@ -183,6 +183,16 @@ def run_emulated(team, config, xs, router_weight, w1s, w2s, dys):
     return leaves, ys, routings
 
 
+def small_emulated(P, tokens, activation="gelu"):
+    """A small emulated problem (H = I = 128, 2 local experts, k = 2, bf16), its team and fresh leaves
+    (router, xs, w1s, w2s) for moe_expert_parallel."""
+    problem = emulated_problem(P, tokens, 128, 128, 2, 2, activation, True, None, 0.0, torch.bfloat16)
+    team = Team.emulated(P, max_tokens=max(tokens), hidden=128, top_k=2, local_experts=2, dtype=torch.bfloat16)
+    _, xs, router_weight, w1s, w2s, _ = problem
+    leaves = [t.detach().clone().requires_grad_() for t in (router_weight, *xs, *w1s, *w2s)]
+    return (*problem, team, leaves)
+
+
 def check_emulated(config, xs, router_weight, w1s, w2s, dys, leaves, ys, routings):
     """Each rank's y and dx, the summed router gradient and every shard's weight gradients against float64
     autograd through reference.moe_fixed_routing on the concatenated experts (what moe_expert_parallel
@@ -245,10 +255,7 @@ def test_backward_after_a_timed_out_forward_raises_on_every_rank(fused, P, silen
     """A timeout forced in the forward (a rank that publishes no signal), with the default deferred checks:
     the forward returns, and the backward, which checks the forward's launch before it starts, is where it
     surfaces (a silent rank in the backward itself: the test below)."""
-    config, xs, router_weight, w1s, w2s, dys = emulated_problem(P, (256,) * P, 128, 128, 2, 2, "gelu", True, None,
-                                                                0.0, torch.bfloat16)
-    team = Team.emulated(P, max_tokens=256, hidden=128, top_k=2, local_experts=2, dtype=torch.bfloat16)
-    leaves = [t.detach().clone().requires_grad_() for t in (router_weight, *xs, *w1s, *w2s)]
+    config, xs, router_weight, w1s, w2s, dys, team, leaves = small_emulated(P, (256,) * P)
     previous = flashdmoe.set_sync_checks(False)
     try:
         fused.debug.silent_rank, fused.debug.timeout_ms = silent, 300
@@ -309,11 +316,8 @@ def test_emulated_backward_moves_rows_by_the_exchange(fused, P, tokens):
 def test_the_emulated_backward_queues_its_work_without_a_stream_synchronisation(fused):
     """Once the forward is checked, the exchange backward only queues work: a synchronising copy or query
     (torch's sync debug mode) would stall the host behind every launch before it."""
-    P, tokens = 3, (96, 0, 150)
-    config, xs, router_weight, w1s, w2s, dys = emulated_problem(P, tokens, 128, 128, 2, 2, "swiglu", True, None, 0.0,
-                                                                torch.bfloat16)
-    team = Team.emulated(P, max_tokens=max(tokens), hidden=128, top_k=2, local_experts=2, dtype=torch.bfloat16)
-    leaves = [t.detach().clone().requires_grad_() for t in (router_weight, *xs, *w1s, *w2s)]
+    P = 3
+    *_, dys, team, leaves = small_emulated(P, (96, 0, 150), "swiglu")
     ys = flashdmoe.moe_expert_parallel(leaves[1:1 + P], leaves[0], leaves[1 + P:1 + 2 * P], leaves[1 + 2 * P:],
                                        top_k=2, activation="swiglu", team=team)
     loss = sum((y.float() * dy.float()).sum() for y, dy in zip(ys, dys))
@@ -331,18 +335,15 @@ def test_the_emulated_backward_queues_its_work_without_a_stream_synchronisation(
 @pytest.mark.gpu
 @pytest.mark.parametrize("P,silent", [(2, 1), (4, 0)])
 def test_a_silent_rank_in_the_emulated_backward_times_out_every_rank(fused, P, silent):
-    config, xs, router_weight, w1s, w2s, dys = emulated_problem(P, (128,) * P, 128, 128, 2, 2, "gelu", True, None,
-                                                                0.0, torch.bfloat16)
-    team = Team.emulated(P, max_tokens=128, hidden=128, top_k=2, local_experts=2, dtype=torch.bfloat16)
-    leaves = [t.detach().clone().requires_grad_() for t in (router_weight, *xs, *w1s, *w2s)]
+    _, xs, router_weight, w1s, w2s, dys, team, leaves = small_emulated(P, (128,) * P)
     previous = flashdmoe.set_sync_checks(False)
     try:
         ys = flashdmoe.moe_expert_parallel(leaves[1:1 + P], leaves[0], leaves[1 + P:1 + 2 * P], leaves[1 + 2 * P:],
                                            top_k=2, team=team)
         loss = sum((y.float() * dy.float()).sum() for y, dy in zip(ys, dys))
         fused.debug.silent_rank, fused.debug.timeout_ms = silent, 300
-        # The first exchange launch's timeout surfaces at the backward's next launch if it has finished by
-        # then (the backward's host work may outlast the 300 ms watchdog), else at synchronize().
+        # Every rank's timeout surfaces at synchronize(), or earlier at a later exchange launch of this
+        # backward if the timed-out one has already finished when the host queues it (docs/design.md §9).
         try:
             with pytest.raises(flashdmoe.KernelTimeout) as caught:
                 loss.backward()
