@@ -8,7 +8,8 @@
 # shape under a hard limit (a hang beyond the watchdog shows as a timeout); PROBES="base noepi nog" the
 # fused backward built with parts changed (scripts/backward_probe.sh); TEAMBENCH=1 an NVSHMEM team's training
 # steps, the device-exchange backward beside the torch-ops one (scripts/team_backward_bench.py; TEAMBENCH_TRANSPORTS
-# "p2p nvshmem" runs it once per peer transport, TEAMBENCH_ARGS adds its options, e.g. --device-only).
+# "p2p nvshmem" runs it once per peer transport, TEAMBENCH_ARGS adds its options, e.g. --device-only); EMUBENCH=1 an
+# emulated team's training steps, the exchange backward beside the torch-ops one (scripts/emulated_backward_bench.py).
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 start=$(date +%s)
@@ -88,6 +89,10 @@ if [ "${TEAMBENCH:-0}" = "1" ] && [ "$(left)" -gt 100 ]; then
       --peer-transport "$transport" ${TEAMBENCH_ARGS:-} --json "$OUT/team_backward_$transport.json" > /tmp/teamb.log 2>&1
     note "team backward bench ($transport) rc=$?"; grep -E "^\|" /tmp/teamb.log || tail -30 /tmp/teamb.log
   done
+fi
+if [ "${EMUBENCH:-0}" = "1" ] && [ "$(left)" -gt 40 ]; then
+  timeout $(( $(left) - 20 )) python3 scripts/emulated_backward_bench.py > /tmp/emubench.log 2>&1
+  note "emulated team backward bench rc=$?"; grep -E "^\|" /tmp/emubench.log || tail -30 /tmp/emubench.log
 fi
 if [ "${NCU:-0}" = "1" ] && [ "$(left)" -gt 70 ]; then
   ncu=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
