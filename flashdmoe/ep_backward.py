@@ -56,7 +56,7 @@ import torch
 
 from flashdmoe import status_checks
 from flashdmoe.ep_peer import PeerExchange
-from flashdmoe.expert_backward import packed_row_grads
+from flashdmoe.expert_backward import packed_row_grads, to_device_without_waiting
 from flashdmoe.kernel_codes import DTYPE_CODES
 from flashdmoe.launch_knobs import debug, timeout_ms
 from flashdmoe.launch_report import LaunchReport, LaunchShape, status_layout
@@ -67,6 +67,9 @@ __all__ = ["ForwardCounts", "OwnerLayout", "emulated_backward", "exchange_traffi
 
 _pool = WorkspacePool()
 TO_OWNERS, BACK_TO_SOURCES, SUM_OVER_RANKS = 0, 1, 2
+# Every direction's arguments start from these (the fields a direction does not read stay null / zero).
+_UNUSED = {"tokens": 0, "x": 0, "dy": 0, "expert": 0, "row": 0, "weight": 0, "place": 0, "rows": 0, "received": 0,
+           "dx_rows": 0, "dweight_row": 0}
 
 
 def unsupported(team, x: torch.Tensor) -> str:
@@ -158,10 +161,9 @@ def owner_layout(counts: torch.Tensor, stream_rows: int, device: torch.device | 
     total = int(sizes.sum())
     offsets = torch.cumsum(sizes, 0) - sizes
     device = torch.device("cpu") if device is None else device
-    # One copy for all three; from pinned memory, so that it does not wait for the stream.
-    table = torch.cat([starts - offsets, sizes, place.reshape(-1), counts.sum(dim=1)])
-    if device.type == "cuda":
-        table = table.pin_memory().to(device, non_blocking=True)
+    # One copy for all three, without waiting for the stream.
+    table = to_device_without_waiting(torch.cat([starts - offsets, sizes, place.reshape(-1), counts.sum(dim=1)]),
+                                      device)
     shift, sizes = table[:P * L], table[P * L:2 * P * L]
     place, from_rows = table[2 * P * L:3 * P * L].view(P, L).to(torch.int32), table[3 * P * L:].to(torch.int32)
     index = torch.repeat_interleave(shift, sizes, output_size=total) + torch.arange(total, device=device)
@@ -352,10 +354,10 @@ def _backward(team, locals_: list[_Local], router_weight: torch.Tensor, *, activ
     # 1. rows and weights to the owners, in each owner's packed order
     out_args = []
     for r in ranks:
-        args = {**r["common"], "direction": TO_OWNERS, "tokens": r["tokens"], "top_k": r["top_k"],
+        args = {**r["common"], **_UNUSED, "direction": TO_OWNERS, "tokens": r["tokens"], "top_k": r["top_k"],
                 "x": r["xc"].data_ptr(), "dy": r["dy16"].data_ptr(), "expert": r["expert32"].data_ptr(),
                 "row": r["row32"].data_ptr(), "weight": r["weight32"].data_ptr(),
-                "place": r["layout"].place.data_ptr(), "rows": 0, "received": 0, "dx_rows": 0, "dweight_row": 0}
+                "place": r["layout"].place.data_ptr()}
         if r["puts"]:
             r["sent"] = sent_runs(r["expert32"], r["row32"], P, L)
             args["sent"] = r["sent"].data_ptr()
@@ -374,8 +376,7 @@ def _backward(team, locals_: list[_Local], router_weight: torch.Tensor, *, activ
     back_args = []
     for r in ranks:
         r["received32"] = r["layout"].index.to(torch.int32)
-        back_args.append({**r["common"], "direction": BACK_TO_SOURCES, "tokens": 0, "top_k": r["top_k"],
-                          "x": 0, "dy": 0, "expert": 0, "row": 0, "weight": 0, "place": 0,
+        back_args.append({**r["common"], **_UNUSED, "direction": BACK_TO_SOURCES, "top_k": r["top_k"],
                           "rows": r["rows"], "received": r["received32"].data_ptr(),
                           "dx_rows": r["dx_rows"].data_ptr() if r["dx_rows"].numel() else 0,
                           "dweight_row": r["dweight_row"].data_ptr() if r["dweight_row"].numel() else 0,
@@ -435,9 +436,8 @@ def _sum_over_ranks(ext, team, ranks: list[dict], shares: list[torch.Tensor], ba
     n = shares[0].numel()
     if n % 4 == 0 and n * 4 <= plan.stream_rows * plan.hidden * plan.element_bytes:
         totals = [torch.empty_like(share) for share in shares]
-        args = [{**r["common"], "direction": SUM_OVER_RANKS, "tokens": 0, "top_k": 1,
-                 "x": 0, "dy": 0, "expert": 0, "row": 0, "weight": 0, "place": 0, "rows": 0, "received": 0,
-                 "dx_rows": 0, "dweight_row": 0, "n": n, "share": share.data_ptr(), "sum": total.data_ptr()}
+        args = [{**r["common"], **_UNUSED, "direction": SUM_OVER_RANKS, "top_k": 1, "n": n,
+                 "share": share.data_ptr(), "sum": total.data_ptr()}
                 for r, share, total in zip(ranks, shares, totals)]
         reports.append(_launch(ext, team, args, device, tuple(0 for _ in ranks)))
         return totals[0]

@@ -289,6 +289,12 @@ class _Rows:
         return torch.bmm(a.view(*shape, a.shape[1]).transpose(1, 2), b.view(*shape, b.shape[1]))
 
 
+def to_device_without_waiting(table: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small CPU tensor on ``device``, copied from pinned memory: a copy from pageable memory would wait
+    for everything queued on the stream (a host synchronisation)."""
+    return table.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else table
+
+
 class PackedRows:
     """Rows already packed by expert whose per-expert counts the host knows (``counts``: one int per expert;
     :mod:`flashdmoe.ep_backward` reads them once per backward). The grouped GEMMs run as
@@ -308,9 +314,8 @@ class PackedRows:
         self.rows = at
         self.padded_rows = None
         self.grouped = not grouped_mm_supported(dtype, device, hidden, intermediate)
-        offs = torch.tensor([s + c for s, c in zip(self.starts, self.counts)], dtype=torch.int32)
-        # from pinned memory: a pageable copy to the device would wait for everything queued on the stream
-        self.offs = offs.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else offs
+        self.offs = to_device_without_waiting(
+            torch.tensor([s + c for s, c in zip(self.starts, self.counts)], dtype=torch.int32), device)
 
     def _spans(self):
         return [(e, s, s + c) for e, (s, c) in enumerate(zip(self.starts, self.counts)) if c]

@@ -271,18 +271,15 @@ class Team:
         # All ranks' signal words in one allocation (128-byte aligned per rank), so one memset clears them.
         stride = -(-plan.signal_words // 32) * 32
         signal_block = torch.zeros(world_size * stride, dtype=torch.int32, device=device)
-        buffers = []
-        for r in range(world_size):
-            buffers.append(RankBuffers(
-                recv=torch.empty(plan.data_bytes, dtype=torch.uint8, device=device),
-                comb=torch.empty(plan.data_bytes, dtype=torch.uint8, device=device),
-                signals=signal_block[r * stride:r * stride + plan.signal_words],
-            ))
-        recv, comb = [b.recv.data_ptr() for b in buffers], [b.comb.data_ptr() for b in buffers]
-        signals = [b.signals.data_ptr() for b in buffers]
-        for own in buffers:  # every rank maps every other (one process, one GPU)
-            own.peer_recv, own.peer_comb, own.peer_signals = list(recv), list(comb), list(signals)
-            own.mapped_recv, own.mapped_comb, own.mapped_signals = list(recv), list(comb), list(signals)
+        recv = [torch.empty(plan.data_bytes, dtype=torch.uint8, device=device) for _ in range(world_size)]
+        comb = [torch.empty(plan.data_bytes, dtype=torch.uint8, device=device) for _ in range(world_size)]
+        signals = [signal_block[r * stride:r * stride + plan.signal_words] for r in range(world_size)]
+        tables = {"peer_recv": [t.data_ptr() for t in recv], "peer_comb": [t.data_ptr() for t in comb],
+                  "peer_signals": [t.data_ptr() for t in signals]}
+        # every rank reaches every other by load/store (one process, one GPU): the tables are also the mappings
+        buffers = [RankBuffers(recv=recv[r], comb=comb[r], signals=signals[r],
+                               **{name: list(table) for name, table in tables.items()})
+                   for r in range(world_size)]
         return cls("emulated", 0, world_size, plan, buffers, device, signal_block)
 
     @staticmethod
