@@ -228,7 +228,7 @@ def _make_plan(ext, kind, team, tokens, H, I, E, top_k, dtype, activation, norma
         "grid_percent": 100 if percent is None else percent,
     }
     rank_args = []
-    for rank, T, buf in zip(ranks, tokens, buffers):
+    for i, (rank, T, buf) in enumerate(zip(ranks, tokens, buffers)):
         cap = reference.expert_capacity(T, top_k, E, capacity_factor)
         rank_args.append({
             "workspace_bytes": stride, "tokens": T, "capacity": T if cap is None else cap, "rank": rank,
@@ -237,6 +237,8 @@ def _make_plan(ext, kind, team, tokens, H, I, E, top_k, dtype, activation, norma
             "peer_comb": [] if buf is None else buf.peer_comb,
             "peer_signals": [] if buf is None else buf.peer_signals,
         })
+        if kind != "single":  # the rank's forwards are counted on the device (Team.sequence_words)
+            rank_args[-1]["sequence_word"] = team.sequence_words.data_ptr() + 4 * i
     prepared = ext.prepare_forward(shared, rank_args)
     shape = LaunchShape(ranks=ranks, tokens=tokens, local_experts=L,
                         row_bytes=H * torch.empty((), dtype=dtype).element_size(), timeout_ms=timeout)
@@ -373,12 +375,6 @@ def _run_forward(xs, router_weight, w1s, w2s, *, top_k, activation, normalize_to
     capturing = torch.cuda.is_current_stream_capturing()
     if kind != "single":
         team.require_usable()
-        if capturing and kind == "nvshmem":
-            raise RuntimeError(
-                "CUDA-graph capture of a Team.nvshmem forward is not supported: the kernel's flags carry the "
-                "sequence number the host passes at launch, which a graph would freeze, and a rank cannot clear "
-                "its peers' flags in stream order; run NVSHMEM teams eagerly"
-            )
     # An NVSHMEM rank that raised an earlier launch's error instead of launching would leave its peers
     # waiting for this forward's signals: unless the team itself failed, launch first, then raise.
     deferred = None
@@ -405,8 +401,6 @@ def _run_forward(xs, router_weight, w1s, w2s, *, top_k, activation, normalize_to
     if capturing:
         workspace = _captured_workspace(plan, device)
         base = workspace.data_ptr()
-        if kind == "emulated":
-            team.clear_signals()
     else:
         base = _pool.address(device, device.index, handle, plan.stride, plan.sync_bytes, len(xs))
     stride = plan.stride
@@ -415,8 +409,7 @@ def _run_forward(xs, router_weight, w1s, w2s, *, top_k, activation, normalize_to
     for i, (x, w1, w2, (y, routing)) in enumerate(zip(xs, w1s, w2s, outputs)):
         addresses += (x.data_ptr(), w1.data_ptr(), w2.data_ptr(), y.data_ptr(), *routing.addresses(), pre_address,
                       base + i * stride)
-    # The slot first: claiming it may raise an earlier launch's error, and a team's sequence number must
-    # advance only for a launch that happens (every rank advances in step).
+    # The slot first: claiming it may raise an earlier launch's error.
     try:
         slot = status_checks.claim_slot(device.index, capturing)
     except Exception as error:
@@ -424,7 +417,9 @@ def _run_forward(xs, router_weight, w1s, w2s, *, top_k, activation, normalize_to
             raise
         deferred = deferred or error
         slot = status_checks.claim_slot(device.index, capturing)  # the launch that raised gave its slot back
-    sequence = 1 if kind == "single" else team.next_sequence()
+    # A team's sequence number is counted on the device (its prepared ranks' sequence_word): the kernel
+    # takes count + 1 and stores it back, so a CUDA graph's replays advance it as eager launches do.
+    sequence = 1 if kind == "single" else 0
     try:
         info = ext.launch(plan.prepared, addresses, sequence, handle, slot.address,
                           0 if capturing else slot.event.handle)

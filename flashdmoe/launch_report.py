@@ -32,6 +32,7 @@ class ErrorKind(enum.IntEnum):
 
     NONE = 0
     TIMEOUT = 1
+    SEQUENCE = 2  # a team rank's forwards used up the 31-bit sequence numbers
 
 
 # Phase ids the kernel's watchdog writes (csrc/moe/params.cuh, enum Phase).
@@ -122,6 +123,9 @@ class KernelError:
         if self.timed_out:
             return (f"rank {self.rank} timed out in the {self.phase_name} (waiting on rank {self.peer}; first seen "
                     f"by block {self.block})")
+        if self.kind == ErrorKind.SEQUENCE:
+            return (f"rank {self.rank}: the team's forwards used up their 2^31 - 1 sequence numbers (the kernel ran "
+                    "nothing); make a new team")
         return f"rank {self.rank} reported error word {self.word:#x}"
 
 
@@ -321,9 +325,9 @@ class LaunchReport:
         errors = [KernelError.from_word(rank, word) for rank, word, _ in words if word]
         where = self._where()
         if errors:
-            message = ("flashdmoe kernel: " + "; ".join(e.describe() for e in errors) +
-                       f"; timeout {self.timeout_ms} ms (FLASHDMOE_TIMEOUT_MS){where}")
             timed_out = any(e.timed_out for e in errors)
+            limit = f"; timeout {self.timeout_ms} ms (FLASHDMOE_TIMEOUT_MS)" if timed_out else ""
+            message = "flashdmoe kernel: " + "; ".join(e.describe() for e in errors) + limit + where
             return KernelTimeout(message) if timed_out else RuntimeError(message)
         nonfinite = [rank for rank, _, flags in words if flags & 1]
         if nonfinite:

@@ -32,11 +32,11 @@ every later use raises; tear it down and make a new one. A forward does not wait
 team's last launch is checked (waiting for it if needed) before the team's next use -- a forward, the
 backward, :meth:`Team.barrier` -- so a timeout still reaches every rank (flashdmoe/status_checks.py).
 
-CUDA graphs: a graph replays the sequence number it captured, so a stale flag from the previous replay
-would already satisfy the waits. An emulated team's launch (every rank in one launch) zeroes all ranks'
-signal words inside the graph before the kernel, which makes a replay correct; an NVSHMEM team cannot
-do that (a peer may already have signalled this forward when this rank's zeroing runs) and its capture
-is refused.
+Sequence numbers and CUDA graphs: each rank counts its forwards on the device
+(:attr:`Team.sequence_words`); a launch publishes count + 1 and its last block stores it back, so a CUDA
+graph's replays advance the count exactly as eager forwards do, and an emulated or NVSHMEM team's forward
+can be captured and replayed (every rank replays, in the same order as its peers, as with eager calls).
+After 2^31 - 1 forwards the kernel refuses to run (the flags would wrap) and the team fails.
 """
 
 from __future__ import annotations
@@ -224,16 +224,17 @@ class Team:
     """
 
     def __init__(self, transport: str, rank: int, world_size: int, plan: BufferPlan | None,
-                 buffers: list[RankBuffers], device: torch.device | None,
-                 signal_block: torch.Tensor | None = None) -> None:
+                 buffers: list[RankBuffers], device: torch.device | None) -> None:
         self.transport = transport
         self.rank = rank
         self.world_size = world_size
         self.plan = plan
         self.buffers = buffers  # one entry per rank this process drives (P for emulated, 1 otherwise)
         self.device = device
-        self._signal_block = signal_block  # emulated: every rank's signal words, one allocation
-        self._sequence = 0
+        # Per rank driven here, its forwards so far, counted by the kernel (csrc/moe/moe_forward.cuh,
+        # begin_forward_sequence): a forward's flags carry count + 1.
+        self.sequence_words = (None if transport == "single"
+                               else torch.zeros(len(buffers), dtype=torch.int32, device=device))
         self._backward_sequence = 0
         self._failure: str | None = None
         self._closed = False
@@ -268,7 +269,7 @@ class Team:
         """
         plan = BufferPlan(world_size, max_tokens, hidden, top_k, local_experts, dtype)
         device = _torch_device(device)
-        # All ranks' signal words in one allocation (128-byte aligned per rank), so one memset clears them.
+        # All ranks' signal words in one allocation, 128-byte aligned per rank.
         stride = -(-plan.signal_words // 32) * 32
         signal_block = torch.zeros(world_size * stride, dtype=torch.int32, device=device)
         recv = [torch.empty(plan.data_bytes, dtype=torch.uint8, device=device) for _ in range(world_size)]
@@ -280,7 +281,7 @@ class Team:
         buffers = [RankBuffers(recv=recv[r], comb=comb[r], signals=signals[r],
                                **{name: list(table) for name, table in tables.items()})
                    for r in range(world_size)]
-        return cls("emulated", 0, world_size, plan, buffers, device, signal_block)
+        return cls("emulated", 0, world_size, plan, buffers, device)
 
     @staticmethod
     def make_unique_id() -> bytes:
@@ -410,13 +411,6 @@ class Team:
         if self._failure is None:
             self._failure = reason
 
-    def clear_signals(self) -> None:
-        """Zero every rank's signal words on the current stream (emulated teams: before a captured
-        launch, whose replays all carry the sequence number of the capture)."""
-        if self._signal_block is None:
-            raise RuntimeError(f"{self!r}: only an emulated team holds every rank's signal words")
-        self._signal_block.zero_()
-
     def next_backward_sequence(self) -> int:
         """Sequence number of the next backward exchange (its own count: every rank runs the same backwards
         in the same order, and the backward's flags are other words than the forward's)."""
@@ -424,13 +418,6 @@ class Team:
         if self._backward_sequence >= 2**31:
             raise TeamFailed("backward sequence numbers exhausted (2^31 backwards); make a new team")
         return self._backward_sequence
-
-    def next_sequence(self) -> int:
-        """Sequence number of the next forward: the value its signals carry (1, 2, ...)."""
-        self._sequence += 1
-        if self._sequence >= 2**31:
-            raise TeamFailed("sequence numbers exhausted (2^31 forwards); make a new team")
-        return self._sequence
 
     def describe(self) -> dict:
         plan = self.plan
@@ -477,7 +464,7 @@ class Team:
                 finally:
                     nvshmem.finalize()
         self.buffers = []
-        self._signal_block = None
+        self.sequence_words = None
 
     def __enter__(self) -> "Team":
         return self

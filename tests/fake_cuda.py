@@ -114,6 +114,14 @@ class FakeExtension:
             event = self.events[status_event]
             event.records += 1
             event.done = self.finish_at_once
+        # A team rank's forwards are counted on the device (csrc/moe/moe_forward.cuh): the kernel publishes
+        # count + 1 and stores it back. A captured launch (no status event) runs nothing until a replay.
+        for rank in ranks:
+            if rank.get("sequence_word") is not None:
+                count = ctypes.c_int32.from_address(rank["sequence_word"])
+                sequence = count.value + 1 if status_event else None
+                if status_event:
+                    count.value = sequence
         if self.record:
             self.launches.append({"sequence": sequence, "stream": stream, "ranks": len(ranks), "event": status_event,
                                   "status_host": status_host, "addresses": list(addresses),

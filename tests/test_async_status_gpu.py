@@ -338,8 +338,8 @@ def test_emulated_team_graph_replays_equal_eager_calls_bitwise(backend, seed):
     call = lambda xs: flashdmoe.moe_expert_parallel(xs, router, w1s, w2s, top_k=k, team=team)  # noqa: E731
     with torch.no_grad():
         graph, ys = capture(lambda: call(static_xs))
-        # Replays and eager calls interleaved: eager sequence numbers keep rising, each replay re-zeroes the
-        # signal words and reuses the captured one.
+        # Replays and eager calls interleaved: both take their sequence numbers from each rank's count on
+        # the device, which each of them advances.
         for step in range(1, 4):
             fresh = [tokens_like(x, seed + 10 * step + r) for r, x in enumerate(static_xs)]
             for static, new in zip(static_xs, fresh):

@@ -504,3 +504,17 @@ def test_silent_rank_makes_every_rank_time_out_then_a_new_team_works(mps_daemon)
                  "after the timeout").check()
     for outcome, want in zip(again.ranks, reference_results(fresh)):
         _check_close(outcome.tensors["y"], want["y"], TOLERANCE_Y[fresh.dtype], f"after the timeout: rank {outcome.rank} y")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name, problem", [CONFIGS[0], CONFIGS[3]], ids=[CONFIGS[0][0], CONFIGS[3][0]])
+def test_graph_replays_of_a_team_forward_equal_eager_calls(mps_daemon, name, problem, seed):
+    """Each rank captures its forward in a CUDA graph and replays it on new inputs, interleaved with eager
+    calls: the device-counted sequence numbers keep replays and eager forwards in step on every rank."""
+    result = _run(mps_daemon, "graph_replay", problem.world_size,
+                  {"problem": problem.to_dict(), "replays": 3, "seed": seed}, f"graph replay {name}").check()
+    for outcome in result.ranks:
+        where = f"{name} rank {outcome.rank}: {outcome.info}"
+        assert outcome.info["replays_identical"] == [True] * 3, where
+        assert outcome.info["team_failed"] is False, where
+        assert torch.isfinite(outcome.tensors["y"].float()).all(), where

@@ -208,3 +208,18 @@ def test_a_team_over_two_emulated_nodes_mixes_transports_bitwise_as_p2p(mps_daem
             where, back, traffic)
         assert back["nvshmem_combine_bytes"] < back["combine_bytes"], (where, back)
         assert got.info["repeat_identical"] and got.info["grads_repeat_identical"], where
+
+
+@pytest.mark.gpu
+def test_graph_replays_over_nvshmem_puts_equal_eager_calls(mps_daemon, seed):
+    """A team forward whose every peer is reached by NVSHMEM puts, captured and replayed on new inputs
+    between eager calls: bitwise the eager result on both ranks."""
+    problem = PROBLEMS[2]
+    result = run_ranks("graph_replay", 2, mps=mps_daemon, env=NVSHMEM_ENV, timeout_s=RUN_TIMEOUT_S,
+                       params={"problem": problem.to_dict(), "replays": 3, "seed": seed},
+                       team={**problem.team_kwargs(), "peer_transport": "nvshmem"})
+    assert result.ok, result.summary()
+    for outcome in result.ranks:
+        where = f"rank {outcome.rank}: {outcome.info}"
+        assert outcome.info["replays_identical"] == [True] * 3, where
+        assert outcome.info["team_failed"] is False, where

@@ -51,7 +51,7 @@ def emulated_team(P=2, max_tokens=32):
         own.peer_recv = [b.recv.data_ptr() for b in buffers]
         own.peer_comb = [b.comb.data_ptr() for b in buffers]
         own.peer_signals = [b.signals.data_ptr() for b in buffers]
-    return Team("emulated", 0, P, plan, buffers, torch.device("cpu"), block)
+    return Team("emulated", 0, P, plan, buffers, torch.device("cpu"))
 
 
 def emulated_forward(team, tokens=(16, 16), seed=0):
@@ -104,8 +104,10 @@ def test_decode_an_error_word_into_fields():
     assert error.timed_out and status.phase_ms is None
     assert error.describe() == ("rank 1 timed out in the expert GEMM1 tile waiting for a peer's dispatched rows "
                                 "(waiting on rank 2; first seen by block 131)")
-    other = KernelError.from_word(0, 0x2 | (3 << 8))
-    assert not other.timed_out and other.describe() == "rank 0 reported error word 0x302"
+    other = KernelError.from_word(0, 0x7 | (3 << 8))
+    assert not other.timed_out and other.describe() == "rank 0 reported error word 0x307"
+    used_up = KernelError.from_word(2, int(ErrorKind.SEQUENCE))
+    assert not used_up.timed_out and "rank 2: the team's forwards used up" in used_up.describe()
 
 
 def report_of(blocks, ranks=None, captured=False, timeout_ms=300):
@@ -468,7 +470,23 @@ def test_captured_launch_has_its_own_slot_and_workspace_and_surfaces_at_synchron
         flashdmoe.check_errors()
 
 
-def test_capture_of_an_emulated_team_clears_its_signals_and_keeps_the_sequence(monkeypatch):
+def test_a_team_launch_takes_its_sequence_numbers_from_the_device_count(fake):
+    """Every rank of a team launch names its own count word; the host passes no sequence number."""
+    ext, _, _ = fake
+    team = emulated_team(P=4)
+    emulated_forward(team, tokens=(16, 5, 9, 1))
+    emulated_forward(team, tokens=(16, 5, 9, 1))
+    _, ranks = ext.prepared[-1]
+    words = team.sequence_words
+    assert words.dtype == torch.int32 and words.device == team.device and words.numel() == 4
+    assert [r["sequence_word"] for r in ranks] == [words.data_ptr() + 4 * i for i in range(4)]
+    assert [launch["sequence"] for launch in ext.launches] == [1, 2] and words.tolist() == [2, 2, 2, 2]
+    assert Team.single().sequence_words is None
+
+
+def test_capture_of_an_emulated_team_leaves_its_signals_and_count_to_the_device(monkeypatch):
+    """A captured launch clears nothing: its replays take their sequence numbers from the device count,
+    which eager forwards before and after share."""
     capturing = {"on": False}
     with fake_cuda(monkeypatch, capturing=lambda: capturing["on"]) as (ext, _, _):
         team = emulated_team()
@@ -482,19 +500,44 @@ def test_capture_of_an_emulated_team_clears_its_signals_and_keeps_the_sequence(m
         capturing["on"] = True
         emulated_forward(team)
         capturing["on"] = False
-        assert int(team._signal_block.abs().sum()) == 0, "every rank's signal words zeroed before the launch"
-        assert [launch["sequence"] for launch in ext.launches] == [1, 2]
+        assert int(team.buffers[0].signals[0]) == 5, "no signal word cleared"
+        assert [launch["sequence"] for launch in ext.launches] == [1, None]
+        assert all(r["sequence_word"] == team.sequence_words.data_ptr() + 4 * i
+                   for i, r in enumerate(ext.prepared[-1][1]))
         assert team.unchecked_launch is None, "a captured launch is checked at synchronize, not at the team's use"
         emulated_forward(team)
-        assert ext.launches[-1]["sequence"] == 3
+        assert ext.launches[-1]["sequence"] == 2
 
 
-def test_capture_of_an_nvshmem_team_is_refused(monkeypatch):
-    with fake_cuda(monkeypatch, capturing=lambda: True):
+def test_capture_of_an_nvshmem_team_takes_the_device_count(monkeypatch):
+    capturing = {"on": False}
+    with fake_cuda(monkeypatch, capturing=lambda: capturing["on"]) as (ext, _, _):
         team = nvshmem_rank(emulated_team(P=2))
         x, router, w1, w2 = inputs()
-        with pytest.raises(RuntimeError, match="CUDA-graph capture of a Team.nvshmem forward is not supported"):
+        with torch.no_grad():
             flashdmoe.moe(x, router, w1[:4], w2[:4], top_k=K, backend="cuda", team=team)
+            flashdmoe.synchronize()
+            capturing["on"] = True
+            flashdmoe.moe(x, router, w1[:4], w2[:4], top_k=K, backend="cuda", team=team)
+            capturing["on"] = False
+            flashdmoe.moe(x, router, w1[:4], w2[:4], top_k=K, backend="cuda", team=team)
+        assert [launch["sequence"] for launch in ext.launches] == [1, None, 2]
+        assert ext.prepared[-1][1][0]["sequence_word"] == team.sequence_words.data_ptr()
+        flashdmoe.synchronize()
+        assert not team.failed
+
+
+def test_used_up_sequence_numbers_fail_the_team(fake):
+    """The kernel's error word for a used-up count (it ran nothing): RuntimeError naming it, team failed."""
+    ext, _, _ = fake
+    team = emulated_team(P=2)
+    word = int(ErrorKind.SEQUENCE)
+    ext.script.append([status_block(error=word), status_block(error=word)])
+    emulated_forward(team)
+    with pytest.raises(RuntimeError, match="used up their 2\\^31 - 1 sequence numbers") as caught:
+        flashdmoe.synchronize()
+    assert "FLASHDMOE_TIMEOUT_MS" not in str(caught.value) and not isinstance(caught.value, flashdmoe.KernelTimeout)
+    assert team.failed
 
 
 # ------------------------------------------------------------------------------------------------------------

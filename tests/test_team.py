@@ -103,13 +103,14 @@ def test_single_team():
     assert "ok" in repr(team)
 
 
-def test_sequence_numbers_count_up_and_run_out():
+def test_backward_sequence_numbers_count_up_and_run_out():
     team = Team.single()
-    assert [team.next_sequence() for _ in range(3)] == [1, 2, 3]
-    team._sequence = 2**31 - 2
-    assert team.next_sequence() == 2**31 - 1
-    with pytest.raises(TeamFailed, match="sequence numbers exhausted"):
-        team.next_sequence()
+    assert [team.next_backward_sequence() for _ in range(3)] == [1, 2, 3]
+    team._backward_sequence = 2**31 - 2
+    assert team.next_backward_sequence() == 2**31 - 1
+    with pytest.raises(TeamFailed, match="backward sequence numbers exhausted"):
+        team.next_backward_sequence()
+    assert team.sequence_words is None, "one rank has no forward count"
 
 
 def test_failed_team_cannot_be_used():
@@ -248,6 +249,8 @@ def test_emulated_team_buffers_and_peer_tables():
         assert own.recv.view(torch.bfloat16).view(P, p.stream_rows, p.hidden).shape == (P, 100, 128)
     addresses = [b.recv.data_ptr() for b in team.buffers] + [b.comb.data_ptr() for b in team.buffers]
     assert len(set(addresses)) == 2 * P  # distinct buffers
+    # each rank's forwards counted on the device, from zero
+    assert team.sequence_words.tolist() == [0] * P and team.sequence_words.device == team.device
     team.barrier()  # no-op for emulated teams
     team.close()
     assert team.buffers == []

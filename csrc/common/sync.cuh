@@ -88,8 +88,9 @@ __device__ __forceinline__ bool grid_barrier(const Params& p, uint32_t phase, ui
 // reset), and all of them have counted themselves out. A launch that times out still reaches this in
 // every block (every wait is bounded by the watchdog), so the reset runs after a failure too. Not
 // inlined: as a call it adds no register pressure to the phases before it (fewer spills in mma.sync).
+// Returns whether this block was the rank's last.
 template <typename Params>
-static __device__ __noinline__ void finish_launch(const Params& p) {
+static __device__ __noinline__ bool finish_launch(const Params& p) {
   __shared__ int last_block;
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -98,7 +99,7 @@ static __device__ __noinline__ void finish_launch(const Params& p) {
     if (last_block) __threadfence();
   }
   __syncthreads();
-  if (!last_block) return;
+  if (!last_block) return false;
   constexpr int kStatusWords = static_cast<int>(kStatusBytes / 4);
   static_assert(kStatusWords <= 32, "one warp copies the status block");
   if (threadIdx.x < kStatusWords && p.status_host != nullptr) {
@@ -109,6 +110,7 @@ static __device__ __noinline__ void finish_launch(const Params& p) {
   }
   __syncthreads();
   for (int i = threadIdx.x; i < p.sync_words_count; i += blockDim.x) p.sync_words[i] = 0u;
+  return true;
 }
 
 }  // namespace flashdmoe

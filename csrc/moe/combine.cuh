@@ -11,7 +11,7 @@ __device__ inline bool wait_for_results(const MoEParams& p) {
   bool ok = true;
   if (threadIdx.x < p.world_size && static_cast<int>(threadIdx.x) != p.rank) {
     const uint32_t* flag = p.peers[p.rank].signals + signal_results_done(p.world_size, p.local_experts, threadIdx.x);
-    ok = wait_at_least<Scope::System>(flag, p.sequence, p, kPhasePeerResults, threadIdx.x);
+    ok = wait_at_least<Scope::System>(flag, forward_sequence(p), p, kPhasePeerResults, threadIdx.x);
   }
   return sync_workers_and(ok);
 }

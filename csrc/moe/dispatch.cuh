@@ -24,7 +24,7 @@ __device__ inline void publish_counts(const MoEParams& p) {
   if (threadIdx.x == 0) {
     __threadfence_system();
     for (int owner = 0; owner < P; ++owner)
-      if (owner != p.rank) ptx::store_release_sys(p.peers[owner].signals + signal_counts_flag(P, L, p.rank), p.sequence);
+      if (owner != p.rank) ptx::store_release_sys(p.peers[owner].signals + signal_counts_flag(P, L, p.rank), forward_sequence(p));
   }
 }
 
@@ -85,7 +85,7 @@ __device__ inline void publish_rows_ready(const MoEParams& p) {
   const int P = p.world_size, L = p.local_experts;
   __threadfence_system();
   for (int owner = 0; owner < P; ++owner)
-    if (owner != p.rank) ptx::store_release_sys(p.peers[owner].signals + signal_rows_ready(P, L, p.rank), p.sequence);
+    if (owner != p.rank) ptx::store_release_sys(p.peers[owner].signals + signal_rows_ready(P, L, p.rank), forward_sequence(p));
 }
 
 // Results-done flag into source `src`'s signal words (this rank finished every result row for it).
@@ -93,7 +93,7 @@ __device__ __forceinline__ void publish_results_done(const MoEParams& p, int src
   if (p.silent) return;
   __threadfence_system();
   ptx::store_release_sys(p.peers[src].signals + signal_results_done(p.world_size, p.local_experts, p.rank),
-                         p.sequence);
+                         forward_sequence(p));
 }
 
 // Rank-block 0, once the tables exist: sources that sent this rank nothing are done already.

@@ -195,7 +195,7 @@ __device__ __forceinline__ void account_results(const MoEParams& p, const DestTa
 __device__ __forceinline__ bool wait_rows_ready(const MoEParams& p, int src, uint32_t& ready_seen) {
   if (src == p.rank || (ready_seen >> src) & 1u) return true;
   const uint32_t* flag = p.peers[p.rank].signals + signal_rows_ready(p.world_size, p.local_experts, src);
-  if (!wait_at_least<Scope::System>(flag, p.sequence, p, kPhasePeerRows, src)) return false;
+  if (!wait_at_least<Scope::System>(flag, forward_sequence(p), p, kPhasePeerRows, src)) return false;
   ready_seen |= 1u << src;
   return true;
 }

@@ -69,6 +69,27 @@ __device__ __forceinline__ void forward_block(const MoEParams& p, char* smem) {
   if (threadIdx.x == 0) atomicMax(p.phase_clock + kPhaseClockSlots - 1, ptx::global_timer_ns());
 }
 
+// This block's forward number (block_sequence): the host's, or for a team rank its device count + 1,
+// which every block of the rank reads before the rank's last block stores it back (end_forward_sequence):
+// stream order then hands it to the next launch, eager or a graph's replay. False, with the error word
+// set, when the count is used up: every rank of the team stops at the same forward.
+__device__ __forceinline__ bool begin_forward_sequence(const MoEParams& p) {
+  __shared__ bool fresh;
+  if (threadIdx.x == 0) {
+    uint32_t sequence = p.sequence;
+    if (p.sequence_word != nullptr) sequence = *reinterpret_cast<volatile const uint32_t*>(p.sequence_word) + 1u;
+    fresh = sequence < (1u << 31);
+    if (!fresh) atomicCAS(p.error_word, 0ull, static_cast<unsigned long long>(kErrorSequence));
+    block_sequence() = sequence;
+  }
+  __syncthreads();
+  return fresh;
+}
+__device__ __forceinline__ void end_forward_sequence(const MoEParams& p, bool last_block) {
+  if (last_block && threadIdx.x == 0 && p.sequence_word != nullptr && block_sequence() < (1u << 31))
+    *p.sequence_word = block_sequence();
+}
+
 template <typename Element, typename Variant, int kRankCapacity>
 __global__ void __launch_bounds__(Variant::kBlockThreads, Variant::kMinBlocksPerSm)
     moe_forward_kernel(const __grid_constant__ LaunchParams<kRankCapacity> launch) {
@@ -78,9 +99,9 @@ __global__ void __launch_bounds__(Variant::kBlockThreads, Variant::kMinBlocksPer
   // wgmma's 128-byte swizzle is computed from absolute shared addresses: align the base to its atom.
   char* smem = raw_smem + ((1024u - (ptx::smem_addr(raw_smem) & 1023u)) & 1023u);
   const MoEParams& p = kRankCapacity == 1 ? launch.rank[0] : launch.rank[blockIdx.x / launch.rank[0].blocks];
-  forward_block<Element, Variant>(p, smem);
+  if (begin_forward_sequence(p)) forward_block<Element, Variant>(p, smem);
   // Every early return above lands here: the exit count and the reset must see every block.
-  finish_launch(p);
+  end_forward_sequence(p, finish_launch(p));
 }
 
 }  // namespace flashdmoe

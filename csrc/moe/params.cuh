@@ -57,7 +57,8 @@ __host__ __device__ __forceinline__ int signal_words(int world, int local_expert
 }
 
 // Error word (uint64): bits 0-7 kind, 8-15 phase, 16-31 peer rank, 32-63 block id.
-enum ErrorKind : uint32_t { kErrorNone = 0, kErrorTimeout = 1 };
+// kErrorSequence: a team rank's forwards used up the 31-bit sequence numbers (its flags would wrap).
+enum ErrorKind : uint32_t { kErrorNone = 0, kErrorTimeout = 1, kErrorSequence = 2 };
 // Status flags word (uint32), not fatal: reported after the launch.
 enum StatusFlag : uint32_t { kStatusNonFiniteLogits = 1u };
 // Phase clock slots: 0 start, 1..4 after grid barriers 1..4 (block 0's view), 5 last block's exit.
@@ -111,7 +112,10 @@ struct MoEParams {
   int rank, world_size, local_experts;
   int first_block, blocks;  // this rank's blocks in the launch (P virtual ranks share an emulated one)
   int stream_rows;          // rows of one region of recv / comb
-  uint32_t sequence;        // this forward's number: the value every flag it publishes carries
+  uint32_t sequence;        // the host's number for this forward (1 for one rank; see sequence_word)
+  // A team rank's count of its forwards on the device: this forward is count + 1, stored back by the
+  // rank's last block, so that a CUDA graph's replays advance it as eager launches do. Null: `sequence`.
+  uint32_t* sequence_word;
   bool silent;              // debug: publish no signals (peers must time out, not hang)
   PeerBuffers peers[kMaxRanks];
 
@@ -159,6 +163,15 @@ struct MoEParams {
   uint64_t timeout_ns;
   int debug_withhold_phase;  // > 0: block 0 never arrives at that barrier (tests the watchdog)
 };
+
+// This block's forward number: what its flags carry and its waits expect. Set once per block at the
+// launch's start (begin_forward_sequence), read through here by every phase.
+__device__ __forceinline__ uint32_t& block_sequence() {
+  __shared__ uint32_t sequence;
+  return sequence;
+}
+__device__ __forceinline__ uint32_t forward_sequence(const MoEParams&) { return block_sequence(); }
+
 
 // The kernel's argument: every rank this launch runs (P virtual ranks for an emulated team, else one).
 // Rank i owns blocks [rank[i].first_block, + rank[i].blocks); all ranks get the same number of blocks.

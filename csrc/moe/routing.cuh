@@ -109,7 +109,7 @@ __device__ inline bool build_dest_tables(const MoEParams& p, const DestTables& t
   bool ok = true;
   if (threadIdx.x < P && static_cast<int>(threadIdx.x) != p.rank) {
     const uint32_t* flag = p.peers[p.rank].signals + signal_counts_flag(P, L, threadIdx.x);
-    ok = wait_at_least<Scope::System>(flag, p.sequence, p, kPhasePeerCounts, threadIdx.x);
+    ok = wait_at_least<Scope::System>(flag, forward_sequence(p), p, kPhasePeerCounts, threadIdx.x);
   }
   if (!__syncthreads_and(ok)) return false;
 

@@ -71,7 +71,7 @@ struct NvshmemTransport {
                            static_cast<uint32_t>(__ldcg(p.expert_kept + owner * L + local)), owner);
         nvshmem_fence();  // the counts land before their flag
       }
-      peer_words::raise(p, owner, signal_counts_flag(P, L, p.rank), p.sequence);
+      peer_words::raise(p, owner, signal_counts_flag(P, L, p.rank), forward_sequence(p));
     }
   }
 
@@ -123,7 +123,7 @@ struct NvshmemTransport {
     const int P = p.world_size, L = p.local_experts;
     __threadfence_system();
     for (int owner = 0; owner < P; ++owner)
-      if (owner != p.rank) peer_words::raise(p, owner, signal_rows_ready(P, L, p.rank), p.sequence);
+      if (owner != p.rank) peer_words::raise(p, owner, signal_rows_ready(P, L, p.rank), forward_sequence(p));
     return true;
   }
 
@@ -154,7 +154,7 @@ struct NvshmemTransport {
     if (block_in_rank(p) != 0 || threadIdx.x != 0 || p.silent) return true;
     for (int src = 0; src < p.world_size; ++src)
       if (via_nvshmem(p, src))
-        peer_words::raise(p, src, signal_results_done(p.world_size, p.local_experts, p.rank), p.sequence);
+        peer_words::raise(p, src, signal_results_done(p.world_size, p.local_experts, p.rank), forward_sequence(p));
     return true;
   }
 };

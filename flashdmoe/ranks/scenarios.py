@@ -6,6 +6,8 @@
   dx, d_router, dw1, dw2 and the forward's traffic counters.
 * ``silent_rank_timeout``: one rank never publishes its signals and the watchdog is short; returns the
   exception each rank saw, whether the team is marked failed, and what a further call raised.
+* ``graph_replay``: the team's forward captured in a CUDA graph, replayed on new inputs copied in and
+  interleaved with eager calls on the same inputs; returns whether every replay equalled its eager call.
 * ``selftest``: no NVSHMEM and no GPU; exercises the harness itself (unique-id hand-over, errors, hangs,
   crashes) so it is tested on a CPU machine.
 
@@ -27,7 +29,8 @@ import flashdmoe
 from flashdmoe.ranks.child import RankContext, ScenarioOutput, error_info, synchronize
 from flashdmoe.ranks.problem import Problem
 
-__all__ = ["SCENARIOS", "backward_path", "forward_backward", "forward_backward_transports", "last_traffic", "selftest", "silent_rank_timeout", "team_moe"]
+__all__ = ["SCENARIOS", "backward_path", "forward_backward", "forward_backward_transports", "graph_replay", "last_traffic",
+           "selftest", "silent_rank_timeout", "team_moe"]
 
 
 def team_moe(problem: Problem, context: RankContext, x, router_weight, w1, w2) -> torch.Tensor:
@@ -161,6 +164,47 @@ def silent_rank_timeout(context: RankContext) -> ScenarioOutput:
                                 "timeout_ms": timeout_ms})
 
 
+def graph_replay(context: RankContext) -> ScenarioOutput:
+    """params: ``problem``, ``replays`` (default 3), ``seed`` (default 0: the new inputs' seed).
+
+    One eager forward (the warm-up CUDA graphs ask for), then the forward captured on a static ``x``;
+    for each replay new inputs (seeded per rank and replay, the problem's scale) are copied into the
+    static ``x``, the graph is replayed, and an eager forward runs on the same inputs. Every rank does
+    the same calls in the same order (the team's forwards are collective, replayed or not). Returns
+    tensors y (the last replay's) and info ``replays_identical`` (per replay: the replay's y equal to the
+    eager one bit for bit), ``team_failed``.
+    """
+    problem = Problem.from_dict(context.params["problem"])
+    replays = int(context.params.get("replays", 3))
+    seed = int(context.params.get("seed", 0))
+    inputs = problem.rank_inputs(context.rank).to(context.device)
+    scale = float(inputs.x.float().std()) if inputs.x.numel() > 1 else 1.0
+    moe = lambda x: team_moe(problem, context, x, inputs.router_weight, inputs.w1, inputs.w2)  # noqa: E731
+    identical = []
+    with torch.no_grad():
+        context.enter_phase("graph_replay: warm-up")
+        moe(inputs.x)
+        synchronize(context.device)  # a team's last forward is checked before a capture may use the team
+        static_x = inputs.x.clone()
+        graph = torch.cuda.CUDAGraph()
+        context.enter_phase("graph_replay: capture")
+        with torch.cuda.graph(graph):
+            static_y = moe(static_x)
+        generator = torch.Generator(device="cpu")
+        for replay in range(replays):
+            generator.manual_seed(seed * 1_000_003 + 1_000 * context.rank + replay)
+            fresh = (torch.randn(static_x.shape, generator=generator) * scale).to(static_x.dtype).to(context.device)
+            static_x.copy_(fresh)
+            context.enter_phase(f"graph_replay: replay {replay}")
+            graph.replay()
+            context.enter_phase(f"graph_replay: eager {replay}")
+            want = moe(fresh)
+            synchronize(context.device)
+            identical.append(bool(torch.equal(static_y, want)))
+    return ScenarioOutput({"y": static_y.clone()},
+                          {"replays_identical": identical, "team_failed": bool(context.team.failed)})
+
+
 def selftest(context: RankContext) -> ScenarioOutput:
     """The harness itself, without NVSHMEM or a GPU. params: ``actions`` {rank: "ok" | "raise" | "hang" |
     "exit"} (default "ok"); "hang" sleeps ``hang_s`` (default 3600). Returns tensor ``rank`` and info
@@ -192,6 +236,7 @@ def forward_backward_transports(context: RankContext) -> ScenarioOutput:
 SCENARIOS: dict[str, Callable[[RankContext], Any]] = {
     "forward_backward": forward_backward,
     "forward_backward_transports": forward_backward_transports,
+    "graph_replay": graph_replay,
     "silent_rank_timeout": silent_rank_timeout,
     "selftest": selftest,
 }
