@@ -4,7 +4,10 @@ From the forward's routing and saved pre-activations, one cooperative launch com
 of the backward on wgmma fed by TMA: ``g = dy W2^T`` by row tile with the element-wise step in its
 epilogue (``wh = w act(pre)``, ``dpre = w g act'(pre)``, the combine weight's gradient ``<g, act(pre)>``
 as per-tile partials summed in column order), ``dx_rows = dpre W1^T``, and the weight gradients
-``dW2 = wh^T dy_rows`` and ``dW1 = x_rows^T dpre`` over each expert's rows. Deterministic: no float
+``dW2 = wh^T dy_rows`` and ``dW1 = x_rows^T dpre`` over each expert's rows. ``dy_rows`` and ``x_rows``
+are never stored: the kernel's producer warpgroup copies each K slab's rows of ``dy`` and ``x`` by token
+into shared memory (``cp.async``), so the scratch holds only a token index per row besides ``wh``,
+``dpre`` and the partial sums. Deterministic: no float
 atomics, every output element written once, every sum in a fixed order. The router's gradient and the
 sum of a token's ``k`` rows of ``dx`` follow in the extension's small kernels
 (:func:`flashdmoe.expert_backward.expert_backward`).
@@ -69,6 +72,13 @@ def _layout(ext, tokens, hidden, ffn, experts, top_k, activation_code) -> dict:
     return ext.fused_backward_layout(tokens, hidden, ffn, experts, top_k, activation_code)
 
 
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a copy of it in fresh storage when its data does not start on a 16-byte boundary: the
+    kernel copies rows of ``x`` and ``dy`` in 16-byte pieces (a contiguous view at an odd offset into a
+    larger tensor is the only way such a tensor arises)."""
+    return t if t.data_ptr() % 16 == 0 else t.clone(memory_format=torch.contiguous_format)
+
+
 def launch(x: torch.Tensor, dy: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, pre: torch.Tensor,
            expert32: torch.Tensor, row32: torch.Tensor, weight32: torch.Tensor, *, activation: str,
            need_dx: bool, need_dw1: bool, need_dw2: bool) -> FusedGrads:
@@ -77,9 +87,12 @@ def launch(x: torch.Tensor, dy: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor
     x, dy ``[T, H]``; w1 ``[E, H, I or 2I]``; w2 ``[E, I, H]``; pre ``[>= kept rows, I or 2I]`` (the
     forward's saved pre-activations by packed row); all one 16-bit dtype, contiguous. expert32, row32
     ``[T, k]`` int32 and weight32 ``[T, k]`` float32: the forward's routing. The caller checked shapes,
-    dtypes and devices (:func:`flashdmoe.expert_backward.expert_backward`) and ``T > 0``.
+    dtypes and devices (:func:`flashdmoe.expert_backward.expert_backward`) and ``T > 0``. ``x`` or
+    ``dy`` not 16-byte aligned is copied first (:func:`_aligned`).
     """
     from flashdmoe import extension
+
+    x, dy = _aligned(x), _aligned(dy)
 
     ext = extension.loaded()
     tokens, hidden = x.shape

@@ -47,7 +47,7 @@ PHASE_NAMES = {
     8: "combine waiting for a peer's expert results",
     9: "expert tile pipeline (a TMA stage that never filled or was never released)",
     10: "backward: grid barrier after the kept rows were counted",
-    11: "backward: grid barrier after dy's and x's rows were gathered",
+    11: "backward: grid barrier after every expert's rows were indexed",
     12: "backward: dx tile waiting for its row tile's g tiles",
     13: "backward: weight-gradient tile waiting for its expert's g tiles",
     14: "backward exchange: waiting for an expert owner to free its staging for this rank's rows",

@@ -684,6 +684,41 @@ def test_fused_is_refused_where_it_cannot_run(seed):
         run(inputs, case, capacity, pre=saved_pre(inputs, keep))
 
 
+def _misaligned_copy(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values in a contiguous view that starts one element (2 bytes) past a 16-byte boundary."""
+    storage = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+    view = storage[1:].view(t.shape)
+    view.copy_(t)
+    assert view.is_contiguous() and view.data_ptr() % 16 != 0
+    return view
+
+
+def test_fused_copies_rows_off_a_16_byte_boundary_first(seed):
+    """The kernel copies x's and dy's rows in 16-byte pieces: a tensor starting off a 16-byte boundary is
+    copied into fresh storage first, an aligned one passes as it is."""
+    from flashdmoe.fused_backward import _aligned
+
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+    assert _aligned(x) is x
+    shifted = _misaligned_copy(x)
+    fixed = _aligned(shifted)
+    assert fixed.data_ptr() % 16 == 0 and fixed.is_contiguous() and torch.equal(fixed, x)
+
+
+@pytest.mark.gpu
+def test_gpu_fused_reads_x_and_dy_off_a_16_byte_boundary(fused_knobs, seed):
+    """x and dy as views starting 2 bytes past a 16-byte boundary give bitwise the gradients of aligned ones."""
+    case = Case(300, 128, 256, 8, 2, "swiglu", gemm="fused")
+    inputs, keep, capacity = _gpu_problem(case, seed, torch.bfloat16)
+    pre = saved_pre(inputs, keep)
+    aligned = run(inputs, case, capacity, pre=pre)
+    shifted = list(inputs)
+    shifted[0], shifted[7] = _misaligned_copy(inputs[0]), _misaligned_copy(inputs[7])
+    for name, want, got in zip(GRAD_NAMES, aligned, run(shifted, case, capacity, pre=pre)):
+        assert torch.equal(want, got), f"{name} differs with x and dy off a 16-byte boundary"
+    flashdmoe.check_errors()
+
+
 @pytest.mark.gpu
 def test_gpu_fused_backward_leaves_last_report_to_the_forward(fused_knobs, seed):
     """flashdmoe.last_report() stays the forward's (its traffic and routing) after a fused backward."""
