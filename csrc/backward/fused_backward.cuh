@@ -374,6 +374,17 @@ __device__ __forceinline__ int expert_slabs(const ExpertTables& t, int expert) {
   return (t.padded_start[expert + 1] - t.padded_start[expert]) / static_cast<int>(kTmaSlabK);
 }
 
+// A g tile's epilogue reads the tile's saved pre-activations (its rows, its columns; both halves for
+// swiglu) once the K loop is done: the producer threads ask L2 for them as the task starts, one row each.
+__device__ __forceinline__ void prefetch_pre(const BackwardParams& p, const BackwardRowTile& tile, int n0, int width) {
+  const int t = static_cast<int>(threadIdx.x) - kThreads;
+  if (t >= tile.rows) return;
+  const uint32_t bytes = static_cast<uint32_t>(min(width, p.ffn - n0)) * 2;
+  const char* row = static_cast<const char*>(p.pre) + (static_cast<int64_t>(tile.packed_row0 + t) * p.w1_cols + n0) * 2;
+  ptx::prefetch_l2(row, bytes);
+  if (p.activation == Activation::Swiglu) ptx::prefetch_l2(row + static_cast<int64_t>(p.ffn) * 2, bytes);
+}
+
 // The producer warpgroup. Its leader (first lane) takes tasks, waits for their inputs and hands them
 // over in order; for each K slab it waits until the consumers released the stage, arms the stage with
 // the bytes of its TMA loads and issues them. Every thread then copies its lines of the slab's row
@@ -446,6 +457,7 @@ __device__ bool produce_backward(const BackwardParams& p, const ExpertTables& t,
           tma::load_3d(b_dst + panel * kBox, b_map, bar, k0, task.n0 + 64 * panel, tile.expert);
       };
       if (g) {  // A: dy's rows of the tile (their tokens looked up again each slab: fewer live registers)
+        prefetch_pre(p, tile, task.n0, Config::kTileN);
         ok = stream(k_tiles, Config::kPanels * kBox, weights, [&](uint32_t a_dst, uint32_t, int kt) {
           const int k0 = kt * static_cast<int>(kTmaSlabK);
           for (int box = 0; box < a_boxes; ++box)
