@@ -9,7 +9,10 @@
 # fused backward built with parts changed (scripts/backward_probe.sh); TEAMBENCH=1 an NVSHMEM team's training
 # steps, the device-exchange backward beside the torch-ops one (scripts/team_backward_bench.py; TEAMBENCH_TRANSPORTS
 # "p2p nvshmem" runs it once per peer transport, TEAMBENCH_ARGS adds its options, e.g. --device-only); EMUBENCH=1 an
-# emulated team's training steps, the exchange backward beside the torch-ops one (scripts/emulated_backward_bench.py).
+# emulated team's training steps, the exchange backward beside the torch-ops one (scripts/emulated_backward_bench.py);
+# BACKWARD_AB_BASE=<csrc tree> the fused backward launch against that tree's, in alternation (scripts/backward_ab.sh,
+# where the working tree has it); QUICK_SHAPES=<T/H/I/E/k/act,...> scripts/quick_time.py on those shapes (kernel and
+# phase times by the profiler and the kernel's clocks).
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 start=$(date +%s)
@@ -93,6 +96,14 @@ fi
 if [ "${EMUBENCH:-0}" = "1" ] && [ "$(left)" -gt 40 ]; then
   timeout $(( $(left) - 20 )) python3 scripts/emulated_backward_bench.py > /tmp/emubench.log 2>&1
   note "emulated team backward bench rc=$?"; grep -E "^\|" /tmp/emubench.log || tail -30 /tmp/emubench.log
+fi
+if [ -n "${BACKWARD_AB_BASE:-}" ] && [ -f scripts/backward_ab.sh ] && [ "$(left)" -gt 150 ]; then
+  AB_BASE=$BACKWARD_AB_BASE timeout $(( $(left) - 20 )) bash scripts/backward_ab.sh > /tmp/backward_ab.log 2>&1
+  note "backward A/B against $BACKWARD_AB_BASE rc=$?"; grep -E "^(base|new) " /tmp/backward_ab.log || tail -20 /tmp/backward_ab.log
+fi
+if [ -n "${QUICK_SHAPES:-}" ] && [ "$(left)" -gt 60 ]; then
+  QUICK_SHAPES=$QUICK_SHAPES timeout $(( $(left) - 20 )) python3 scripts/quick_time.py > /tmp/quick.log 2>&1
+  note "quick_time ($QUICK_SHAPES) rc=$?"; grep -E "phases|Error|error" /tmp/quick.log || tail -20 /tmp/quick.log
 fi
 if [ "${NCU:-0}" = "1" ] && [ "$(left)" -gt 70 ]; then
   ncu=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
