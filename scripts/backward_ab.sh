@@ -7,14 +7,12 @@
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 source "$(dirname "$0")/probe_build.sh"
-base=${AB_BASE:?AB_BASE: the other source tree}
-export FLASHDMOE_BUILD_JOBS=${FLASHDMOE_BUILD_JOBS:-16}
-( build_tree ab_base "$base" ) || exit 1  # a subshell: its exports stay there
-timeout 300 python3 -m flashdmoe build > /tmp/ab_new_build.log 2>&1 || { echo "new build failed"; tail -20 /tmp/ab_new_build.log; exit 1; }
+: "${AB_BASE:?AB_BASE: the other source tree}"
+ab_builds "$AB_BASE" || exit 1
 shapes=${AB_SHAPES:-8192/2048/2048/32/2/gelu,8192/2048/768/128/8/swiglu,4096/4096/14336/8/2/swiglu}
 for round in $(seq "${AB_ROUNDS:-2}"); do
   for side in base new; do
-    if [ $side = base ]; then env=(FLASHDMOE_SOURCE_DIR=$base FLASHDMOE_CACHE_DIR=/tmp/ab_base_cache); else env=(); fi
+    mapfile -t env < <(ab_env $side)
     env "${env[@]}" timeout ${PHASES_TIMEOUT:-150} python3 scripts/backward_phases.py --shapes "$shapes" \
       --kinds "${AB_KINDS:-g,all}" > "/tmp/ab_${side}_r$round.log" 2>&1
     rc=$?; [ $rc -eq 0 ] || { echo "$side r$round: rc=$rc"; tail -5 "/tmp/ab_${side}_r$round.log"; }

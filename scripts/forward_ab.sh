@@ -7,13 +7,11 @@
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 source "$(dirname "$0")/probe_build.sh"
-base=${AB_BASE:?AB_BASE: the other source tree}
-export FLASHDMOE_BUILD_JOBS=${FLASHDMOE_BUILD_JOBS:-16}
-( build_tree ab_base "$base" ) || exit 1  # a subshell: its exports stay there
-timeout 300 python3 -m flashdmoe build > /tmp/ab_new_build.log 2>&1 || { echo "new build failed"; tail -20 /tmp/ab_new_build.log; exit 1; }
+: "${AB_BASE:?AB_BASE: the other source tree}"
+ab_builds "$AB_BASE" || exit 1
 for round in $(seq "${AB_ROUNDS:-2}"); do
   for side in base new; do
-    if [ $side = base ]; then env=(FLASHDMOE_SOURCE_DIR=$base FLASHDMOE_CACHE_DIR=/tmp/ab_base_cache); else env=(); fi
+    mapfile -t env < <(ab_env $side)
     env "${env[@]}" QUICK_SHAPES="${AB_SHAPES:-decode}" QUICK_VARIANTS=${QUICK_VARIANTS:-auto} timeout 150 \
       python3 scripts/quick_time.py 2>&1 | grep -E "phases|Error|error" | sed "s/^/$side r$round /"
   done

@@ -25,6 +25,20 @@ PY
   build_tree "probe_$name" "$src"
 }
 
+# ab_builds BASE: for an A/B in one run (forward_ab.sh, backward_ab.sh), the source tree BASE built into
+# /tmp/ab_base_cache (in a subshell: its exports stay there) and the working tree's csrc/ into the default
+# cache; FLASHDMOE_BUILD_JOBS defaults to 16. Non-zero, saying why, when either build failed. A side's
+# environment for what it times: ab_env base|new (prints the assignments, one per line).
+ab_builds() {
+  export FLASHDMOE_BUILD_JOBS=${FLASHDMOE_BUILD_JOBS:-16}
+  ( build_tree ab_base "$1" ) || return 1
+  timeout 300 python3 -m flashdmoe build > /tmp/ab_new_build.log 2>&1 \
+    || { echo "new build failed"; tail -20 /tmp/ab_new_build.log; return 1; }
+}
+ab_env() {
+  [ "$1" = base ] && printf '%s\n' "FLASHDMOE_SOURCE_DIR=$AB_BASE" "FLASHDMOE_CACHE_DIR=/tmp/ab_base_cache"
+}
+
 # build_tree NAME SRC: the kernel built from the source tree SRC into its own cache (/tmp/NAME_cache), with
 # FLASHDMOE_SOURCE_DIR and FLASHDMOE_CACHE_DIR exported for what runs next; non-zero, saying why, when the
 # build failed (log: /tmp/NAME_build.log).

@@ -40,6 +40,8 @@ struct FusedBackwardConfig {
   // A stage completes on its TMA bytes, the leader's arrival and one cp.async arrival per producer thread.
   static constexpr uint32_t kStageArrivals = 1 + kProducerThreads;
   static constexpr int kBoxBytes = 64 * 64 * 2;  // every operand box: 64 x 64 two-byte elements
+  static_assert(kProducerThreads / 8 * 4 == 64 && kBoxBytes == 64 * 128,
+                "copy_box: 8 threads per 128-byte line, 4 lines each, cover one 64-line box");
   static constexpr int kPanels = BN / 64;
   static constexpr int kPipelineBytes = RowGemm::kPipelineBytes;
   static_assert(WeightGemm::kPipelineBytes == kPipelineBytes, "one stage ring for every GEMM kind");
