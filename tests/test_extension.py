@@ -396,6 +396,16 @@ def test_real_csrc_compiles_for_sm_90a(toolchain, tmp_path, capsys, record_prope
     ranks, errors = eval(printed)  # noqa: S307  (our own repr)
     assert ranks == 1 and len(errors) == 2, printed
     assert "hidden size H=200" in errors[0] and "workspace holds 64 bytes" in errors[1], errors
+    # The fused backward's scratch (its host layout, no CUDA call): per padded row a token index, wh, dpre,
+    # the combine weight and the partial sums, then the row table; no copies of dy's and x's rows.
+    T, H, I, E, k = 8192, 2048, 768, 128, 8  # Qwen3-30B-A3B's layer, swiglu (activation code 3)
+    layout = eval(_run_in_fresh_process(  # noqa: S307  (our own repr)
+        f"print(repr(import_extension(argv[0]).fused_backward_layout({T}, {H}, {I}, {E}, {k}, 3)))", so_path))
+    rows = T * k + E * 63
+    pieces = [rows * 4, rows * I * 2, rows * 2 * I * 2, rows * 4, rows * -(-I // 256) * 4, T * k * 4]
+    assert layout["padded_rows"] == rows
+    assert layout["scratch_bytes"] == sum(-(-piece // 128) * 128 for piece in pieces), layout
+    assert layout["scratch_bytes"] < 2 * rows * H * 2, "less than the row copies of dy and x alone would take"
     # Per (variant, dtype) of the table one kernel for each rank capacity of the parameter struct
     # (expert_variants.RANK_CAPACITIES), and one training instance (saving pre-activations, one rank) per
     # 16-bit (variant, dtype); nothing else.
