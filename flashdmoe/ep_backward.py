@@ -403,10 +403,10 @@ def _tokens_grads(ext, r: dict, router_weight, P, L, S, E, H, dtype, device, nor
     plus the router's term) and its float32 share of d_router."""
     tokens, top_k = r["tokens"], r["top_k"]
     expert32, row32, xc = r["expert32"], r["row32"], r["xc"]
-    owner = expert32.long().div(L, rounding_mode="floor").clamp(0, P - 1)
-    staged_row = torch.where(row32 >= 0, (owner * S + row32.long()).to(torch.int32), -1).contiguous()
     if not tokens:
         return (xc.new_zeros(0, H) if need_dx else None), torch.zeros(E, H, dtype=torch.float32, device=device)
+    owner = expert32.long().div(L, rounding_mode="floor").clamp(0, P - 1)
+    staged_row = torch.where(row32 >= 0, (owner * S + row32.long()).to(torch.int32), -1).contiguous()
     stream = torch.cuda.current_stream(device).cuda_stream
     logits = torch.mm(xc, router_weight.t(), out_dtype=torch.float32)
     dlogits = torch.empty(tokens, E, dtype=dtype, device=device)

@@ -102,7 +102,7 @@ if [ -n "${BACKWARD_AB_BASE:-}" ] && [ -f scripts/backward_ab.sh ] && [ "$(left)
   note "backward A/B against $BACKWARD_AB_BASE rc=$?"; grep -E "^(base|new) " /tmp/backward_ab.log || tail -20 /tmp/backward_ab.log
 fi
 if [ -n "${QUICK_SHAPES:-}" ] && [ "$(left)" -gt 60 ]; then
-  QUICK_SHAPES=$QUICK_SHAPES timeout $(( $(left) - 20 )) python3 scripts/quick_time.py > /tmp/quick.log 2>&1
+  timeout $(( $(left) - 20 )) python3 scripts/quick_time.py > /tmp/quick.log 2>&1  # reads QUICK_SHAPES itself
   note "quick_time ($QUICK_SHAPES) rc=$?"; grep -E "phases|Error|error" /tmp/quick.log || tail -20 /tmp/quick.log
 fi
 if [ "${NCU:-0}" = "1" ] && [ "$(left)" -gt 70 ]; then
