@@ -28,19 +28,15 @@ T get(const py::dict& d, const char* key) {
   return d[key].cast<T>();
 }
 
-// Runs `launch` (returning LaunchInfo) on `stream` without the GIL, then records `status_event` (when not
-// 0) behind it; nothing waits. Returns (grid, blocks per SM, shared memory bytes per block).
+// Runs `launch` (returning LaunchInfo) without the GIL; nothing waits. The kernel's last block marks the
+// pinned status slot complete (kStatusDone), so no event is recorded behind it. Returns (grid, blocks
+// per SM, shared memory bytes per block).
 template <typename Launch>
-py::tuple launch_and_record(Launch&& launch, cudaStream_t stream, uintptr_t status_event) {
+py::tuple launch_released(Launch&& launch) {
   LaunchInfo info;
   {
     py::gil_scoped_release release;
     info = launch();
-    if (status_event != 0) {
-      const cudaError_t status = cudaEventRecord(reinterpret_cast<cudaEvent_t>(status_event), stream);
-      if (status != cudaSuccess)
-        throw std::runtime_error(std::string("recording the status event: ") + cudaGetErrorString(status));
-    }
   }
   return py::make_tuple(info.grid, info.blocks_per_sm, info.smem_bytes);
 }
@@ -98,44 +94,18 @@ std::unique_ptr<PreparedForward> prepare_forward(const py::dict& shared, const p
 }
 
 // One forward: launch the kernel, which writes every rank's status block into `status_host` (pinned
-// memory; 0: nowhere) as it exits, and record `status_event` (when not 0) behind it; nothing waits.
-// Two CUDA calls. Returns (grid, blocks per SM, shared memory bytes per block).
+// memory; 0: nowhere) and then its completion word as it exits; nothing waits. One CUDA call. Returns
+// (grid, blocks per SM, shared memory bytes per block).
 py::tuple launch(PreparedForward& prepared, const std::vector<uintptr_t>& addresses, uint32_t sequence,
-                 uintptr_t stream, uintptr_t status_host, uintptr_t status_event) {
+                 uintptr_t stream, uintptr_t status_host) {
   const int num_ranks = prepared.args.num_ranks;
   if (addresses.size() != static_cast<size_t>(1 + kAddressesPerRank * num_ranks))
     throw std::invalid_argument("addresses: expected the router and " + std::to_string(kAddressesPerRank) +
                                 " addresses per rank for " + std::to_string(num_ranks) + " ranks, got " +
                                 std::to_string(addresses.size()));
   const auto cuda_stream = reinterpret_cast<cudaStream_t>(stream);
-  return launch_and_record(
-      [&] { return launch_prepared(prepared, addresses.data(), sequence, as_ptr<void>(status_host), cuda_stream); },
-      cuda_stream, status_event);
-}
-
-// Completion events of the status copies, owned by the Python side's slots (one per slot, for the
-// process's lifetime), created on the current device.
-uintptr_t event_create() {
-  cudaEvent_t event = nullptr;
-  const cudaError_t status = cudaEventCreateWithFlags(&event, cudaEventDisableTiming);
-  if (status != cudaSuccess) throw std::runtime_error(std::string("cudaEventCreate: ") + cudaGetErrorString(status));
-  return reinterpret_cast<uintptr_t>(event);
-}
-
-bool event_query(uintptr_t event) {
-  const cudaError_t status = cudaEventQuery(reinterpret_cast<cudaEvent_t>(event));
-  if (status == cudaSuccess) return true;
-  if (status == cudaErrorNotReady) return false;
-  throw std::runtime_error(std::string("cudaEventQuery: ") + cudaGetErrorString(status));
-}
-
-void event_synchronize(uintptr_t event) {
-  cudaError_t status;
-  {
-    py::gil_scoped_release release;
-    status = cudaEventSynchronize(reinterpret_cast<cudaEvent_t>(event));
-  }
-  if (status != cudaSuccess) throw std::runtime_error(std::string("cudaEventSynchronize: ") + cudaGetErrorString(status));
+  return launch_released(
+      [&] { return launch_prepared(prepared, addresses.data(), sequence, as_ptr<void>(status_host), cuda_stream); });
 }
 
 py::dict layout(int tokens, int hidden, int ffn, int experts, int top_k, int dtype, int world_size, int stream_rows) {
@@ -164,6 +134,7 @@ py::dict status_layout() {
   out["traffic"] = kStatusTraffic;
   out["nvshmem_traffic"] = kStatusNvshmemTraffic;
   out["status_flags"] = kStatusFlags;
+  out["done_word"] = kStatusDone;
   return out;
 }
 
@@ -207,8 +178,8 @@ void router_grad(int dtype, uintptr_t logits, uintptr_t expert, uintptr_t row_of
 }
 
 // The fused expert backward (backward/expert_grad.h FusedBackwardArgs): `args` names every field
-// (pointers as integers, 0 for null); records `status_event` (0: none) behind the launch.
-py::tuple fused_backward(const py::dict& args, uintptr_t stream, uintptr_t status_event) {
+// (pointers as integers, 0 for null); its status slot is `status_host`, like a forward's.
+py::tuple fused_backward(const py::dict& args, uintptr_t stream) {
   FusedBackwardArgs a{};
   a.dtype = static_cast<DType>(get<int>(args, "dtype"));
   a.activation = static_cast<Activation>(get<int>(args, "activation"));
@@ -239,7 +210,7 @@ py::tuple fused_backward(const py::dict& args, uintptr_t stream, uintptr_t statu
   a.debug_withhold_phase = get<int>(args, "debug_withhold_phase");
   a.max_blocks = get<int>(args, "max_blocks");
   const auto cuda_stream = reinterpret_cast<cudaStream_t>(stream);
-  return launch_and_record([&] { return launch_fused_backward(a, cuda_stream); }, cuda_stream, status_event);
+  return launch_released([&] { return launch_fused_backward(a, cuda_stream); });
 }
 
 py::dict fused_backward_layout_dict(int tokens, int hidden, int ffn, int experts, int top_k, int activation) {
@@ -297,8 +268,8 @@ EpRowsArgs ep_rows_args(const py::dict& args) {
 }
 
 // The exchange for one rank (`args` a dict) or for every rank of an emulated team in one launch (a list of
-// dicts, rank order); records `status_event` (0: none) behind the launch.
-py::tuple ep_rows(const py::object& args, uintptr_t stream, uintptr_t status_event) {
+// dicts, rank order); each rank's status slot is its `status_host`.
+py::tuple ep_rows(const py::object& args, uintptr_t stream) {
   std::vector<EpRowsArgs> ranks;
   if (py::isinstance<py::dict>(args)) {
     ranks.push_back(ep_rows_args(args.cast<py::dict>()));
@@ -306,7 +277,7 @@ py::tuple ep_rows(const py::object& args, uintptr_t stream, uintptr_t status_eve
     for (const py::handle item : args.cast<py::list>()) ranks.push_back(ep_rows_args(item.cast<py::dict>()));
   }
   const auto cuda_stream = reinterpret_cast<cudaStream_t>(stream);
-  return launch_and_record([&] { return launch_ep_rows(ranks, cuda_stream); }, cuda_stream, status_event);
+  return launch_released([&] { return launch_ep_rows(ranks, cuda_stream); });
 }
 
 }  // namespace
@@ -322,13 +293,9 @@ PYBIND11_MODULE(flashdmoe_cuda, m) {
   m.def("launch", &launch,
         "Launch the fused forward (the workspaces' sync words must be zero: zeroed once at allocation, then "
         "reset by each launch's exit), whose last block writes the status blocks into `status_host` (pinned; "
-        "0: nowhere), and record `status_event` (0: none), all asynchronously on `stream`. Returns (grid, "
+        "0: nowhere) and then each block's completion word, asynchronously on `stream`. Returns (grid, "
         "blocks_per_sm, smem_bytes).",
-        py::arg("prepared"), py::arg("addresses"), py::arg("sequence"), py::arg("stream"), py::arg("status_host"),
-        py::arg("status_event"));
-  m.def("event_create", &event_create, "A timing-free CUDA event on the current device (its handle).");
-  m.def("event_query", &event_query, "Whether the event completed (never blocks).", py::arg("event"));
-  m.def("event_synchronize", &event_synchronize, "Wait for the event (the GIL is released).", py::arg("event"));
+        py::arg("prepared"), py::arg("addresses"), py::arg("sequence"), py::arg("stream"), py::arg("status_host"));
   m.def("activation_grad", &activation_grad,
         "Backward between the row GEMMs (backward/expert_grad.h): per packed row dweight = <g, act(pre)>, "
         "hw = w act(pre), dpre = w g act'(pre); asynchronous on `stream`.",
@@ -351,15 +318,14 @@ PYBIND11_MODULE(flashdmoe_cuda, m) {
         py::arg("dlogits"), py::arg("tokens"), py::arg("top_k"), py::arg("experts"), py::arg("normalize_topk"),
         py::arg("stream"));
   m.def("fused_backward", &fused_backward,
-        "The fused expert backward of one rank (backward/expert_grad.h), one cooperative launch on `stream`, "
-        "then `status_event` recorded (0: none). `args`: a dict of FusedBackwardArgs' fields. Returns (grid, "
-        "blocks_per_sm, smem_bytes).",
-        py::arg("args"), py::arg("stream"), py::arg("status_event"));
+        "The fused expert backward of one rank (backward/expert_grad.h), one cooperative launch on `stream`. "
+        "`args`: a dict of FusedBackwardArgs' fields. Returns (grid, blocks_per_sm, smem_bytes).",
+        py::arg("args"), py::arg("stream"));
   m.def("ep_rows", &ep_rows,
         "The backward's row exchange: one rank (a dict) or every rank of an emulated team (a list of dicts, rank "
         "order) in one cooperative launch on `stream`; returns "
         "(grid, blocks_per_sm, smem_bytes).",
-        py::arg("args"), py::arg("stream"), py::arg("status_event"));
+        py::arg("args"), py::arg("stream"));
   m.def("ep_rows_sync_bytes", &ep_rows_sync_bytes);
   m.def("ep_signal_words", &ep_signal_words, py::arg("world"), py::arg("local_experts"), py::arg("stream_rows"));
   m.def("ep_stage_bytes", &ep_stage_bytes, "Bytes of a rank's staging for NVSHMEM peers in the backward exchange.",

@@ -10,8 +10,8 @@ single-rank forward and an emulated team's forward can be captured in a CUDA gra
 
 Per call the host does: the cached plan of the launch (shape rules, workspace layout and the parsed
 launch options, once per shape and options), output allocation (``y`` and one routing block), the pooled
-workspace (:mod:`flashdmoe.workspace_pool`), one extension call with the addresses (which launches and
-records the slot's event: two CUDA calls), and the report's bookkeeping.
+workspace (:mod:`flashdmoe.workspace_pool`), one extension call with the addresses (one CUDA call: the
+kernel itself marks its status slot complete, no event is recorded), and the report's bookkeeping.
 :func:`flashdmoe.moe` remembers whole call signatures and goes straight to :func:`launch_one` for one
 rank (:mod:`flashdmoe.api`).
 
@@ -329,7 +329,7 @@ def launch_one(plan: _Plan, x, router_weight, w1, w2, saved_pre=None, weight_add
                  block + 2 * size, block + 3 * size, 0 if saved_pre is None else saved_pre.data_ptr(), workspace]
     slot = status_checks.claim_slot(index, capturing)
     try:
-        info = plan.launch(plan.prepared, addresses, 1, handle, slot.address, 0 if capturing else slot.event.handle)
+        info = plan.launch(plan.prepared, addresses, 1, handle, slot.address)
     except Exception:
         slot.give_back()
         raise
@@ -338,7 +338,7 @@ def launch_one(plan: _Plan, x, router_weight, w1, w2, saved_pre=None, weight_add
                               slot.view[:plan.status_bytes], None, None, True, None, (routing,))
     else:
         report = LaunchReport(plan.shape, status_checks.next_launch_id(), index, info, plan.layout,
-                              slot.view[:plan.status_bytes], slot.event, slot.give_back, False, None, (routing,))
+                              slot.view[:plan.status_bytes], slot, slot.give_back, False, None, (routing,))
     status_checks.launched(report, slot, None)
     return y, routing
 
@@ -411,18 +411,17 @@ def _run_forward(xs, router_weight, w1s, w2s, *, top_k, activation, normalize_to
                       base + i * stride)
     # The slot first: claiming it may raise an earlier launch's error.
     try:
-        slot = status_checks.claim_slot(device.index, capturing)
+        slot = status_checks.claim_slot(device.index, capturing, len(xs))
     except Exception as error:
         if kind != "nvshmem" or team.failed:
             raise
         deferred = deferred or error
-        slot = status_checks.claim_slot(device.index, capturing)  # the launch that raised gave its slot back
+        slot = status_checks.claim_slot(device.index, capturing, len(xs))  # the launch that raised gave its back
     # A team's sequence number is counted on the device (its prepared ranks' sequence_word): the kernel
     # takes count + 1 and stores it back, so a CUDA graph's replays advance it as eager launches do.
     sequence = 1 if kind == "single" else 0
     try:
-        info = ext.launch(plan.prepared, addresses, sequence, handle, slot.address,
-                          0 if capturing else slot.event.handle)
+        info = ext.launch(plan.prepared, addresses, sequence, handle, slot.address)
     except Exception as error:
         slot.give_back()
         if kind != "single":
@@ -435,7 +434,7 @@ def _run_forward(xs, router_weight, w1s, w2s, *, top_k, activation, normalize_to
                               source, None, None, True, team, [r for _, r in outputs])
     else:
         report = LaunchReport(plan.shape, status_checks.next_launch_id(), device.index, info, status_layout(),
-                              source, slot.event, slot.give_back, False, team, [r for _, r in outputs])
+                              source, slot, slot.give_back, False, team, [r for _, r in outputs])
     status_checks.launched(report, slot, team)
     if deferred is not None:
         raise deferred

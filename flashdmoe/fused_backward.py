@@ -136,14 +136,14 @@ def launch(x: torch.Tensor, dy: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor
     slot = status_checks.claim_slot(index, capturing)
     args["status_host"] = slot.address
     try:
-        info = ext.fused_backward(args, stream, 0 if capturing else slot.event.handle)
+        info = ext.fused_backward(args, stream)
     except Exception:
         slot.give_back()
         raise
     shape = LaunchShape((0,), (tokens,), experts, hidden * x.element_size(), timeout_ms())
     status = status_layout()
-    # a captured launch's slot belongs to its graph for good: no completion event, never given back
+    # a captured launch's slot belongs to its graph for good: never waited on, never given back
     report = LaunchReport(shape, status_checks.next_launch_id(), index, info, status, slot.view[:status.bytes],
-                          None if capturing else slot.event, None if capturing else slot.give_back, capturing)
+                          None if capturing else slot, None if capturing else slot.give_back, capturing)
     status_checks.launched(report, slot, None, forward=False)
     return FusedGrads(dx_rows, dweight_row, row_of_choice, dw1, dw2)

@@ -7,8 +7,9 @@ non-finite flag when the launch is checked (:mod:`flashdmoe.status_checks`), the
 bytes sent only when read, and the traffic against the routing (a GPU reduction) only in
 :meth:`LaunchReport.traffic`.
 
-This module touches no CUDA API itself: the completion event, the status bytes and the routing tensors
-are handed in, so the decoding is tested on the CPU with synthetic status bytes.
+This module touches no CUDA API itself: the launch's completion (an object with ``query()`` and
+``synchronize()``: the status slot, which reads the completion words the kernel sets), the status bytes
+and the routing tensors are handed in, so the decoding is tested on the CPU with synthetic status bytes.
 """
 
 from __future__ import annotations
@@ -81,6 +82,7 @@ class StatusLayout:
     traffic: int
     nvshmem_traffic: int
     status_flags: int
+    done_word: int
 
     @classmethod
     def from_mapping(cls, mapping) -> "StatusLayout":
@@ -207,8 +209,8 @@ class LaunchReport:
     def __init__(self, shape: LaunchShape, launch_id: int, device: int, launch_info: tuple[int, int, int],
                  layout: StatusLayout, source, completion=None, release: Callable[[], None] | None = None,
                  captured: bool = False, team: Any = None, routing: tuple = ()) -> None:
-        """``source``: the status bytes of every rank (pinned memory), read once ``completion`` (an event
-        recorded after the kernel; ``None`` for a captured launch) has fired; ``release`` hands the
+        """``source``: the status bytes of every rank (pinned memory), read once ``completion`` (``query()``
+        never blocks, ``synchronize()`` waits; ``None`` for a captured launch) reports the launch done; ``release`` hands the
         pinned slot back once the bytes are kept; ``routing``: per rank an object with the ``expert`` and
         ``row`` tensors (:class:`flashdmoe.cuda_backend.FusedRouting`)."""
         self.launch_id = launch_id

@@ -2,11 +2,12 @@
 
 Every launch writes each rank's status block into a pinned host slot: the kernel's last block to exit
 stores it there (through UVA) after every other block of the rank has finished, a timed-out launch
-included (every wait in the kernel is bounded by the watchdog, so every block exits). The extension
-records a CUDA event behind the kernel; nothing waits. A launch is *checked* (its status decoded, its
+included (every wait in the kernel is bounded by the watchdog, so every block exits), and then sets the
+block's completion word. The host reads that word to learn that a launch finished: no CUDA event is
+recorded or queried per launch, and nothing waits. A launch is *checked* (its status decoded, its
 error raised) at the first of these points:
 
-* the next fused forward in this process (any shape, any team), if the launch's event has completed:
+* the next fused forward in this process (any shape, any team), if the launch's completion words are set:
   finished launches are checked oldest first before the new one is launched;
 * before the next use of the launch's team (a forward, the backward of this forward, ``Team.barrier``):
   this one waits for the launch, so a team never runs on top of a failed launch;
@@ -27,7 +28,8 @@ on the stream ahead of the launch that first uses the weights) share this queue 
 including its own launch, so a scan's error is raised by the call that queued it (after its launch: an
 NVSHMEM rank never leaves its peers waiting).
 
-Inside a CUDA-graph capture nothing is checked (CUDA forbids event queries while a capture is under way):
+Inside a CUDA-graph capture nothing is checked (a wait may fall back to a device synchronisation, and the
+weight scans' events cannot be queried, while a capture is under way):
 a captured launch writes its status into a slot of its own at every replay, and :func:`synchronize`
 checks those slots after the device is idle. The first forward on a device must run outside a capture
 (it allocates the pinned slots), as torch's own warm-up rule asks.
@@ -36,16 +38,15 @@ checks those slots after the device is idle. The first forward on a device must 
 from __future__ import annotations
 
 import collections
-import functools
 import itertools
 import os
 import threading
+import time
 from typing import Any, Callable
 
 import numpy as np
 import torch
 
-from flashdmoe import extension
 from flashdmoe.launch_report import LaunchReport, StatusLayout, status_layout
 
 __all__ = ["check_errors", "last_report", "set_sync_checks", "sync_checks", "synchronize"]
@@ -58,46 +59,67 @@ EAGER_SLOTS = 64
 GRAPH_CHUNK = 512
 #: ... whenever fewer than this many are left at an eager forward.
 GRAPH_LOW_WATER = 128
+#: How long a wait for one launch polls its completion words before it waits for the whole device
+#: instead (which also surfaces a CUDA error that kept the kernel from running).
+WAIT_POLL_S = 0.05
 
 
 class _Slot:
-    """One launch's pinned status bytes (``SLOT_RANKS`` blocks) and, for eager launches, its event;
-    ``home`` is the free list it goes back to."""
+    """One launch's pinned status bytes (``SLOT_RANKS`` blocks); ``home`` is the free list it goes back
+    to. For an eager launch it is also the launch's completion: :meth:`query` and :meth:`synchronize`
+    read the completion words the kernel sets in the first ``ranks`` blocks."""
 
-    __slots__ = ("address", "view", "event", "home")
+    __slots__ = ("address", "view", "home", "device", "ranks", "done_at")
 
-    def __init__(self, address: int, view: memoryview, event: Any, home: list) -> None:
+    def __init__(self, address: int, view: memoryview, home: list, device: int, layout: StatusLayout) -> None:
         self.address = address
         self.view = view
-        self.event = event
         self.home = home
+        self.device = device
+        self.ranks = 1
+        # The word's lowest byte (the kernel writes 1; little-endian): one byte read per rank.
+        self.done_at = tuple(rank * layout.bytes + layout.done_word for rank in range(SLOT_RANKS))
+
+    def query(self) -> bool:
+        """Whether every rank of the launch set its completion word (never blocks)."""
+        view = self.view
+        if self.ranks == 1:
+            return view[self.done_at[0]] != 0
+        return all(view[at] for at in self.done_at[:self.ranks])
+
+    def synchronize(self) -> None:
+        """Wait for the launch: poll its completion words for up to ``WAIT_POLL_S``, then wait for the
+        device (a launch queued behind long work, or one a CUDA error kept from running)."""
+        if self.query():
+            return
+        deadline = time.perf_counter() + WAIT_POLL_S
+        pause = 0.0
+        while time.perf_counter() < deadline:
+            time.sleep(pause)
+            if self.query():
+                return
+            pause = min(2 * pause or 1e-5, 1e-3)
+        _synchronize_device(self.device)  # raises a CUDA error that kept the kernel from finishing
+        if not self.query():
+            raise RuntimeError(f"a flashdmoe launch on cuda:{self.device} never marked its status slot complete, "
+                               "though the device is idle")
 
     def give_back(self) -> None:
+        # The launch's words were seen set (or the launch never started): nothing writes them until the
+        # slot's next launch.
+        if self.ranks == 1:
+            self.view[self.done_at[0]] = 0
+        else:
+            view = self.view
+            for at in self.done_at[:self.ranks]:
+                view[at] = 0
         self.home.append(self)  # list.append is atomic under the GIL
-
-
-class _Event:
-    """A CUDA event of the extension's (recorded by its launch right after the kernel, which writes the status).
-
-    ``query()`` (never blocks) and ``synchronize()`` call the extension directly (no Python frame of
-    their own: a query runs at nearly every forward)."""
-
-    __slots__ = ("handle", "query", "synchronize")
-
-    def __init__(self, ext: Any) -> None:
-        self.handle = ext.event_create()
-        self.query = functools.partial(ext.event_query, self.handle)
-        self.synchronize = functools.partial(ext.event_synchronize, self.handle)
 
 
 def _allocate_pinned(nbytes: int) -> torch.Tensor:
     """Page-locked host memory, which the kernel writes at the same address under unified addressing
     (every 64-bit CUDA platform)."""
     return torch.zeros(nbytes, dtype=torch.uint8, pin_memory=True)
-
-
-def _make_event() -> Any:
-    return _Event(extension.loaded())
 
 
 def _synchronize_device(device: int) -> None:
@@ -108,31 +130,31 @@ class _DeviceSlots:
     """The pinned status slots of one device: a fixed ring for eager launches and a growing set for
     captured ones (a graph may replay for as long as the process lives, so its slot is never reused)."""
 
-    def __init__(self, device: int, slot_bytes: int) -> None:
+    def __init__(self, device: int, layout: StatusLayout) -> None:
         self.device = device
-        self.slot_bytes = slot_bytes
+        self.layout = layout
+        self.slot_bytes = SLOT_RANKS * layout.bytes
         self.chunks: list[torch.Tensor] = []  # keeps the pinned memory alive
         self.eager_free: list[_Slot] = []
-        with torch.cuda.device(device):  # events belong to the device whose streams record them
-            self.eager_free.extend(self._carve(EAGER_SLOTS, self.eager_free, events=True))
+        self.eager_free.extend(self._carve(EAGER_SLOTS, self.eager_free))
         self.graph_free: list[_Slot] = []
         self.graph_chunks: list[tuple[torch.Tensor, int]] = []  # (chunk, first graph slot number)
         self.graph_reports: dict[int, LaunchReport] = {}  # graph slot number -> the captured launch
         self.grow_graph_slots()
 
-    def _carve(self, count: int, home: list, events: bool) -> list[_Slot]:
+    def _carve(self, count: int, home: list) -> list[_Slot]:
         chunk = _allocate_pinned(count * self.slot_bytes)
         self.chunks.append(chunk)
         view = memoryview(chunk.numpy())
         base = chunk.data_ptr()
-        slots = [_Slot(base + i * self.slot_bytes, view[i * self.slot_bytes:(i + 1) * self.slot_bytes],
-                       _make_event() if events else None, home) for i in range(count)]
+        slots = [_Slot(base + i * self.slot_bytes, view[i * self.slot_bytes:(i + 1) * self.slot_bytes], home,
+                       self.device, self.layout) for i in range(count)]
         slots.reverse()  # pop() hands out the lowest address first
         return slots
 
     def grow_graph_slots(self) -> None:
         first = len(self.graph_chunks) * GRAPH_CHUNK
-        self.graph_free[:0] = self._carve(GRAPH_CHUNK, self.graph_free, events=False)
+        self.graph_free[:0] = self._carve(GRAPH_CHUNK, self.graph_free)
         self.graph_chunks.append((self.chunks[-1], first))
 
     def graph_slot_number(self, slot: _Slot) -> int:
@@ -184,7 +206,7 @@ def last_report() -> LaunchReport | None:
 def check_errors() -> None:
     """Raise the error of any fused launch that has finished and was not checked yet; never blocks.
 
-    Checks, oldest first, every eager launch of this process whose completion event has fired (and every
+    Checks, oldest first, every eager launch of this process whose completion words are set (and every
     finished asynchronous weight scan, :mod:`flashdmoe.weight_checks`), up to the first still running, and
     raises the first error found (:class:`flashdmoe.KernelTimeout` for a watchdog timeout, which also marks
     the launch's team failed; ``ValueError`` for non-finite router logits, or naming a weight that holds
@@ -243,7 +265,7 @@ def before_launch(device: int, team: Any, capturing: bool) -> None:
         with _state.lock:
             slots = _state.devices.get(device)
             if slots is None:
-                slots = _state.devices[device] = _DeviceSlots(device, SLOT_RANKS * _status_bytes())
+                slots = _state.devices[device] = _DeviceSlots(device, _status_layout())
     elif len(slots.graph_free) < GRAPH_LOW_WATER:
         with _state.lock:
             if len(slots.graph_free) < GRAPH_LOW_WATER:
@@ -254,9 +276,9 @@ def before_launch(device: int, team: Any, capturing: bool) -> None:
         _poll(launching=True)
 
 
-def claim_slot(device: int, capturing: bool) -> _Slot:
-    """A free status slot for a launch on ``device`` (eager: waits for the oldest launch when all are
-    taken, which may raise its error)."""
+def claim_slot(device: int, capturing: bool, ranks: int = 1) -> _Slot:
+    """A free status slot for a launch of ``ranks`` ranks on ``device`` (eager: waits for the oldest launch
+    when all are taken, which may raise its error)."""
     slots = _state.devices[device]
     if capturing:
         with _state.lock:
@@ -269,9 +291,12 @@ def claim_slot(device: int, capturing: bool) -> _Slot:
             return slots.graph_free.pop()
     while True:
         try:
-            return slots.eager_free.pop()  # atomic under the GIL
+            slot = slots.eager_free.pop()  # atomic under the GIL
         except IndexError:
             pass
+        else:
+            slot.ranks = ranks
+            return slot
         with _state.lock:
             oldest = next((r for r in _state.pending
                            if not r.checked and r.device == device and isinstance(r, LaunchReport)), None)
@@ -285,8 +310,7 @@ def next_launch_id() -> int:
 
 
 def launched(report: LaunchReport, slot: _Slot, team: Any, forward: bool = True) -> None:
-    """Record a started launch (the extension recorded the slot's event behind the kernel), or a
-    captured launch's graph slot; then, in debug mode, check it (and what was queued before it) at once.
+    """Record a started launch (its slot is its completion), or a captured launch's graph slot; then, in debug mode, check it (and what was queued before it) at once.
     ``forward``: a forward's launch, which :func:`last_report` then returns (a fused backward's is checked
     the same way but does not replace it)."""
     if forward:
@@ -341,10 +365,6 @@ def settle_team(team: Any) -> None:
 # ---- internals ----
 def _status_layout() -> StatusLayout:
     return status_layout()
-
-
-def _status_bytes() -> int:
-    return _status_layout().bytes
 
 
 def _take(accept: Callable[[LaunchReport], bool] = lambda report: report.ready()) -> LaunchReport | None:

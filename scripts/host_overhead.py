@@ -9,10 +9,9 @@ the GPU time per call of back-to-back eager calls and of CUDA-graph replays (CUD
 the host adds shows.
 
 ``--stand-in`` (no GPU needed): the same host path on CPU tensors with the extension and the CUDA
-stream / event calls replaced by tests/fake_cuda.py, so the Python work per call (call signature, launch
+stream calls replaced by tests/fake_cuda.py, so the Python work per call (call signature, launch
 bookkeeping, output and workspace handling, report, status checks) is measured without the CUDA API
-(whose calls -- the launch, an event record, the event query that checks the previous launch, and the
-two output allocations -- come on top). What device tensors get is timed: the
+(whose calls -- the launch and the two output allocations -- come on top). What device tensors get is timed: the
 NaN scan of ``x`` that CPU tensors get at every call is left out, and the process runs with glibc's
 allocator kept off ``mmap`` (re-executed with ``MALLOC_MMAP_THRESHOLD_``) so that allocating ``y`` costs
 about what torch's CUDA caching allocator costs, whatever its size. The fake extension's own ``launch``
@@ -102,7 +101,7 @@ def host_parts(x, router, w1, w2, k, activation, calls, trials, before=None, aft
 
 
 def extension_launch_us(plan, x, router, w1, w2, calls, trials, before, after) -> float:
-    """µs per call of the extension's ``launch`` alone (the prepared launch, one event record), on
+    """µs per call of the extension's ``launch`` alone (the prepared launch: one CUDA call), on
     outputs, workspace and a status slot taken once: what ``launch_one`` spends outside Python."""
     index = x.device.index
     handle = cuda_backend._current_stream_handle(index)
@@ -115,7 +114,7 @@ def extension_launch_us(plan, x, router, w1, w2, calls, trials, before, after) -
     flashdmoe.synchronize()
     slot = status_checks.claim_slot(index, False)
     try:
-        launch = lambda: plan.launch(plan.prepared, addresses, 1, handle, slot.address, slot.event.handle)  # noqa: E731
+        launch = lambda: plan.launch(plan.prepared, addresses, 1, handle, slot.address)  # noqa: E731
         return per_call_us(launch, calls, trials, before, after)
     finally:
         torch.cuda.synchronize()
@@ -191,7 +190,7 @@ def stand_in_report(args) -> None:
                     slot = status_checks.claim_slot(None, False)
                     addresses = [0] * (1 + 10)
                     parts["  (the fake's launch)"] = per_call_us(
-                        lambda: fake.launch(plan.prepared, addresses, 1, 7, slot.address, slot.event.handle),
+                        lambda: fake.launch(plan.prepared, addresses, 1, 7, slot.address),
                         args.calls * 10, args.trials)
                     slot.give_back()
                 print(f"stand-in T={T} H={H} I={I} E={E} k={k} {activation} (CPU tensors, fake extension):")

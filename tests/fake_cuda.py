@@ -3,10 +3,11 @@ makes, so that ``flashdmoe.cuda_backend.run_forward`` and the error-surfacing st
 GPU (tests/test_status_checks.py, tests/test_host_path.py, scripts/host_overhead.py).
 
 The fake ``launch`` writes the status blocks a test scripted straight into the host slot (where the real
-kernel's last block writes them as it exits) and leaves the launch's event "running" until the test
-completes it, so every check point of :mod:`flashdmoe.status_checks` can be driven by hand. The
-asynchronous weight scans (:mod:`flashdmoe.weight_checks`) run on the CPU tensors and record a fake
-event of their own (``ext.scan_events``), driven the same way.
+kernel's last block writes them as it exits) but leaves their completion words unset, the launch
+"running", until the test completes it (``ext.launches[i]["completion"].done = True``) or the host waits
+for the device (every launch completes), so every check point of :mod:`flashdmoe.status_checks` can be
+driven by hand. The asynchronous weight scans (:mod:`flashdmoe.weight_checks`) run on the CPU tensors and
+record a fake event of their own (``ext.scan_events``), driven the same way.
 """
 
 from __future__ import annotations
@@ -21,14 +22,15 @@ import torch
 # csrc/bindings.cpp kAddressesPerRank: x, w1, w2, y, four routing outputs, saved_pre, workspace (last)
 ADDRESSES_PER_RANK = 10
 
-# The real block (csrc/moe/params.cuh): error word, phase clock [6], traffic [2], status flags.
+# The real block (csrc/moe/params.cuh): error word, phase clock [6], traffic [2], status flags, and the
+# completion word the kernel sets last.
 STATUS_LAYOUT = {"bytes": 128, "error_word": 0, "phase_clock": 8, "phase_clock_slots": 6, "traffic": 56,
-                 "nvshmem_traffic": 72, "status_flags": 88}
+                 "nvshmem_traffic": 72, "status_flags": 88, "done_word": 96}
 
 
 def status_block(*, error: int = 0, flags: int = 0, clock=(1_000, 2_000, 3_500, 6_000, 10_000, 10_500),
                  traffic=(0, 0), nvshmem_traffic=(0, 0)) -> bytes:
-    """One rank's status block as the kernel leaves it."""
+    """One rank's status block as the kernel leaves it, but for its completion word (see FakeCompletion)."""
     raw = bytearray(STATUS_LAYOUT["bytes"])
     struct.pack_into("<Q", raw, STATUS_LAYOUT["error_word"], error)
     for i, value in enumerate(clock):
@@ -40,6 +42,15 @@ def status_block(*, error: int = 0, flags: int = 0, clock=(1_000, 2_000, 3_500, 
 
 
 _CLEAN_BLOCK = status_block()
+
+
+def _completed(block: bytes) -> bytes:
+    raw = bytearray(block)
+    struct.pack_into("<I", raw, STATUS_LAYOUT["done_word"], 1)
+    return bytes(raw)
+
+
+_CLEAN_DONE_BLOCK = _completed(_CLEAN_BLOCK)
 
 
 def timeout_word(phase: int, peer: int, block: int = 3) -> int:
@@ -67,6 +78,29 @@ class FakeEvent:
         self.done = True
 
 
+class FakeCompletion:
+    """A launch's end as the host sees it: setting ``done`` writes every rank's completion word into the
+    status slot, as the kernel's last block does."""
+
+    def __init__(self, status_host: int, ranks: int) -> None:
+        self.status_host = status_host
+        self.ranks = ranks
+        self._done = False
+
+    @property
+    def done(self) -> bool:
+        return self._done
+
+    @done.setter
+    def done(self, value: bool) -> None:
+        assert value, "a launch cannot be undone"
+        self._done = True
+        if self.status_host:
+            for rank in range(self.ranks):
+                at = self.status_host + rank * STATUS_LAYOUT["bytes"] + STATUS_LAYOUT["done_word"]
+                ctypes.memmove(at, struct.pack("<I", 1), 4)
+
+
 @dataclass(eq=False)  # hashable by identity: the backend caches per extension
 class FakeExtension:
     """``prepare_forward`` / ``launch`` / ``status_layout`` / ``check_shapes`` / ``workspace_layout``."""
@@ -77,8 +111,8 @@ class FakeExtension:
     prepared: list = field(default_factory=list)
     launches: list = field(default_factory=list)
     fail_launch: Exception | None = None
-    events: dict = field(default_factory=dict)  # handle -> FakeEvent
-    # True: every launch's event has completed by the next call (a GPU faster than the host).
+    completions: list = field(default_factory=list)  # every launch's FakeCompletion, in order
+    # True: every launch has completed by the next call (a GPU faster than the host).
     finish_at_once: bool = False
     # False: launches are not recorded in ``launches`` (scripts/host_overhead.py times the Python around
     # the launch, not the fake's bookkeeping).
@@ -102,36 +136,48 @@ class FakeExtension:
         self.prepared.append(prepared)
         return prepared
 
-    def launch(self, prepared, addresses, sequence, stream, status_host, status_event):
+    def launch(self, prepared, addresses, sequence, stream, status_host):
         if self.fail_launch is not None:
             raise self.fail_launch
         shared, ranks = prepared
         assert len(addresses) == 1 + ADDRESSES_PER_RANK * len(ranks)
+        completion = FakeCompletion(status_host, len(ranks))
         if status_host:
-            data = b"".join(self.script.pop(0)) if self.script else _CLEAN_BLOCK * len(ranks)
-            ctypes.memmove(status_host, data, len(data))
-        if status_event:
-            event = self.events[status_event]
-            event.records += 1
-            event.done = self.finish_at_once
+            if self.script:
+                data = b"".join(self.script.pop(0))
+                ctypes.memmove(status_host, data, len(data))
+                if self.finish_at_once:
+                    completion.done = True
+            elif self.finish_at_once:  # one copy, completion words included (scripts/host_overhead.py times it)
+                completion._done = True
+                ctypes.memmove(status_host, _CLEAN_DONE_BLOCK * len(ranks), len(ranks) * STATUS_LAYOUT["bytes"])
+            else:
+                ctypes.memmove(status_host, _CLEAN_BLOCK * len(ranks), len(ranks) * STATUS_LAYOUT["bytes"])
+        elif self.finish_at_once:
+            completion.done = True
+        if not completion.done:
+            self.completions.append(completion)
         # A team rank's forwards are counted on the device (csrc/moe/moe_forward.cuh): the kernel publishes
-        # count + 1 and stores it back. A captured launch (no status event) runs nothing until a replay.
+        # count + 1 and stores it back. A captured launch runs nothing until a replay.
+        captured = torch.cuda.is_current_stream_capturing()
         for rank in ranks:
             if rank.get("sequence_word") is not None:
                 count = ctypes.c_int32.from_address(rank["sequence_word"])
-                sequence = count.value + 1 if status_event else None
-                if status_event:
+                sequence = None if captured else count.value + 1
+                if not captured:
                     count.value = sequence
         if self.record:
-            self.launches.append({"sequence": sequence, "stream": stream, "ranks": len(ranks), "event": status_event,
-                                  "status_host": status_host, "addresses": list(addresses),
+            self.launches.append({"sequence": sequence, "stream": stream, "ranks": len(ranks),
+                                  "completion": completion, "status_host": status_host, "addresses": list(addresses),
                                   "workspace": addresses[ADDRESSES_PER_RANK::ADDRESSES_PER_RANK]})
         return (132, 1, 200_000)
 
-    def new_event(self) -> FakeEvent:
-        event = FakeEvent(handle=1000 + len(self.events))
-        self.events[event.handle] = event
-        return event
+    def synchronize(self) -> None:
+        """The device drained: every launch so far has completed."""
+        for completion in self.completions:
+            if not completion.done:
+                completion.done = True
+        self.completions.clear()
 
     def record_scan_event(self, device) -> FakeEvent:
         """A weight scan's event, recorded (finished at once unless ``scans_finish_at_once`` is False)."""
@@ -144,18 +190,17 @@ class FakeExtension:
 
 @contextlib.contextmanager
 def fake_cuda(monkeypatch, ext: FakeExtension | None = None, *, capturing=lambda: False):
-    """Run the fused path on CPU tensors: the fake extension, fake events, unpinned slots, and CPU tensors
-    accepted as CUDA by ``flashdmoe.moe``. Yields (ext, events, synchronized devices)."""
+    """Run the fused path on CPU tensors: the fake extension, unpinned slots, and CPU tensors accepted as
+    CUDA by ``flashdmoe.moe``. Yields (ext, the weight scans' events, synchronized devices): waiting for the
+    device completes every launch."""
     from flashdmoe import api, cuda_backend, extension, status_checks, weight_checks
 
     ext = ext or FakeExtension()
-    events: list[FakeEvent] = []
     synchronized: list = []
 
-    def make_event():
-        event = ext.new_event()
-        events.append(event)
-        return event
+    def synchronize_device(device):
+        synchronized.append(device)
+        ext.synchronize()
 
     monkeypatch.setattr(extension, "_loaded", ext)
     caches = (cuda_backend.status_layout, cuda_backend._check_shapes, cuda_backend._workspace_layout)
@@ -167,8 +212,8 @@ def fake_cuda(monkeypatch, ext: FakeExtension | None = None, *, capturing=lambda
     monkeypatch.setattr(cuda_backend, "_pool", cuda_backend.WorkspacePool())
     monkeypatch.setattr(status_checks, "_state", status_checks._State())
     monkeypatch.setattr(status_checks, "_allocate_pinned", lambda n: torch.zeros(n, dtype=torch.uint8))
-    monkeypatch.setattr(status_checks, "_make_event", make_event)
-    monkeypatch.setattr(status_checks, "_synchronize_device", synchronized.append)
+    monkeypatch.setattr(status_checks, "_synchronize_device", synchronize_device)
+    monkeypatch.setattr(status_checks, "WAIT_POLL_S", 0.0)  # a wait goes straight to the device's
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", capturing)
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(cuda_backend, "_current_stream_handle", lambda index: 7)
@@ -180,7 +225,7 @@ def fake_cuda(monkeypatch, ext: FakeExtension | None = None, *, capturing=lambda
     monkeypatch.setattr(weight_checks, "_pinned", [])
     monkeypatch.setattr(weight_checks, "_record_event", ext.record_scan_event)
     try:
-        yield ext, events, synchronized
+        yield ext, ext.scan_events, synchronized
     finally:
         for cache in caches:
             cache.cache_clear()

@@ -14,7 +14,7 @@ import torch
 import flashdmoe
 from closeness import assert_normwise_close
 from conftest import next_seed
-from flashdmoe import numerics, reference
+from flashdmoe import numerics, reference, status_checks
 from flashdmoe.team import Team, TeamFailed
 
 pytestmark = pytest.mark.gpu
@@ -93,6 +93,32 @@ def test_forward_returns_while_the_gpu_is_still_busy(backend, seed):
     assert busy and not ready, "the forward waited for the GPU"
     assert report.checked and report.error is None and report.phase_ms is not None
 
+
+def test_every_rank_marks_its_status_slot_complete_and_a_wait_polls_it(backend, seed, monkeypatch):
+    """The completion words the kernel sets replace a CUDA event: readable once the device is idle, set by
+    every rank of an emulated launch, and a wait for a launch queued behind GPU work returns when it ends."""
+    x, router, w1, w2 = make_inputs(512, 256, 256, 16, "gelu", seed=seed)
+    flashdmoe.moe(x, router, w1, w2, top_k=2, backend="cuda")
+    flashdmoe.synchronize()
+    torch.cuda._sleep(20_000_000)  # ~10 ms of GPU time ahead of the forward: polled, not a device wait
+    flashdmoe.moe(x, router, w1, w2, top_k=2, backend="cuda")
+    report = flashdmoe.last_report()
+    assert not report.ready()
+    device_waits = []
+    real_wait = status_checks._synchronize_device
+    monkeypatch.setattr(status_checks, "_synchronize_device", lambda d: (device_waits.append(d), real_wait(d)))
+    report.wait()
+    assert report.ready() and device_waits == [], "seen done by polling its words, no device synchronisation"
+    assert report.error is None and report.phase_ms["experts"] > 0
+    P = 4
+    team = Team.emulated(P, max_tokens=128, hidden=256, top_k=2, local_experts=16 // P, dtype=torch.bfloat16)
+    xs = [tokens_like(x[:128], seed + rank) for rank in range(P)]
+    flashdmoe.moe_expert_parallel(xs, router, list(w1.split(16 // P)), list(w2.split(16 // P)), top_k=2, team=team)
+    report = flashdmoe.last_report()
+    torch.cuda.synchronize()
+    assert report.ready() and report.ranks == (0, 1, 2, 3)
+    flashdmoe.synchronize()
+    assert report.checked and report.error is None and all(s.phase_ms is not None for s in report.statuses)
 
 def test_profiler_sees_no_synchronisation_copy_or_memset(backend, seed):
     from torch.profiler import ProfilerActivity, profile, record_function

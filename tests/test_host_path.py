@@ -335,7 +335,7 @@ def test_scans_and_launches_are_checked_oldest_first(slow_scans, seed):
     poison(w1, seed)
     ext.script.append([status_block(flags=1)])  # this launch flags non-finite logits
     forward(x, router, w1, w2)
-    ext.events[ext.launches[0]["event"]].done = True
+    ext.launches[0]["completion"].done = True
     flashdmoe.check_errors()  # the scan (queued first) still runs: the launch behind it waits its turn
     assert not flashdmoe.last_report().checked
     ext.scan_events[0].done = True
@@ -456,23 +456,3 @@ def test_check_finite_input_names_x(seed):
     poison(x, seed)
     with pytest.raises(ValueError, match=r"^x: contains 1 non-finite"):
         validation.check_finite_input(x)
-
-
-def test_status_events_call_the_extension_with_their_handle():
-    calls = []
-
-    class Extension:
-        def event_create(self):
-            return 41
-
-        def event_query(self, handle):
-            calls.append(("query", handle))
-            return True
-
-        def event_synchronize(self, handle):
-            calls.append(("synchronize", handle))
-
-    event = status_checks._Event(Extension())
-    assert event.handle == 41 and event.query() is True
-    event.synchronize()
-    assert calls == [("query", 41), ("synchronize", 41)]

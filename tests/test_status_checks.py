@@ -9,6 +9,8 @@ block says). tests/test_async_status_gpu.py checks the same behaviour on the GPU
 from __future__ import annotations
 
 import re
+import struct
+import threading
 from pathlib import Path
 
 import pytest
@@ -83,7 +85,7 @@ def test_status_layout_of_the_fake_is_the_kernels():
     assert {"bytes": names["kStatusBytes"], "error_word": names["kStatusErrorWord"],
             "phase_clock": names["kStatusPhaseClock"], "phase_clock_slots": names["kPhaseClockSlots"],
             "traffic": names["kStatusTraffic"], "nvshmem_traffic": names["kStatusNvshmemTraffic"],
-            "status_flags": names["kStatusFlags"]} == STATUS_LAYOUT
+            "status_flags": names["kStatusFlags"], "done_word": names["kStatusDone"]} == STATUS_LAYOUT
 
 
 def test_decode_a_clean_block():
@@ -151,6 +153,66 @@ def test_captured_report_reads_its_slot_live_and_clears_once():
 
 
 # ------------------------------------------------------------------------------------------------------------
+# A launch's completion: the words its kernel sets in the status slot
+
+
+def slot_of(ranks):
+    layout = StatusLayout.from_mapping(STATUS_LAYOUT)
+    memory = bytearray(status_checks.SLOT_RANKS * layout.bytes)
+    home = []
+    slot = status_checks._Slot(0, memoryview(memory), home, 0, layout)
+    slot.ranks = ranks
+    return slot, memory, home, layout
+
+
+def set_done(memory, layout, rank):
+    struct.pack_into("<I", memory, rank * layout.bytes + layout.done_word, 1)
+
+
+def test_a_slot_is_done_when_every_rank_of_its_launch_set_its_word():
+    slot, memory, home, layout = slot_of(3)
+    assert not slot.query()
+    set_done(memory, layout, 0)
+    set_done(memory, layout, 2)
+    assert not slot.query(), "rank 1 has not finished"
+    set_done(memory, layout, 1)
+    assert slot.query()
+    slot.give_back()
+    assert home == [slot] and not slot.query(), "handing the slot back clears the words for its next launch"
+    assert not any(memory), "and only them (the other bytes were zero)"
+
+
+def test_a_wait_polls_the_words_before_it_waits_for_the_device(monkeypatch):
+    slot, memory, _, layout = slot_of(1)
+    synchronized = []
+    monkeypatch.setattr(status_checks, "_synchronize_device", synchronized.append)
+    monkeypatch.setattr(status_checks, "WAIT_POLL_S", 5.0)
+    finisher = threading.Timer(0.02, set_done, (memory, layout, 0))  # the kernel, 20 ms later
+    finisher.start()
+    slot.synchronize()
+    finisher.join()
+    assert slot.query() and synchronized == [], "seen done while polling: the device was not synchronised"
+
+
+def test_a_wait_that_outlasts_the_poll_waits_for_the_device_and_reports_a_launch_that_never_finished(monkeypatch):
+    slot, memory, _, layout = slot_of(2)
+    monkeypatch.setattr(status_checks, "WAIT_POLL_S", 0.005)
+    synchronized = []
+
+    def device_idle(device):  # the device drained; rank 0's last block wrote its word, rank 1's never ran
+        synchronized.append(device)
+        set_done(memory, layout, 0)
+
+    monkeypatch.setattr(status_checks, "_synchronize_device", device_idle)
+    with pytest.raises(RuntimeError, match="never marked its status slot complete"):
+        slot.synchronize()
+    assert synchronized == [0]
+    set_done(memory, layout, 1)
+    slot.synchronize()  # done: no second device wait
+    assert synchronized == [0]
+
+
+# ------------------------------------------------------------------------------------------------------------
 # When errors surface (fake extension)
 
 
@@ -159,12 +221,11 @@ def test_forward_does_not_wait_and_the_report_decodes_later(fake):
     x, router, w1, w2 = inputs()
     forward(x, router, w1, w2)
     report = flashdmoe.last_report()
-    assert not report.ready() and not report.checked
-    assert all(event.waits == 0 for event in events)
+    assert not report.ready() and not report.checked and synchronized == []
     assert report.grid == 132 and report.ranks == (0,) and report.tokens == (16,)
     flashdmoe.check_errors()  # still running: nothing to check, nothing waited for
-    assert not report.checked and all(event.waits == 0 for event in events)
-    ext.events[ext.launches[0]["event"]].done = True
+    assert not report.checked and synchronized == []
+    ext.launches[0]["completion"].done = True
     flashdmoe.check_errors()
     assert report.checked and report.error is None
     assert report.phase_ms == {"gate": 0.001, "offsets": 0.0015, "dispatch": 0.0025, "experts": 0.004,
@@ -176,14 +237,14 @@ def test_timeout_surfaces_at_the_next_call_once_finished(fake):
     x, router, w1, w2 = inputs()
     ext.script.append([status_block(error=timeout_word(2, 0))])
     forward(x, router, w1, w2)
-    first = ext.events[ext.launches[0]["event"]]
+    first = ext.launches[0]["completion"]
     forward(x, router, w1, w2)  # the first launch is still running: no error yet, the second launches
     assert len(ext.launches) == 2
     first.done = True
     with pytest.raises(flashdmoe.KernelTimeout, match=r"per-expert offsets .*\[launch 1 on"):
         forward(x, router, w1, w2)
     assert len(ext.launches) == 2, "the call that raised launched nothing"
-    ext.events[ext.launches[1]["event"]].done = True
+    ext.launches[1]["completion"].done = True
     forward(x, router, w1, w2)  # raised once; the second launch was fine
     assert len(ext.launches) == 3
 
@@ -193,7 +254,7 @@ def test_check_errors_raises_each_error_once(fake):
     x, router, w1, w2 = inputs()
     ext.script.append([status_block(flags=1)])
     forward(x, router, w1, w2)
-    ext.events[ext.launches[0]["event"]].done = True
+    ext.launches[0]["completion"].done = True
     with pytest.raises(ValueError, match="NaN or Inf"):
         flashdmoe.check_errors()
     flashdmoe.check_errors()
@@ -230,15 +291,15 @@ def test_sync_checks_raise_at_the_call(fake, monkeypatch):
 
 
 def test_a_deep_queue_waits_for_its_oldest_launch(fake):
-    ext, _, _ = fake
+    ext, _, synchronized = fake
     x, router, w1, w2 = inputs()
     for _ in range(status_checks.EAGER_SLOTS):
         forward(x, router, w1, w2)
-    oldest = ext.events[ext.launches[0]["event"]]
-    assert oldest.waits == 0
+    assert synchronized == []
     forward(x, router, w1, w2)  # every slot taken: the oldest launch is waited for and its slot reused
-    assert oldest.waits == 1
+    assert synchronized == [None] and ext.launches[0]["completion"].done
     assert ext.launches[-1]["status_host"] == ext.launches[0]["status_host"]
+    assert not flashdmoe.last_report().ready(), "the reused slot's completion word was cleared"
 
 
 def test_status_slots_are_not_reused_before_their_bytes_are_kept(fake):
@@ -254,15 +315,15 @@ def test_status_slots_are_not_reused_before_their_bytes_are_kept(fake):
 
 
 def test_a_team_waits_for_its_last_launch_before_its_next_use(fake):
-    ext, _, _ = fake
+    ext, _, synchronized = fake
     team = emulated_team()
     ext.script.append([status_block(), status_block(error=timeout_word(6, 0))])
     emulated_forward(team)
-    first = ext.events[ext.launches[0]["event"]]
+    first = ext.launches[0]["completion"]
     assert not first.done and team.unchecked_launch is flashdmoe.last_report()
     with pytest.raises(flashdmoe.KernelTimeout, match="rank 1 timed out in the wait for a peer's per-expert row counts"):
         emulated_forward(team)  # not finished yet: this waits for it
-    assert first.waits == 1 and team.failed and len(ext.launches) == 1
+    assert synchronized == [None] and team.failed and len(ext.launches) == 1
     with pytest.raises(TeamFailed, match="failed earlier"):
         emulated_forward(team)
     with pytest.raises(TeamFailed):
@@ -304,7 +365,7 @@ def test_an_nvshmem_rank_launches_before_raising_an_earlier_error(fake):
     x, router, w1, w2 = inputs()
     ext.script.append([status_block(flags=1)])
     forward(x, router, w1, w2)  # one rank, NaN input
-    ext.events[ext.launches[0]["event"]].done = True
+    ext.launches[0]["completion"].done = True
     with pytest.raises(ValueError, match="NaN or Inf"):
         forward(x, router, w1[:4], w2[:4], team=team)
     assert len(ext.launches) == 2 and ext.launches[1]["sequence"] == 1 and not team.failed
@@ -452,14 +513,14 @@ def test_captured_launch_has_its_own_slot_and_workspace_and_surfaces_at_synchron
         x, router, w1, w2 = inputs()
         forward(x, router, w1, w2)
         eager = flashdmoe.last_report()
-        ext.events[ext.launches[0]["event"]].done = True
+        ext.launches[0]["completion"].done = True
         capturing["on"] = True
         forward(x, router, w1, w2)
         captured = flashdmoe.last_report()
         capturing["on"] = False
         assert captured.captured and not eager.checked, "nothing is checked inside a capture"
         launch = ext.launches[-1]
-        assert launch["event"] == 0 and launch["status_host"] != ext.launches[0]["status_host"]
+        assert launch["status_host"] != ext.launches[0]["status_host"]
         assert launch["workspace"] != ext.launches[0]["workspace"], "a capture never takes the pooled workspace"
         flashdmoe.synchronize()  # the capture itself left a clean block (no replay yet): nothing raised
         assert eager.checked

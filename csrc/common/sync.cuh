@@ -92,14 +92,15 @@ __device__ __forceinline__ bool grid_barrier(const Params& p, uint32_t phase, ui
 }
 
 // Every block of a rank ends here, whatever phase it left at (all threads of the block). The rank's
-// last block writes the status block into the host slot (pinned memory, system scope) and zeroes the
-// sync words, the status block and the exit counter included, for the next launch: this replaces a
-// memset before and a status copy after every launch. Safe because only this rank's own blocks write
-// its sync words (peers write the team buffers' signals, which carry sequence numbers and are never
-// reset), and all of them have counted themselves out. A launch that times out still reaches this in
-// every block (every wait is bounded by the watchdog), so the reset runs after a failure too. Not
-// inlined: as a call it adds no register pressure to the phases before it (fewer spills in mma.sync).
-// Returns whether this block was the rank's last.
+// last block writes the status block into the host slot (pinned memory, system scope), then the slot's
+// completion word (kStatusDone), and zeroes the sync words, the status block and the exit counter
+// included, for the next launch: this replaces a memset before every launch, and a status copy and a
+// CUDA event after it. Safe because only this rank's own blocks write its sync words (peers write the
+// team buffers' signals, which carry sequence numbers and are never reset), and all of them have
+// counted themselves out. A launch that times out still reaches this in every block (every wait is
+// bounded by the watchdog), so the reset runs after a failure too. Not inlined: as a call it adds no
+// register pressure to the phases before it (fewer spills in mma.sync). Returns whether this block was
+// the rank's last.
 template <typename Params>
 static __device__ __noinline__ bool finish_launch(const Params& p) {
   __shared__ int last_block;
@@ -113,13 +114,17 @@ static __device__ __noinline__ bool finish_launch(const Params& p) {
   if (!last_block) return false;
   constexpr int kStatusWords = static_cast<int>(kStatusBytes / 4);
   static_assert(kStatusWords <= 32, "one warp copies the status block");
-  if (threadIdx.x < kStatusWords && p.status_host != nullptr) {
+  constexpr int kDoneWord = static_cast<int>(kStatusDone / 4);
+  if (threadIdx.x < kStatusWords && threadIdx.x != kDoneWord && p.status_host != nullptr) {
     // Volatile: the words were written by atomics of other SMs, at L2.
     const uint32_t word = reinterpret_cast<volatile const uint32_t*>(p.sync_words)[threadIdx.x];
     static_cast<volatile uint32_t*>(p.status_host)[threadIdx.x] = word;
-    __threadfence_system();  // the slot is complete before the kernel's completion is observable
+    __threadfence_system();
   }
   __syncthreads();
+  // The host polls this word instead of an event: released at system scope after every status word.
+  if (threadIdx.x == 0 && p.status_host != nullptr)
+    ptx::store_release_sys(static_cast<uint32_t*>(p.status_host) + kDoneWord, 1u);
   for (int i = threadIdx.x; i < p.sync_words_count; i += blockDim.x) p.sync_words[i] = 0u;
   return true;
 }

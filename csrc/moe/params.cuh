@@ -85,7 +85,12 @@ constexpr size_t kStatusPhaseClock = 8;                                       //
 constexpr size_t kStatusTraffic = kStatusPhaseClock + 8 * kPhaseClockSlots;   // u64 [2] all transports
 constexpr size_t kStatusNvshmemTraffic = kStatusTraffic + 8 * 2;              // u64 [2] of them NVSHMEM puts
 constexpr size_t kStatusFlags = kStatusNvshmemTraffic + 8 * 2;                // u32
-static_assert(kStatusFlags + 4 <= kStatusBytes, "the status words outgrow their block");
+// u32, host slot only: 1 once the rest of the block is in the slot. The host reads it to know a launch
+// finished (no CUDA event per launch) and zeroes it before the slot's next launch; the device-side copy
+// of this word is never written.
+constexpr size_t kStatusDone = 96;
+static_assert(kStatusFlags + 4 <= kStatusDone && kStatusDone + 4 <= kStatusBytes,
+              "the status words outgrow their block");
 static_assert(kStatusNvshmemTraffic == kStatusTraffic + 8 * kTrafficNvshmemDispatch &&
                   kStatusFlags == kStatusTraffic + 8 * kTrafficWords,
               "the traffic words are one array (MoEParams::traffic)");
