@@ -3,11 +3,13 @@
 # against another source tree ("base": AB_BASE, e.g. an earlier commit's csrc/ from `git archive`), built
 # into its own cache, timed in alternation by scripts/quick_time.py so that clock drift hits both alike.
 #   AB_BASE=/path/to/csrc AB_SHAPES="decode" AB_ROUNDS=2 bash scripts/forward_ab.sh
-# Prints quick_time's rows prefixed by side and round.
+# Prints quick_time's rows prefixed by side and round, then whether each shape's output and routing were
+# bitwise the same in the two builds (quick_time's digests: same seed, same inputs).
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 source "$(dirname "$0")/probe_build.sh"
 base=${AB_BASE:?AB_BASE: the other source tree}
+rm -f /tmp/ab_rows.log
 export FLASHDMOE_BUILD_JOBS=${FLASHDMOE_BUILD_JOBS:-16}
 ( build_tree ab_base "$base" ) || exit 1  # a subshell: its exports stay there
 timeout 300 python3 -m flashdmoe build > /tmp/ab_new_build.log 2>&1 || { echo "new build failed"; tail -20 /tmp/ab_new_build.log; exit 1; }
@@ -15,6 +17,20 @@ for round in $(seq "${AB_ROUNDS:-2}"); do
   for side in base new; do
     if [ $side = base ]; then env=(FLASHDMOE_SOURCE_DIR=$base FLASHDMOE_CACHE_DIR=/tmp/ab_base_cache); else env=(); fi
     env "${env[@]}" QUICK_SHAPES="${AB_SHAPES:-decode}" QUICK_VARIANTS=${QUICK_VARIANTS:-auto} timeout 150 \
-      python3 scripts/quick_time.py 2>&1 | grep -E "phases|Error|error" | sed "s/^/$side r$round /"
+      python3 scripts/quick_time.py 2>&1 | grep -E "phases|digest|Error|error" | sed "s/^/$side r$round /" \
+      | tee -a /tmp/ab_rows.log
   done
 done
+# "base r1 digest <variant> <shape> ...: <hash>": the hash per (side, what was run), one per round.
+python3 - <<'PY'
+import collections, re
+seen = collections.defaultdict(set)
+for line in open("/tmp/ab_rows.log"):
+    m = re.match(r"(base|new) r\d+ digest \S+ (.*): (\w+)$", line.strip())
+    if m:
+        seen[m.group(2)].add((m.group(1), m.group(3)))
+for what, pairs in seen.items():
+    hashes = {side: {h for s, h in pairs if s == side} for side in ("base", "new")}
+    same = len(hashes["base"] | hashes["new"]) == 1
+    print(f"bitwise {'equal' if same else 'DIFFERENT'} across builds and rounds: {what} {dict(hashes)}")
+PY
