@@ -7,10 +7,14 @@ Environment knobs:
   QUICK_VARIANTS=a,b     expert variants to force; "auto" = what the public call picks (printed).
   QUICK_GATE_SPLIT=auto,on,off  split-gate settings to compare (auto by default).
   QUICK_SMALL_EPILOGUE=on,off  the small-tile GEMM1 epilogue settings to compare (on by default).
+  QUICK_SEED=n           seed of each shape's inputs (0 by default): two builds timed with the same seed
+                         get the same inputs, so their digests show whether they compute the same bits.
 Each row prints the graph-free event time, the kernel time from the profiler, the kernel's phase split and
-the weight-bytes floor (the distinct experts' weights expected hit, at 4.3 TB/s).
+the weight-bytes floor (the distinct experts' weights expected hit, at 4.3 TB/s), then a "digest" line: a
+hash of the output and routing of the first input set.
 """
 
+import hashlib
 import math
 import os
 import statistics
@@ -66,8 +70,10 @@ def main():
     activation = os.environ.get("QUICK_ACTIVATION", "gelu")
     # QUICK_SHAPES="T/H/I/E/k,...": shapes besides docs/design.md §12's (e.g. to separate per-tile from per-slab cost).
     shapes = parse_shapes(os.environ.get("QUICK_SHAPES", ""), activation) or [s + (activation,) for s in SHAPES]
+    seed = int(os.environ.get("QUICK_SEED", "0"))
     for T, H, I, E, k, activation in shapes:
         cols = 2 * I if activation == "swiglu" else I
+        torch.manual_seed(seed)
         sets = []
         for _ in range(3):
             x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
@@ -135,6 +141,13 @@ def time_one(sets, T, H, I, E, k, activation, variant, split):
         profiler.disable()
         flashdmoe.synchronize()
         pstats.Stats(profiler).sort_stats("tottime").print_stats(12)
+    y, routing = run(sets[0])
+    flashdmoe.synchronize()
+    digest = hashlib.sha256()
+    for tensor in (y, routing.expert, routing.weight, routing.row):
+        digest.update(tensor.contiguous().view(torch.uint8).cpu().numpy().tobytes())
+    print(f"digest {variant} {T}/{H}/{I}/{E}/{k}/{activation} gate_split={split} "
+          f"small_epilogue={cuda_backend.debug.small_tile_epilogue}: {digest.hexdigest()[:16]}")
     print(f"{variant:>16} {T:>6} {H:>5} {I:>5} {E:>4} {k:>2} {ms:>8.3f} {flops / ms / 1e9:>7.1f}  kernel {kernel_ms:.3f} ms"
           f" ({flops / kernel_ms / 1e9:.0f} TF/s)  host {host_us:.0f} us/call  phases(ms) {phases}"
           f"  {activation} gate_split={split} small_epilogue={cuda_backend.debug.small_tile_epilogue}"
