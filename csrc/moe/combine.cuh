@@ -16,17 +16,70 @@ __device__ inline bool wait_for_results(const MoEParams& p) {
   return sync_workers_and(ok);
 }
 
-template <typename Element>
-__device__ void combine_tokens(const MoEParams& p) {
+// One warp's share of a token's combine: columns c0 + u * 256 + lane * 8 (u < kParts) of y[token], from
+// the token's k choices (lane j holds choice j's row and weight, k <= 32), kGroup choices' loads in flight
+// before any is summed. The sum is in choice order whatever kParts and kGroup are, so every shape of the
+// loop gives the same bits.
+template <typename Element, int kParts, int kGroup>
+__device__ __forceinline__ void combine_chunk(const MoEParams& p, const Element* comb, Element* y, int token, int c0,
+                                              int my_row, float my_weight) {
+  const int H = p.hidden, k = p.top_k, lane = threadIdx.x & 31;
+  int c[kParts];
+#pragma unroll
+  for (int u = 0; u < kParts; ++u) c[u] = c0 + u * 32 * 8 + lane * 8;
+  float acc[kParts][8];
+#pragma unroll
+  for (int u = 0; u < kParts; ++u)
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc[u][i] = 0.f;
+  for (int j0 = 0; j0 < k; j0 += kGroup) {
+    int row[kGroup];
+    float w[kGroup];
+#pragma unroll
+    for (int q = 0; q < kGroup; ++q) {
+      const int j = min(j0 + q, k - 1);
+      row[q] = __shfl_sync(0xffffffffu, my_row, j);
+      w[q] = __shfl_sync(0xffffffffu, my_weight, j);
+      if (j0 + q >= k) row[q] = -1;
+    }
+    Pack8<Element> raw[kGroup][kParts];
+#pragma unroll
+    for (int q = 0; q < kGroup; ++q) {
+      if (row[q] < 0) continue;
+      const Element* src = comb + static_cast<size_t>(row[q]) * H;
+#pragma unroll
+      for (int u = 0; u < kParts; ++u)
+        if (c[u] < H) raw[q][u] = load_pack8_cg(src + c[u]);
+    }
+#pragma unroll
+    for (int q = 0; q < kGroup; ++q) {
+      if (row[q] < 0) continue;
+#pragma unroll
+      for (int u = 0; u < kParts; ++u) {
+        if (c[u] >= H) continue;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[u][i] = fmaf(w[q], static_cast<float>(raw[q][u].v[i]), acc[u][i]);
+      }
+    }
+  }
+#pragma unroll
+  for (int u = 0; u < kParts; ++u) {
+    if (c[u] >= H) continue;
+    Pack8<Element> pack;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) pack.v[i] = static_cast<Element>(acc[u][i]);
+    *reinterpret_cast<Pack8<Element>*>(y + static_cast<size_t>(token) * H + c[u]) = pack;
+  }
+}
+
+// The rank's tokens over every warp of the rank, one warp per (token, chunk of columns).
+template <typename Element, int kParts, int kGroup>
+__device__ __forceinline__ void combine_token_chunks(const MoEParams& p) {
   const int H = p.hidden, k = p.top_k;
   const int lane = threadIdx.x & 31;
   const int warps = p.blocks * (kThreads / 32);
   const Element* comb = static_cast<const Element*>(p.peers[p.rank].comb);
   Element* y = static_cast<Element*>(p.y);
-  // One warp per (token, chunk of kParts x 256 columns): small batches still spread over every warp of
-  // the rank, and each lane keeps 64 bytes of each of two choices in flight (the combine is bound by
-  // the bytes in flight per SM).
-  constexpr int kParts = 8 / static_cast<int>(sizeof(Element));  // 4 for 16-bit inputs, 2 for fp32
   constexpr int kChunkColumns = kParts * 32 * 8;
   const int chunks = (H + kChunkColumns - 1) / kChunkColumns;
   const long long items = static_cast<long long>(p.tokens) * chunks;
@@ -34,56 +87,29 @@ __device__ void combine_tokens(const MoEParams& p) {
     const int token = static_cast<int>(item / chunks);
     const int c0 = static_cast<int>(item % chunks) * kChunkColumns;
     const size_t first = static_cast<size_t>(token) * k;
-    // Lane j holds choice j's row and weight (k <= 32); the loop broadcasts them.
+    // Row, expert and weight loads issued together: one round trip before the rows' loads.
     int my_row = lane < k ? __ldcg(p.topk_row + first + lane) : -1;
-    if (my_row >= 0) my_row += (__ldcg(p.topk_expert + first + lane) / p.local_experts) * p.stream_rows;
+    const int my_expert = lane < k ? __ldcg(p.topk_expert + first + lane) : 0;
     const float my_weight = lane < k ? __ldcg(p.topk_weight + first + lane) : 0.f;
-    {
-      int c[kParts];
-#pragma unroll
-      for (int u = 0; u < kParts; ++u) c[u] = c0 + u * 32 * 8 + lane * 8;
-      float acc[kParts][8];
-#pragma unroll
-      for (int u = 0; u < kParts; ++u)
-#pragma unroll
-        for (int i = 0; i < 8; ++i) acc[u][i] = 0.f;
-      // Two choices per step: both rows' loads are in flight before either is summed (still in
-      // choice order, so the sum is the same as one choice at a time).
-      for (int j = 0; j < k; j += 2) {
-        const bool pair = j + 1 < k;
-        const int row[2] = {__shfl_sync(0xffffffffu, my_row, j), __shfl_sync(0xffffffffu, my_row, pair ? j + 1 : j)};
-        const float w[2] = {__shfl_sync(0xffffffffu, my_weight, j), __shfl_sync(0xffffffffu, my_weight, pair ? j + 1 : j)};
-        const bool use[2] = {row[0] >= 0, pair && row[1] >= 0};
-        Pack8<Element> raw[2][kParts];
-#pragma unroll
-        for (int q = 0; q < 2; ++q) {
-          if (!use[q]) continue;
-          const Element* src = comb + static_cast<size_t>(row[q]) * H;
-#pragma unroll
-          for (int u = 0; u < kParts; ++u)
-            if (c[u] < H) raw[q][u] = load_pack8_cg(src + c[u]);
-        }
-#pragma unroll
-        for (int q = 0; q < 2; ++q) {
-          if (!use[q]) continue;
-#pragma unroll
-          for (int u = 0; u < kParts; ++u) {
-            if (c[u] >= H) continue;
-#pragma unroll
-            for (int i = 0; i < 8; ++i) acc[u][i] = fmaf(w[q], static_cast<float>(raw[q][u].v[i]), acc[u][i]);
-          }
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < kParts; ++u) {
-        if (c[u] >= H) continue;
-        Pack8<Element> pack;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) pack.v[i] = static_cast<Element>(acc[u][i]);
-        *reinterpret_cast<Pack8<Element>*>(y + static_cast<size_t>(token) * H + c[u]) = pack;
-      }
-    }
+    if (my_row >= 0) my_row += (my_expert / p.local_experts) * p.stream_rows;
+    combine_chunk<Element, kParts, kGroup>(p, comb, y, token, c0, my_row, my_weight);
   }
+}
+
+// Large batches: each lane keeps 64 bytes of each of two choices in flight (the combine is bound by the
+// bytes in flight per SM). Small batches, whose few (token, chunk) items would leave most warps idle and
+// each chain k / 2 round trips to L2 (decode: ~4 µs of a one-token forward), take 256 columns per warp
+// and all of a token's choices at once (up to 8; 4 in float32).
+template <typename Element>
+__device__ void combine_tokens(const MoEParams& p) {
+  constexpr int kParts = 8 / static_cast<int>(sizeof(Element));  // 4 for 16-bit inputs, 2 for fp32
+  const int warps = p.blocks * (kThreads / 32);
+  const long long wide_items = static_cast<long long>(p.tokens) * ((p.hidden + kParts * 256 - 1) / (kParts * 256));
+  constexpr int kSmallGroup = sizeof(Element) == 4 ? 4 : 8;  // 16 or 32 bytes per choice in flight per lane
+  if (wide_items < warps)
+    combine_token_chunks<Element, 1, kSmallGroup>(p);
+  else
+    combine_token_chunks<Element, kParts, 2>(p);
 }
 
 }  // namespace flashdmoe

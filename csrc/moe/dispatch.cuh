@@ -41,6 +41,15 @@ __device__ inline void dispatch_rows(const MoEParams& p, const int* stream_offse
   unsigned long long sent = 0;
   for (int token = block_in_rank(p) * (kThreads / 32) + (threadIdx.x >> 5); token < p.tokens; token += warps) {
     const size_t first = static_cast<size_t>(token) * k;
+    const int4* src = reinterpret_cast<const int4*>(x + static_cast<size_t>(token) * H);
+    // The row's first piece is loaded before the routing it does not depend on (at one token a copy is a
+    // chain of round trips to memory: the row, the expert, its offset).
+    int4 piece[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int c = u * 32 + lane;
+      if (c < row_chunks) piece[u] = __ldg(src + c);
+    }
     int my_expert = 0, my_row = -1;
     if (lane < k) {
       my_expert = __ldcg(p.topk_expert + first + lane);
@@ -51,13 +60,13 @@ __device__ inline void dispatch_rows(const MoEParams& p, const int* stream_offse
     const bool copy_mine = my_row >= 0;
     const uint32_t copies = __ballot_sync(0xffffffffu, copy_mine);
     if (copies == 0) continue;
-    const int4* src = reinterpret_cast<const int4*>(x + static_cast<size_t>(token) * H);
     for (int c0 = 0; c0 < row_chunks; c0 += 32 * kUnroll) {
-      int4 piece[kUnroll];
+      if (c0 > 0) {
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int c = c0 + u * 32 + lane;
-        if (c < row_chunks) piece[u] = __ldg(src + c);
+        for (int u = 0; u < kUnroll; ++u) {
+          const int c = c0 + u * 32 + lane;
+          if (c < row_chunks) piece[u] = __ldg(src + c);
+        }
       }
       for (uint32_t rest = copies; rest != 0; rest &= rest - 1) {
         const int j = __ffs(rest) - 1;

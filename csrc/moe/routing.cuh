@@ -41,15 +41,32 @@ __device__ inline void scan_tile_counts(const MoEParams& p) {
 // ---- source side ----
 
 // stream_offset[e] (shared, [E]): where expert e's rows start in the stream to its owner e / L, whose
-// rows are ordered by local expert then token. Warp 0 scans each owner's L experts.
+// rows are ordered by local expert then token. Warp 0 first copies every kept count into place (eight
+// loads per lane in flight: one round trip to L2 for up to 256 experts, where a load per 32 experts
+// scanned was one each), then scans each owner's L experts in shared memory.
 __device__ inline void build_stream_offsets(const MoEParams& p, int* stream_offset) {
   if (threadIdx.x < 32) {
-    const int lane = threadIdx.x, L = p.local_experts;
+    const int lane = threadIdx.x, L = p.local_experts, E = p.experts;
+    constexpr int kLoads = 8;
+    for (int base = 0; base < E; base += 32 * kLoads) {
+      int kept[kLoads];
+#pragma unroll
+      for (int u = 0; u < kLoads; ++u) {
+        const int e = base + u * 32 + lane;
+        kept[u] = e < E ? __ldcg(p.expert_kept + e) : 0;
+      }
+#pragma unroll
+      for (int u = 0; u < kLoads; ++u) {
+        const int e = base + u * 32 + lane;
+        if (e < E) stream_offset[e] = kept[u];
+      }
+    }
+    __syncwarp();
     for (int owner = 0; owner < p.world_size; ++owner) {
       int before = 0;
       for (int base = 0; base < L; base += 32) {
         const int local = base + lane;
-        const int kept = local < L ? __ldcg(p.expert_kept + owner * L + local) : 0;
+        const int kept = local < L ? stream_offset[owner * L + local] : 0;
         const int inclusive = warp_inclusive_scan(kept);
         if (local < L) stream_offset[owner * L + local] = before + inclusive - kept;
         before += __shfl_sync(0xffffffffu, inclusive, 31);
