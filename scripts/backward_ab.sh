@@ -11,7 +11,7 @@ source "$(dirname "$0")/probe_build.sh"
 ab_builds "$AB_BASE" || exit 1
 shapes=${AB_SHAPES:-8192/2048/2048/32/2/gelu,8192/2048/768/128/8/swiglu,4096/4096/14336/8/2/swiglu}
 for round in $(seq "${AB_ROUNDS:-2}"); do
-  for side in base new; do
+  for side in $(ab_sides); do
     mapfile -t env < <(ab_env $side)
     env "${env[@]}" timeout ${PHASES_TIMEOUT:-150} python3 scripts/backward_phases.py --shapes "$shapes" \
       --kinds "${AB_KINDS:-g,all}" > "/tmp/ab_${side}_r$round.log" 2>&1

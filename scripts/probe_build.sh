@@ -26,17 +26,36 @@ PY
 }
 
 # ab_builds BASE: for an A/B in one run (forward_ab.sh, backward_ab.sh), the source tree BASE built into
-# /tmp/ab_base_cache (in a subshell: its exports stay there) and the working tree's csrc/ into the default
-# cache; FLASHDMOE_BUILD_JOBS defaults to 16. Non-zero, saying why, when either build failed. A side's
-# environment for what it times: ab_env base|new (prints the assignments, one per line).
+# /tmp/ab_base_cache, each further tree of AB_MORE ("name=path,name=path": e.g. one branch's csrc/ each)
+# into /tmp/ab_<name>_cache (in subshells: their exports stay there), and the working tree's csrc/ into
+# the default cache; FLASHDMOE_BUILD_JOBS defaults to 16. Non-zero, saying why, when a build failed.
+# The sides to time, in order: ab_sides (base, AB_MORE's names, new); a side's environment for what it
+# times: ab_env SIDE (prints the assignments, one per line).
 ab_builds() {
   export FLASHDMOE_BUILD_JOBS=${FLASHDMOE_BUILD_JOBS:-16}
   ( build_tree ab_base "$1" ) || return 1
+  local pair
+  for pair in ${AB_MORE//,/ }; do
+    ( build_tree "ab_${pair%%=*}" "${pair#*=}" ) || return 1
+  done
   timeout 300 python3 -m flashdmoe build > /tmp/ab_new_build.log 2>&1 \
     || { echo "new build failed"; tail -20 /tmp/ab_new_build.log; return 1; }
 }
+ab_sides() {
+  local pair
+  echo base
+  for pair in ${AB_MORE//,/ }; do echo "${pair%%=*}"; done
+  echo new
+}
 ab_env() {
-  [ "$1" = base ] && printf '%s\n' "FLASHDMOE_SOURCE_DIR=$AB_BASE" "FLASHDMOE_CACHE_DIR=/tmp/ab_base_cache"
+  local pair
+  case $1 in
+    new) ;;
+    base) printf '%s\n' "FLASHDMOE_SOURCE_DIR=$AB_BASE" "FLASHDMOE_CACHE_DIR=/tmp/ab_base_cache" ;;
+    *) for pair in ${AB_MORE//,/ }; do
+         [ "${pair%%=*}" = "$1" ] && printf '%s\n' "FLASHDMOE_SOURCE_DIR=${pair#*=}" "FLASHDMOE_CACHE_DIR=/tmp/ab_$1_cache"
+       done ;;
+  esac
 }
 
 # build_tree NAME SRC: the kernel built from the source tree SRC into its own cache (/tmp/NAME_cache), with
