@@ -11,8 +11,9 @@
 # "p2p nvshmem" runs it once per peer transport, TEAMBENCH_ARGS adds its options, e.g. --device-only); EMUBENCH=1 an
 # emulated team's training steps, the exchange backward beside the torch-ops one (scripts/emulated_backward_bench.py);
 # BACKWARD_AB_BASE=<csrc tree> the fused backward launch against that tree's, in alternation (scripts/backward_ab.sh,
-# where the working tree has it); QUICK_SHAPES=<T/H/I/E/k/act,...> scripts/quick_time.py on those shapes (kernel and
-# phase times by the profiler and the kernel's clocks).
+# where the working tree has it); FORWARD_AB_BASE=<csrc tree> the forward kernel against that tree's and AB_MORE's
+# (scripts/forward_ab.sh: times in alternation, bitwise comparison of the outputs); QUICK_SHAPES=<T/H/I/E/k/act,...>
+# scripts/quick_time.py on those shapes (kernel and phase times by the profiler and the kernel's clocks).
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 start=$(date +%s)
@@ -100,6 +101,12 @@ fi
 if [ -n "${BACKWARD_AB_BASE:-}" ] && [ -f scripts/backward_ab.sh ] && [ "$(left)" -gt 150 ]; then
   AB_BASE=$BACKWARD_AB_BASE timeout $(( $(left) - 20 )) bash scripts/backward_ab.sh > /tmp/backward_ab.log 2>&1
   note "backward A/B against $BACKWARD_AB_BASE rc=$?"; grep -E "^(base|new) " /tmp/backward_ab.log || tail -20 /tmp/backward_ab.log
+fi
+if [ -n "${FORWARD_AB_BASE:-}" ] && [ "$(left)" -gt 150 ]; then
+  # AB_MORE (name=tree,...) adds sides; AB_SHAPES (default: the decode rows) and AB_ROUNDS pass through
+  AB_BASE=$FORWARD_AB_BASE timeout $(( $(left) - 20 )) bash scripts/forward_ab.sh > /tmp/forward_ab.log 2>&1
+  note "forward A/B against $FORWARD_AB_BASE${AB_MORE:+ and $AB_MORE} rc=$?"
+  grep -E "phases|bitwise|failed" /tmp/forward_ab.log || tail -20 /tmp/forward_ab.log
 fi
 if [ -n "${QUICK_SHAPES:-}" ] && [ "$(left)" -gt 60 ]; then
   timeout $(( $(left) - 20 )) python3 scripts/quick_time.py > /tmp/quick.log 2>&1  # reads QUICK_SHAPES itself
