@@ -70,7 +70,8 @@ struct RouterSmem {
                                        : RouterGemm<Element, false>::kPipelineBytes;
   static constexpr int logits_stride(int experts) { return experts + 4; }
   static constexpr int kStageStride = kTileN + 4;
-  static constexpr int dlogits_stride(int experts) { return experts + 8; }
+  // An odd number of words between rows: the transposed store's reads (one row per lane) hit 32 banks.
+  static constexpr int dlogits_stride(int experts) { return (experts + 3) / 4 * 4 + 2; }
   static constexpr int logits_offset() { return kPipeline; }
   static constexpr int logits_bytes(int experts) {
     const int logits = kTileTokens * logits_stride(experts) * 4, stage = kTileTokens * kStageStride * 4;
