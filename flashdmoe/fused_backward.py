@@ -1,22 +1,23 @@
-"""The expert backward of one rank as one persistent kernel launch (``csrc/backward/fused_backward.cuh``).
+"""The backward of one rank in two persistent kernel launches.
 
-From the forward's routing and saved pre-activations, one cooperative launch computes every expert GEMM
-of the backward on wgmma fed by TMA: ``g = dy W2^T`` by row tile with the element-wise step in its
-epilogue (``wh = w act(pre)``, ``dpre = w g act'(pre)``, the combine weight's gradient ``<g, act(pre)>``
-as per-tile partials summed in column order), ``dx_rows = dpre W1^T``, and the weight gradients
-``dW2 = wh^T dy_rows`` and ``dW1 = x_rows^T dpre`` over each expert's rows. ``dy_rows`` and ``x_rows``
-are never stored: the kernel's producer warpgroup copies each K slab's rows of ``dy`` and ``x`` by token
-into shared memory (``cp.async``), so the scratch holds only a token index per row besides ``wh``,
-``dpre`` and the partial sums. Deterministic: no float
-atomics, every output element written once, every sum in a fixed order. The router's gradient and the
-sum of a token's ``k`` rows of ``dx`` follow in the extension's small kernels
-(:func:`flashdmoe.expert_backward.expert_backward`).
+The first (``csrc/backward/fused_backward.cuh``), from the forward's routing and saved pre-activations,
+computes every expert GEMM of the backward on wgmma fed by TMA: ``g = dy W2^T`` by row tile with the
+element-wise step in its epilogue (``wh = w act(pre)``, ``dpre = w g act'(pre)``, the combine weight's
+gradient ``<g, act(pre)>`` as per-tile partials summed in column order), ``dx_rows = dpre W1^T``, and the
+weight gradients ``dW2 = wh^T dy_rows`` and ``dW1 = x_rows^T dpre`` over each expert's rows; ``dy_rows``
+and ``x_rows`` are never stored: the kernel's producer warpgroup copies each K slab's rows of ``dy`` and
+``x`` by token into shared memory (``cp.async``), so the scratch holds only a token index per row besides
+``wh``, ``dpre`` and the partial sums. The second
+(``csrc/backward/router_backward.cu``, :func:`launch_router`) recomputes the logits, takes the router's
+gradient through the softmax and top-k renormalisation, and writes ``dx`` (each token's kept rows of
+``dx_rows`` summed in choice order, plus the router's term) and ``d_router``, on mma.sync tiles.
+Deterministic: no float atomics, every output element written once, every sum in a fixed order.
 
-Errors (a stuck block: the watchdog) are reported like a forward's: the kernel's last block writes the
+Errors (a stuck block: the watchdog) are reported like a forward's: each kernel's last block writes the
 status block into a pinned slot, checked at the next launch, :func:`flashdmoe.check_errors` or
 :func:`flashdmoe.synchronize` (:mod:`flashdmoe.status_checks`); nothing waits on the host, so the
-backward can be captured in a CUDA graph. The sync words come from a pool per (device, stream), zero
-at each launch (the kernel's exit resets them); a capture zeroes its own inside the graph.
+backward can be captured in a CUDA graph. The sync words come from a pool per (device, stream) and
+launch, zero at each launch (the kernel's exit resets them); a capture zeroes its own inside the graph.
 """
 
 from __future__ import annotations
@@ -32,9 +33,10 @@ from flashdmoe.launch_knobs import debug, timeout_ms
 from flashdmoe.launch_report import LaunchReport, LaunchShape, status_layout
 from flashdmoe.workspace_pool import WorkspacePool
 
-__all__ = ["FusedGrads", "launch", "unsupported"]
+__all__ = ["FusedGrads", "launch", "launch_router", "router_unsupported", "unsupported"]
 
 _pool = WorkspacePool()
+_router_pool = WorkspacePool()  # its own: alternating sync sizes in one pool would zero them at every launch
 
 
 class FusedGrads(NamedTuple):
@@ -147,3 +149,76 @@ def launch(x: torch.Tensor, dy: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor
                           None if capturing else slot, None if capturing else slot.give_back, capturing)
     status_checks.launched(report, slot, None, forward=False)
     return FusedGrads(dx_rows, dweight_row, row_of_choice, dw1, dw2)
+
+
+def router_unsupported(tokens: int, hidden: int, experts: int, top_k: int) -> str:
+    """'' when the second launch (:func:`launch_router`) takes these shapes, else why not (then
+    :func:`flashdmoe.expert_backward.expert_backward` takes the router's gradient and dx with torch GEMMs
+    and the extension's small kernels)."""
+    from flashdmoe import extension
+
+    return extension.loaded().router_backward_unsupported(tokens, hidden, experts, top_k)
+
+
+@functools.lru_cache(maxsize=256)
+def _router_layout(ext, tokens, hidden, experts, top_k, blocks) -> dict:
+    return ext.router_backward_layout(tokens, hidden, experts, top_k, blocks)
+
+
+def launch_router(x: torch.Tensor, router_weight: torch.Tensor, expert32: torch.Tensor, grads: FusedGrads, *,
+                  normalize_topk: bool, need_dx: bool, need_router: bool):
+    """The second launch, after :func:`launch` on the same stream; does not wait. Returns ``(dx, d_router)``.
+
+    x ``[T, H]`` and router_weight ``[E, H]`` (16-bit, contiguous; copied first if not 16-byte aligned),
+    expert32 ``[T, k]`` int32, ``grads`` the first launch's (its ``dx_rows`` present when ``need_dx``).
+    dx ``[T, H]`` like x and d_router ``[E, H]`` like router_weight, None where not wanted. The caller
+    checked :func:`router_unsupported`.
+    """
+    from flashdmoe import extension
+
+    ext = extension.loaded()
+    tokens, hidden = x.shape
+    experts, top_k = router_weight.shape[0], expert32.shape[1]
+    device = x.device
+    index = device.index
+    blocks = torch.cuda.get_device_properties(index).multi_processor_count
+    layout = _router_layout(ext, tokens, hidden, experts, top_k, blocks)
+    capturing = torch.cuda.is_current_stream_capturing()
+    status_checks.before_launch(index, None, capturing)
+    stream = torch._C._cuda_getCurrentRawStream(index)
+    if capturing:  # the graph's own, zeroed inside the graph (see workspace_pool)
+        sync = torch.zeros(layout["sync_bytes"], dtype=torch.uint8, device=device)
+        sync_address = sync.data_ptr()
+    else:
+        sync_address = _router_pool.address(device, index, stream, layout["sync_bytes"], layout["sync_bytes"])
+    scratch = torch.empty(layout["scratch_bytes"], dtype=torch.uint8, device=device)
+    dx = torch.empty_like(x) if need_dx else None
+    d_router = torch.empty_like(router_weight) if need_router else None
+    if debug.poison_outputs:
+        for out in (dx, d_router):
+            if out is not None:
+                out.fill_(float("nan"))
+    x, router_weight = _aligned(x), _aligned(router_weight)
+    args = {
+        "dtype": DTYPE_CODES[x.dtype], "tokens": tokens, "hidden": hidden, "experts": experts, "top_k": top_k,
+        "normalize_topk": bool(normalize_topk), "need_dx": need_dx, "need_router": need_router,
+        "x": x.data_ptr(), "router": router_weight.data_ptr(), "expert": expert32.data_ptr(),
+        "row_of_choice": grads.row_of_choice.data_ptr(), "dweight_row": grads.dweight_row.data_ptr(),
+        "dx_rows": grads.dx_rows.data_ptr() if need_dx else 0, "dx": 0 if dx is None else dx.data_ptr(),
+        "d_router": 0 if d_router is None else d_router.data_ptr(), "sync": sync_address,
+        "scratch": scratch.data_ptr(), "timeout_ns": timeout_ms() * 1_000_000,
+        "debug_withhold_phase": debug.withhold_phase, "blocks": blocks, "max_blocks": debug.max_blocks,
+    }
+    slot = status_checks.claim_slot(index, capturing)
+    args["status_host"] = slot.address
+    try:
+        info = ext.router_backward(args, stream)
+    except Exception:
+        slot.give_back()
+        raise
+    shape = LaunchShape((0,), (tokens,), experts, hidden * x.element_size(), timeout_ms())
+    status = status_layout()
+    report = LaunchReport(shape, status_checks.next_launch_id(), index, info, status, slot.view[:status.bytes],
+                          None if capturing else slot, None if capturing else slot.give_back, capturing)
+    status_checks.launched(report, slot, None, forward=False)
+    return dx, d_router

@@ -60,6 +60,7 @@ PHASE_NAMES = {
     20: "backward exchange: waiting for a peer to free its staging for this rank's share of the router's gradient",
     21: "backward exchange: grid barrier after this rank's share of the router's gradient was written",
     22: "backward exchange: waiting for a peer's share of the router's gradient",
+    23: "router backward: grid barrier after every token's logit gradient was written",
 }
 
 # Intervals between consecutive phase clock slots (slot 0 start, 1..4 after the grid barriers, 5 exit).

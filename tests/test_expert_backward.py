@@ -657,10 +657,10 @@ def test_gpu_fused_cuda_graph_replay_equals_eager(fused_knobs, seed):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("phase", [10, 11])
+@pytest.mark.parametrize("phase", [10, 11, 23])
 def test_gpu_fused_timeout_raises(phase, fused_knobs, seed):
-    """A block that never reaches a grid barrier of the backward: KernelTimeout naming the phase, at the
-    next check, not a hang; the next backward works."""
+    """A block that never reaches a grid barrier of the backward (10, 11: the first launch's; 23: the
+    second's): KernelTimeout naming the phase, at the next check, not a hang; the next backward works."""
     case = Case(512, 128, 256, 8, 2, "relu", gemm="fused")
     inputs, keep, capacity = _gpu_problem(case, seed, torch.bfloat16)
     pre = saved_pre(inputs, keep)
@@ -672,6 +672,29 @@ def test_gpu_fused_timeout_raises(phase, fused_knobs, seed):
     got = run(inputs, case, capacity, pre=pre)
     assert_close(got, oracle_grads(inputs, keep, case), backward_tolerance(torch.bfloat16), case, torch.bfloat16,
                  inputs=inputs, keep=keep)
+    flashdmoe.check_errors()
+
+
+@pytest.mark.gpu
+def test_gpu_fused_backward_is_two_launches(fused_knobs, seed):
+    """Issue 14's bound: the fused backward (E <= 256) is the expert GEMMs' launch and the router's, no
+    other kernel, memset or copy (routing already int32 / float32, as the forward saves it)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    case = Case(1024, 256, 512, 16, 4, "swiglu", capacity_factor=1.0, skew=2.0, gemm="fused")
+    inputs, keep, capacity = _gpu_problem(case, seed, torch.bfloat16)
+    x, router_weight, w1, w2, experts, weight, row, dy = inputs
+    inputs = (x, router_weight, w1, w2, experts.int(), weight.float(), row.int(), dy)
+    pre = saved_pre(inputs, keep)
+    fused_knobs.poison_outputs = False  # its fills would be launches of their own
+    run(inputs, case, capacity, pre=pre)  # warm-up: the pools' first zeroing, the extension's limits
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        grads = run(inputs, case, capacity, pre=pre)
+        torch.cuda.synchronize()
+    work = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert len(work) == 2 and "fused_backward_kernel" in work[0] and "router_backward_kernel" in work[1], work
+    assert all(g is not None for g in grads)
     flashdmoe.check_errors()
 
 
