@@ -165,6 +165,20 @@ def _router_layout(ext, tokens, hidden, experts, top_k, blocks) -> dict:
     return ext.router_backward_layout(tokens, hidden, experts, top_k, blocks)
 
 
+def router_launch_args(dtype_code: int, tokens: int, hidden: int, experts: int, top_k: int, normalize_topk: bool,
+                       need_dx: bool, need_router: bool, blocks: int, **pointers: int) -> dict:
+    """The extension's ``router_backward`` arguments (RouterBackwardArgs' fields): the shapes and flags,
+    the debug knobs and the watchdog's limit, and ``pointers`` (``x``, ``router``, ``expert``,
+    ``row_of_choice``, ``dweight_row``, ``dx_rows``, ``dx``, ``d_router``, ``sync``, ``scratch``: device
+    addresses, 0 for none); ``status_host`` is added at the launch."""
+    return {
+        "dtype": dtype_code, "tokens": tokens, "hidden": hidden, "experts": experts, "top_k": top_k,
+        "normalize_topk": bool(normalize_topk), "need_dx": need_dx, "need_router": need_router, **pointers,
+        "timeout_ns": timeout_ms() * 1_000_000, "debug_withhold_phase": debug.withhold_phase, "blocks": blocks,
+        "max_blocks": debug.max_blocks, "status_host": 0,
+    }
+
+
 def launch_router(x: torch.Tensor, router_weight: torch.Tensor, expert32: torch.Tensor, grads: FusedGrads, *,
                   normalize_topk: bool, need_dx: bool, need_router: bool):
     """The second launch, after :func:`launch` on the same stream; does not wait. Returns ``(dx, d_router)``.
@@ -199,16 +213,12 @@ def launch_router(x: torch.Tensor, router_weight: torch.Tensor, expert32: torch.
             if out is not None:
                 out.fill_(float("nan"))
     x, router_weight = _aligned(x), _aligned(router_weight)
-    args = {
-        "dtype": DTYPE_CODES[x.dtype], "tokens": tokens, "hidden": hidden, "experts": experts, "top_k": top_k,
-        "normalize_topk": bool(normalize_topk), "need_dx": need_dx, "need_router": need_router,
-        "x": x.data_ptr(), "router": router_weight.data_ptr(), "expert": expert32.data_ptr(),
-        "row_of_choice": grads.row_of_choice.data_ptr(), "dweight_row": grads.dweight_row.data_ptr(),
-        "dx_rows": grads.dx_rows.data_ptr() if need_dx else 0, "dx": 0 if dx is None else dx.data_ptr(),
-        "d_router": 0 if d_router is None else d_router.data_ptr(), "sync": sync_address,
-        "scratch": scratch.data_ptr(), "timeout_ns": timeout_ms() * 1_000_000,
-        "debug_withhold_phase": debug.withhold_phase, "blocks": blocks, "max_blocks": debug.max_blocks,
-    }
+    args = router_launch_args(
+        DTYPE_CODES[x.dtype], tokens, hidden, experts, top_k, normalize_topk, need_dx, need_router, blocks,
+        x=x.data_ptr(), router=router_weight.data_ptr(), expert=expert32.data_ptr(),
+        row_of_choice=grads.row_of_choice.data_ptr(), dweight_row=grads.dweight_row.data_ptr(),
+        dx_rows=grads.dx_rows.data_ptr() if need_dx else 0, dx=0 if dx is None else dx.data_ptr(),
+        d_router=0 if d_router is None else d_router.data_ptr(), sync=sync_address, scratch=scratch.data_ptr())
     slot = status_checks.claim_slot(index, capturing)
     args["status_host"] = slot.address
     try:

@@ -420,6 +420,19 @@ def test_real_csrc_compiles_for_sm_90a(toolchain, tmp_path, capsys, record_prope
     assert qwen == {"sync_bytes": 512, "scratch_bytes": 2 * (8192 * 128 * 2) + 9 * 128 * 2048 * 4, "splits": 9}, qwen
     assert tiny == {"sync_bytes": 512, "scratch_bytes": 2 * (64 * 64 * 2), "splits": 1}, tiny
     assert "E=512" in many_experts and "H=96" in odd_hidden and fine == "", printed
+    # The arguments flashdmoe.fused_backward builds are the ones the binding reads: with every address 0 the
+    # launch stops at the null-pointer check (no CUDA call), not at a missing or mistyped field.
+    printed = _run_in_fresh_process(
+        "module = import_extension(argv[0])\n"
+        "from flashdmoe.fused_backward import router_launch_args\n"
+        "names = ('x', 'router', 'expert', 'row_of_choice', 'dweight_row', 'dx_rows', 'dx', 'd_router', 'sync', 'scratch')\n"
+        "args = router_launch_args(0, 8192, 2048, 128, 8, True, True, True, 132, **dict.fromkeys(names, 0))\n"
+        "try:\n"
+        "    module.router_backward(args, 0)\n"
+        "except ValueError as error:\n"
+        "    print(repr(str(error)))\n",
+        so_path)
+    assert "pointer is null" in eval(printed), printed  # noqa: S307  (our own repr)
     # Per (variant, dtype) of the table one kernel for each rank capacity of the parameter struct
     # (expert_variants.RANK_CAPACITIES), and one training instance (saving pre-activations, one rank) per
     # 16-bit (variant, dtype); nothing else.
