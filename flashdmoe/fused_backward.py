@@ -81,6 +81,35 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     return t if t.data_ptr() % 16 == 0 else t.clone(memory_format=torch.contiguous_format)
 
 
+def _sync_words(pool: WorkspacePool, device: torch.device, stream: int, nbytes: int, capturing: bool):
+    """A launch's zeroed sync words: ``pool``'s buffer for (device, stream), or inside a CUDA-graph capture
+    the graph's own, zeroed inside the graph (see workspace_pool). Returns ``(address, tensor)``, the
+    tensor (None for the pool's) to be held until the launch is queued."""
+    if capturing:
+        sync = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        return sync.data_ptr(), sync
+    return pool.address(device, device.index, stream, nbytes, nbytes), None
+
+
+def _run_recorded(run, args: dict, stream: int, index: int, capturing: bool, tokens: int, experts: int,
+                  row_bytes: int) -> None:
+    """Queue one launch (``run(args, stream)``, the extension's function) on a status slot of its own and
+    record it, so that its error surfaces like a forward's (:mod:`flashdmoe.status_checks`)."""
+    slot = status_checks.claim_slot(index, capturing)
+    args["status_host"] = slot.address
+    try:
+        info = run(args, stream)
+    except Exception:
+        slot.give_back()
+        raise
+    shape = LaunchShape((0,), (tokens,), experts, row_bytes, timeout_ms())
+    status = status_layout()
+    # a captured launch's slot belongs to its graph for good: never waited on, never given back
+    report = LaunchReport(shape, status_checks.next_launch_id(), index, info, status, slot.view[:status.bytes],
+                          None if capturing else slot, None if capturing else slot.give_back, capturing)
+    status_checks.launched(report, slot, None, forward=False)
+
+
 def launch(x: torch.Tensor, dy: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, pre: torch.Tensor,
            expert32: torch.Tensor, row32: torch.Tensor, weight32: torch.Tensor, *, activation: str,
            need_dx: bool, need_dw1: bool, need_dw2: bool) -> FusedGrads:
@@ -106,11 +135,7 @@ def launch(x: torch.Tensor, dy: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor
     capturing = torch.cuda.is_current_stream_capturing()
     status_checks.before_launch(index, None, capturing)
     stream = torch._C._cuda_getCurrentRawStream(index)
-    if capturing:  # the graph's own, zeroed inside the graph (see workspace_pool)
-        sync = torch.zeros(layout["sync_bytes"], dtype=torch.uint8, device=device)
-        sync_address = sync.data_ptr()
-    else:
-        sync_address = _pool.address(device, index, stream, layout["sync_bytes"], layout["sync_bytes"])
+    sync_address, _sync = _sync_words(_pool, device, stream, layout["sync_bytes"], capturing)
     scratch = torch.empty(layout["scratch_bytes"], dtype=torch.uint8, device=device)
     choices = tokens * top_k
     dx_rows = torch.empty(choices, hidden, dtype=x.dtype, device=device) if need_dx else None
@@ -135,19 +160,7 @@ def launch(x: torch.Tensor, dy: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor
         "timeout_ns": timeout_ms() * 1_000_000, "debug_withhold_phase": debug.withhold_phase,
         "max_blocks": debug.max_blocks,
     }
-    slot = status_checks.claim_slot(index, capturing)
-    args["status_host"] = slot.address
-    try:
-        info = ext.fused_backward(args, stream)
-    except Exception:
-        slot.give_back()
-        raise
-    shape = LaunchShape((0,), (tokens,), experts, hidden * x.element_size(), timeout_ms())
-    status = status_layout()
-    # a captured launch's slot belongs to its graph for good: never waited on, never given back
-    report = LaunchReport(shape, status_checks.next_launch_id(), index, info, status, slot.view[:status.bytes],
-                          None if capturing else slot, None if capturing else slot.give_back, capturing)
-    status_checks.launched(report, slot, None, forward=False)
+    _run_recorded(ext.fused_backward, args, stream, index, capturing, tokens, experts, hidden * x.element_size())
     return FusedGrads(dx_rows, dweight_row, row_of_choice, dw1, dw2)
 
 
@@ -200,11 +213,7 @@ def launch_router(x: torch.Tensor, router_weight: torch.Tensor, expert32: torch.
     capturing = torch.cuda.is_current_stream_capturing()
     status_checks.before_launch(index, None, capturing)
     stream = torch._C._cuda_getCurrentRawStream(index)
-    if capturing:  # the graph's own, zeroed inside the graph (see workspace_pool)
-        sync = torch.zeros(layout["sync_bytes"], dtype=torch.uint8, device=device)
-        sync_address = sync.data_ptr()
-    else:
-        sync_address = _router_pool.address(device, index, stream, layout["sync_bytes"], layout["sync_bytes"])
+    sync_address, _sync = _sync_words(_router_pool, device, stream, layout["sync_bytes"], capturing)
     scratch = torch.empty(layout["scratch_bytes"], dtype=torch.uint8, device=device)
     dx = torch.empty_like(x) if need_dx else None
     d_router = torch.empty_like(router_weight) if need_router else None
@@ -219,16 +228,5 @@ def launch_router(x: torch.Tensor, router_weight: torch.Tensor, expert32: torch.
         row_of_choice=grads.row_of_choice.data_ptr(), dweight_row=grads.dweight_row.data_ptr(),
         dx_rows=grads.dx_rows.data_ptr() if need_dx else 0, dx=0 if dx is None else dx.data_ptr(),
         d_router=0 if d_router is None else d_router.data_ptr(), sync=sync_address, scratch=scratch.data_ptr())
-    slot = status_checks.claim_slot(index, capturing)
-    args["status_host"] = slot.address
-    try:
-        info = ext.router_backward(args, stream)
-    except Exception:
-        slot.give_back()
-        raise
-    shape = LaunchShape((0,), (tokens,), experts, hidden * x.element_size(), timeout_ms())
-    status = status_layout()
-    report = LaunchReport(shape, status_checks.next_launch_id(), index, info, status, slot.view[:status.bytes],
-                          None if capturing else slot, None if capturing else slot.give_back, capturing)
-    status_checks.launched(report, slot, None, forward=False)
+    _run_recorded(ext.router_backward, args, stream, index, capturing, tokens, experts, hidden * x.element_size())
     return dx, d_router
