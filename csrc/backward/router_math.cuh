@@ -18,8 +18,9 @@ __device__ __forceinline__ float warp_max(float v) {
 }
 
 // One warp, one token: p = softmax(l) over `experts` float32 logits; the token's choice j < top_k has
-// expert experts_of[j] and combine-weight gradient dweight_row[rows_of[j]] (0 when the row is -1, or past
-// `rows`: a failed first launch's table is only ever read in bounds); with
+// expert experts_of[j] and combine-weight gradient dweight_row[rows_of[j]] (0 when the row is -1, or not
+// below `rows`, dweight_row's length where the caller knows it: a failed launch's table is then only ever
+// read in bounds); with
 // normalize_topk the weights were p_j / S (S the sum of the chosen p), so dp_j = (dweight_j - sum_i
 // dweight_i p_i / S) / S, else dp_j = dweight_j. write(e, p_e * (dP_e - sum_j p_j dp_j)) for every
 // e < experts, dP the dp scattered to the chosen experts (a token's experts are distinct).

@@ -1,5 +1,6 @@
 // The backward's routing side: the packed row table from the forward's routing, and the router's logit
 // gradient through the top-k renormalisation and the softmax, each in one launch.
+#include <climits>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include "backward/expert_grad.h"
@@ -36,7 +37,7 @@ __global__ void __launch_bounds__(32 * kTokensPerBlock)
   if (token >= tokens) return;
   Element* out = dlogits + token * experts;
   backward::token_logit_grad(logits + token * experts, experts, top_k, expert + token * top_k,
-                             row_of_choice + token * top_k, dweight_row, tokens * top_k, normalize_topk,
+                             row_of_choice + token * top_k, dweight_row, INT64_MAX, normalize_topk,
                              [&](int e, float v) { out[e] = static_cast<Element>(v); });
 }
 
