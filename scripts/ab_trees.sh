@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Each named revision's csrc/ into ab_trees/<name>/csrc, for forward_ab.sh's and backward_ab.sh's AB_BASE
-# and AB_MORE. Run where the git history is (the device's copy of the tree has none); the trees are
-# untracked and not ignored, so they travel with the working tree. Remove them after the run.
+# and AB_MORE. Run where the git history is (the device's copy of the tree has none). ab_trees/ is ignored
+# (never committed by mistake): the device call carries it (`carry: ["ab_trees", ".whl"]`).
 #   bash scripts/ab_trees.sh main decode-round-trips decode-l2-prefetch
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
