@@ -357,3 +357,17 @@ def test_a_silent_rank_in_the_emulated_backward_times_out_every_rank(fused, P, s
     assert team.failed
     with pytest.raises(TeamFailed):
         flashdmoe.moe_expert_parallel(xs, router_weight, w1s, w2s, top_k=2, team=team)
+    # The exchange launches queued before the first timeout surfaced timed out too; their errors (each
+    # raised once) belong to this test, not to the next one's first forward.
+    drain_launch_errors()
+
+
+def drain_launch_errors(limit: int = 16) -> None:
+    """Raise and drop every unchecked launch error (flashdmoe.synchronize() raises one per call)."""
+    for _ in range(limit):
+        try:
+            flashdmoe.synchronize()
+            return
+        except (flashdmoe.KernelTimeout, RuntimeError):
+            continue
+    raise AssertionError(f"more than {limit} unchecked launch errors")
