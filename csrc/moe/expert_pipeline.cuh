@@ -78,30 +78,6 @@ __device__ __forceinline__ void load_b_slab(uint32_t dst, const MoEParams& p, Ff
   }
 }
 
-// Decode: with fewer GEMM1 tasks than blocks, the blocks left over take GEMM2 tasks at once and wait for
-// their row tiles while GEMM1 streams its weights, each on one SM and below the memory's bandwidth. Their
-// producers meanwhile ask L2 for every GEMM2 task's weight panels (the `waiting` of them striped, from
-// `first`), so that GEMM2 reads its weights from L2 once its rows exist instead of starting the stream then.
-template <int kPanels, typename Variant>
-__device__ void prefetch_gemm2_weights(const MoEParams& p, const DestTables& tables, const TaskCounts& counts,
-                                       int first, int waiting) {
-  constexpr int kPanelColumns = static_cast<int>(kWeightPanelColumns);
-  const int k_tiles = task_k_tiles(p, FfnGemm::Gemm2);
-  for (int task = counts.tasks1 + first; task < counts.total; task += waiting) {
-    const ExpertTask job = decode_task(task, counts);
-    const int local = row_tile_of(p, tables, job.row_tile).local;
-    const WeightColumns cols = weight_columns<Variant>(p, FfnGemm::Gemm2, job.col_tile);
-    for (int kt = 0; kt < k_tiles; ++kt) {
-#pragma unroll
-      for (int panel = 0; panel < kPanels; ++panel) {
-        const int col = panel < kPanels / 2 ? cols.lo + panel * kPanelColumns
-                                            : cols.hi + (panel - kPanels / 2) * kPanelColumns;
-        tma::prefetch_l2_3d(&p.maps.w2, col, kt * static_cast<int>(kTmaSlabK), local);
-      }
-    }
-  }
-}
-
 // The producer warp's lane 0: takes tasks from the queue, waits for their inputs, hands them to the
 // consumers in order and streams their K slabs.
 template <typename Element, typename Variant>
@@ -120,10 +96,6 @@ __device__ bool produce_tasks(const MoEParams& p, const DestTables& tables, char
     }
     const ExpertTask job = decode_task(task, counts);
     const RowTile tile = row_tile_of(p, tables, job.row_tile);
-    const int waiting = p.blocks - counts.tasks1;  // GEMM2 tasks taken in the first round
-    if (job.gemm == FfnGemm::Gemm2 && task - counts.tasks1 < waiting &&
-        ptx::load_acquire_gpu(p.row_tile_done + job.row_tile) < static_cast<uint32_t>(counts.tiles1))
-      prefetch_gemm2_weights<Gemm::kPanels, Variant>(p, tables, counts, task - counts.tasks1, waiting);
     const bool ready = job.gemm == FfnGemm::Gemm2
         ? wait_at_least(p.row_tile_done + job.row_tile, counts.tiles1, p, kPhaseIntermediate, p.rank)
         : wait_rows_ready(p, tile.src, ready_seen);
