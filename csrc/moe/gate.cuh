@@ -217,64 +217,16 @@ __device__ void gate_tile(const MoEParams& p, int tile, char* smem, const SmemLa
 
 // The split tile's logits (rows x E, into `logits` with row stride `stride`) from the splits' partials
 // at `first`. A split's partials for the tile's rows are rows * E consecutive floats, 16-byte aligned
-// (the workspace region is, and a split's are 32 * E floats apart), summed four at a time. With few
-// tokens (rows * E / 4 float4 items fewer than the block's workers) the splits are cut into `groups`
-// consecutive runs, each run summed in split order by its own threads (one L2 round trip for all, where
-// one warp looping over 32 splits took eight), the run sums parked in the logits rows past the tile's
-// and added in run order; otherwise each item sums every split in order, four splits' loads in flight.
-// Either way one fixed order, whichever block is last. Not inlined: the kernel's register allocation
-// elsewhere (the training instance's epilogue) stays as it was.
+// (the workspace region is, and a split's are 32 * E floats apart): summed four at a time, four splits'
+// loads in flight, each element in split order (the scalar tail sums the same way). Not inlined: the
+// kernel's register allocation elsewhere (the training instance's epilogue) stays as it was.
 static __device__ __noinline__ void sum_gate_partials(const float* first, int splits, int rows, int E, float* logits,
                                                       int stride) {
   const size_t split_stride = static_cast<size_t>(kGateTileM) * E;
   const int count = rows * E;
-  const int items = count / 4;
   constexpr int kBatch = 4;
   auto to_logits = [&](int i, float v) { logits[(i / E) * stride + i % E] = v; };
-  auto add = [](float4& sum, const float4& v) {
-    sum.x += v.x;
-    sum.y += v.y;
-    sum.z += v.z;
-    sum.w += v.w;
-  };
-  // Run sums go past the tile's rows of the logits, 16-byte aligned; as many runs as fit there.
-  const size_t park_offset = (static_cast<size_t>(rows) * stride * 4 + 15) / 16 * 16;
-  const size_t park_bytes = static_cast<size_t>(kGateTileM) * stride * 4;
-  int groups = items > 0 ? min(splits, kThreads / items) : 1;
-  if (park_offset < park_bytes)
-    groups = min(groups, static_cast<int>((park_bytes - park_offset) / (16 * static_cast<size_t>(items ? items : 1))));
-  else
-    groups = 1;
-  if (groups >= 2 && count % 4 == 0) {
-    float4* park = reinterpret_cast<float4*>(reinterpret_cast<char*>(logits) + park_offset);
-    const int per_group = (splits + groups - 1) / groups;
-    const int q = threadIdx.x % items, g = threadIdx.x / items;
-    if (threadIdx.x < groups * items) {
-      const int s_end = min(splits, (g + 1) * per_group);
-      float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
-      int s = g * per_group;
-      for (; s + kBatch <= s_end; s += kBatch) {
-        float4 v[kBatch];
-#pragma unroll
-        for (int j = 0; j < kBatch; ++j) v[j] = __ldcg(reinterpret_cast<const float4*>(first + (s + j) * split_stride) + q);
-#pragma unroll
-        for (int j = 0; j < kBatch; ++j) add(sum, v[j]);
-      }
-      for (; s < s_end; ++s) add(sum, __ldcg(reinterpret_cast<const float4*>(first + s * split_stride) + q));
-      park[g * items + q] = sum;
-    }
-    sync_workers();
-    if (threadIdx.x < items) {
-      float4 sum = park[threadIdx.x];
-      for (int r = 1; r < groups; ++r) add(sum, park[r * items + threadIdx.x]);
-      to_logits(4 * threadIdx.x, sum.x);
-      to_logits(4 * threadIdx.x + 1, sum.y);
-      to_logits(4 * threadIdx.x + 2, sum.z);
-      to_logits(4 * threadIdx.x + 3, sum.w);
-    }
-    return;
-  }
-  for (int q = threadIdx.x; q < items; q += kThreads) {
+  for (int q = threadIdx.x; q < count / 4; q += kThreads) {
     float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
     int s = 0;
     for (; s + kBatch <= splits; s += kBatch) {
@@ -282,9 +234,20 @@ static __device__ __noinline__ void sum_gate_partials(const float* first, int sp
 #pragma unroll
       for (int j = 0; j < kBatch; ++j) v[j] = __ldcg(reinterpret_cast<const float4*>(first + (s + j) * split_stride) + q);
 #pragma unroll
-      for (int j = 0; j < kBatch; ++j) add(sum, v[j]);
+      for (int j = 0; j < kBatch; ++j) {
+        sum.x += v[j].x;
+        sum.y += v[j].y;
+        sum.z += v[j].z;
+        sum.w += v[j].w;
+      }
     }
-    for (; s < splits; ++s) add(sum, __ldcg(reinterpret_cast<const float4*>(first + s * split_stride) + q));
+    for (; s < splits; ++s) {
+      const float4 v = __ldcg(reinterpret_cast<const float4*>(first + s * split_stride) + q);
+      sum.x += v.x;
+      sum.y += v.y;
+      sum.z += v.z;
+      sum.w += v.w;
+    }
     to_logits(4 * q, sum.x);
     to_logits(4 * q + 1, sum.y);
     to_logits(4 * q + 2, sum.z);
