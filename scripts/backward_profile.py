@@ -1,9 +1,10 @@
 """Where the time of flashdmoe.expert_backward goes: eager medians of the grouped-GEMM back end (with the
 element-wise kernels and the saved pre-activations) and of the fused back end (``gemm="fused"``), then
-the profiler's CUDA kernel time per kernel (top entries) for the default back end (``"auto"``), beside
-the torch grouped_mm pipeline's backward under autograd.
+the profiler's CUDA kernel time per kernel (top entries) for one back end (``--profile-gemm``, default
+``"auto"``), beside the torch grouped_mm pipeline's backward under autograd.
 
     python scripts/backward_profile.py [--shapes 8192/2048/2048/32/2/gelu,...] [--reps 20] [--top 10]
+                                       [--profile-gemm auto|fused|grouped_mm]
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ def main():
     parser.add_argument("--shapes", default=ISSUE_SHAPES)
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--top", type=int, default=10)
+    parser.add_argument("--profile-gemm", default="auto", choices=("auto", "fused", "grouped_mm"))
     args = parser.parse_args()
     dtype = torch.bfloat16
     summary = []
@@ -92,11 +94,11 @@ def main():
                                           normalize_topk=True, gemm=gemm, pre=pre)
             times[name] = median_ms(run, args.reps)
         run = lambda: expert_backward(x, router_weight, w1, w2, expert, weight, row, dy, activation=activation,  # noqa: E731
-                                      normalize_topk=True, pre=pre)
+                                      normalize_topk=True, gemm=args.profile_gemm, pre=pre)
         print(f"\n== {spec}: expert_backward eager ms: " + ", ".join(f"{n} {t:.3f}" for n, t in times.items()))
         rows = kernel_times(run, 5)
         gpu_ms = sum(us for _, us, _ in rows) / 1e3
-        print(f"   kernels (default back end), sum {gpu_ms:.3f} ms per call:")
+        print(f"   kernels (gemm={args.profile_gemm}), sum {gpu_ms:.3f} ms per call:")
         for name, us, n in rows[: args.top]:
             print(f"   {us:9.1f} us  x{n:<3} {name}")
 

@@ -3,7 +3,8 @@
 # multi-process tests under MPS; then Ray), the single-GPU and training benchmarks, the host-overhead
 # script, optionally Nsight Compute. Each step has its own timeout; logs under $OUT (at most eight files
 # come back), a summary table last. Skip steps with SKIP="mp ray bench training host" (any subset);
-# GPU_TESTS overrides the one-process test files, BENCH_CONFIGS the single-gpu bench shapes; NCU=1 adds Nsight Compute on the expert-bound shape; PROFILE=1 the backward's per-kernel profile;
+# GPU_TESTS overrides the one-process test files, BENCH_CONFIGS the single-gpu bench shapes; NCU=1 adds Nsight Compute on the expert-bound shape; PROFILE=1 the backward's per-kernel profile
+# (PROFILE_ARGS passes options to scripts/backward_profile.py); ONE_PROCESS_LIMIT the one-process tests' limit (300 s);
 # PHASES=1 the fused backward's time per kind of task; SOAK=1 ~500 fused backward launches of the Mixtral
 # shape under a hard limit (a hang beyond the watchdog shows as a timeout); PROBES="base noepi nog" the
 # fused backward built with parts changed (scripts/backward_probe.sh); TEAMBENCH=1 an NVSHMEM team's training
@@ -39,7 +40,7 @@ run_tests() {  # name, timeout, files...
   timeout "$limit" $PYTEST "$@" >> "$OUT/pytest.log" 2>&1; local rc=$?
   note "tests $name rc=$rc in $(( $(date +%s) - t )) s: $(tail -1 "$OUT/pytest.log")"
 }
-run_tests one-process 300 ${GPU_TESTS:-tests/test_fused_gpu.py tests/test_ep_emulated_gpu.py tests/test_api.py \
+run_tests one-process ${ONE_PROCESS_LIMIT:-300} ${GPU_TESTS:-tests/test_fused_gpu.py tests/test_ep_emulated_gpu.py tests/test_api.py \
   tests/test_team.py tests/test_reference.py tests/test_ep_exchange.py tests/test_expert_backward.py tests/test_ep_backward.py \
   $(ls tests/test_async_status*.py tests/test_custom_op.py tests/test_hf_integration.py tests/test_bench.py tests/test_bench_training.py \
        tests/test_training_gpu.py tests/test_training.py tests/test_weight_checks.py 2>/dev/null)}
@@ -69,7 +70,7 @@ if ! skip bench && [ "$(left)" -gt 150 ]; then
 fi
 if [ "${PROFILE:-0}" = "1" ] && [ "$(left)" -gt 70 ]; then
   # expert_backward's kernels one by one (element-wise back ends, saved pre-activations)
-  timeout 60 python3 scripts/backward_profile.py > /tmp/profile.log 2>&1; note "backward profile rc=$?"; cat /tmp/profile.log
+  timeout 60 python3 scripts/backward_profile.py ${PROFILE_ARGS:-} > /tmp/profile.log 2>&1; note "backward profile rc=$?"; cat /tmp/profile.log
   timeout 60 python3 scripts/training_host_profile.py > /tmp/host_profile.log 2>&1; note "training host profile rc=$?"
   cat /tmp/host_profile.log
 fi
