@@ -85,6 +85,7 @@ import torch.nn.functional as F
 
 from flashdmoe import fused_backward
 from flashdmoe.kernel_codes import ACTIVATION_CODES, DTYPE_CODES
+from flashdmoe.launch_knobs import debug
 from flashdmoe.reference import ACTIVATIONS, compute_dtype
 
 __all__ = ["expert_backward", "choose_gemm", "PackedRows", "packed_row_grads", "ELEMENTWISE_BACKENDS", "FUSED_MAX_ROWS_PER_EXPERT", "GEMM_BACKENDS",
@@ -139,7 +140,8 @@ def choose_gemm(dtype: torch.dtype, device: torch.device, tokens: int, hidden: i
                 top_k: int, have_pre: bool, elementwise: str = "auto") -> str:
     """The GEMM back end ``gemm="auto"`` runs (module docstring): ``"fused"``, ``"grouped_mm"`` or
     ``"padded_bmm"``. have_pre: the forward's pre-activations were saved (the fused launch needs them)."""
-    if (have_pre and elementwise != "torch" and tokens * top_k <= FUSED_MAX_ROWS_PER_EXPERT * experts
+    max_rows = FUSED_MAX_ROWS_PER_EXPERT if debug.fused_backward_max_rows is None else debug.fused_backward_max_rows
+    if (have_pre and elementwise != "torch" and tokens * top_k <= max_rows * experts
             and not fused_backward.unsupported(dtype, device, tokens, hidden, intermediate, experts, top_k)):
         return "fused"
     return "padded_bmm" if grouped_mm_supported(dtype, device, hidden, intermediate) else "grouped_mm"

@@ -40,6 +40,11 @@ class DebugKnobs:
     # flashdmoe.ep_backward) or "torch" (flashdmoe.ep_peer's torch ops, forced for measurement:
     # FLASHDMOE_TEAM_BACKWARD=torch).
     team_backward: str = os.environ.get("FLASHDMOE_TEAM_BACKWARD", "auto")
+    # The backward's gemm="auto" takes the fused launch up to this many routed rows per expert on average
+    # (None: expert_backward.FUSED_MAX_ROWS_PER_EXPERT); FLASHDMOE_FUSED_BACKWARD_MAX_ROWS moves the line,
+    # for measurement (a large value: the fused launch wherever it runs).
+    fused_backward_max_rows: int | None = (int(os.environ["FLASHDMOE_FUSED_BACKWARD_MAX_ROWS"])
+                                           if os.environ.get("FLASHDMOE_FUSED_BACKWARD_MAX_ROWS") else None)
 
     def __setattr__(self, name, value) -> None:
         # Every setting bumps ``generation``: launches prepared under other knobs are not reused (a prepared

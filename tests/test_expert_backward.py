@@ -259,6 +259,22 @@ def test_auto_picks_fused_for_few_rows_per_expert_with_saved_pre(monkeypatch):
     assert eb.choose_gemm(torch.bfloat16, cuda, 4096, 2048, 2048, 64, 2, True) == "padded_bmm"
 
 
+def test_the_fused_backward_row_limit_knob_moves_autos_line(monkeypatch):
+    """debug.fused_backward_max_rows (FLASHDMOE_FUSED_BACKWARD_MAX_ROWS) replaces the default limit; None
+    restores it."""
+    from flashdmoe import expert_backward as eb
+    from flashdmoe.launch_knobs import debug
+
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(eb, "grouped_mm_supported", lambda *args: "")
+    monkeypatch.setattr(eb.fused_backward, "unsupported", lambda *args: "")
+    monkeypatch.setattr(debug, "fused_backward_max_rows", 512)
+    assert eb.choose_gemm(torch.bfloat16, cuda, 8192, 2048, 2048, 32, 2, True) == "fused"  # 512 per expert
+    assert eb.choose_gemm(torch.bfloat16, cuda, 8193, 2048, 2048, 32, 2, True) == "grouped_mm"
+    monkeypatch.setattr(debug, "fused_backward_max_rows", None)
+    assert eb.choose_gemm(torch.bfloat16, cuda, 8192, 2048, 2048, 32, 2, True) == "grouped_mm"
+
+
 def test_auto_never_picks_fused_on_cpu():
     from flashdmoe.expert_backward import choose_gemm
 
