@@ -213,46 +213,6 @@ py::tuple fused_backward(const py::dict& args, uintptr_t stream) {
   return launch_released([&] { return launch_fused_backward(a, cuda_stream); });
 }
 
-// The fused backward's second launch (backward/expert_grad.h RouterBackwardArgs), `args` naming every field
-// (pointers as integers, 0 for null); its status slot is `status_host`, like a forward's.
-py::tuple router_backward(const py::dict& args, uintptr_t stream) {
-  RouterBackwardArgs a{};
-  a.dtype = static_cast<DType>(get<int>(args, "dtype"));
-  a.tokens = get<int>(args, "tokens");
-  a.hidden = get<int>(args, "hidden");
-  a.experts = get<int>(args, "experts");
-  a.top_k = get<int>(args, "top_k");
-  a.normalize_topk = get<bool>(args, "normalize_topk");
-  a.need_dx = get<bool>(args, "need_dx");
-  a.need_router = get<bool>(args, "need_router");
-  a.x = as_ptr<const void>(get<uintptr_t>(args, "x"));
-  a.router = as_ptr<const void>(get<uintptr_t>(args, "router"));
-  a.expert = as_ptr<const int>(get<uintptr_t>(args, "expert"));
-  a.row_of_choice = as_ptr<const int>(get<uintptr_t>(args, "row_of_choice"));
-  a.dweight_row = as_ptr<const float>(get<uintptr_t>(args, "dweight_row"));
-  a.dx_rows = as_ptr<const void>(get<uintptr_t>(args, "dx_rows"));
-  a.dx = as_ptr<void>(get<uintptr_t>(args, "dx"));
-  a.d_router = as_ptr<void>(get<uintptr_t>(args, "d_router"));
-  a.sync = as_ptr<void>(get<uintptr_t>(args, "sync"));
-  a.scratch = as_ptr<void>(get<uintptr_t>(args, "scratch"));
-  a.status_host = as_ptr<void>(get<uintptr_t>(args, "status_host"));
-  a.timeout_ns = get<uint64_t>(args, "timeout_ns");
-  a.debug_withhold_phase = get<int>(args, "debug_withhold_phase");
-  a.blocks = get<int>(args, "blocks");
-  a.max_blocks = get<int>(args, "max_blocks");
-  const auto cuda_stream = reinterpret_cast<cudaStream_t>(stream);
-  return launch_released([&] { return launch_router_backward(a, cuda_stream); });
-}
-
-py::dict router_backward_layout_dict(int tokens, int hidden, int experts, int top_k, int blocks) {
-  const RouterBackwardLayout l = router_backward_layout(tokens, hidden, experts, top_k, blocks);
-  py::dict out;
-  out["sync_bytes"] = l.sync_bytes;
-  out["scratch_bytes"] = l.scratch_bytes;
-  out["splits"] = l.splits;
-  return out;
-}
-
 py::dict fused_backward_layout_dict(int tokens, int hidden, int ffn, int experts, int top_k, int activation) {
   const FusedBackwardLayout l =
       fused_backward_layout(tokens, hidden, ffn, experts, top_k, static_cast<Activation>(activation));
@@ -361,17 +321,6 @@ PYBIND11_MODULE(flashdmoe_cuda, m) {
         "The fused expert backward of one rank (backward/expert_grad.h), one cooperative launch on `stream`. "
         "`args`: a dict of FusedBackwardArgs' fields. Returns (grid, blocks_per_sm, smem_bytes).",
         py::arg("args"), py::arg("stream"));
-  m.def("router_backward", &router_backward,
-        "The fused backward's second launch (backward/expert_grad.h): dx and the router's gradient, one "
-        "cooperative launch on `stream`. `args`: a dict of RouterBackwardArgs' fields. Returns (grid, "
-        "blocks_per_sm, smem_bytes).",
-        py::arg("args"), py::arg("stream"));
-  m.def("router_backward_layout", &router_backward_layout_dict,
-        "The second launch's sync and scratch bytes and d_router's token splits for a grid of `blocks`.",
-        py::arg("tokens"), py::arg("hidden"), py::arg("experts"), py::arg("top_k"), py::arg("blocks"));
-  m.def("router_backward_unsupported", &router_backward_unsupported,
-        "'' when the second launch takes these shapes, else why not.", py::arg("tokens"), py::arg("hidden"),
-        py::arg("experts"), py::arg("top_k"));
   m.def("ep_rows", &ep_rows,
         "The backward's row exchange: one rank (a dict) or every rank of an emulated team (a list of dicts, rank "
         "order) in one cooperative launch on `stream`; returns "

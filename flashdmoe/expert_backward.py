@@ -21,12 +21,10 @@ chosen probabilities and the softmax gives ``dlogits [T, E]``; ``d_router = dlog
 
 GEMM back ends (``gemm=``):
 
-* ``"fused"``: two persistent kernel launches (:mod:`flashdmoe.fused_backward`): every expert GEMM, the
-  element-wise step in the first GEMM's epilogue; then the router's gradient and dx (the logits
-  recomputed, both router GEMMs and the sum of a token's rows in one kernel; with ``E > 256`` torch GEMMs
-  and the small kernels below instead). It needs the forward's saved ``pre``, 16-bit inputs, Hopper and the
-  extension, ``H`` and ``I`` multiples of 64. ``g`` stays float32 into the epilogue (rounded nowhere),
-  ``wh``, ``dpre`` and the per-row ``dx`` are rounded once as below.
+* ``"fused"``: one persistent kernel launch for every expert GEMM, the element-wise step in the first
+  GEMM's epilogue (:mod:`flashdmoe.fused_backward`); it needs the forward's saved ``pre``, 16-bit inputs,
+  Hopper and the extension, ``H`` and ``I`` multiples of 64. ``g`` stays float32 into the epilogue
+  (rounded nowhere), ``wh``, ``dpre`` and the per-row ``dx`` are rounded once as below.
 * ``"grouped_mm"``: ``torch._grouped_mm`` on the rows packed by expert (``offs`` = each expert's end row,
   derived on the device): 2D x 3D for the row GEMMs, 2D x 2D for the weight gradients. It takes float32,
   bfloat16 and float16 and returns its input dtype (a float32 ``out_dtype`` for half inputs is refused).
@@ -630,28 +628,20 @@ def _router_and_dx(kernels, x, router_weight, expert32, rows_of_tokens, dweight_
 
 
 def _fused(x, router_weight, w1, w2, expert, weight, row, dy, pre, activation, normalize_topk, needs):
-    """``gemm="fused"``: the expert GEMMs in one launch, then the router's gradient and dx in a second
-    (:mod:`flashdmoe.fused_backward`); with more experts than that launch takes, the router's GEMMs in torch
-    and the extension's small kernels instead (:func:`_router_and_dx`)."""
+    """``gemm="fused"``: the expert GEMMs in one launch (:mod:`flashdmoe.fused_backward`), then the router's
+    gradient and the sum of a token's rows (:func:`_router_and_dx`)."""
     from flashdmoe import extension
 
     need_dx, need_router, need_dw1, need_dw2 = needs
-    x = x.contiguous()
+    kernels = extension.loaded()
     expert32 = expert.to(torch.int32).contiguous()
     grads = fused_backward.launch(
-        x, dy.contiguous(), w1.contiguous(), w2.contiguous(), pre.contiguous(), expert32,
+        x.contiguous(), dy.contiguous(), w1.contiguous(), w2.contiguous(), pre.contiguous(), expert32,
         row.to(torch.int32).contiguous(), weight.to(torch.float32).contiguous(), activation=activation,
         need_dx=need_dx or need_router, need_dw1=need_dw1, need_dw2=need_dw2)
     dx = d_router = None
     if need_dx or need_router:
-        tokens, hidden = x.shape
-        if not fused_backward.router_unsupported(tokens, hidden, router_weight.shape[0], expert32.shape[1]):
-            dx, d_router = fused_backward.launch_router(x, router_weight.contiguous(), expert32, grads,
-                                                        normalize_topk=normalize_topk, need_dx=need_dx,
-                                                        need_router=need_router)
-        else:
-            stream = torch.cuda.current_stream(x.device).cuda_stream
-            dx, d_router = _router_and_dx(extension.loaded(), x, router_weight, expert32, grads.row_of_choice,
-                                          grads.dweight_row, grads.dx_rows, normalize_topk, need_router, need_dx,
-                                          stream)
+        stream = torch.cuda.current_stream(x.device).cuda_stream
+        dx, d_router = _router_and_dx(kernels, x, router_weight, expert32, grads.row_of_choice, grads.dweight_row,
+                                      grads.dx_rows, normalize_topk, need_router, need_dx, stream)
     return dx, d_router, grads.dw1, grads.dw2

@@ -48,7 +48,7 @@ PHASE_NAMES = {
     8: "combine waiting for a peer's expert results",
     9: "expert tile pipeline (a TMA stage that never filled or was never released)",
     10: "backward: grid barrier after the kept rows were counted",
-    11: "backward: grid barrier after every expert's rows were indexed",
+    11: "backward: grid barrier after dy's and x's rows were gathered",
     12: "backward: dx tile waiting for its row tile's g tiles",
     13: "backward: weight-gradient tile waiting for its expert's g tiles",
     14: "backward exchange: waiting for an expert owner to free its staging for this rank's rows",
@@ -60,7 +60,6 @@ PHASE_NAMES = {
     20: "backward exchange: waiting for a peer to free its staging for this rank's share of the router's gradient",
     21: "backward exchange: grid barrier after this rank's share of the router's gradient was written",
     22: "backward exchange: waiting for a peer's share of the router's gradient",
-    23: "router backward: grid barrier after every token's logit gradient was written",
 }
 
 # Intervals between consecutive phase clock slots (slot 0 start, 1..4 after the grid barriers, 5 exit).

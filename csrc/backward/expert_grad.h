@@ -96,50 +96,6 @@ LaunchInfo launch_fused_backward(const FusedBackwardArgs& args, cudaStream_t str
 
 namespace flashdmoe {
 
-// The fused backward's second launch (backward/router_backward.cu): from the first launch's row table
-// (row_of_choice [T, k] i32, -1 dropped), combine weights' gradient by packed row and each kept row's dx,
-// the router's gradient d_router [E, H] and dx [T, H] (the kept rows summed in choice order, float32,
-// plus dlogits R), on the tensor cores, deterministic. The logits are recomputed from x and the router.
-constexpr int kRouterBackwardMaxExperts = 256;  // a token tile's float32 logits stay in shared memory
-
-struct RouterBackwardArgs {
-  DType dtype;
-  int tokens, hidden, experts, top_k;
-  bool normalize_topk, need_dx, need_router;
-  const void* x;             // [T, H], 16-byte aligned
-  const void* router;        // [E, H], 16-byte aligned
-  const int* expert;         // [T, k]
-  const int* row_of_choice;  // [T, k]
-  const float* dweight_row;  // [T * k]
-  const void* dx_rows;       // [T * k, H] (null when !need_dx)
-  void* dx;                  // [T, H] (null when !need_dx)
-  void* d_router;            // [E, H] (null when !need_router)
-  void* sync;                // RouterBackwardLayout::sync_bytes zero bytes; zero again after the launch
-  void* scratch;             // RouterBackwardLayout::scratch_bytes bytes
-  void* status_host;         // pinned status slot, or null
-  uint64_t timeout_ns;
-  int debug_withhold_phase;  // 23: block 0 withholds the grid barrier (tests the watchdog)
-  int blocks;                // the grid the layout was made for (how finely d_router's token range is split)
-  int max_blocks;            // 0: the whole resident grid
-};
-
-struct RouterBackwardLayout {
-  int64_t tokens_pad, experts_pad;
-  int splits, slabs_per_split;
-  size_t dlogits_offset, dlogits_t_offset, partial_offset, scratch_bytes, sync_bytes;
-};
-
-// Empty when the launch takes these shapes, else why not.
-std::string router_backward_unsupported(int tokens, int hidden, int experts, int top_k);
-// `blocks`: the grid it will run on (the SM count).
-RouterBackwardLayout router_backward_layout(int tokens, int hidden, int experts, int top_k, int blocks);
-// Asynchronous on `stream` (one cooperative launch); throws std::invalid_argument on bad arguments.
-LaunchInfo launch_router_backward(const RouterBackwardArgs& args, cudaStream_t stream);
-
-}  // namespace flashdmoe
-
-namespace flashdmoe {
-
 // The backward's row exchange across a team (backward/ep_rows.cuh): direction 0 sends each kept
 // choice's x and dy rows and combine weight to the expert's owner, in the owner's expert-major order
 // (the owner's `place` table says where each source's rows go), direction 1 sends each row the

@@ -29,7 +29,8 @@ LaunchInfo launch_instance(const FusedBackwardArgs& a, cudaStream_t stream) {
   p.topk_expert = a.expert, p.topk_row = a.row, p.topk_weight = a.weight;
   p.dw1 = a.dw1, p.dw2 = a.dw2, p.dx_rows = a.dx_rows, p.dweight_row = a.dweight_row;
   char* s = static_cast<char*>(a.scratch);
-  p.row_token = reinterpret_cast<int*>(s + scratch.row_token);
+  p.dy_rows = s + scratch.dy_rows;
+  p.x_rows = s + scratch.x_rows;
   p.wh = s + scratch.wh;
   p.dpre = s + scratch.dpre;
   p.w_pad = reinterpret_cast<float*>(s + scratch.w_pad);
@@ -55,9 +56,11 @@ LaunchInfo launch_instance(const FusedBackwardArgs& a, cudaStream_t stream) {
   const uint64_t H = a.hidden, I = a.ffn, cols = w1_cols, E = a.experts;
   const TmaBox box2{{64, 64, 1}, 2};
   const uint64_t w1_dims[3] = {cols, H, E}, w2_dims[3] = {H, I, E};
-  const uint64_t ffn_rows[2] = {I, rows}, w1_rows[2] = {cols, rows};
+  const uint64_t hidden_rows[2] = {H, rows}, ffn_rows[2] = {I, rows}, w1_rows[2] = {cols, rows};
   p.maps.w1 = make_tensor_map(a.w1, w1_dims, kWeightPanelBox, a.dtype, "w1");
   p.maps.w2 = make_tensor_map(a.w2, w2_dims, kWeightPanelBox, a.dtype, "w2");
+  p.maps.dy_rows = make_tensor_map(p.dy_rows, hidden_rows, box2, a.dtype, "dy's rows");
+  p.maps.x_rows = make_tensor_map(p.x_rows, hidden_rows, box2, a.dtype, "x's rows");
   p.maps.wh = make_tensor_map(p.wh, ffn_rows, box2, a.dtype, "w * act(pre)");
   p.maps.dpre = make_tensor_map(p.dpre, w1_rows, box2, a.dtype, "dpre");
 

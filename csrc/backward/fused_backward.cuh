@@ -3,8 +3,8 @@
 // between them in the first GEMM's epilogue.
 //
 //   1. counts:  kept rows per expert (integer atomics), grid barrier, per-block tables (prefix sums);
-//   2. index:   each expert's rows numbered in a padded order (each expert's rows start at a multiple
-//               of 64): the token of each row (-1 in the gaps) and its combine weight; grid barrier;
+//   2. gather:  dy's and x's rows by expert into padded row buffers (each expert's rows start at a
+//               multiple of 64, the gap zero), the combine weights beside them; grid barrier;
 //   3. tasks, taken from one queue in this order (a task waits only for earlier ones):
 //      g   tiles (row tile x I columns):   g = dy_rows W2_e^T; epilogue: h = act(pre), wh = w h,
 //                                          dpre = w g act'(pre), partial <g, h> per row;
@@ -12,9 +12,6 @@
 //                                          the row's dweight = sum of its partials, in column order;
 //      dW2 tiles (I x H per expert):       wh^T dy_rows over the expert's rows,
 //      dW1 tiles (H x w1_cols per expert): x_rows^T dpre, once the expert's g tiles are done.
-// dy_rows and x_rows are never stored: the producer warpgroup copies each stage's rows of dy and x
-// straight from the tokens (cp.async, in the swizzle TMA would leave), beside the TMA loads of the
-// weights and of the buffers the kernel writes (wh, dpre).
 // No float atomics: every output element is written once, every sum runs in a fixed order.
 #pragma once
 #include "backward/fused_params.cuh"
@@ -33,24 +30,18 @@ struct FusedBackwardConfig {
   static constexpr int kTileN = BN;
   static constexpr int kStages = 4;  // of 16 KB of A and BN x 128 bytes of B
   // Row GEMMs (g, dx): A K-major row boxes, B the transposed weights (K-major). Weight gradients: both
-  // operands MN-major (the row buffers read across their rows). dy's and x's boxes come by cp.async.
-  using RowGemm = TmaTileGemm<Element, BN, kStages, 64, Major::K, Major::K, true>;
-  using WeightGemm = TmaTileGemm<Element, BN, kStages, 64, Major::MN, Major::MN, true>;
-  static constexpr int kProducerThreads = 128;
-  // A stage completes on its TMA bytes, the leader's arrival and one cp.async arrival per producer thread.
-  static constexpr uint32_t kStageArrivals = 1 + kProducerThreads;
+  // operands MN-major (the row buffers read across their rows).
+  using RowGemm = TmaTileGemm<Element, BN, kStages, 64, Major::K, Major::K>;
+  using WeightGemm = TmaTileGemm<Element, BN, kStages, 64, Major::MN, Major::MN>;
   static constexpr int kBoxBytes = 64 * 64 * 2;  // every operand box: 64 x 64 two-byte elements
-  static_assert(kProducerThreads / 8 * 4 == 64 && kBoxBytes == 64 * 128,
-                "copy_box: 8 threads per 128-byte line, 4 lines each, cover one 64-line box");
   static constexpr int kPanels = BN / 64;
   static constexpr int kPipelineBytes = RowGemm::kPipelineBytes;
   static_assert(WeightGemm::kPipelineBytes == kPipelineBytes, "one stage ring for every GEMM kind");
   static constexpr int kStagingOffset = kPipelineBytes;
   static constexpr int kSmemBytes = kPipelineBytes + (kThreads / 32) * kWarpStagingBytes;
-  // + a producer warpgroup (its first lane takes the tasks and issues the TMA loads, every lane copies
-  // rows): whole warpgroups, so that registers can move to the consumers (168 each at launch; 40 for
-  // the producer, 232 for the consumers in the task loop).
-  static constexpr int kBlockThreads = kThreads + kProducerThreads;
+  // + a producer warpgroup (one lane issues the loads): whole warpgroups, so that registers can move to
+  // the consumers (168 each at launch; 40 for the producer, 232 for the consumers in the task loop).
+  static constexpr int kBlockThreads = kThreads + 128;
   static constexpr int kLaunchRegisters = 168, kProducerRegisters = 40, kConsumerRegisters = 232;
   static_assert(128 * kProducerRegisters + kThreads * kConsumerRegisters <= kBlockThreads * kLaunchRegisters &&
                     kBlockThreads * kLaunchRegisters <= 65536,
@@ -206,70 +197,72 @@ __device__ void build_expert_tables(const BackwardParams& p, const ExpertTables&
   __syncthreads();
 }
 
-// ---- 2. index ----
+// ---- 2. gather ----
 
-// One thread per choice: its token and combine weight at its padded row; then the gaps marked (token
-// -1, weight 0). Also the checked row table for the router's and dx's kernels.
-__device__ void index_rows(const BackwardParams& p, const ExpertTables& t) {
-  const int64_t threads = static_cast<int64_t>(p.blocks) * blockDim.x;
-  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+// dy's row (and x's, when x_dst is not null) of one choice, 16 bytes per lane and piece, four pieces of
+// each row in flight before any store: one load at a time would wait a memory latency per piece (a
+// store may alias the next load), about 150 us over the rows of the 8192-token, k = 2 shape by count.
+template <typename Element>
+__device__ __forceinline__ void copy_rows(Element* dy_dst, const Element* dy_src, Element* x_dst, const Element* x_src,
+                                          int hidden, int lane) {
+  constexpr int kPieces = 4, kStride = 32 * 8;
+  for (int col0 = lane * 8; col0 < hidden; col0 += kStride * kPieces) {
+    uint4 dy_piece[kPieces], x_piece[kPieces];
+#pragma unroll
+    for (int i = 0; i < kPieces; ++i) {
+      const int col = col0 + i * kStride;
+      if (col < hidden) {
+        dy_piece[i] = __ldg(reinterpret_cast<const uint4*>(dy_src + col));
+        if (x_dst != nullptr) x_piece[i] = __ldg(reinterpret_cast<const uint4*>(x_src + col));
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kPieces; ++i) {
+      const int col = col0 + i * kStride;
+      if (col < hidden) {
+        *reinterpret_cast<uint4*>(dy_dst + col) = dy_piece[i];
+        if (x_dst != nullptr) *reinterpret_cast<uint4*>(x_dst + col) = x_piece[i];
+      }
+    }
+  }
+}
+template <typename Element>
+__device__ __forceinline__ void zero_row(Element* dst, int hidden, int lane) {
+  for (int col = lane * 8; col < hidden; col += 32 * 8) *reinterpret_cast<uint4*>(dst + col) = make_uint4(0, 0, 0, 0);
+}
+
+// One warp per choice: its dy (and x) row to its padded row; then the padding rows zeroed. Also the
+// checked row table for the router's and dx's kernels.
+template <typename Element>
+__device__ void gather_rows(const BackwardParams& p, const ExpertTables& t) {
+  const int lane = threadIdx.x & 31;
+  const int64_t warps = static_cast<int64_t>(p.blocks) * (blockDim.x / 32);
+  const int64_t first_warp = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + (threadIdx.x >> 5);
   const int64_t choices = static_cast<int64_t>(p.tokens) * p.top_k;
-  for (int64_t c = first; c < choices; c += threads) {
+  const int H = p.hidden;
+  const Element* x = static_cast<const Element*>(p.x);
+  const Element* dy = static_cast<const Element*>(p.dy);
+  Element* x_rows = static_cast<Element*>(p.x_rows);
+  Element* dy_rows = static_cast<Element*>(p.dy_rows);
+  for (int64_t c = first_warp; c < choices; c += warps) {
     const int e = p.topk_expert[c], r = p.topk_row[c];
     const bool kept = r >= 0 && e >= 0 && e < p.experts && r >= t.start[e] && r < t.start[e + 1];
-    p.row_of_choice[c] = kept ? r : -1;
+    if (lane == 0) p.row_of_choice[c] = kept ? r : -1;
     if (!kept) continue;
     const int64_t padded = t.padded_start[e] + (r - t.start[e]);
-    p.row_token[padded] = static_cast<int>(c / p.top_k);
-    p.w_pad[padded] = p.topk_weight[c];
+    const int64_t token = c / p.top_k;
+    copy_rows(dy_rows + padded * H, dy + token * H, p.need_dw1 ? x_rows + padded * H : nullptr, x + token * H, H, lane);
+    if (lane == 0) p.w_pad[padded] = p.topk_weight[c];
   }
-  const int64_t gap_rows = static_cast<int64_t>(p.experts) * (kBackwardRowAlign - 1);
-  for (int64_t s = first; s < gap_rows; s += threads) {
+  const int64_t pad_slots = static_cast<int64_t>(p.experts) * (kBackwardRowAlign - 1);
+  for (int64_t s = first_warp; s < pad_slots; s += warps) {
     const int e = static_cast<int>(s / (kBackwardRowAlign - 1));
     const int64_t padded = t.padded_start[e] + (t.start[e + 1] - t.start[e]) + s % (kBackwardRowAlign - 1);
     if (padded >= t.padded_start[e + 1]) continue;
-    p.row_token[padded] = -1;
-    p.w_pad[padded] = 0.f;
+    zero_row(dy_rows + padded * H, H, lane);
+    if (p.need_dw1) zero_row(x_rows + padded * H, H, lane);
+    if (lane == 0) p.w_pad[padded] = 0.f;
   }
-}
-
-// The lines of one 64 x 64 operand box a producer thread copies: lines t/8 + 16 j (j < 4), its 16-byte
-// chunk t % 8 of each, t the thread's index in the producer warpgroup; token[j] is line j's token, or
-// -1 for a line of zeros.
-struct BoxLines {
-  int token[4];
-};
-
-// A box of `rows` ([T, H] row-major: dy or x) into shared memory at `dst`, laid out as TMA leaves a
-// {64, 64} box with the 128-byte swizzle (line i at 128 i, its chunk c at position c ^ (i % 8));
-// columns [col, col + 64). Zeros where a line has no token or the columns lie past H.
-template <typename Element>
-__device__ __forceinline__ void copy_box(uint32_t dst, const Element* rows, int hidden, int col, const BoxLines& lines) {
-  const int t = static_cast<int>(threadIdx.x) - kThreads;
-  const int chunk = t & 7, line0 = t >> 3;
-  const uint32_t at = dst + line0 * 128 + ((chunk ^ (line0 & 7)) << 4);  // (line0 + 16 j) % 8 == line0 % 8
-  const bool in_columns = col < hidden;
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const bool valid = in_columns && lines.token[j] >= 0;
-    const Element* from = valid ? rows + static_cast<int64_t>(lines.token[j]) * hidden + col + chunk * 8 : rows;
-    ptx::cp_async_16(at + j * 16 * 128, from, valid);
-  }
-}
-
-// The tokens of a box's lines for this thread: padded rows [row0, row0 + 64) of which the first `rows`
-// are real (the rest zeros).
-__device__ __forceinline__ BoxLines box_lines(const BackwardParams& p, int row0, int rows) {
-  const int line0 = (static_cast<int>(threadIdx.x) - kThreads) >> 3;
-  BoxLines lines;
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const int line = line0 + 16 * j;
-    // A plain load: the table was written before the grid barrier, whose acquire orders it; every slab
-    // after the first finds it in L1.
-    lines.token[j] = line < rows ? p.row_token[row0 + line] : -1;
-  }
-  return lines;
 }
 
 // ---- 3. tasks ----
@@ -376,129 +369,66 @@ __device__ __forceinline__ int expert_slabs(const ExpertTables& t, int expert) {
   return (t.padded_start[expert + 1] - t.padded_start[expert]) / static_cast<int>(kTmaSlabK);
 }
 
-// A g tile's epilogue reads the tile's saved pre-activations (its rows, its columns; both halves for
-// swiglu) once the K loop is done: the producer threads ask L2 for them as the task starts, one row each.
-__device__ __forceinline__ void prefetch_pre(const BackwardParams& p, const BackwardRowTile& tile, int n0, int width) {
-  const int t = static_cast<int>(threadIdx.x) - kThreads;
-  if (t >= tile.rows) return;
-  const uint32_t bytes = static_cast<uint32_t>(min(width, p.ffn - n0)) * 2;
-  const char* row = static_cast<const char*>(p.pre) + (static_cast<int64_t>(tile.packed_row0 + t) * p.w1_cols + n0) * 2;
-  ptx::prefetch_l2(row, bytes);
-  if (p.activation == Activation::Swiglu) ptx::prefetch_l2(row + static_cast<int64_t>(p.ffn) * 2, bytes);
-}
-
-// The producer warpgroup. Its leader (first lane) takes tasks, waits for their inputs and hands them
-// over in order; for each K slab it waits until the consumers released the stage, arms the stage with
-// the bytes of its TMA loads and issues them. Every thread then copies its lines of the slab's row
-// boxes (dy's, x's) and arrives on the stage once they landed. The leader's verdicts (task ready, stage
-// free) reach the group through named barrier 2, so the group leaves the loop together.
+// The producer warp's lane 0: takes tasks, waits for their inputs, hands them over in order and streams
+// their K slabs.
 template <typename Element, typename Config>
 __device__ bool produce_backward(const BackwardParams& p, const ExpertTables& t, char* smem,
                                  StagePipeline<Config::kStages>& stages, TaskRing<Config::kStages>& ring,
                                  const BackwardTaskCounts& counts) {
   using Gemm = typename Config::RowGemm;
   constexpr int kBox = Config::kBoxBytes;
-  __shared__ int handed;  // the leader's task id, read by the group past the next named barrier
-  const bool leader = threadIdx.x == kThreads;
-  const uint32_t base = ptx::smem_addr(smem);
-  const Element* dy = static_cast<const Element*>(p.dy);
-  const Element* x = static_cast<const Element*>(p.x);
   typename Gemm::State stage{};
   typename TaskRing<Config::kStages>::State slot{};
-  // k_tiles slabs: loads(a, b, k0, bar) issues the leader's TMA loads (tma_bytes of them), rows(a, b, kt)
-  // every thread's copies.
-  auto stream = [&](int k_tiles, uint32_t tma_bytes, auto&& loads, auto&& rows) {
-    for (int kt = 0; kt < k_tiles; ++kt, stage.advance()) {
-      const bool stage_free = !leader || stages.producer_acquire(stage, p);
-      if (!sync_producers_and(stage_free)) return false;
-      const uint32_t full = ptx::smem_addr(&stages.full[stage.index()]);
-      const uint32_t a = Gemm::a_stage(base, stage.index()), b = Gemm::b_stage(base, stage.index());
-      if (leader) {
-        tma::arrive_expect_tx(full, tma_bytes);
-        loads(a, b, kt * static_cast<int>(kTmaSlabK), full);
-      }
-      rows(a, b, kt);
-      ptx::cp_async_arrive_noinc(full);
-    }
-    return true;
-  };
   for (;; slot.advance()) {
-    bool ready = true;
-    if (leader) {
-      const int id = static_cast<int>(atomicAdd(p.task_counter, 1u));
-      if (id < counts.total) {
-        const BackwardTask task = decode_backward_task<Config::kTileN>(id, counts, t.tile_start[p.experts]);
-        if (task.kind == BackwardTaskKind::Dx) {
-          ready = wait_at_least(p.row_tile_done + task.row_tile, counts.g_cols, p, kPhaseBackwardRowTile, p.rank);
-        } else if (task.kind != BackwardTaskKind::G) {
-          const uint32_t tiles = t.tile_start[task.expert + 1] - t.tile_start[task.expert];
-          ready = wait_at_least(p.expert_done + task.expert, tiles * counts.g_cols, p, kPhaseBackwardExpert, p.rank);
-        }
-        tma::fence_proxy_async_global();  // the TMA loads below read wh and dpre, which other blocks stored
-      }
-      handed = id;
-      ring.hand_over(slot, id >= counts.total ? kTaskEnd : ready ? id : kTaskAbort);
+    const int id = static_cast<int>(atomicAdd(p.task_counter, 1u));
+    if (id >= counts.total) {
+      ring.hand_over(slot, kTaskEnd);
+      return true;
     }
-    ready = sync_producers_and(ready);
-    const int id = handed;
-    if (id >= counts.total) return true;
-    if (!ready) return false;
     const BackwardTask task = decode_backward_task<Config::kTileN>(id, counts, t.tile_start[p.experts]);
+    bool ready = true;
+    if (task.kind == BackwardTaskKind::Dx) {
+      ready = wait_at_least(p.row_tile_done + task.row_tile, counts.g_cols, p, kPhaseBackwardRowTile, p.rank);
+    } else if (task.kind != BackwardTaskKind::G) {
+      const uint32_t tiles = t.tile_start[task.expert + 1] - t.tile_start[task.expert];
+      ready = wait_at_least(p.expert_done + task.expert, tiles * counts.g_cols, p, kPhaseBackwardExpert, p.rank);
+    }
+    tma::fence_proxy_async_global();  // the TMA loads below read rows other blocks stored
+    ring.hand_over(slot, ready ? id : kTaskAbort);
+    if (!ready) return false;
     bool ok;
     if (task.kind == BackwardTaskKind::G || task.kind == BackwardTaskKind::Dx) {
       const BackwardRowTile tile = backward_row_tile(t, p.experts, task.row_tile);
       const bool g = task.kind == BackwardTaskKind::G;
       const int a_boxes = tile.rows > 64 ? 2 : 1;
+      const CUtensorMap* a_map = g ? &p.maps.dy_rows : &p.maps.dpre;
       const CUtensorMap* b_map = g ? &p.maps.w2 : &p.maps.w1;
       const int k_tiles = (g ? p.hidden : p.w1_cols) / static_cast<int>(kTmaSlabK);
-      auto weights = [&](uint32_t a_dst, uint32_t b_dst, int k0, uint32_t bar) {
-        if (!g)
-          for (int box = 0; box < a_boxes; ++box) tma::load_2d(a_dst + box * kBox, &p.maps.dpre, bar, k0, tile.padded_row0 + 64 * box);
+      ok = Gemm::produce(smem, stages, stage, k_tiles, (a_boxes + Config::kPanels) * kBox, p,
+                         [&](uint32_t a_dst, uint32_t b_dst, int k0, uint32_t bar) {
+                           for (int b = 0; b < a_boxes; ++b) tma::load_2d(a_dst + b * kBox, a_map, bar, k0, tile.padded_row0 + 64 * b);
 #pragma unroll
-        for (int panel = 0; panel < Config::kPanels; ++panel)
-          tma::load_3d(b_dst + panel * kBox, b_map, bar, k0, task.n0 + 64 * panel, tile.expert);
-      };
-      if (g) {  // A: dy's rows of the tile (their tokens looked up again each slab: fewer live registers)
-        prefetch_pre(p, tile, task.n0, Config::kTileN);
-        ok = stream(k_tiles, Config::kPanels * kBox, weights, [&](uint32_t a_dst, uint32_t, int kt) {
-          const int k0 = kt * static_cast<int>(kTmaSlabK);
-          for (int box = 0; box < a_boxes; ++box)
-            copy_box(a_dst + box * kBox, dy, p.hidden, k0, box_lines(p, tile.padded_row0 + 64 * box, tile.rows - 64 * box));
-        });
-      } else {
-        ok = stream(k_tiles, (a_boxes + Config::kPanels) * kBox, weights, [](uint32_t, uint32_t, int) {});
-      }
+                           for (int panel = 0; panel < Config::kPanels; ++panel)
+                             tma::load_3d(b_dst + panel * kBox, b_map, bar, k0, task.n0 + 64 * panel, tile.expert);
+                         });
     } else {
       const bool dw2 = task.kind == BackwardTaskKind::Dw2;
       const int m_extent = dw2 ? p.ffn : p.hidden;
       const int a_boxes = m_extent - task.m0 > 64 ? 2 : 1;
+      const CUtensorMap* a_map = dw2 ? &p.maps.wh : &p.maps.x_rows;
+      const CUtensorMap* b_map = dw2 ? &p.maps.dy_rows : &p.maps.dpre;
       const int slabs = expert_slabs(t, task.expert);
       const int row0 = t.padded_start[task.expert];
-      if (slabs == 0) {  // one empty slab: no loads, the arrivals alone complete the stage
-        ok = stream(1, 0u, [](uint32_t, uint32_t, int, uint32_t) {}, [](uint32_t, uint32_t, int) {});
-      } else if (dw2) {  // A: wh by TMA; B: dy's rows of the slab, one box per 64-column panel
-        ok = stream(slabs, a_boxes * kBox,
-                    [&](uint32_t a_dst, uint32_t, int k0, uint32_t bar) {
-                      for (int box = 0; box < a_boxes; ++box)
-                        tma::load_2d(a_dst + box * kBox, &p.maps.wh, bar, task.m0 + 64 * box, row0 + k0);
-                    },
-                    [&](uint32_t, uint32_t b_dst, int kt) {
-                      const BoxLines lines = box_lines(p, row0 + kt * static_cast<int>(kTmaSlabK), 64);
+      if (slabs == 0) {  // one empty slab: no loads, the arrival alone completes the stage
+        ok = Gemm::produce(smem, stages, stage, 1, 0u, p, [](uint32_t, uint32_t, int, uint32_t) {});
+      } else {
+        ok = Gemm::produce(smem, stages, stage, slabs, (a_boxes + Config::kPanels) * kBox, p,
+                           [&](uint32_t a_dst, uint32_t b_dst, int k0, uint32_t bar) {
+                             for (int b = 0; b < a_boxes; ++b) tma::load_2d(a_dst + b * kBox, a_map, bar, task.m0 + 64 * b, row0 + k0);
 #pragma unroll
-                      for (int panel = 0; panel < Config::kPanels; ++panel)
-                        copy_box(b_dst + panel * kBox, dy, p.hidden, task.n0 + 64 * panel, lines);
-                    });
-      } else {  // A: x's rows of the slab; B: dpre by TMA
-        ok = stream(slabs, Config::kPanels * kBox,
-                    [&](uint32_t, uint32_t b_dst, int k0, uint32_t bar) {
-#pragma unroll
-                      for (int panel = 0; panel < Config::kPanels; ++panel)
-                        tma::load_2d(b_dst + panel * kBox, &p.maps.dpre, bar, task.n0 + 64 * panel, row0 + k0);
-                    },
-                    [&](uint32_t a_dst, uint32_t, int kt) {
-                      const BoxLines lines = box_lines(p, row0 + kt * static_cast<int>(kTmaSlabK), 64);
-                      for (int box = 0; box < a_boxes; ++box) copy_box(a_dst + box * kBox, x, p.hidden, task.m0 + 64 * box, lines);
-                    });
+                             for (int panel = 0; panel < Config::kPanels; ++panel)
+                               tma::load_2d(b_dst + panel * kBox, b_map, bar, task.n0 + 64 * panel, row0 + k0);
+                           });
       }
     }
     if (!ok) return false;
@@ -572,14 +502,15 @@ __device__ void backward_block(const BackwardParams& p, char* smem) {
   count_kept_rows(p);
   if (!grid_barrier(p, kPhaseBackwardCounts, 1)) return;
   build_expert_tables(p, tables);
-  index_rows(p, tables);
+  gather_rows<Element>(p, tables);
+  tma::fence_proxy_async_global();  // the gathered rows are read by TMA
   if (!grid_barrier(p, kPhaseBackwardGather, 2)) return;
   if (blockIdx.x == 0 && threadIdx.x == 0) p.phase_clock[1] = ptx::global_timer_ns();
 
   const BackwardTaskCounts counts = backward_task_counts<Config::kTileN>(p, tables.tile_start[p.experts]);
   if (threadIdx.x == 0) {
     ring.init();
-    stages.init(kThreads / 32, Config::kStageArrivals);
+    stages.init(kThreads / 32);
   }
   __syncthreads();
   bool ok = true;
@@ -589,7 +520,8 @@ __device__ void backward_block(const BackwardParams& p, char* smem) {
     ptx::decrease_registers<Config::kLaunchRegisters>();
   } else {
     ptx::decrease_registers<Config::kProducerRegisters>();
-    ok = produce_backward<Element, Config>(p, tables, smem, stages, ring, counts);
+    if (threadIdx.x == kThreads) ok = produce_backward<Element, Config>(p, tables, smem, stages, ring, counts);
+    __syncwarp();
   }
   __syncthreads_and(ok);
   // The producer warpgroup takes its registers back only past the barrier, which every consumer warp

@@ -11,13 +11,13 @@ namespace flashdmoe {
 // PHASE_NAMES).
 enum BackwardPhase : uint32_t {
   kPhaseBackwardCounts = 10,   // grid barrier after the kept rows of every expert were counted
-  kPhaseBackwardGather = 11,   // grid barrier after every expert's rows were indexed (row_token)
+  kPhaseBackwardGather = 11,   // grid barrier after dy's and x's rows were gathered by expert
   kPhaseBackwardRowTile = 12,  // a dx tile waiting for its row tile's g tiles
   kPhaseBackwardExpert = 13,   // a weight-gradient tile waiting for its expert's g tiles
 };
 
-// Each expert's rows start at a multiple of this in the backward's padded row numbering, the gap
-// zero-filled where it is read: the weight gradients run over whole 64-row K slabs of one expert.
+// Each expert's rows start at a multiple of this in the backward's own row buffers, the gap zero: the
+// weight gradients run over whole 64-row K slabs of one expert.
 constexpr int kBackwardRowAlign = 64;
 // Width of every GEMM's tiles in the backward (128 columns lost on every shape measured, docs/perf-notes.md).
 constexpr int kBackwardTileN = 256;
@@ -28,11 +28,10 @@ __host__ __device__ constexpr int64_t backward_padded_rows(int64_t choices, int 
 }
 
 // TMA descriptors, all in 64 x 64 boxes (128-byte swizzled): the weights as the forward encodes them
-// (w1 [E][H][w1_cols], w2 [E][I][H]), read K-major as the transposed weights; the row buffers the
-// kernel writes [padded rows][cols], read K-major as row GEMM operands and MN-major as weight-gradient
-// operands. dy's and x's rows are not copied: the producer warpgroup loads them by token (row_token).
+// (w1 [E][H][w1_cols], w2 [E][I][H]), read K-major as the transposed weights; the row buffers
+// [padded rows][cols], read K-major as row GEMM operands and MN-major as weight-gradient operands.
 struct BackwardTensorMaps {
-  CUtensorMap w1, w2, wh, dpre;
+  CUtensorMap w1, w2, dy_rows, x_rows, wh, dpre;
 };
 
 struct BackwardParams {
@@ -60,9 +59,10 @@ struct BackwardParams {
   float* dweight_row;
   int* row_of_choice;
 
-  // Scratch by padded row (backward_padded_rows): the token of each row (-1 in the gaps), w * act(pre),
-  // dpre, the combine weight, and the partial sums of dweight per g column tile.
-  int* row_token;
+  // Scratch by padded row (backward_padded_rows): dy's and x's rows, w * act(pre), dpre, the combine
+  // weight, and the partial sums of dweight per g column tile.
+  void* dy_rows;
+  void* x_rows;
   void* wh;
   void* dpre;
   float* w_pad;
@@ -112,7 +112,7 @@ inline BackwardSyncLayout make_backward_sync_layout(int64_t choices, int experts
 
 // The scratch buffer's pieces (offsets), for T*k choices.
 struct BackwardScratchLayout {
-  size_t row_token, wh, dpre, w_pad, dweight_part, row_of_choice;
+  size_t dy_rows, x_rows, wh, dpre, w_pad, dweight_part, row_of_choice;
   size_t total_bytes;
   int64_t padded_rows;
   int g_col_tiles;
@@ -126,7 +126,8 @@ inline BackwardScratchLayout make_backward_scratch_layout(int64_t choices, int h
   const size_t rows = static_cast<size_t>(l.padded_rows);
   size_t at = 0;
   auto take = [&](size_t bytes) { size_t here = at; at = (at + bytes + 127) / 128 * 128; return here; };
-  l.row_token = take(rows * 4);
+  l.dy_rows = take(rows * hidden * element_bytes);
+  l.x_rows = take(rows * hidden * element_bytes);
   l.wh = take(rows * ffn * element_bytes);
   l.dpre = take(rows * w1_cols * element_bytes);
   l.w_pad = take(rows * 4);

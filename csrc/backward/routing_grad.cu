@@ -1,10 +1,8 @@
 // The backward's routing side: the packed row table from the forward's routing, and the router's logit
 // gradient through the top-k renormalisation and the softmax, each in one launch.
-#include <climits>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include "backward/expert_grad.h"
-#include "backward/router_math.cuh"
 #include "backward/vector.cuh"
 
 namespace flashdmoe {
@@ -28,6 +26,17 @@ __global__ void __launch_bounds__(kRowThreads)
   atomicMax(expert_end + e, r + 1);  // an integer maximum: the same result in any order
 }
 
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
+  return v;
+}
+
 template <typename Element>
 __global__ void __launch_bounds__(32 * kTokensPerBlock)
     router_grad_kernel(const float* __restrict__ logits, const int* __restrict__ expert,
@@ -35,10 +44,46 @@ __global__ void __launch_bounds__(32 * kTokensPerBlock)
                        Element* __restrict__ dlogits, int64_t tokens, int top_k, int experts, bool normalize_topk) {
   const int64_t token = static_cast<int64_t>(blockIdx.x) * kTokensPerBlock + (threadIdx.x >> 5);
   if (token >= tokens) return;
+  const int lane = threadIdx.x & 31;
+  const float* l = logits + token * experts;
+  float peak = -INFINITY;
+  for (int e = lane; e < experts; e += 32) peak = fmaxf(peak, l[e]);
+  peak = warp_max(peak);
+  float total = 0.f;
+  for (int e = lane; e < experts; e += 32) total += expf(l[e] - peak);
+  total = warp_sum(total);
+  const float inv_total = 1.f / total;
+  // Lane j < k holds choice j: its expert, probability and the combine weight's gradient.
+  int my_expert = -1;
+  float my_p = 0.f, my_dweight = 0.f;
+  if (lane < top_k) {
+    const int64_t c = token * top_k + lane;
+    my_expert = min(max(expert[c], 0), experts - 1);
+    my_p = expf(l[my_expert] - peak) * inv_total;
+    const int r = row_of_choice[c];
+    my_dweight = r >= 0 ? dweight_row[r] : 0.f;
+  }
+  float my_dp = my_dweight;
+  if (normalize_topk) {
+    const float chosen = warp_sum(my_p);
+    const float mean = warp_sum(my_dweight * (my_p / chosen));
+    my_dp = (my_dweight - mean) / chosen;
+  }
+  const float shift = warp_sum(lane < top_k ? my_p * my_dp : 0.f);
   Element* out = dlogits + token * experts;
-  backward::token_logit_grad(logits + token * experts, experts, top_k, expert + token * top_k,
-                             row_of_choice + token * top_k, dweight_row, INT64_MAX, normalize_topk,
-                             [&](int e, float v) { out[e] = static_cast<Element>(v); });
+  for (int e0 = 0; e0 < experts; e0 += 32) {
+    const int e = e0 + lane;
+    float dp = 0.f;
+    for (int j = 0; j < top_k; ++j) {  // a token's experts are distinct
+      const int ej = __shfl_sync(0xffffffffu, my_expert, j);
+      const float dpj = __shfl_sync(0xffffffffu, my_dp, j);
+      if (ej == e) dp = dpj;
+    }
+    if (e < experts) {
+      const float p = expf(l[e] - peak) * inv_total;
+      out[e] = static_cast<Element>(p * (dp - shift));
+    }
+  }
 }
 
 }  // namespace

@@ -49,12 +49,10 @@ struct StagePipeline {
   uint64_t full[kStages];
   uint64_t empty[kStages];
 
-  // Thread 0, once per launch, followed by a block-wide barrier before any use. producer_arrivals: the
-  // arrivals that fill a stage besides its TMA bytes (the producer's commit, plus one per thread that
-  // copies part of the stage with cp.async).
-  __device__ void init(uint32_t consumer_warps, uint32_t producer_arrivals = 1) {
+  // Thread 0, once per launch, followed by a block-wide barrier before any use.
+  __device__ void init(uint32_t consumer_warps) {
     for (int s = 0; s < kStages; ++s) {
-      tma::mbarrier_init(ptx::smem_addr(&full[s]), producer_arrivals);
+      tma::mbarrier_init(ptx::smem_addr(&full[s]), 1);
       tma::mbarrier_init(ptx::smem_addr(&empty[s]), consumer_warps);
     }
     tma::fence_barrier_init();

@@ -31,17 +31,6 @@ __device__ __forceinline__ bool sync_workers_and(bool value) {
   return all != 0;
 }
 
-// A producer warpgroup (the 128 threads past the workers, where a kernel has one) agrees on `value`
-// through named barrier 2: true when every thread passed true. Also orders the group's shared memory
-// accesses, like bar.sync.
-__device__ __forceinline__ bool sync_producers_and(bool value) {
-  int all;
-  asm volatile(
-      "{\n .reg .pred p, q;\n setp.ne.s32 q, %1, 0;\n bar.red.and.pred p, 2, 128, q;\n selp.s32 %0, 1, 0, p;\n}\n"
-      : "=r"(all) : "r"(static_cast<int>(value)) : "memory");
-  return all != 0;
-}
-
 // This block's index among its rank's blocks (an emulated launch runs several ranks side by side).
 template <typename Params>
 __device__ __forceinline__ int block_in_rank(const Params& p) { return static_cast<int>(blockIdx.x) - p.first_block; }

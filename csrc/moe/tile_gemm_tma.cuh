@@ -22,10 +22,7 @@ namespace flashdmoe {
 // or M / N (64-element panels of 64 K rows).
 enum class Major { K, MN };
 
-// kCopiedRows: some operand boxes are filled by cp.async (the generic proxy) instead of TMA; the
-// consumers then fence each filled stage into the async proxy before their wgmma read it.
-template <typename Element, int BN, int STAGES, int ROW_BOX, Major kMajorA = Major::K, Major kMajorB = Major::MN,
-          bool kCopiedRows = false>
+template <typename Element, int BN, int STAGES, int ROW_BOX, Major kMajorA = Major::K, Major kMajorB = Major::MN>
 struct TmaTileGemm {
   using Pipeline = StagePipeline<STAGES>;
   using State = PipelineState<STAGES>;
@@ -118,7 +115,6 @@ struct TmaTileGemm {
     State retiring = at;  // the stage whose wgmma retire next: one slab behind
     for (int kt = 0; kt < k_tiles; ++kt, at.advance()) {
       ok = ok && pipe.consumer_wait(at, p);
-      if constexpr (kCopiedRows) ptx::fence_proxy_async_shared();
       issue_stage(a_stage(base, at.index()), b_stage(base, at.index()));
       wgmma::wait_group<1>();
       __syncwarp();
