@@ -210,9 +210,9 @@ class LaunchReport:
                  layout: StatusLayout, source, completion=None, release: Callable[[], None] | None = None,
                  captured: bool = False, team: Any = None, routing: tuple = ()) -> None:
         """``source``: the status bytes of every rank (pinned memory), read once ``completion`` (``query()``
-        never blocks, ``synchronize()`` waits; ``None`` for a captured launch) reports the launch done; ``release`` hands the
-        pinned slot back once the bytes are kept; ``routing``: per rank an object with the ``expert`` and
-        ``row`` tensors (:class:`flashdmoe.cuda_backend.FusedRouting`)."""
+        never blocks, ``synchronize()`` waits; ``None`` for a captured launch) reports the launch done;
+        ``release`` hands the pinned slot back once the bytes are kept; ``routing``: per rank an object with
+        the ``expert`` and ``row`` tensors (:class:`flashdmoe.cuda_backend.FusedRouting`)."""
         self.launch_id = launch_id
         self.device = device
         self.grid, self.blocks_per_sm, self.smem_bytes = launch_info

@@ -310,7 +310,8 @@ def next_launch_id() -> int:
 
 
 def launched(report: LaunchReport, slot: _Slot, team: Any, forward: bool = True) -> None:
-    """Record a started launch (its slot is its completion), or a captured launch's graph slot; then, in debug mode, check it (and what was queued before it) at once.
+    """Record a started launch (its slot is its completion), or a captured launch's graph slot; then, in
+    debug mode, check it (and what was queued before it) at once.
     ``forward``: a forward's launch, which :func:`last_report` then returns (a fused backward's is checked
     the same way but does not replace it)."""
     if forward:

@@ -177,7 +177,6 @@ __device__ __forceinline__ uint32_t& block_sequence() {
 }
 __device__ __forceinline__ uint32_t forward_sequence(const MoEParams&) { return block_sequence(); }
 
-
 // The kernel's argument: every rank this launch runs (P virtual ranks for an emulated team, else one).
 // Rank i owns blocks [rank[i].first_block, + rank[i].blocks); all ranks get the same number of blocks.
 // Sized by the launch (kCapacity 1 for one rank, kMaxRanks for an emulated team): the driver copies the
