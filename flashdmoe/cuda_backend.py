@@ -36,7 +36,7 @@ from flashdmoe.expert_variants import (DEFAULT_EXPERT_VARIANT, EXPERT_VARIANTS, 
                                        variant_id)
 from flashdmoe.kernel_codes import ACTIVATION_CODES, DTYPE_CODES
 from flashdmoe.launch_knobs import DEFAULT_TIMEOUT_MS, DebugKnobs, debug, timeout_ms  # noqa: F401 (re-exported)
-from flashdmoe.launch_report import LaunchReport, LaunchShape, status_layout
+from flashdmoe.launch_report import LaunchShape
 from flashdmoe.team import mps_thread_percentage
 from flashdmoe.workspace_pool import WorkspacePool
 
@@ -165,8 +165,8 @@ def _check_dtype(x: torch.Tensor, name: str = "x") -> None:
 class _Plan:
     """A launch prepared once per (ranks' token counts, shapes, options, debug knobs) and team."""
 
-    __slots__ = ("launch", "prepared", "stride", "sync_bytes", "workspace_bytes", "shape", "layout", "status_bytes",
-                 "skip", "top_k", "experts", "routing_words", "routing_stride", "generation")
+    __slots__ = ("launch", "prepared", "stride", "sync_bytes", "workspace_bytes", "shape", "skip", "top_k", "experts",
+                 "routing_words", "routing_stride", "generation")
 
     def __init__(self, launch, prepared, stride: int, sync_bytes: int, shape: LaunchShape, skip: bool, top_k: int,
                  experts: int) -> None:
@@ -176,8 +176,6 @@ class _Plan:
         self.sync_bytes = sync_bytes  # leading bytes of each rank's workspace that must be zero at a launch
         self.workspace_bytes = stride * len(shape.ranks)
         self.shape = shape
-        self.layout = status_layout()
-        self.status_bytes = self.layout.bytes * len(shape.ranks)
         self.skip = skip  # one rank with no tokens: nothing to launch
         self.top_k = top_k
         self.experts = experts
@@ -327,19 +325,8 @@ def launch_one(plan: _Plan, x, router_weight, w1, w2, saved_pre=None, weight_add
     size = plan.routing_stride
     addresses = [router_address, x.data_ptr(), w1_address, w2_address, y.data_ptr(), block, block + size,
                  block + 2 * size, block + 3 * size, 0 if saved_pre is None else saved_pre.data_ptr(), workspace]
-    slot = status_checks.claim_slot(index, capturing)
-    try:
-        info = plan.launch(plan.prepared, addresses, 1, handle, slot.address)
-    except Exception:
-        slot.give_back()
-        raise
-    if capturing:
-        report = LaunchReport(plan.shape, status_checks.next_launch_id(), index, info, plan.layout,
-                              slot.view[:plan.status_bytes], None, None, True, None, (routing,))
-    else:
-        report = LaunchReport(plan.shape, status_checks.next_launch_id(), index, info, plan.layout,
-                              slot.view[:plan.status_bytes], slot, slot.give_back, False, None, (routing,))
-    status_checks.launched(report, slot, None)
+    status_checks.record_launch(status_checks.claim_slot(index, capturing), plan.launch,
+                                (plan.prepared, addresses, 1, handle), plan.shape, index, capturing, routing=(routing,))
     return y, routing
 
 
@@ -420,22 +407,10 @@ def _run_forward(xs, router_weight, w1s, w2s, *, top_k, activation, normalize_to
     # A team's sequence number is counted on the device (its prepared ranks' sequence_word): the kernel
     # takes count + 1 and stores it back, so a CUDA graph's replays advance it as eager launches do.
     sequence = 1 if kind == "single" else 0
-    try:
-        info = ext.launch(plan.prepared, addresses, sequence, handle, slot.address)
-    except Exception as error:
-        slot.give_back()
-        if kind != "single":
-            team.mark_failed(f"launch failed: {error}")
-        raise
     team = None if kind == "single" else team
-    source = slot.view[:plan.status_bytes]
-    if capturing:
-        report = LaunchReport(plan.shape, status_checks.next_launch_id(), device.index, info, status_layout(),
-                              source, None, None, True, team, [r for _, r in outputs])
-    else:
-        report = LaunchReport(plan.shape, status_checks.next_launch_id(), device.index, info, status_layout(),
-                              source, slot, slot.give_back, False, team, [r for _, r in outputs])
-    status_checks.launched(report, slot, team)
+    failed = None if team is None else lambda error: team.mark_failed(f"launch failed: {error}")
+    status_checks.record_launch(slot, ext.launch, (plan.prepared, addresses, sequence, handle), plan.shape,
+                                device.index, capturing, team=team, routing=tuple(r for _, r in outputs), failed=failed)
     if deferred is not None:
         raise deferred
     return outputs

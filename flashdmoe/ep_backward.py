@@ -243,23 +243,19 @@ def _launch(ext, team, rank_args: list[dict], device: torch.device, what_tokens:
     sync_bytes = ext.ep_rows_sync_bytes()
     stride = -(-sync_bytes // 256) * 256
     sync = _pool.address(device, index, stream, stride, sync_bytes, len(rank_args))
-    slot = status_checks.claim_slot(index, False, len(rank_args))
-    status = status_layout()
-    for i, args in enumerate(rank_args):
-        args["sync"] = sync + i * stride
-        args["status_host"] = slot.address + i * status.bytes
-    try:
-        info = ext.ep_rows(rank_args[0] if len(rank_args) == 1 else rank_args, stream)
-    except Exception:
-        slot.give_back()
-        raise
+    status_bytes = status_layout().bytes
+
+    def start(status: int):
+        for i, args in enumerate(rank_args):
+            args["sync"] = sync + i * stride
+            args["status_host"] = status + i * status_bytes
+        return ext.ep_rows(rank_args[0] if len(rank_args) == 1 else rank_args, stream)
+
     plan = team.plan
     shape = LaunchShape(tuple(args["rank"] for args in rank_args), what_tokens, plan.local_experts,
                         plan.hidden * plan.element_bytes, timeout_ms())
-    report = LaunchReport(shape, status_checks.next_launch_id(), index, info, status,
-                          slot.view[:len(rank_args) * status.bytes], slot, slot.give_back, False, team=team)
-    status_checks.launched(report, slot, team, forward=False)
-    return report
+    return status_checks.record_launch(status_checks.claim_slot(index, False, len(rank_args)), start, (), shape,
+                                       index, False, team=team, forward=False)
 
 
 class _Local(NamedTuple):

@@ -26,7 +26,7 @@ import torch
 from flashdmoe import status_checks
 from flashdmoe.kernel_codes import ACTIVATION_CODES, DTYPE_CODES
 from flashdmoe.launch_knobs import debug, timeout_ms
-from flashdmoe.launch_report import LaunchReport, LaunchShape, status_layout
+from flashdmoe.launch_report import LaunchShape
 from flashdmoe.workspace_pool import WorkspacePool
 
 __all__ = ["FusedGrads", "launch", "unsupported"]
@@ -120,17 +120,8 @@ def launch(x: torch.Tensor, dy: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor
         "timeout_ns": timeout_ms() * 1_000_000, "debug_withhold_phase": debug.withhold_phase,
         "max_blocks": debug.max_blocks,
     }
-    slot = status_checks.claim_slot(index, capturing)
-    args["status_host"] = slot.address
-    try:
-        info = ext.fused_backward(args, stream)
-    except Exception:
-        slot.give_back()
-        raise
     shape = LaunchShape((0,), (tokens,), experts, hidden * x.element_size(), timeout_ms())
-    status = status_layout()
-    # a captured launch's slot belongs to its graph for good: never waited on, never given back
-    report = LaunchReport(shape, status_checks.next_launch_id(), index, info, status, slot.view[:status.bytes],
-                          None if capturing else slot, None if capturing else slot.give_back, capturing)
-    status_checks.launched(report, slot, None, forward=False)
+    status_checks.record_launch(status_checks.claim_slot(index, capturing),
+                                lambda status: ext.fused_backward({**args, "status_host": status}, stream), (), shape,
+                                index, capturing, forward=False)
     return FusedGrads(dx_rows, dweight_row, row_of_choice, dw1, dw2)

@@ -303,9 +303,14 @@ class LaunchReport:
     # ---- quick check (error words and flags only) ----
     def clean(self) -> bool:
         """No rank reported an error or a status flag (the common case, checked without decoding)."""
-        raw, layout = self._bytes(), self._layout
-        error, flags, size = layout.error_word, layout.status_flags, layout.bytes
-        for at in range(0, len(self._shape.ranks) * size, size):
+        raw = self._raw
+        if raw is None:
+            raw = self._bytes()
+        layout = self._layout
+        error, flags, ranks = layout.error_word, layout.status_flags, len(self._shape.ranks)
+        if ranks == 1:  # the common case
+            return raw[error:error + 8] == _ZERO8 and raw[flags:flags + 4] == _ZERO4
+        for at in range(0, ranks * layout.bytes, layout.bytes):
             if raw[at + error:at + error + 8] != _ZERO8 or raw[at + flags:at + flags + 4] != _ZERO4:
                 return False
         return True

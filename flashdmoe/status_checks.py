@@ -309,6 +309,35 @@ def next_launch_id() -> int:
     return next(_state.launch_ids)
 
 
+def record_launch(slot: _Slot, launch: Callable[..., tuple[int, int, int]], args: tuple, shape: Any, device: int,
+                  capturing: bool, *, team: Any = None, routing: tuple = (), forward: bool = True,
+                  failed: Callable[[Exception], None] | None = None) -> LaunchReport:
+    """Launch on a claimed status slot and record the launch: ``launch(*args, slot.address)`` calls the
+    extension (its status blocks go to that address) and returns its ``(grid, blocks_per_sm, smem_bytes)``.
+    A launch that raises gives the slot back (``failed(error)`` first, where given). The report covers the
+    slot's first ``len(shape.ranks)`` status blocks (``shape``: a
+    :class:`flashdmoe.launch_report.LaunchShape`); then :func:`launched` (``team``, ``routing`` and
+    ``forward`` as there and in :class:`LaunchReport`). A captured launch's slot belongs to its graph for
+    good: never waited on, never given back."""
+    try:
+        info = launch(*args, slot.address)
+    except Exception as error:
+        slot.give_back()
+        if failed is not None:
+            failed(error)
+        raise
+    layout = _status_layout()
+    source = slot.view[:len(shape.ranks) * layout.bytes]
+    launch_id = next(_state.launch_ids)
+    if capturing:
+        report = LaunchReport(shape, launch_id, device, info, layout, source, None, None, True, team, routing)
+    else:
+        report = LaunchReport(shape, launch_id, device, info, layout, source, slot, slot.give_back, False, team,
+                              routing)
+    launched(report, slot, team, forward)
+    return report
+
+
 def launched(report: LaunchReport, slot: _Slot, team: Any, forward: bool = True) -> None:
     """Record a started launch (its slot is its completion), or a captured launch's graph slot; then, in
     debug mode, check it (and what was queued before it) at once.

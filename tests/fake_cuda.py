@@ -193,7 +193,7 @@ def fake_cuda(monkeypatch, ext: FakeExtension | None = None, *, capturing=lambda
     """Run the fused path on CPU tensors: the fake extension, unpinned slots, and CPU tensors accepted as
     CUDA by ``flashdmoe.moe``. Yields (ext, the weight scans' events, synchronized devices): waiting for the
     device completes every launch."""
-    from flashdmoe import api, cuda_backend, extension, status_checks, weight_checks
+    from flashdmoe import api, cuda_backend, extension, launch_report, status_checks, weight_checks
 
     ext = ext or FakeExtension()
     synchronized: list = []
@@ -203,7 +203,7 @@ def fake_cuda(monkeypatch, ext: FakeExtension | None = None, *, capturing=lambda
         ext.synchronize()
 
     monkeypatch.setattr(extension, "_loaded", ext)
-    caches = (cuda_backend.status_layout, cuda_backend._check_shapes, cuda_backend._workspace_layout)
+    caches = (launch_report.status_layout, cuda_backend._check_shapes, cuda_backend._workspace_layout)
     for cache in caches:
         cache.cache_clear()
     cuda_backend._single_plans.clear()

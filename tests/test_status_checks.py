@@ -400,6 +400,26 @@ def test_launch_failure_returns_the_slot_and_fails_the_team(fake):
     assert len(status_checks._state.devices[None].eager_free) == (free or status_checks.EAGER_SLOTS)
 
 
+def test_one_rank_launch_failure_returns_the_slot_and_records_nothing(fake):
+    """The remembered call's launch (cuda_backend.launch_one) raises the extension's error, hands its status
+    slot back and leaves no report; the next call launches normally."""
+    ext, _, _ = fake
+    x, router, w1, w2 = inputs()
+    forward(x, router, w1, w2)
+    flashdmoe.synchronize()
+    before = flashdmoe.last_report()
+    free = len(status_checks._state.devices[None].eager_free)
+    ext.fail_launch = RuntimeError("launching moe_forward_kernel: unspecified launch failure")
+    with pytest.raises(RuntimeError, match="unspecified launch failure"):
+        forward(x, router, w1, w2)
+    assert len(status_checks._state.devices[None].eager_free) == free
+    assert flashdmoe.last_report() is before and not status_checks._state.pending
+    ext.fail_launch = None
+    forward(x, router, w1, w2)
+    assert flashdmoe.last_report().launch_id == before.launch_id + 1
+    flashdmoe.synchronize()
+
+
 def test_shape_errors_are_value_errors_and_not_cached(fake):
     ext, _, _ = fake
     x, router, w1, w2 = inputs()
