@@ -657,3 +657,100 @@ def test_inference_forward_builds_no_autograd_node(fake):
     leaves = [t.clone().requires_grad_() for t in (x, router, w1, w2)]
     y = flashdmoe.moe(*leaves, top_k=K, backend="cuda")
     assert y.grad_fn is not None
+
+
+class _BackwardExtension:
+    """The fake extension plus the two backward launches, which write a clean finished status block."""
+
+    def __init__(self, ext, fail: Exception | None = None) -> None:
+        self.ext, self.fail, self.calls = ext, fail, []
+
+    def __getattr__(self, name):
+        return getattr(self.ext, name)
+
+    def _finish(self, status_host: int, ranks: int) -> tuple[int, int, int]:
+        if self.fail is not None:
+            raise self.fail
+        import ctypes
+
+        block = status_block()
+        done = bytearray(block)
+        struct.pack_into("<I", done, STATUS_LAYOUT["done_word"], 1)
+        ctypes.memmove(status_host, bytes(done) * ranks, ranks * STATUS_LAYOUT["bytes"])
+        return (66, 1, 100_000)
+
+    def fused_backward_layout(self, tokens, hidden, ffn, experts, top_k, activation):
+        return {"sync_bytes": 256, "scratch_bytes": 4096 + 8 * tokens * top_k, "row_of_choice_offset": 1024}
+
+    def fused_backward(self, args, stream):
+        self.calls.append(dict(args))
+        return self._finish(args["status_host"], 1)
+
+    def ep_rows_sync_bytes(self):
+        return 512
+
+    def ep_rows(self, args, stream):
+        ranks = args if isinstance(args, list) else [args]
+        self.calls.append([dict(a) for a in ranks])
+        return self._finish(ranks[0]["status_host"], len(ranks))
+
+
+@pytest.mark.parametrize("fail", [False, True], ids=["launched", "raising"])
+def test_fused_backward_launch_is_recorded_on_its_status_slot(fake, monkeypatch, fail):
+    """flashdmoe.fused_backward.launch (GPU-only otherwise): the status slot's address reaches the kernel's
+    arguments, the launch is recorded as a backward (last_report stays the forward's) and checked like a
+    forward; a launch that raises hands its slot back and records nothing."""
+    from flashdmoe import extension, fused_backward
+
+    ext, _, _ = fake
+    backward_ext = _BackwardExtension(ext, RuntimeError("launching fused_backward_kernel: boom") if fail else None)
+    monkeypatch.setattr(extension, "_loaded", backward_ext)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 7, raising=False)
+    monkeypatch.setattr(fused_backward, "_pool", cuda_backend.WorkspacePool())
+    x, router, w1, w2 = inputs()
+    forward(x, router, w1, w2)
+    flashdmoe.synchronize()
+    report, slots = flashdmoe.last_report(), status_checks._state.devices[None]
+    free = len(slots.eager_free)
+    T = x.shape[0]
+    expert = torch.zeros(T, K, dtype=torch.int32)
+    args = (x, x, w1, w2, torch.zeros(T * K, I, dtype=x.dtype), expert, expert, torch.ones(T, K))
+    options = dict(activation="gelu", need_dx=True, need_dw1=True, need_dw2=False)
+    if fail:
+        with pytest.raises(RuntimeError, match="boom"):
+            fused_backward.launch(*args, **options)
+        assert len(slots.eager_free) == free and not status_checks._state.pending
+        return
+    claimed = slots.eager_free[-1].address  # the slot the launch will claim
+    grads = fused_backward.launch(*args, **options)
+    assert grads.dw2 is None and grads.dw1.shape == w1.shape and grads.row_of_choice.shape == (T, K)
+    (call,) = backward_ext.calls
+    assert len(slots.eager_free) == free - 1, "the launch holds a slot until it is checked"
+    assert call["status_host"] == claimed
+    assert flashdmoe.last_report() is report, "a backward's launch does not replace the forward's report"
+    (pending,) = [r for r in status_checks._state.pending if not r.checked]
+    assert pending.launch_id == report.launch_id + 1 and pending.ranks == (0,) and pending.tokens == (T,)
+    flashdmoe.synchronize()
+    assert pending.checked and len(slots.eager_free) == free
+
+
+def test_team_backward_row_exchange_launch_is_recorded(fake, monkeypatch):
+    """flashdmoe.ep_backward's launch of the row exchange (GPU-only otherwise): every rank's sync words and
+    status block at their pitch, one report over the ranks, recorded against the team."""
+    from flashdmoe import ep_backward
+
+    ext, _, _ = fake
+    backward_ext = _BackwardExtension(ext)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 7, raising=False)
+    monkeypatch.setattr(ep_backward, "_pool", cuda_backend.WorkspacePool())
+    team = emulated_team(P=2)
+    emulated_forward(team)
+    flashdmoe.synchronize()
+    report = ep_backward._launch(backward_ext, team, [{"rank": 0}, {"rank": 1}], torch.device("cpu"), (16, 16))
+    (ranks,) = backward_ext.calls
+    assert ranks[1]["sync"] - ranks[0]["sync"] == 512
+    assert ranks[1]["status_host"] - ranks[0]["status_host"] == STATUS_LAYOUT["bytes"]
+    assert report.ranks == (0, 1) and report.tokens == (16, 16) and report.team is team
+    assert team.unchecked_launch is report
+    status_checks.settle_team(team)
+    assert report.checked and team.unchecked_launch is None
