@@ -354,5 +354,5 @@ PYBIND11_MODULE(flashdmoe_cuda, m) {
     py::list names;
     for (const std::string& name : expert_variant_names()) names.append(name);
     return names;
-  }, "The expert variants' names in id order, as compiled (flashdmoe/expert_variants.py).");
+  }, "The expert variants' names in id order, as compiled (flashdmoe/kernel/expert_variants.py).");
 }

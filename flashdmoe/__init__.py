@@ -23,8 +23,8 @@ from flashdmoe.api import moe, moe_expert_parallel
 from flashdmoe.config import MoEConfig, make_tokens, make_weights
 from flashdmoe.errors import BackendUnavailable, KernelTimeout
 from flashdmoe.layer import MoELayer
-from flashdmoe.launch_report import LaunchReport
-from flashdmoe.status_checks import check_errors, last_report, set_sync_checks, synchronize
+from flashdmoe.kernel.launch_report import LaunchReport
+from flashdmoe.kernel.status_checks import check_errors, last_report, set_sync_checks, synchronize
 
 try:
     __version__ = metadata.version("flashdmoe")
@@ -51,7 +51,7 @@ __all__ = [
 ]
 
 # Imported on first use: the reference and the team module are heavier or come from other parts.
-_LAZY_ATTRIBUTES = {"Team": ("flashdmoe.team", "Team"), "reference": ("flashdmoe.reference", None),
+_LAZY_ATTRIBUTES = {"Team": ("flashdmoe.parallel.team", "Team"), "reference": ("flashdmoe.reference", None),
                     "ops": ("flashdmoe.ops", None)}
 
 

@@ -166,9 +166,9 @@ def cuda_unavailable_reason(x: torch.Tensor) -> str | None:
         names = ", ".join(str(dtype).removeprefix("torch.") for dtype in supported)
         return f"dtype {x.dtype} is not supported by the fused kernel (it runs {names})"
     try:
-        extension = _module("flashdmoe.extension")
+        extension = _module("flashdmoe.kernel.extension")
     except ImportError as error:
-        return f"flashdmoe.extension cannot be imported: {error}"
+        return f"flashdmoe.kernel.extension cannot be imported: {error}"
     if not extension.available():
         return extension.unavailable_reason() or "the CUDA extension is not available"
     return None

@@ -94,9 +94,9 @@ def _nvshmem_info() -> dict[str, Any]:
 
 def _extension_info() -> dict[str, Any]:
     try:
-        extension = importlib.import_module("flashdmoe.extension")
+        extension = importlib.import_module("flashdmoe.kernel.extension")
     except Exception as error:
-        return {"available": False, "reason": f"flashdmoe.extension cannot be imported: {_error_text(error)}"}
+        return {"available": False, "reason": f"flashdmoe.kernel.extension cannot be imported: {_error_text(error)}"}
     try:
         build = extension.kernel_build()
     except ValueError as error:
@@ -344,7 +344,7 @@ def _command_run(args: argparse.Namespace) -> int:
 
 
 def _command_build(args: argparse.Namespace) -> int:
-    from flashdmoe import extension
+    from flashdmoe.kernel import extension
 
     builder = extension.build_nvshmem if args.nvshmem else extension.build
     try:

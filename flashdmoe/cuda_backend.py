@@ -3,23 +3,23 @@ words into pinned host memory and resets the workspace's sync words for the next
 
 Forward runs ``csrc/`` through the ``flashdmoe_cuda`` extension, for one rank, for the ``P`` virtual
 ranks of an emulated team (one launch), or for this process's rank of an NVSHMEM team. A forward never
-waits for the GPU: each launch returns a :class:`flashdmoe.launch_report.LaunchReport`
+waits for the GPU: each launch returns a :class:`flashdmoe.kernel.launch_report.LaunchReport`
 (:func:`flashdmoe.last_report`) whose status is checked later, at the points
-:mod:`flashdmoe.status_checks` lists. Nothing in a forward reads device memory from the host, so a
+:mod:`flashdmoe.kernel.status_checks` lists. Nothing in a forward reads device memory from the host, so a
 single-rank forward and an emulated team's forward can be captured in a CUDA graph.
 
 Per call the host does: the cached plan of the launch (shape rules, workspace layout and the parsed
 launch options, once per shape and options), output allocation (``y`` and one routing block), the pooled
-workspace (:mod:`flashdmoe.workspace_pool`), one extension call with the addresses (one CUDA call: the
+workspace (:mod:`flashdmoe.kernel.workspace_pool`), one extension call with the addresses (one CUDA call: the
 kernel itself marks its status slot complete, no event is recorded), and the report's bookkeeping.
 :func:`flashdmoe.moe` remembers whole call signatures and goes straight to :func:`launch_one` for one
 rank (:mod:`flashdmoe.api`).
 
 Backward: grouped GEMMs and element-wise kernels on the GPU from the routing the forward saved (and, one
-rank, its pre-activations) (:func:`flashdmoe.expert_backward.expert_backward`, one rank and emulated teams); across processes the same
-GPU steps with the rows moved by the device (:func:`flashdmoe.ep_backward.team_backward`) where every peer
-has a load/store pointer, else :func:`flashdmoe.ep_peer.expert_parallel_backward` (torch ops over
-peer-memory exchanges).
+rank, its pre-activations) (:func:`flashdmoe.backward.expert_backward.expert_backward`, one rank and emulated
+teams); across processes the same GPU steps with the rows moved by the device
+(:func:`flashdmoe.backward.ep_backward.team_backward`) where every peer has a load/store pointer, else
+:func:`flashdmoe.parallel.ep_peer.expert_parallel_backward` (torch ops over peer-memory exchanges).
 """
 
 from __future__ import annotations
@@ -28,17 +28,18 @@ import functools
 
 import torch
 
-from flashdmoe import extension, reference, status_checks
-from flashdmoe.expert_backward import expert_backward, packed_rows
+from flashdmoe import reference
+from flashdmoe.kernel import extension, status_checks
+from flashdmoe.backward.expert_backward import expert_backward, packed_rows
 # Expert GEMM variants (name -> id), the default, the choice per shape, and the one fp32 inputs run on
-# whatever debug.expert_variant says: the table in flashdmoe/expert_variants.py.
-from flashdmoe.expert_variants import (DEFAULT_EXPERT_VARIANT, EXPERT_VARIANTS, FP32_EXPERT_VARIANT, choose_variant,
-                                       variant_id)
-from flashdmoe.kernel_codes import ACTIVATION_CODES, DTYPE_CODES
-from flashdmoe.launch_knobs import DEFAULT_TIMEOUT_MS, DebugKnobs, debug, timeout_ms  # noqa: F401 (re-exported)
-from flashdmoe.launch_report import LaunchShape
-from flashdmoe.team import mps_thread_percentage
-from flashdmoe.workspace_pool import WorkspacePool
+# whatever debug.expert_variant says: the table in flashdmoe/kernel/expert_variants.py.
+from flashdmoe.kernel.expert_variants import (DEFAULT_EXPERT_VARIANT, EXPERT_VARIANTS, FP32_EXPERT_VARIANT,
+                                              choose_variant, variant_id)
+from flashdmoe.kernel.kernel_codes import ACTIVATION_CODES, DTYPE_CODES
+from flashdmoe.kernel.launch_knobs import DEFAULT_TIMEOUT_MS, DebugKnobs, debug, timeout_ms  # noqa: F401 (re-exported)
+from flashdmoe.kernel.launch_report import LaunchShape
+from flashdmoe.parallel.team import mps_thread_percentage
+from flashdmoe.kernel.workspace_pool import WorkspacePool
 
 
 
@@ -106,7 +107,7 @@ class FusedRouting:
 
 
 def _extension():
-    """The built flashdmoe_cuda module (:func:`flashdmoe.extension.loaded`)."""
+    """The built flashdmoe_cuda module (:func:`flashdmoe.kernel.extension.loaded`)."""
     return extension.loaded()
 
 
@@ -342,7 +343,7 @@ def run_forward(xs, router_weight, w1s, w2s, *, top_k, activation, normalize_top
     packed row (the routing's ``row``; rows past the kept ones are left as they are).
 
     Raises ``ValueError`` for shapes the kernel or the team's buffers do not take, and the errors of
-    earlier launches checked now (see :mod:`flashdmoe.status_checks`).
+    earlier launches checked now (see :mod:`flashdmoe.kernel.status_checks`).
     """
     index = xs[0].device.index
     if index != _current_device():
@@ -439,7 +440,7 @@ def _needs_grad(*tensors) -> bool:
 class _FusedMoE(torch.autograd.Function):
     """One rank (no team): forward on the kernel, which also saves GEMM1's pre-activations (16-bit inputs,
     when a gradient is wanted); backward in grouped GEMMs on the saved routing and pre-activations
-    (:func:`flashdmoe.expert_backward.expert_backward`)."""
+    (:func:`flashdmoe.backward.expert_backward.expert_backward`)."""
 
     @staticmethod
     def forward(ctx, x, router_weight, w1, w2, top_k, activation, normalize_topk, capacity_factor, routing_out):
@@ -481,15 +482,15 @@ def _accumulate(total: torch.Tensor | None, part: torch.Tensor | None) -> torch.
 
 class _FusedMoEEmulated(torch.autograd.Function):
     """P virtual ranks in one launch. Inputs after the options: router_weight, xs (P), w1s (P), w2s (P);
-    outputs: ys (P). Backward: on the device exchange (:func:`flashdmoe.ep_backward.emulated_backward`:
+    outputs: ys (P). Backward: on the device exchange (:func:`flashdmoe.backward.ep_backward.emulated_backward`:
     every rank's rows to the owners and back by the exchange kernel, all ranks in each launch), else
     (``ep_backward.unsupported``, or ``FLASHDMOE_TEAM_BACKWARD=torch``) each rank's gradients against the
     concatenated experts (the emulated team holds every shard in this process) by
-    :func:`flashdmoe.expert_backward.expert_backward`, summed over ranks in rank order."""
+    :func:`flashdmoe.backward.expert_backward.expert_backward`, summed over ranks in rank order."""
 
     @staticmethod
     def forward(ctx, team, options, routing_out, router_weight, *tensors):
-        from flashdmoe import ep_backward
+        from flashdmoe.backward import ep_backward
 
         P = team.world_size
         xs, w1s, w2s = tensors[:P], tensors[P:2 * P], tensors[2 * P:]
@@ -518,7 +519,7 @@ class _FusedMoEEmulated(torch.autograd.Function):
         xs, w1s, w2s = tensors[:P], tensors[P:2 * P], tensors[2 * P:]
         need_w1, need_w2 = any(needs[1 + P:1 + 2 * P]), any(needs[1 + 2 * P:])
         if ctx.counts is not None:
-            from flashdmoe import ep_backward
+            from flashdmoe.backward import ep_backward
 
             # every rank takes part in every exchange, an unused output with a zero gradient
             full = [dy if dy is not None else torch.zeros_like(x) for dy, x in zip(dys, xs)]
@@ -554,13 +555,13 @@ class _FusedMoEEmulated(torch.autograd.Function):
 
 class _FusedMoETeam(torch.autograd.Function):
     """This process's rank of a multi-process team: forward on the kernel; backward a collective, on the GPU
-    with the rows moved by the device (:func:`flashdmoe.ep_backward.team_backward`: stores to peers with a
+    with the rows moved by the device (:func:`flashdmoe.backward.ep_backward.team_backward`: stores to peers with a
     load/store pointer, NVSHMEM puts to the others), else (``ep_backward.unsupported``, or forced) torch ops
-    over peer-memory exchanges (:func:`flashdmoe.ep_peer.expert_parallel_backward`)."""
+    over peer-memory exchanges (:func:`flashdmoe.parallel.ep_peer.expert_parallel_backward`)."""
 
     @staticmethod
     def forward(ctx, team, options, routing_out, x, router_weight, w1, w2):
-        from flashdmoe import ep_backward
+        from flashdmoe.backward import ep_backward
 
         (y, routing), = run_forward([x], router_weight, [w1], [w2], team=team, **options)
         routing_out.append(routing)
@@ -574,7 +575,8 @@ class _FusedMoETeam(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        from flashdmoe import ep_backward, ep_peer
+        from flashdmoe.backward import ep_backward
+        from flashdmoe.parallel import ep_peer
 
         # A collective on a team whose forward timed out could wait forever: check the forward first, so
         # every rank raises KernelTimeout here instead.

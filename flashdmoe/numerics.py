@@ -94,7 +94,7 @@ def rounding_tolerance(dtype: torch.dtype | str, operations: int) -> float:
 
 def backward_tolerance(dtype: torch.dtype | str) -> float:
     """Bound on the normwise relative error of the GPU backward's gradients
-    (:mod:`flashdmoe.expert_backward`) against the reference in float32 or float64 on the same inputs.
+    (:mod:`flashdmoe.backward.expert_backward`) against the reference in float32 or float64 on the same inputs.
 
     The backward rounds to the storage format (at most u/2 relative each time) on the way to a gradient:
     dx passes through 5 roundings (the saved or recomputed pre-activation, g = dy W2^T, dpre, the per-row

@@ -24,7 +24,7 @@ tensor operations (an op's implementation runs below the autograd dispatch key, 
 nothing; ``torch.func.vjp`` would, but its wrapper tensors break under dispatch modes such as opcheck's
 schema check). On CUDA the forward is the fused kernel
 (:func:`flashdmoe.cuda_backend.fused_forward`) and the backward is
-:func:`flashdmoe.expert_backward.expert_backward`. The fake implementations give every output's shape and
+:func:`flashdmoe.backward.expert_backward.expert_backward`. The fake implementations give every output's shape and
 dtype from the inputs' alone (no data-dependent shapes), so the ops trace under ``torch.compile`` and
 export. Second derivatives are not implemented.
 
@@ -37,7 +37,7 @@ from typing import Optional, Sequence, Tuple
 import torch
 
 from flashdmoe import reference
-from flashdmoe.expert_backward import expert_backward, packed_rows
+from flashdmoe.backward.expert_backward import expert_backward, packed_rows
 from flashdmoe.validation import validate_capacity_factor, validate_moe_inputs
 from flashdmoe.weight_checks import check_finite_weights
 
@@ -142,7 +142,7 @@ def moe_backward(
     normalize_topk: bool,
     needs: Sequence[bool],
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The CPU implementation: :func:`flashdmoe.expert_backward.expert_backward` (the chain rule through
+    """The CPU implementation: :func:`flashdmoe.backward.expert_backward.expert_backward` (the chain rule through
     :func:`flashdmoe.reference.moe_fixed_routing`, as on CUDA) with the combine weights recomputed in the
     reference's compute dtype (the saved ``weight`` is float32, which would round float64 gradients)."""
     weights = reference.combine_weights(reference.router_probs(x, router_weight), expert.long(), normalize_topk)

@@ -12,7 +12,7 @@ How a scan runs depends on where the forward runs:
 * **Fused CUDA forwards** (``backend="cuda"``, or ``"auto"`` on a GPU) scan asynchronously: one min/max
   reduction per new weight, queued on the current stream ahead of the launch, an asynchronous copy of the
   results into pinned memory and an event behind it; nothing waits. The result is checked, and its
-  ``ValueError`` raised once, where the kernel's own errors are (:mod:`flashdmoe.status_checks`): at the
+  ``ValueError`` raised once, where the kernel's own errors are (:mod:`flashdmoe.kernel.status_checks`): at the
   next fused forward if the scan has finished by then, before a team's next use, at
   :func:`flashdmoe.check_errors` (finished scans) and :func:`flashdmoe.synchronize` (waits), and at the
   call itself in debug mode (``FLASHDMOE_SYNC_CHECKS=1`` / :func:`flashdmoe.set_sync_checks`). The forward
@@ -177,7 +177,7 @@ def _extremes(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 
 class WeightScan:
-    """A queued scan of new weights: an entry of :mod:`flashdmoe.status_checks`'s queue, checked at the
+    """A queued scan of new weights: an entry of :mod:`flashdmoe.kernel.status_checks`'s queue, checked at the
     same points as a launch's status (its ``ready`` / ``keep_status`` / ``exception`` interface).
 
     Holds weak references to the weights (a scan never keeps a weight alive) and their cache keys, so a
@@ -274,7 +274,7 @@ def _record_event(device: torch.device) -> Any:
 def _queue_scan(new: list[tuple[str, torch.Tensor, _Key]]) -> None:
     """Queue the scan of ``new`` on the current stream and remember the weights (as checked: a failure
     forgets them when it is raised)."""
-    from flashdmoe import status_checks
+    from flashdmoe.kernel import status_checks
 
     tensors = [tensor for _, tensor, _ in new]
     values = _extremes(tensors)

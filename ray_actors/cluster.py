@@ -10,7 +10,7 @@ config and the cluster's resources before any actor starts, reserves a placement
 ``world_size // nodes`` ranks, ranks node-major (rank ``r`` on node ``r // G`` as local rank ``r % G``).
 It starts one worker per rank in its bundle and bootstraps the team: on CPUs a gloo group whose TCP store
 rank 0 hosts on a socket it holds from the moment the port is chosen, on GPUs an NVSHMEM team
-(``flashdmoe.team.Team.nvshmem``) from a fresh unique id made by rank 0's actor (``Team.make_unique_id``)
+(``flashdmoe.parallel.team.Team.nvshmem``) from a fresh unique id made by rank 0's actor (``Team.make_unique_id``)
 and handed by the driver to every rank, sized for ``max_tokens`` tokens per rank. On one node the store
 and gloo's connections stay on 127.0.0.1; across nodes they use the address Ray reports for each rank's
 node (the store: rank 0's node address), and so does NVSHMEM's unique-id bootstrap (see
@@ -76,7 +76,7 @@ from flashdmoe.errors import KernelTimeout
 from flashdmoe.job.data import StepOutputs
 from flashdmoe.job.executor import ClusterTooSmall, ClusterUnreachable, RankExecutor, WorkerFault
 from flashdmoe.job.results import fault_entry, forward_flops, step_record, worker_entry
-from flashdmoe.team import TeamFailed
+from flashdmoe.parallel.team import TeamFailed
 from ray_actors.embedded import start_embedded_ray
 from ray_actors.placement import Placement, format_resources
 from ray_actors.worker import CRASH_POINTS, CollectiveFailed, RemoteMoEWorker, gpu_env_vars
@@ -106,7 +106,7 @@ _COLLECTIVE_FRACTION = 0.75
 #: compile the CUDA extension (minutes).
 _STARTUP_TIMEOUT_S = {"reference": 120.0, "cuda": 1200.0}
 
-#: Token dtypes a multi-rank (NVSHMEM) team carries (flashdmoe.team.BufferPlan).
+#: Token dtypes a multi-rank (NVSHMEM) team carries (flashdmoe.parallel.team.BufferPlan).
 _TEAM_DTYPES = ("bfloat16", "float16")
 
 _log = logging.getLogger(__name__)

@@ -9,8 +9,8 @@ A worker:
    - CPU: ``torch.distributed`` gloo over a TCP store that rank 0 hosts (:meth:`MoEWorker.open_store`) on
      ``127.0.0.1`` when every rank is on its node, else on its node's address as Ray reports it; gloo's
      own connections likewise on loopback, else on the interface of each rank's node address. Runs
-     :func:`flashdmoe.ep_gloo.expert_parallel_moe`;
-   - GPU, one rank: ``flashdmoe.team.Team.single()``; several ranks:
+     :func:`flashdmoe.parallel.ep_gloo.expert_parallel_moe`;
+   - GPU, one rank: ``flashdmoe.parallel.team.Team.single()``; several ranks:
      ``Team.nvshmem(unique_id, rank, world_size, max_tokens=..., hidden=H, top_k=k, local_experts=E // P,
      dtype=...)`` with the 128-byte NVSHMEM unique id that rank 0 made (:meth:`MoEWorker.make_unique_id`);
      it runs ``flashdmoe.api.moe(..., team=team, backend="cuda")`` (collective; backward through autograd,
@@ -59,7 +59,7 @@ from flashdmoe.config import CONFIG_DTYPES, MoEConfig, make_tokens, make_weights
 from flashdmoe.errors import BackendUnavailable, KernelTimeout
 from flashdmoe.job.data import output_gradient
 from flashdmoe.job.results import rank_step_entry
-from flashdmoe.team import Team, TeamFailed
+from flashdmoe.parallel.team import Team, TeamFailed
 from ray_actors.netif import interface_of
 
 __all__ = ["CRASH_POINTS", "GPU_ENVIRONMENT", "CollectiveFailed", "MoEWorker", "RemoteMoEWorker", "gpu_env_vars",
@@ -115,7 +115,7 @@ def gpu_env_vars(gpus_per_worker: float = 1.0, *, mps_pipe_dir: str | os.PathLik
     (several ranks share a GPU under MPS) also ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` =
     :func:`mps_share_percentage`. ``mps_pipe_dir`` / ``mps_log_dir``, when given, become
     ``CUDA_MPS_PIPE_DIRECTORY`` / ``CUDA_MPS_LOG_DIRECTORY`` (the MPS daemon's directories; the daemon is
-    started by whoever starts the cluster, e.g. :class:`flashdmoe.mps.MpsDaemon`). With ``nodes > 1`` also
+    started by whoever starts the cluster, e.g. :class:`flashdmoe.parallel.mps.MpsDaemon`). With ``nodes > 1`` also
     ``FLASHDMOE_KERNEL_BUILD=nvshmem``: peers on other nodes have no load/store path, and only the NVSHMEM
     build of the kernel reaches them (docs/design.md §8).
     """
@@ -265,7 +265,7 @@ class MoEWorker:
         if backend == "gloo":
             import torch.distributed as dist
 
-            from flashdmoe.ep_gloo import TrafficCounter
+            from flashdmoe.parallel.ep_gloo import TrafficCounter
 
             self._bind_to_node("GLOO_SOCKET_IFNAME", across_nodes)
             collective_s = float(rendezvous.get("timeout_s", 120))
@@ -345,7 +345,7 @@ class MoEWorker:
         options = dict(top_k=config.top_k, activation=config.activation, normalize_topk=config.normalize_topk,
                        capacity_factor=config.capacity_factor, return_aux=True)
         if self.backend == "gloo":
-            from flashdmoe.ep_gloo import expert_parallel_moe
+            from flashdmoe.parallel.ep_gloo import expert_parallel_moe
 
             return expert_parallel_moe(x, self.router_weight, self.w1, self.w2, traffic=self.traffic, **options)
         from flashdmoe import api

@@ -1,4 +1,4 @@
-"""Where the fused backward's time goes: the launch alone (flashdmoe.fused_backward.launch) with each kind
+"""Where the fused backward's time goes: the launch alone (flashdmoe.backward.fused_backward.launch) with each kind
 of task switched on in turn (g tiles only; then with the dx tiles, the dW2 tiles, the dW1 tiles; then all),
 beside torch.mm on the same FLOPs as one dense GEMM (what cuBLAS reaches on them).
 
@@ -12,7 +12,8 @@ import argparse
 import torch
 
 from backward_profile import median_ms  # scripts/ is on the path when a script runs
-from flashdmoe import cuda_backend, fused_backward
+from flashdmoe import cuda_backend
+from flashdmoe.backward import fused_backward
 
 ISSUE_SHAPES = "8192/2048/2048/32/2/gelu,8192/2048/768/128/8/swiglu,4096/4096/14336/8/2/swiglu"
 

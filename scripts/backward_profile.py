@@ -1,4 +1,4 @@
-"""Where the time of flashdmoe.expert_backward goes: eager medians of the grouped-GEMM back end (with the
+"""Where the time of flashdmoe.backward.expert_backward goes: eager medians of the grouped-GEMM back end (with the
 element-wise kernels and the saved pre-activations) and of the fused back end (``gemm="fused"``), then
 the profiler's CUDA kernel time per kernel (top entries) for one back end (``--profile-gemm``, default
 ``"auto"``), beside the torch grouped_mm pipeline's backward under autograd.
@@ -18,7 +18,7 @@ import torch
 
 from flashdmoe import cuda_backend
 from flashdmoe.bench import baselines
-from flashdmoe.expert_backward import expert_backward
+from flashdmoe.backward.expert_backward import expert_backward
 
 ISSUE_SHAPES = "8192/2048/2048/32/2/gelu,8192/2048/768/128/8/swiglu,4096/4096/14336/8/2/swiglu"
 

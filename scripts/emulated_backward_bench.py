@@ -18,7 +18,7 @@ import torch
 
 import flashdmoe
 from flashdmoe import cuda_backend
-from flashdmoe.team import Team
+from flashdmoe.parallel.team import Team
 
 SHAPES = [("H2048 I1024 E16 k2 gelu", 2048, 1024, 16, 2, "gelu"),
           ("H2048 I768 E32 k8 swiglu", 2048, 768, 32, 8, "swiglu")]

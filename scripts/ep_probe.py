@@ -10,7 +10,7 @@ import torch
 
 import flashdmoe
 from flashdmoe import cuda_backend
-from flashdmoe.team import Team
+from flashdmoe.parallel.team import Team
 
 SHAPES = [(8192, 2048, 2048, 32, 2), (4096, 2048, 2048, 64, 2)]
 

@@ -35,7 +35,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import flashdmoe  # noqa: E402
-from flashdmoe import api, cuda_backend, status_checks  # noqa: E402
+from flashdmoe import api, cuda_backend  # noqa: E402
+from flashdmoe.kernel import status_checks
 
 # (T, H, I, E, k, activation): decode, a small batch, the paper's shape.
 SHAPES = [(1, 2048, 768, 128, 8, "swiglu"), (128, 4096, 1408, 64, 6, "swiglu"), (8192, 2048, 2048, 32, 2, "gelu")]

@@ -55,9 +55,9 @@ def say(rank: int, text: str) -> None:
 def child(args) -> int:
     import torch
 
-    from flashdmoe import nvshmem_transport
+    from flashdmoe.parallel import nvshmem_transport
     from flashdmoe.ranks.child import publish_uid, wait_for_uid
-    from flashdmoe.team import Team
+    from flashdmoe.parallel.team import Team
 
     workdir = Path(args.workdir)
     device = torch.device("cuda", 0)
@@ -111,8 +111,8 @@ def child(args) -> int:
 
 
 def parent(args) -> int:
-    from flashdmoe import extension
-    from flashdmoe.mps import MpsDaemon, mps_available
+    from flashdmoe.kernel import extension
+    from flashdmoe.parallel.mps import MpsDaemon, mps_available
 
     print(f"[1/4] building flashdmoe_nvshmem (sm_90a) ...", flush=True)
     started = time.monotonic()

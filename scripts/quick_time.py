@@ -22,8 +22,9 @@ import statistics
 import torch
 
 import flashdmoe
-from flashdmoe import cuda_backend, extension
-from flashdmoe.expert_variants import EXPERT_VARIANTS, choose_variant, variant_id
+from flashdmoe import cuda_backend
+from flashdmoe.kernel import extension
+from flashdmoe.kernel.expert_variants import EXPERT_VARIANTS, choose_variant, variant_id
 
 SHAPES = [(8192, 2048, 2048, 32, 2), (16384, 2048, 2048, 64, 2), (16384, 4096, 1024, 128, 2),
           (4096, 2048, 2048, 64, 2), (128, 4096, 1408, 64, 6)]

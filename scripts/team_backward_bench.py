@@ -1,6 +1,6 @@
 """Training steps of an NVSHMEM team's layer (P processes on one GPU under MPS): the backward on the
-device exchange (``flashdmoe.ep_backward``, what users get) beside the torch-ops backward
-(``flashdmoe.ep_peer``, forced with ``backward="torch"``) in the same run, and how far their gradients
+device exchange (``flashdmoe.backward.ep_backward``, what users get) beside the torch-ops backward
+(``flashdmoe.parallel.ep_peer``, forced with ``backward="torch"``) in the same run, and how far their gradients
 are apart. Prints one table row per (P, shape); the medians are per rank, the table shows rank 0's and
 the slowest rank's backward.
 
@@ -22,7 +22,7 @@ import sys
 
 import torch
 
-from flashdmoe.mps import MpsDaemon
+from flashdmoe.parallel.mps import MpsDaemon
 from flashdmoe.ranks.launcher import run_ranks
 from flashdmoe.ranks.problem import Problem
 

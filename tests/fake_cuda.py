@@ -5,7 +5,7 @@ GPU (tests/test_status_checks.py, tests/test_host_path.py, scripts/host_overhead
 The fake ``launch`` writes the status blocks a test scripted straight into the host slot (where the real
 kernel's last block writes them as it exits) but leaves their completion words unset, the launch
 "running", until the test completes it (``ext.launches[i]["completion"].done = True``) or the host waits
-for the device (every launch completes), so every check point of :mod:`flashdmoe.status_checks` can be
+for the device (every launch completes), so every check point of :mod:`flashdmoe.kernel.status_checks` can be
 driven by hand. The asynchronous weight scans (:mod:`flashdmoe.weight_checks`) run on the CPU tensors and
 record a fake event of their own (``ext.scan_events``), driven the same way.
 """
@@ -193,7 +193,8 @@ def fake_cuda(monkeypatch, ext: FakeExtension | None = None, *, capturing=lambda
     """Run the fused path on CPU tensors: the fake extension, unpinned slots, and CPU tensors accepted as
     CUDA by ``flashdmoe.moe``. Yields (ext, the weight scans' events, synchronized devices): waiting for the
     device completes every launch."""
-    from flashdmoe import api, cuda_backend, extension, launch_report, status_checks, weight_checks
+    from flashdmoe import api, cuda_backend, weight_checks
+    from flashdmoe.kernel import extension, launch_report, status_checks
 
     ext = ext or FakeExtension()
     synchronized: list = []

@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from flashdmoe.mps import MpsDaemon
+from flashdmoe.parallel.mps import MpsDaemon
 
 
 def started_daemon() -> MpsDaemon:

@@ -1,4 +1,4 @@
-"""The forward as users call it, on the GPU: no host synchronisation, errors where flashdmoe.status_checks
+"""The forward as users call it, on the GPU: no host synchronisation, errors where flashdmoe.kernel.status_checks
 says they surface, CUDA-graph capture and replay bitwise equal to eager calls.
 
 tests/test_status_checks.py checks the same state machine on the CPU with a fake extension; this file
@@ -14,8 +14,9 @@ import torch
 import flashdmoe
 from closeness import assert_normwise_close
 from conftest import next_seed
-from flashdmoe import numerics, reference, status_checks
-from flashdmoe.team import Team, TeamFailed
+from flashdmoe import numerics, reference
+from flashdmoe.kernel import status_checks
+from flashdmoe.parallel.team import Team, TeamFailed
 
 pytestmark = pytest.mark.gpu
 
@@ -26,7 +27,8 @@ def backend():
         pytest.skip("no CUDA device")
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("fused kernel targets Hopper (sm_90a)")
-    from flashdmoe import cuda_backend, extension
+    from flashdmoe import cuda_backend
+    from flashdmoe.kernel import extension
 
     extension.load()  # a build failure on Hopper is a test failure, not a skip
     previous = flashdmoe.set_sync_checks(False)

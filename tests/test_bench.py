@@ -711,7 +711,7 @@ def test_mps_entries_per_transport():
 def test_mps_runs_per_transport_with_stand_ins(monkeypatch, nvshmem_reason):
     """_run_mps_entries with the GPU, MPS and rank processes replaced: each entry's processes get its
     transport; without the NVSHMEM build only the nvshmem entries are unavailable (with the reason)."""
-    from flashdmoe import extension
+    from flashdmoe.kernel import extension
 
     runs, daemons, builds = [], [], []
 
@@ -813,7 +813,7 @@ def test_expert_parallel_in_process_entries_with_stand_ins(monkeypatch):
     """The suite's own code for the single / emulated / reference rows, with the kernel replaced by the
     reference and Team.emulated by a stand-in (the GPU test below runs the real ones)."""
     import flashdmoe
-    from flashdmoe.team import Team
+    from flashdmoe.parallel.team import Team
 
     monkeypatch.setattr(expert_parallel, "_kernel_unavailable_reason", lambda options: None)
     made, closed, traffic = [], [], []

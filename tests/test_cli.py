@@ -323,7 +323,7 @@ def test_bench_unavailable_is_reported_not_fatal(monkeypatch, capsys):
 
 
 def test_build_prints_the_extension_path(monkeypatch, capsys, tmp_path):
-    from flashdmoe import extension
+    from flashdmoe.kernel import extension
 
     calls = []
 
@@ -345,7 +345,7 @@ def test_build_prints_the_extension_path(monkeypatch, capsys, tmp_path):
 
 
 def test_build_nvshmem_builds_the_transport_module(monkeypatch, capsys, tmp_path):
-    from flashdmoe import extension
+    from flashdmoe.kernel import extension
 
     calls = []
     monkeypatch.setattr(extension, "build", lambda **kw: calls.append(("main", kw)) or tmp_path / "main.so")

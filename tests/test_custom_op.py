@@ -281,7 +281,7 @@ GPU_CONFIGS = [
 
 
 def _gpu_ready():
-    from flashdmoe import extension
+    from flashdmoe.kernel import extension
 
     extension.load()  # a build failure on the GPU machine is a failure, not a skip
 

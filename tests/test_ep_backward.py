@@ -1,4 +1,4 @@
-"""The pieces of an NVSHMEM team's device-exchange backward (flashdmoe/ep_backward.py) that run without a
+"""The pieces of an NVSHMEM team's device-exchange backward (flashdmoe/backward/ep_backward.py) that run without a
 team: the order in which an owner takes its received rows, the backward's signal words, and the expert
 half of the backward on rows packed by expert against float64 autograd. The collective itself runs in
 tests/test_ep_multiprocess.py (2 and 4 processes under MPS on the GPU)."""
@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from flashdmoe import numerics, reference
-from flashdmoe import ep_backward
-from flashdmoe.ep_backward import forward_count_words, owner_layout, sent_runs, unsupported
-from flashdmoe.expert_backward import packed_row_grads
-from flashdmoe.team import BufferPlan, RankBuffers, Team
+from flashdmoe.backward import ep_backward
+from flashdmoe.backward.ep_backward import forward_count_words, owner_layout, sent_runs, unsupported
+from flashdmoe.backward.expert_backward import packed_row_grads
+from flashdmoe.parallel.team import BufferPlan, RankBuffers, Team
 
 requires_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -136,7 +136,7 @@ def test_exchange_table_marks_put_peers_with_own_signal_words():
 
 def test_a_put_peer_needs_the_nvshmem_build_and_a_stage():
     team, own = _fake_nvshmem_team(["p2p", "nvshmem"])
-    from flashdmoe import extension
+    from flashdmoe.kernel import extension
 
     cuda_x = type("FakeX", (), {"device": torch.device("cuda", 0), "dtype": torch.bfloat16})()
     if extension.kernel_build() != "nvshmem":
@@ -184,7 +184,7 @@ def test_the_emulated_exchange_takes_16_bit_cuda_tensors():
 @requires_gpu
 @pytest.mark.gpu
 def test_backward_words_agree_with_the_kernel():
-    from flashdmoe import extension
+    from flashdmoe.kernel import extension
 
     ext = extension.load()
     for P, L, S in [(1, 1, 1), (2, 4, 7), (8, 32, 100)]:

@@ -16,7 +16,7 @@ import torch
 import flashdmoe
 from conftest import next_seed
 from flashdmoe import numerics, reference
-from flashdmoe.team import Team, TeamFailed
+from flashdmoe.parallel.team import Team, TeamFailed
 
 # every test draws its inputs through next_seed(): the seed fixture prints its seed on failure
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("seed")]
@@ -31,7 +31,8 @@ def backend():
         pytest.skip("no CUDA device")
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("fused kernel targets Hopper (sm_90a)")
-    from flashdmoe import cuda_backend, extension
+    from flashdmoe import cuda_backend
+    from flashdmoe.kernel import extension
 
     extension.load()
     cuda_backend.debug.poison_outputs = True

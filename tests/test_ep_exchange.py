@@ -1,4 +1,4 @@
-"""The peer-memory exchange (``flashdmoe.ep_peer``) and the fixed-routing backward, on CPU, in one process.
+"""The peer-memory exchange (``flashdmoe.parallel.ep_peer``) and the fixed-routing backward, on CPU, in one process.
 
 ``P`` threads stand in for ``P`` NVSHMEM ranks: each holds a fake team whose symmetric ``recv``/``comb``
 buffers are plain CPU tensors that every thread can write ("peer memory"), whose ``barrier()`` is a
@@ -18,10 +18,11 @@ import threading
 import pytest
 import torch
 
-from flashdmoe import ep_peer, reference
-from flashdmoe.ep_exchange import TrafficCounter
-from flashdmoe.ep_peer import PeerExchange, expert_parallel_backward
-from flashdmoe.team import BufferPlan, RankBuffers, Team, TeamFailed
+from flashdmoe import reference
+from flashdmoe.parallel import ep_peer
+from flashdmoe.parallel.ep_exchange import TrafficCounter
+from flashdmoe.parallel.ep_peer import PeerExchange, expert_parallel_backward
+from flashdmoe.parallel.team import BufferPlan, RankBuffers, Team, TeamFailed
 
 from ep_checks import assert_close
 

@@ -1,4 +1,4 @@
-"""The gloo expert-parallel MoE (``flashdmoe.ep_gloo``) in real multi-process runs against the reference.
+"""The gloo expert-parallel MoE (``flashdmoe.parallel.ep_gloo``) in real multi-process runs against the reference.
 
 Each test spawns P processes (one per rank) that join a gloo group on 127.0.0.1, run many cases, and
 compare their own output and gradients with ``reference.moe_expert_parallel`` (computed by every rank for
@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from flashdmoe import reference
-from flashdmoe.ep_gloo import TrafficCounter, expert_parallel_moe
+from flashdmoe.parallel.ep_gloo import TrafficCounter, expert_parallel_moe
 
 from ep_checks import assert_close
 from gloo_ranks import case_inputs, spawn

@@ -1,4 +1,4 @@
-"""The hierarchical cross-node exchange (flashdmoe.ep_hierarchy) in real gloo processes laid out as nodes:
+"""The hierarchical cross-node exchange (flashdmoe.parallel.ep_hierarchy) in real gloo processes laid out as nodes:
 y and every gradient against ``reference.moe_expert_parallel`` (float64 and float32; tolerances from
 tests/ep_checks.py), and the rows it sends across nodes against the routing: one per (token, other node
 hit), never more than direct puts' one per remote choice, and fewer wherever a token's choices share a
@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 
 from flashdmoe import reference
-from flashdmoe.ep_hierarchy import HierarchyTraffic, direct_rows, hierarchical_moe
-from flashdmoe.ep_gloo import GlooExchange
+from flashdmoe.parallel.ep_hierarchy import HierarchyTraffic, direct_rows, hierarchical_moe
+from flashdmoe.parallel.ep_gloo import GlooExchange
 
 from ep_checks import assert_close
 from gloo_ranks import case_inputs, spawn

@@ -192,7 +192,7 @@ def test_forward_backward_scenario_returns_every_gradient(monkeypatch, tmp_path)
 def test_timeout_scenario_reports_both_errors_and_restores_the_knobs(monkeypatch, tmp_path):
     from flashdmoe import cuda_backend
     from flashdmoe.errors import KernelTimeout
-    from flashdmoe.team import TeamFailed
+    from flashdmoe.parallel.team import TeamFailed
 
     team = _StandInTeam()
     seen = []
@@ -349,7 +349,7 @@ CONFIG_IDS = [name for name, _ in CONFIGS]
 def _missing_requirement() -> str | None:
     """What this GPU machine lacks for the multi-process tests, or None. A missing package fails the
     tests instead of skipping them: on a GPU machine a skip would pass without testing the path."""
-    from flashdmoe.mps import mps_available
+    from flashdmoe.parallel.mps import mps_available
 
     reason = launcher.nvshmem_unavailable_reason()
     if reason:
@@ -366,7 +366,7 @@ def mps_daemon():
     """One MPS daemon for the module's runs; fails where a package or MPS is missing."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the fused kernel targets Hopper (sm_90a)")
-    from flashdmoe import extension
+    from flashdmoe.kernel import extension
 
     extension.load()  # built here once (a failure on Hopper is an error, not a skip), not inside a rank's run
     missing = _missing_requirement()

@@ -44,8 +44,8 @@ GRADS = ("y", "dx", "d_router", "dw1", "dw2")
 def mps_daemon():
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the fused kernel targets Hopper (sm_90a)")
-    from flashdmoe import extension
-    from flashdmoe.mps import mps_available
+    from flashdmoe.kernel import extension
+    from flashdmoe.parallel.mps import mps_available
 
     reason = launcher.nvshmem_unavailable_reason() or mps_available() or extension.nvshmem_problem()
     if reason:

@@ -1,4 +1,4 @@
-"""Tests of flashdmoe.expert_backward: gradients against autograd through reference.moe_fixed_routing in
+"""Tests of flashdmoe.backward.expert_backward: gradients against autograd through reference.moe_fixed_routing in
 float64, both GEMM back ends, determinism, argument checks; on a GPU also no host sync and CUDA graphs."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 import flashdmoe
 import grad_checks
 from flashdmoe import numerics, reference
-from flashdmoe.expert_backward import expert_backward, grouped_mm_supported
+from flashdmoe.backward.expert_backward import expert_backward, grouped_mm_supported
 
 GRAD_NAMES = ("dx", "d_router", "dw1", "dw2")
 
@@ -236,7 +236,7 @@ def test_auto_picks_grouped_mm_where_it_runs_on_cpu():
 
 def test_auto_picks_fused_for_few_rows_per_expert_with_saved_pre(monkeypatch):
     """choose_gemm's rule, with the fused launch's own checks passing (as on a Hopper GPU) and failing."""
-    from flashdmoe import expert_backward as eb
+    from flashdmoe.backward import expert_backward as eb
 
     cuda = torch.device("cuda")
     limit = eb.FUSED_MAX_ROWS_PER_EXPERT
@@ -262,8 +262,8 @@ def test_auto_picks_fused_for_few_rows_per_expert_with_saved_pre(monkeypatch):
 def test_the_fused_backward_row_limit_knob_moves_autos_line(monkeypatch):
     """debug.fused_backward_max_rows (FLASHDMOE_FUSED_BACKWARD_MAX_ROWS) replaces the default limit; None
     restores it."""
-    from flashdmoe import expert_backward as eb
-    from flashdmoe.launch_knobs import debug
+    from flashdmoe.backward import expert_backward as eb
+    from flashdmoe.kernel.launch_knobs import debug
 
     cuda = torch.device("cuda")
     monkeypatch.setattr(eb, "grouped_mm_supported", lambda *args: "")
@@ -276,7 +276,7 @@ def test_the_fused_backward_row_limit_knob_moves_autos_line(monkeypatch):
 
 
 def test_auto_never_picks_fused_on_cpu():
-    from flashdmoe.expert_backward import choose_gemm
+    from flashdmoe.backward.expert_backward import choose_gemm
 
     assert choose_gemm(torch.bfloat16, torch.device("cpu"), 64, 64, 64, 16, 2, True) != "fused"
 
@@ -417,8 +417,8 @@ def test_gpu_combine_grad_sums_each_token_in_choice_order(dtype, top_k, with_rou
     router's term, rounded once; dropped choices (-1) add nothing. Bitwise against the same float32 sum
     in torch, for k below, at and above the rows it loads at once (8), H a multiple of 8 but not of the
     2048 columns a block covers per step."""
-    from flashdmoe import extension
-    from flashdmoe.kernel_codes import DTYPE_CODES
+    from flashdmoe.kernel import extension
+    from flashdmoe.kernel.kernel_codes import DTYPE_CODES
 
     generator = torch.Generator(device="cuda").manual_seed(seed)
     tokens, hidden, rows = 300, 2056, 4000
@@ -520,7 +520,7 @@ def test_saved_pre_activations_on_cpu(seed):
 
 @pytest.mark.gpu
 def test_gpu_auto_takes_the_elementwise_kernels():
-    from flashdmoe.expert_backward import elementwise_kernels_supported
+    from flashdmoe.backward.expert_backward import elementwise_kernels_supported
 
     assert elementwise_kernels_supported(torch.bfloat16, torch.device("cuda"), 256, 384) == ""
     assert "float32" in elementwise_kernels_supported(torch.float32, torch.device("cuda"), 256, 384)
@@ -538,7 +538,7 @@ def test_elementwise_cuda_off_a_gpu_is_refused_by_name(seed):
 def test_emulated_backward_packs_rows_as_one_rank_does(seed):
     """An emulated team's rows index the owners' streams; its backward repacks them with
     expert_backward.packed_rows, which must be the single-rank packing this file's oracle assumes."""
-    from flashdmoe.expert_backward import packed_rows
+    from flashdmoe.backward.expert_backward import packed_rows
 
     g = torch.Generator().manual_seed(seed)
     for T, k, E in [(0, 2, 4), (1, 1, 3), (37, 3, 8), (200, 4, 16)]:
@@ -550,7 +550,7 @@ def test_emulated_backward_packs_rows_as_one_rank_does(seed):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The fused backward (one persistent launch; flashdmoe/fused_backward.py)
+# The fused backward (one persistent launch; flashdmoe/backward/fused_backward.py)
 # ---------------------------------------------------------------------------------------------------------
 
 
@@ -559,8 +559,8 @@ def fused_knobs():
     """The fused backward's debug knobs, outputs poisoned (NaN) before every launch; reset afterwards."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the fused backward needs a Hopper GPU")
-    from flashdmoe import extension
-    from flashdmoe.launch_knobs import debug
+    from flashdmoe.kernel import extension
+    from flashdmoe.kernel.launch_knobs import debug
 
     extension.load()  # a build failure on Hopper is a test failure, not a skip
     debug.poison_outputs = True
@@ -607,7 +607,7 @@ def test_gpu_fused_needs_selects_gradients(needs, fused_knobs, seed):
 def test_gpu_auto_runs_the_fused_launch_for_few_rows_per_expert(fused_knobs, monkeypatch, seed):
     """gemm='auto' with saved pre and <= 128 rows per expert: the fused launch (counted), bitwise what
     gemm='fused' gives; with 512 rows per expert it is not launched."""
-    from flashdmoe import expert_backward as eb
+    from flashdmoe.backward import expert_backward as eb
 
     launches = []
     real = eb._fused

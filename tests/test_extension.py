@@ -1,4 +1,4 @@
-"""Tests of flashdmoe.extension: building, caching and loading the CUDA extension.
+"""Tests of flashdmoe.kernel.extension: building, caching and loading the CUDA extension.
 
 Most tests build a tiny throwaway source tree (one trivial kernel, a header, pybind11 bindings)
 with the real toolchain (nvcc + ninja), then import the module on this GPU-less machine and call a
@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from build_checks import skip_or_fail
-from flashdmoe import expert_variants, extension
+from flashdmoe.kernel import expert_variants, extension
 
 try:
     from flashdmoe.errors import BackendUnavailable
@@ -105,7 +105,7 @@ def _run_in_fresh_process(code: str, *arguments: object) -> str:
     Built modules are imported in child processes: a process holds one flashdmoe_cuda build (see
     extension.import_extension), and the pytest process may already hold another (e.g. the real one).
     """
-    script = "import sys\nfrom flashdmoe.extension import import_extension\nargv = sys.argv[1:]\n" + code
+    script = "import sys\nfrom flashdmoe.kernel.extension import import_extension\nargv = sys.argv[1:]\n" + code
     result = subprocess.run([sys.executable, "-c", script, *map(str, arguments)], capture_output=True, text=True,
                             cwd=REPO_ROOT, check=False)
     assert result.returncode == 0, result.stderr

@@ -18,7 +18,7 @@ import torch
 import flashdmoe
 from conftest import next_seed
 from flashdmoe import numerics, reference
-from flashdmoe.expert_variants import VARIANTS
+from flashdmoe.kernel.expert_variants import VARIANTS
 
 # every test draws its inputs through next_seed(): the seed fixture prints its seed on failure
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("seed")]
@@ -36,7 +36,8 @@ def backend():
     major, _ = torch.cuda.get_device_capability()
     if major != 9:
         pytest.skip("fused kernel targets Hopper (sm_90a)")
-    from flashdmoe import cuda_backend, extension
+    from flashdmoe import cuda_backend
+    from flashdmoe.kernel import extension
 
     extension.load()  # a build failure on Hopper is a test failure, not a skip
     cuda_backend.debug.poison_outputs = True
@@ -125,7 +126,7 @@ def test_random_configurations(backend, T, H, I, E, k, activation, dtype, normal
                             capacity_factor=capacity_factor)
 
 
-# Every compiled kernel instance (expert variant x dtype of flashdmoe/expert_variants.py), each on the
+# Every compiled kernel instance (expert variant x dtype of flashdmoe/kernel/expert_variants.py), each on the
 # same four shapes (one per activation): no variant is left to the default's tests.
 INSTANCES = [(variant.name, dtype) for variant in VARIANTS for dtype in variant.dtypes]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -341,7 +342,7 @@ def test_decode_as_the_public_call_picks(backend, monkeypatch, layer, T, activat
 
 def test_one_token_on_a_deep_ffn(backend, monkeypatch):
     """Mixtral's layer at T = 1: the narrow tile is picked for its 32 GEMM2 tasks, each 14336 deep."""
-    from flashdmoe import expert_variants
+    from flashdmoe.kernel import expert_variants
 
     monkeypatch.setattr(backend.debug, "expert_variant", None)
 

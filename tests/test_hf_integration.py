@@ -381,7 +381,7 @@ def test_activation_other_than_silu_is_refused(seed):
 
 
 def _gpu_patched_pair(family, seed, dtype):
-    from flashdmoe import extension
+    from flashdmoe.kernel import extension
 
     extension.load()  # a build failure on the GPU machine is a failure, not a skip
     model = _model(family, seed, layers=1).to(device="cuda", dtype=dtype)

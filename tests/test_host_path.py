@@ -4,7 +4,7 @@
   but any input a check reads that changed (shape, dtype, contiguity, device, weight values / versions,
   option types, debug knobs) makes the call go through the checks again.
 * flashdmoe.weight_checks scans new weights asynchronously for fused forwards: the error names the weight
-  and surfaces at the points flashdmoe.status_checks documents (next call, check_errors, synchronize,
+  and surfaces at the points flashdmoe.kernel.status_checks documents (next call, check_errors, synchronize,
   debug mode at the call).
 
 tests/test_weight_checks.py covers the synchronous scans (reference backend, CPU) and, on the GPU, the
@@ -21,7 +21,8 @@ import torch
 
 import flashdmoe
 from fake_cuda import fake_cuda, status_block
-from flashdmoe import api, cuda_backend, reference, status_checks, validation, weight_checks
+from flashdmoe import api, cuda_backend, reference, validation, weight_checks
+from flashdmoe.kernel import status_checks
 
 H, I, E, K = 64, 64, 8, 2
 

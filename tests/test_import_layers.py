@@ -1,9 +1,14 @@
-"""The core package never imports the benchmarks: ``flashdmoe.bench`` builds on ``flashdmoe``, never the
-reverse (so the benchmarks can change, or be absent, without touching the layer).
+"""The package's layers import downwards only.
 
-Checked twice: statically, every import in every module under ``flashdmoe/`` outside ``flashdmoe/bench/``
-(module level or inside a function, absolute or relative, and by name through ``importlib``); and at run
-time, importing ``flashdmoe`` and each core module in a fresh interpreter loads no ``flashdmoe.bench``.
+* The core package never imports the benchmarks: ``flashdmoe.bench`` builds on ``flashdmoe``, never the
+  reverse (so the benchmarks can change, or be absent, without touching the layer). Checked twice:
+  statically, every import in every module under ``flashdmoe/`` outside ``flashdmoe/bench/`` (module level
+  or inside a function, absolute or relative, and by name through ``importlib``); and at run time,
+  importing ``flashdmoe`` and each core module in a fresh interpreter loads no ``flashdmoe.bench``.
+* The folders below the fused layer (docs/architecture.md): ``kernel/`` (the kernel's launch path)
+  imports only itself and the base modules (errors, numerics, the reference, validation); ``parallel/``
+  (teams) adds ``kernel/``; ``backward/`` adds ``parallel/``. Nothing there imports ``cuda_backend``,
+  the API or anything above it. Checked statically with the same scan.
 """
 
 from __future__ import annotations
@@ -111,3 +116,85 @@ def test_importing_the_core_loads_no_benchmark_module():
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
                           cwd=PACKAGE.parent)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+#: The modules below the kernel's launch path: every layer may import them.
+BASE = ("flashdmoe.errors", "flashdmoe.numerics", "flashdmoe.reference", "flashdmoe.validation")
+#: Folder -> what its modules may import from the package (the folder itself, the layers below, BASE).
+LAYERS = {
+    "kernel": ("flashdmoe.kernel",) + BASE,
+    "parallel": ("flashdmoe.parallel", "flashdmoe.kernel") + BASE,
+    "backward": ("flashdmoe.backward", "flashdmoe.parallel", "flashdmoe.kernel") + BASE,
+}
+
+
+def package_imports(path: Path, package: Path = PACKAGE) -> list[tuple[int, str]]:
+    """(line, module) of every module of the ``flashdmoe`` package that ``path`` imports: ``import X``,
+    ``from X import name`` (``X.name`` where that is a module of the package, else ``X``), relative forms
+    resolved, and module names written as strings (``importlib``)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    module = _module_name(path, package)
+    here = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    root = package.parent
+    found = []
+
+    def is_module(name: str) -> bool:
+        target = root.joinpath(*name.split("."))
+        return target.with_suffix(".py").is_file() or (target / "__init__.py").is_file()
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names if alias.name.split(".")[0] == "flashdmoe"]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = here.split(".")[: len(here.split(".")) - (node.level - 1)]
+                source = ".".join(base + ([node.module] if node.module else []))
+            else:
+                source = node.module or ""
+            if source.split(".")[0] != "flashdmoe":
+                continue
+            for alias in node.names:
+                found.append((node.lineno, f"{source}.{alias.name}" if is_module(f"{source}.{alias.name}") else source))
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("flashdmoe."):
+            name = node.value.split(":")[0]
+            if is_module(name):
+                found.append((node.lineno, name))
+    return sorted(set(found))
+
+
+def test_the_package_scan_resolves_every_form(tmp_path):
+    """package_imports on a module written to import the package in each way it looks for."""
+    root = tmp_path / "flashdmoe"
+    for folder in ("kernel", "parallel"):
+        (root / folder).mkdir(parents=True)
+        (root / folder / "__init__.py").write_text("")
+    for name in ("kernel/extension.py", "parallel/team.py", "api.py", "errors.py"):
+        (root / name).write_text("")
+    source = root / "kernel" / "sample.py"
+    source.write_text(
+        "from flashdmoe.kernel import extension\n"
+        "from flashdmoe import errors, api\n"
+        "def later():\n"
+        "    from ..parallel.team import Team\n"
+        "    from . import extension\n"
+        "    import importlib\n"
+        "    return importlib.import_module('flashdmoe.api')\n"
+    )
+    assert package_imports(source, root) == [(1, "flashdmoe.kernel.extension"), (2, "flashdmoe.api"),
+                                             (2, "flashdmoe.errors"), (4, "flashdmoe.parallel.team"),
+                                             (5, "flashdmoe.kernel.extension"), (7, "flashdmoe.api")]
+
+
+def test_lower_layers_import_nothing_above_them():
+    offending = []
+    for folder, allowed in LAYERS.items():
+        files = sorted((PACKAGE / folder).glob("*.py"))
+        assert files, f"flashdmoe/{folder}/ has no modules"
+        for path in files:
+            for line, name in package_imports(path):
+                if not any(name == ok or name.startswith(ok + ".") for ok in allowed):
+                    offending.append(f"{path.relative_to(PACKAGE.parent).as_posix()}:{line}: imports {name}")
+    for path in (PACKAGE.parent / (name.replace(".", "/") + ".py") for name in BASE):
+        offending += [f"{path.relative_to(PACKAGE.parent).as_posix()}:{line}: imports {name}"
+                      for line, name in package_imports(path) if name not in BASE]
+    assert not offending, "a layer imports one above it (docs/architecture.md):\n" + "\n".join(offending)

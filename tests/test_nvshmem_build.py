@@ -1,4 +1,4 @@
-"""The NVSHMEM transport module ``flashdmoe_nvshmem`` (flashdmoe.extension): where its sources and NVSHMEM
+"""The NVSHMEM transport module ``flashdmoe_nvshmem`` (flashdmoe.kernel.extension): where its sources and NVSHMEM
 come from, how it is compiled and linked (relocatable device code, libnvshmem_device, the wheel's host
 library), and that ``flashdmoe_cuda``'s build does not change.
 
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from build_checks import skip_or_fail
-from flashdmoe import extension
+from flashdmoe.kernel import extension
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 ARCH = "sm_90a"
@@ -99,7 +99,7 @@ def test_nvshmem_ninja_is_relocatable_and_links_nvshmem_after_the_objects(tmp_pa
 
 
 def test_transport_instances_come_from_the_variant_list():
-    from flashdmoe import expert_variants
+    from flashdmoe.kernel import expert_variants
 
     generated = dict(extension.collect_nvshmem_sources(REPO_ROOT / "csrc").generated)
     main = dict(extension.collect_sources(REPO_ROOT / "csrc").generated)
@@ -134,7 +134,7 @@ def test_transport_module_compiles_links_and_imports_without_nvshmem_running(tmp
     # The fused kernel's instances all publish through NvshmemTransport: each variant and dtype, inference
     # and training.
     kernels = [r for name, r in report.items() if "moe_forward_kernel" in name]
-    from flashdmoe import expert_variants
+    from flashdmoe.kernel import expert_variants
 
     # An inference instance per rank capacity, and a one-rank training instance except for fp32 (teams and
     # the backward carry 16-bit inputs).
@@ -146,7 +146,7 @@ def test_transport_module_compiles_links_and_imports_without_nvshmem_running(tmp
     # A fresh interpreter: the module imports with no GPU and no NVSHMEM initialised, and says so when
     # asked to bind its device state (the host library is the one found through the rpath).
     code = (
-        "import sys\nfrom flashdmoe.extension import import_extension\n"
+        "import sys\nfrom flashdmoe.kernel.extension import import_extension\n"
         "kernel = import_extension(sys.argv[1], 'flashdmoe_cuda')\n"  # the same .so holds both modules
         "assert 'tma-wgmma-128x256-4stage-prefetch' in kernel.expert_variants(), kernel.expert_variants()\n"
         "m = import_extension(sys.argv[1], 'flashdmoe_nvshmem')\n"

@@ -1,4 +1,4 @@
-"""The NVSHMEM transport's Python side (flashdmoe.nvshmem_transport): the per-team ``peer_transport`` option
+"""The NVSHMEM transport's Python side (flashdmoe.parallel.nvshmem_transport): the per-team ``peer_transport`` option
 and its resolution per peer (CPU), and the transport module's smoke run on the GPU (``gpu``: 2 and 4 rank
 processes under MPS through scripts/nvshmem_smoke.py; fails, not skips, without nvshmem4py or MPS there).
 """
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from flashdmoe import nvshmem_transport as nt
+from flashdmoe.parallel import nvshmem_transport as nt
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -48,7 +48,7 @@ def test_forced_p2p_without_a_pointer_and_missing_module_are_refused():
 
 
 def test_an_emulated_node_layout_puts_other_nodes_on_nvshmem():
-    from flashdmoe.team import same_node
+    from flashdmoe.parallel.team import same_node
 
     # 6 ranks as 3 nodes of 2: rank 3's node is {2, 3}
     pointers = [same_node(3, q, 2) for q in range(6)]
@@ -61,7 +61,7 @@ def test_an_emulated_node_layout_puts_other_nodes_on_nvshmem():
 def test_ranks_per_node_is_checked_before_nvshmem_starts():
     import torch
 
-    from flashdmoe.team import Team
+    from flashdmoe.parallel.team import Team
 
     with pytest.raises(ValueError, match=r"ranks_per_node=0: expected an integer >= 1"):
         Team.nvshmem(bytes(128), 0, 2, max_tokens=8, hidden=64, top_k=1, local_experts=1, dtype=torch.bfloat16,
@@ -132,7 +132,7 @@ def test_kernel_peer_table_maps_p2p_peers_and_stages_nvshmem_peers_in_own_buffer
 
 
 def test_kernel_build_is_read_from_the_environment(monkeypatch):
-    from flashdmoe import extension
+    from flashdmoe.kernel import extension
 
     monkeypatch.delenv("FLASHDMOE_KERNEL_BUILD", raising=False)
     assert extension.kernel_build() == "main"
@@ -158,7 +158,7 @@ def test_the_module_binds_to_one_open_team_and_is_released_at_close(monkeypatch)
         def finalize_device_state(self):
             self.calls.append(("finalize",))
 
-    from flashdmoe import extension
+    from flashdmoe.kernel import extension
 
     module = FakeModule()
     monkeypatch.setattr(extension, "load_nvshmem", lambda: module)

@@ -401,7 +401,7 @@ def mps_daemon():
     """The CUDA MPS control daemon (docs/design.md §6), module-scoped, so several ranks share one GPU as full
     NVSHMEM PEs. Its pipe/log directories go into this process's environment before any test here starts
     Ray (the embedded Ray's workers inherit them) and are also handed to the actors explicitly."""
-    from flashdmoe.mps import mps_available
+    from flashdmoe.parallel.mps import mps_available
 
     reason = mps_available()
     if reason:  # a GPU machine without MPS cannot run what these tests check: a failure, not a skip

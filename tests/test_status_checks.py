@@ -1,6 +1,6 @@
 """Launch reports and when the fused kernel's errors surface, on the CPU.
 
-The decoding is checked on synthetic status blocks; the state machine of flashdmoe.status_checks runs
+The decoding is checked on synthetic status blocks; the state machine of flashdmoe.kernel.status_checks runs
 through the real cuda_backend.run_forward with the extension, its events and the CUDA stream calls
 replaced by tests/fake_cuda.py (the test decides when a launch's event completes and what its status
 block says). tests/test_async_status_gpu.py checks the same behaviour on the GPU.
@@ -18,9 +18,10 @@ import torch
 
 import flashdmoe
 from fake_cuda import STATUS_LAYOUT, fake_cuda, status_block, timeout_word
-from flashdmoe import api, cuda_backend, status_checks
-from flashdmoe.launch_report import ErrorKind, KernelError, LaunchReport, LaunchShape, StatusLayout, decode_rank
-from flashdmoe.team import BufferPlan, RankBuffers, Team, TeamFailed
+from flashdmoe import api, cuda_backend
+from flashdmoe.kernel import status_checks
+from flashdmoe.kernel.launch_report import ErrorKind, KernelError, LaunchReport, LaunchShape, StatusLayout, decode_rank
+from flashdmoe.parallel.team import BufferPlan, RankBuffers, Team, TeamFailed
 
 REPO = Path(__file__).resolve().parent.parent
 LAYOUT = StatusLayout.from_mapping(STATUS_LAYOUT)
@@ -456,7 +457,7 @@ def test_pool_zeroes_sync_words_only_when_a_launch_reaches_past_the_last_reset()
     """The kernel's exit resets only its own sync words; the rest of its share was scratch. The pool
     zeroes what a launch needs that the previous launch on the buffer did not reset, and nothing in a
     steady loop."""
-    from flashdmoe.workspace_pool import WorkspacePool
+    from flashdmoe.kernel.workspace_pool import WorkspacePool
 
     pool = WorkspacePool()
     device = torch.device("cpu")
@@ -697,10 +698,11 @@ class _BackwardExtension:
 
 @pytest.mark.parametrize("fail", [False, True], ids=["launched", "raising"])
 def test_fused_backward_launch_is_recorded_on_its_status_slot(fake, monkeypatch, fail):
-    """flashdmoe.fused_backward.launch (GPU-only otherwise): the status slot's address reaches the kernel's
+    """flashdmoe.backward.fused_backward.launch (GPU-only otherwise): the status slot's address reaches the kernel's
     arguments, the launch is recorded as a backward (last_report stays the forward's) and checked like a
     forward; a launch that raises hands its slot back and records nothing."""
-    from flashdmoe import extension, fused_backward
+    from flashdmoe.kernel import extension
+    from flashdmoe.backward import fused_backward
 
     ext, _, _ = fake
     backward_ext = _BackwardExtension(ext, RuntimeError("launching fused_backward_kernel: boom") if fail else None)
@@ -735,9 +737,9 @@ def test_fused_backward_launch_is_recorded_on_its_status_slot(fake, monkeypatch,
 
 
 def test_team_backward_row_exchange_launch_is_recorded(fake, monkeypatch):
-    """flashdmoe.ep_backward's launch of the row exchange (GPU-only otherwise): every rank's sync words and
+    """flashdmoe.backward.ep_backward's launch of the row exchange (GPU-only otherwise): every rank's sync words and
     status block at their pitch, one report over the ranks, recorded against the team."""
-    from flashdmoe import ep_backward
+    from flashdmoe.backward import ep_backward
 
     ext, _, _ = fake
     backward_ext = _BackwardExtension(ext)

@@ -1,4 +1,4 @@
-"""flashdmoe.team: buffer plans, batch checks, team lifecycle and argument validation (CPU); emulated
+"""flashdmoe.parallel.team: buffer plans, batch checks, team lifecycle and argument validation (CPU); emulated
 teams' buffers and peer tables (GPU). The multi-process NVSHMEM team is exercised in
 tests/test_ep_multiprocess.py."""
 
@@ -9,9 +9,9 @@ import importlib.util
 import pytest
 import torch
 
-from flashdmoe import team as team_module
-from flashdmoe.mps import MpsDaemon, mps_available
-from flashdmoe.team import MAX_RANKS, BufferPlan, Team, TeamFailed, mps_thread_percentage, plan_for
+from flashdmoe.parallel import team as team_module
+from flashdmoe.parallel.mps import MpsDaemon, mps_available
+from flashdmoe.parallel.team import MAX_RANKS, BufferPlan, Team, TeamFailed, mps_thread_percentage, plan_for
 
 UID = bytes(range(128))
 

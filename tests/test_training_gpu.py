@@ -25,7 +25,7 @@ import torch
 import flashdmoe
 from conftest import next_seed
 from flashdmoe import numerics, reference
-from flashdmoe.team import Team, TeamFailed
+from flashdmoe.parallel.team import Team, TeamFailed
 from grad_checks import (GradConfig, Sizes, assert_dropped_tokens_get_no_dx, assert_idle_experts_get_no_weight_gradient,
                          check_config, check_routing, draw_config, make_problem, router_error,
                          router_gradient_magnitude, run_public)
@@ -46,7 +46,8 @@ def fused():
         pytest.skip("no CUDA device")
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("fused kernel targets Hopper (sm_90a)")
-    from flashdmoe import cuda_backend, extension
+    from flashdmoe import cuda_backend
+    from flashdmoe.kernel import extension
 
     extension.load()  # a build failure on Hopper is a test failure, not a skip
     cuda_backend.debug.poison_outputs = True
@@ -291,7 +292,7 @@ def test_emulated_backward_moves_rows_by_the_exchange(fused, P, tokens):
     """An emulated team's backward runs on the device exchange (every rank of a direction in one launch):
     gradients against the float64 oracle and bytes moved between ranks both ways; with
     FLASHDMOE_TEAM_BACKWARD=torch (each rank's expert_backward) the oracle's gradients too."""
-    from flashdmoe import ep_backward
+    from flashdmoe.backward import ep_backward
 
     config, xs, router_weight, w1s, w2s, dys = emulated_problem(P, tokens, 128, 128, 2, 2, "gelu", True, None, 0.0,
                                                                 torch.bfloat16)

@@ -1,4 +1,4 @@
-"""The expert-variant table (flashdmoe/expert_variants.py) is the one source of the variants: the C++ it
+"""The expert-variant table (flashdmoe/kernel/expert_variants.py) is the one source of the variants: the C++ it
 generates dispatches exactly its variants, ids and dtypes, and csrc/ names none of its own (CPU only).
 The built module's list is checked against the table by tests/test_extension.py's compile check."""
 
@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from flashdmoe import cuda_backend, expert_variants
-from flashdmoe.expert_variants import EXPERT_VARIANTS, VARIANTS, ExpertVariant
+from flashdmoe import cuda_backend
+from flashdmoe.kernel import expert_variants
+from flashdmoe.kernel.expert_variants import EXPERT_VARIANTS, VARIANTS, ExpertVariant
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 ELEMENTS = {"__nv_bfloat16": "bf16", "__half": "fp16", "float": "fp32"}

@@ -55,7 +55,7 @@ def fresh_cache():
 @pytest.fixture
 def fused():
     """The fused kernel (Hopper), with errors reported asynchronously (the default) during the test."""
-    from flashdmoe import extension
+    from flashdmoe.kernel import extension
 
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("fused kernel targets Hopper (sm_90a)")

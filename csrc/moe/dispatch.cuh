@@ -15,7 +15,7 @@ __device__ inline void publish_counts(const MoEParams& p) {
   if (block_in_rank(p) != 0 || p.silent || p.world_size == 1) return;
   const int P = p.world_size, L = p.local_experts;
   // Our own experts' counts too, into our own words: with them the words hold every source's counts once
-  // the launch ends, which a team's backward reads (flashdmoe/ep_backward.py).
+  // the launch ends, which a team's backward reads (flashdmoe/backward/ep_backward.py).
   for (int i = threadIdx.x; i < P * L; i += kThreads) {
     const int owner = i / L, local = i % L;
     p.peers[owner].signals[signal_count(L, p.rank, local)] = static_cast<uint32_t>(__ldcg(p.expert_kept + i));

@@ -1,7 +1,7 @@
 // (dtype, expert variant) dispatch and the shape rules of the fused forward.
 #include <algorithm>
 #include <stdexcept>
-#include "generated/expert_variants.h"  // written by the builder from flashdmoe/expert_variants.py
+#include "generated/expert_variants.h"  // written by the builder from flashdmoe/kernel/expert_variants.py
 #include "moe/launch.h"
 #include "moe/tile_config.cuh"
 

@@ -115,7 +115,7 @@ LaunchInfo launch_prepared(PreparedLaunch& prepared, const uintptr_t* addresses,
                            void* status_host, cudaStream_t stream);
 KernelAttributes kernel_attributes(DType dtype, int expert_variant);
 
-// The expert variants' names in id order (the table in flashdmoe/expert_variants.py, as compiled).
+// The expert variants' names in id order (the table in flashdmoe/kernel/expert_variants.py, as compiled).
 std::vector<std::string> expert_variant_names();
 
 // One (dtype, expert variant, rank capacity) instance, explicitly instantiated in the build folder's

@@ -77,7 +77,7 @@ enum TrafficWord : int {
 // A rank's status words (error word, phase clock, traffic counters, status flags) lead its workspace in
 // one kStatusBytes block, part of the sync words: the rank's last block to exit writes the block into
 // the launch's pinned host slot and zeroes the sync words for the next launch (finish_launch,
-// common/sync.cuh); the host decodes the slot by these offsets (flashdmoe/launch_report.py reads them
+// common/sync.cuh); the host decodes the slot by these offsets (flashdmoe/kernel/launch_report.py reads them
 // from the extension).
 constexpr size_t kStatusBytes = 128;
 constexpr size_t kStatusErrorWord = 0;                                        // u64

@@ -73,7 +73,7 @@ constexpr int kWarpStagingBytes = 16 * 128;
 
 // Expert GEMM variants, chosen at launch: the MMA instruction family and operand feed, the tile width,
 // the pipeline depth, and the blocks per SM the register budget is cut for. Which ones are compiled, for
-// which dtypes and under which id is flashdmoe/expert_variants.py's table alone: the builder generates
+// which dtypes and under which id is flashdmoe/kernel/expert_variants.py's table alone: the builder generates
 // their instances and the id -> instance dispatch (generated/expert_variants.h).
 // WgmmaTmaPrefetch (the default): wgmma, operands loaded by TMA from a producer warp (warp-specialised,
 // mbarrier pipeline) that streams across tile boundaries (moe/expert_pipeline.cuh).

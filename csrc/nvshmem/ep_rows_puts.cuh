@@ -1,6 +1,6 @@
 // EpPuts: the backward exchange's publication policy in the NVSHMEM build (backward/ep_rows.cuh). A peer
 // marked as an NVSHMEM peer in the table (this rank's own signal words in its entry, as for the forward:
-// flashdmoe.nvshmem_transport.kernel_peer_table) gets its data staged in this rank's symmetric memory
+// flashdmoe.parallel.nvshmem_transport.kernel_peer_table) gets its data staged in this rank's symmetric memory
 // (EpStage) and sent by puts once the stage is complete; its words and flags go through NVSHMEM's atomic
 // and scalar puts. Peers with a load/store pointer keep EpStores' stores, so a team may mix both.
 //

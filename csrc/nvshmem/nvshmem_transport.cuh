@@ -3,7 +3,7 @@
 //
 // The host marks an NVSHMEM peer q in the peer table with this rank's own `signals` pointer (never a
 // mapping's address) and points its `recv` / `comb` entries at this rank's own symmetric buffers
-// (flashdmoe.nvshmem_transport.kernel_peer_table), so the kernel's unchanged stores stage the data
+// (flashdmoe.parallel.nvshmem_transport.kernel_peer_table), so the kernel's unchanged stores stage the data
 // locally, in regions whose later contents are not needed yet:
 //   rows for q      -> own comb region [q] (q's results for this rank arrive there only after q got the rows)
 //   results for q   -> own recv region [q] (q's input rows there are dead once GEMM1 of their tile is done,

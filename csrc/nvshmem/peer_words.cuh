@@ -1,7 +1,7 @@
 // How a rank reaches one peer's signal words in the NVSHMEM build, shared by the forward's transport
 // (nvshmem_transport.cuh) and the backward exchange's (ep_rows_puts.cuh). Both kernels' parameters hold
 // the same peer table (`peers[q].signals`, `rank`); the host marks a peer reached by puts with this
-// rank's own signal words in its entry (flashdmoe.nvshmem_transport.kernel_peer_table), so a word for
+// rank's own signal words in its entry (flashdmoe.parallel.nvshmem_transport.kernel_peer_table), so a word for
 // such a peer is addressed in this rank's own (symmetric) signals and put, and any other peer's is stored.
 #pragma once
 #include <nvshmem.h>

@@ -42,7 +42,7 @@ from flashdmoe.bench.results import BenchShape, ConfigResult, EntryResult, Suite
 from flashdmoe.bench.suite import Suite, SuiteOptions
 from flashdmoe.bench.timing import cache_bytes, input_sets_for_cache, measure
 from flashdmoe.bench.workload import torch_dtype
-from flashdmoe.mps import MpsDaemon, mps_available
+from flashdmoe.parallel.mps import MpsDaemon, mps_available
 from flashdmoe.ranks import Problem, nvshmem_unavailable_reason, run_ranks, scenarios, split_tokens
 
 SUITE_NAME = "expert-parallel"
@@ -140,7 +140,7 @@ def _unavailable(spec: EntrySpec, reason: str) -> EntryResult:
 def _nvshmem_build_reason() -> str | None:
     """Why the NVSHMEM build cannot serve the nvshmem entries here, or ``None`` once it is built (here, so
     that no rank process builds it inside its timed run)."""
-    from flashdmoe import extension
+    from flashdmoe.kernel import extension
 
     reason = extension.nvshmem_problem()
     if reason:
@@ -270,7 +270,7 @@ def _in_process_entry(spec: EntrySpec, shape: BenchShape, input_sets: list[MoEIn
             forward = getattr(flashdmoe, "moe_expert_parallel", None)
             if forward is None:
                 return _unavailable(spec, "flashdmoe.moe_expert_parallel is not in this build")
-            from flashdmoe.team import Team
+            from flashdmoe.parallel.team import Team
 
             P = spec.world_size
             splits = split_tokens(shape.tokens, P)

@@ -9,7 +9,7 @@ with ``one_gpu_per_rank=True``; every configuration runs twice, on the same seed
 (:class:`flashdmoe.ranks.Problem`: ``T`` tokens per GPU on each of ``P`` ranks, ``E`` experts, rank
 ``r`` owning ``[r E/P, (r + 1) E/P)``):
 
-* ``fused`` -- :meth:`Team.nvshmem <flashdmoe.team.Team.nvshmem>` and ``flashdmoe.moe(..., team=team,
+* ``fused`` -- :meth:`Team.nvshmem <flashdmoe.parallel.team.Team.nvshmem>` and ``flashdmoe.moe(..., team=team,
   backend="cuda")`` (:func:`flashdmoe.bench.rank_scenarios.checked_fused_forwards`): forwards timed back to
   back with CUDA events through the public API; bytes sent and payload efficiency
   from ``flashdmoe.last_report().traffic()`` of one forward;

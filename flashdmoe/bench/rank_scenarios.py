@@ -99,7 +99,7 @@ def timed_training_steps(context: RankContext) -> ScenarioOutput:
     ``forward_ms``, ``backward_ms``, ``step_ms`` (medians), ``backward`` (the path asked for) and tensors
     ``dx``, ``d_router``, ``dw1``, ``dw2`` of the last step (for comparing the two paths).
     """
-    from flashdmoe.launch_knobs import debug
+    from flashdmoe.kernel.launch_knobs import debug
 
     problem = Problem.from_dict(context.params["problem"])
     warmup = int(context.params.get("warmup", 3))

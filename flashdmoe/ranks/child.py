@@ -2,10 +2,10 @@
 :func:`flashdmoe.ranks.launcher.run_ranks`).
 
 With an NVSHMEM team (the spec's ``nvshmem``): the rank loads the CUDA extension, then rank 0 makes the
-unique id (:meth:`flashdmoe.team.Team.make_unique_id`: only a process with nvshmem can) and publishes it in
+unique id (:meth:`flashdmoe.parallel.team.Team.make_unique_id`: only a process with nvshmem can) and publishes it in
 the run directory by an atomic rename; the other ranks poll for it (bounded wait, then a clear error; they
 stop early when rank 0 reports a failure). Every rank joins the team (:meth:`Team.nvshmem
-<flashdmoe.team.Team.nvshmem>`) and meets the others at a barrier. Without a team the ids are random bytes
+<flashdmoe.parallel.team.Team.nvshmem>`) and meets the others at a barrier. Without a team the ids are random bytes
 handed over the same way (so the hand-over itself is tested on a CPU machine).
 
 Then the rank calls its scenario, a function ``(RankContext) -> ScenarioOutput | dict`` named
@@ -31,7 +31,7 @@ import torch
 
 from flashdmoe.ranks.problem import DTYPES
 from flashdmoe.ranks.workdir import SPEC_VERSION, UID_FILE, RankFiles, read_json, write_bytes, write_json
-from flashdmoe.team import UNIQUE_ID_BYTES
+from flashdmoe.parallel.team import UNIQUE_ID_BYTES
 
 __all__ = [
     "MULTICAST_OFF_ENV",
@@ -55,7 +55,7 @@ class RankContext:
     """What a scenario function receives in a rank process.
 
     rank / world_size: this process's rank of ``P``; params: the scenario's JSON parameters; team: the
-    :class:`flashdmoe.team.Team` (``None`` when the run has no NVSHMEM team); device: the CUDA device
+    :class:`flashdmoe.parallel.team.Team` (``None`` when the run has no NVSHMEM team); device: the CUDA device
     (``None`` without a team); workdir: the run directory; spec: the whole spec; uid: the unique id rank 0
     published.
     """
@@ -141,8 +141,8 @@ def resolve_scenario(target: str) -> Callable[[RankContext], Any]:
 
 
 def _join_team(context: RankContext, spec: dict[str, Any], uid_timeout_s: float):
-    from flashdmoe import extension
-    from flashdmoe.team import Team
+    from flashdmoe.kernel import extension
+    from flashdmoe.parallel.team import Team
 
     context.device = torch.device("cuda", int(spec.get("device", 0)))
     torch.cuda.set_device(context.device)

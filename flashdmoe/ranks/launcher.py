@@ -2,7 +2,7 @@
 collects what each did.
 
 It never touches CUDA itself, so it may run before or beside other GPU work. Unless given a daemon or told
-not to, it starts a CUDA MPS control daemon (:class:`flashdmoe.mps.MpsDaemon`) so that several ranks share
+not to, it starts a CUDA MPS control daemon (:class:`flashdmoe.parallel.mps.MpsDaemon`) so that several ranks share
 one GPU, each with ``100 // P`` percent of its SMs (so every rank's persistent kernel is resident at once);
 with ``one_gpu_per_rank`` it runs one process per GPU without MPS. It writes one spec per rank into a fresh
 run directory (:mod:`flashdmoe.ranks.workdir`) and starts::
@@ -37,7 +37,7 @@ from flashdmoe.ranks.child import MULTICAST_OFF_ENV
 from flashdmoe.ranks.problem import DTYPES, Problem
 from flashdmoe.ranks.scenarios import SCENARIOS
 from flashdmoe.ranks.workdir import SPEC_VERSION, RankFiles, read_json
-from flashdmoe.team import MAX_RANKS
+from flashdmoe.parallel.team import MAX_RANKS
 
 __all__ = ["RankOutcome", "RanksFailed", "RunResult", "nvshmem_unavailable_reason", "run_ranks", "scenario_target"]
 
@@ -264,10 +264,10 @@ def run_ranks(
             returning a :class:`~flashdmoe.ranks.child.ScenarioOutput` or a dict of JSON-able info).
         world_size: ``P`` processes, 1 to ``MAX_RANKS``.
         params: JSON-able scenario parameters.
-        team: sizes for :meth:`Team.nvshmem <flashdmoe.team.Team.nvshmem>` (``max_tokens``, ``hidden``,
+        team: sizes for :meth:`Team.nvshmem <flashdmoe.parallel.team.Team.nvshmem>` (``max_tokens``, ``hidden``,
             ``top_k``, ``local_experts``, ``dtype`` by name); default: ``Problem(**params["problem"]).team_kwargs()``.
         nvshmem: False runs the scenario with no team (and no GPU set-up): ``selftest``.
-        mps: True starts (and stops) an MPS daemon for this run; an :class:`~flashdmoe.mps.MpsDaemon`
+        mps: True starts (and stops) an MPS daemon for this run; an :class:`~flashdmoe.parallel.mps.MpsDaemon`
             already started is used as is; False/None runs without MPS (one GPU per process, or CPU only).
         timeout_s: the whole run's limit; ranks still running then are killed and reported as hung.
         uid_timeout_s: how long ranks 1.. wait for rank 0's unique id.
@@ -296,7 +296,7 @@ def run_ranks(
     if one_gpu_per_rank and not (mps is False or mps is None):
         raise ValueError("mps: one_gpu_per_rank=True runs one process per GPU without MPS; pass mps=False")
     if not (mps is True or mps is False or mps is None or hasattr(mps, "client_env")):
-        raise ValueError(f"mps={mps!r}: expected True, False/None or a started flashdmoe.mps.MpsDaemon")
+        raise ValueError(f"mps={mps!r}: expected True, False/None or a started flashdmoe.parallel.mps.MpsDaemon")
     params = dict(params or {})
     try:
         json.dumps(params)
@@ -315,7 +315,7 @@ def run_ranks(
     try:
         with contextlib.ExitStack() as stack:
             if mps is True:
-                from flashdmoe.mps import MpsDaemon
+                from flashdmoe.parallel.mps import MpsDaemon
 
                 daemon = stack.enter_context(MpsDaemon())
             elif mps is False or mps is None:

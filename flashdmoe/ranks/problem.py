@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from flashdmoe import numerics, reference
-from flashdmoe.team import MAX_RANKS
+from flashdmoe.parallel.team import MAX_RANKS
 
 __all__ = [
     "DEFAULT_NEAR_TIE_GAP",
@@ -193,7 +193,7 @@ class Problem:
         return out
 
     def team_kwargs(self, max_tokens: int | None = None) -> dict[str, Any]:
-        """Keyword arguments of :meth:`flashdmoe.team.Team.nvshmem` / ``emulated`` for this problem
+        """Keyword arguments of :meth:`flashdmoe.parallel.team.Team.nvshmem` / ``emulated`` for this problem
         (``max_tokens`` defaults to the largest ``T_r``, at least 1); dtype given by name."""
         return {"max_tokens": max(1, max(self.tokens)) if max_tokens is None else max_tokens,
                 "hidden": self.hidden, "top_k": self.top_k, "local_experts": self.local_experts,

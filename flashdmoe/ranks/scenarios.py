@@ -56,7 +56,7 @@ def forward_backward(context: RankContext) -> ScenarioOutput:
     with zeros in the tensors), ``backward_path`` and ``backward_traffic`` (the last backward exchange's bytes
     per transport, None without one).
     """
-    from flashdmoe import ep_backward
+    from flashdmoe.backward import ep_backward
 
     problem = Problem.from_dict(context.params["problem"])
     iterations = int(context.params.get("iterations", 2))
@@ -102,10 +102,10 @@ def forward_backward(context: RankContext) -> ScenarioOutput:
 
 
 def backward_path(context: RankContext, x: torch.Tensor) -> str:
-    """Which backward this rank's team runs: ``"device"`` (:mod:`flashdmoe.ep_backward`) or ``"torch"``
-    (:mod:`flashdmoe.ep_peer`)."""
-    from flashdmoe import ep_backward
-    from flashdmoe.launch_knobs import debug
+    """Which backward this rank's team runs: ``"device"`` (:mod:`flashdmoe.backward.ep_backward`) or ``"torch"``
+    (:mod:`flashdmoe.parallel.ep_peer`)."""
+    from flashdmoe.backward import ep_backward
+    from flashdmoe.kernel.launch_knobs import debug
 
     return "device" if debug.team_backward != "torch" and not ep_backward.unsupported(context.team, x) else "torch"
 
@@ -224,8 +224,8 @@ def selftest(context: RankContext) -> ScenarioOutput:
 
 def forward_backward_transports(context: RankContext) -> ScenarioOutput:
     """:func:`forward_backward`, plus the team's ``peer_transports`` and the kernel build this process runs
-    (``flashdmoe.extension.kernel_build()``) in the info."""
-    from flashdmoe import extension
+    (``flashdmoe.kernel.extension.kernel_build()``) in the info."""
+    from flashdmoe.kernel import extension
 
     output = forward_backward(context)
     output.info["peer_transports"] = list(context.team.peer_transports)

@@ -6,7 +6,7 @@ Each process is one rank: it holds only its own tokens ``x [T_r, H]`` (``T_r`` m
 exactly what :func:`flashdmoe.reference.moe_expert_parallel` computes for all ranks in one process.
 
 The layer itself (gate, dispatch, experts, combine and their autograd) lives in
-:mod:`flashdmoe.ep_exchange`, written over an abstract exchange; this module supplies
+:mod:`flashdmoe.parallel.ep_exchange`, written over an abstract exchange; this module supplies
 :class:`GlooExchange`, whose collectives are ``torch.distributed`` calls:
 
 * ``all_to_all`` is one ``all_to_all_single`` with split sizes: gloo in torch >= 2.4 implements it for
@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from flashdmoe.ep_exchange import (
+from flashdmoe.parallel.ep_exchange import (
     TrafficCounter,
     agree_on_layer,
     check_fixed_routing,
@@ -44,7 +44,7 @@ _LAYER_FIELDS = ("hidden", "ffn", "experts", "top_k", "local_experts", "activati
 
 
 class GlooExchange:
-    """The exchange of :mod:`flashdmoe.ep_exchange` over a ``torch.distributed`` group (gloo, CPU tensors).
+    """The exchange of :mod:`flashdmoe.parallel.ep_exchange` over a ``torch.distributed`` group (gloo, CPU tensors).
 
     Args:
         group: the process group (``None``: the default group).

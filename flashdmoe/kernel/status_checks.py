@@ -47,7 +47,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from flashdmoe.launch_report import LaunchReport, StatusLayout, status_layout
+from flashdmoe.kernel.launch_report import LaunchReport, StatusLayout, status_layout
 
 __all__ = ["check_errors", "last_report", "set_sync_checks", "sync_checks", "synchronize"]
 
@@ -198,7 +198,7 @@ def sync_checks() -> bool:
 
 
 def last_report() -> LaunchReport | None:
-    """The :class:`flashdmoe.launch_report.LaunchReport` of the latest fused forward this thread ran
+    """The :class:`flashdmoe.kernel.launch_report.LaunchReport` of the latest fused forward this thread ran
     (``None`` before the first). Cheap: decoding happens when its fields are read."""
     return getattr(_state.local, "report", None)
 
@@ -214,7 +214,7 @@ def check_errors() -> None:
     CUDA-graph replays are checked by :func:`synchronize` only. Outside this function, errors surface at
     the next fused forward (launches that have finished by then), before a team's next use (waiting for its
     last launch), and at the call itself in debug mode (:func:`set_sync_checks`); see
-    :mod:`flashdmoe.status_checks`.
+    :mod:`flashdmoe.kernel.status_checks`.
     """
     _poll()
 
@@ -316,7 +316,7 @@ def record_launch(slot: _Slot, launch: Callable[..., tuple[int, int, int]], args
     extension (its status blocks go to that address) and returns its ``(grid, blocks_per_sm, smem_bytes)``.
     A launch that raises gives the slot back (``failed(error)`` first, where given). The report covers the
     slot's first ``len(shape.ranks)`` status blocks (``shape``: a
-    :class:`flashdmoe.launch_report.LaunchShape`); then :func:`launched` (``team``, ``routing`` and
+    :class:`flashdmoe.kernel.launch_report.LaunchShape`); then :func:`launched` (``team``, ``routing`` and
     ``forward`` as there and in :class:`LaunchReport`). A captured launch's slot belongs to its graph for
     good: never waited on, never given back."""
     try:

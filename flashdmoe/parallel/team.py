@@ -30,7 +30,7 @@ A team runs one forward at a time, in stream order: its buffers are shared by al
 A team that saw a kernel failure (timeout) is *failed*: its signal words are in an unknown state, so
 every later use raises; tear it down and make a new one. A forward does not wait for its kernel: the
 team's last launch is checked (waiting for it if needed) before the team's next use -- a forward, the
-backward, :meth:`Team.barrier` -- so a timeout still reaches every rank (flashdmoe/status_checks.py).
+backward, :meth:`Team.barrier` -- so a timeout still reaches every rank (flashdmoe/kernel/status_checks.py).
 
 Sequence numbers and CUDA graphs: each rank counts its forwards on the device
 (:attr:`Team.sequence_words`); a launch publishes count + 1 and its last block stores it back, so a CUDA
@@ -180,7 +180,7 @@ class RankBuffers:
     """One rank's symmetric buffers (uint8 / int32 tensors on its GPU) and the kernel's peer table: the
     addresses it writes peer q's buffers at (``peer_recv[q]``, ``peer_comb[q]``, ``peer_signals[q]``; for a
     peer reached through NVSHMEM, staging addresses in this rank's own buffers, see
-    :func:`flashdmoe.nvshmem_transport.kernel_peer_table`). ``mapped_recv[q]`` / ``mapped_comb[q]``: q's
+    :func:`flashdmoe.parallel.nvshmem_transport.kernel_peer_table`). ``mapped_recv[q]`` / ``mapped_comb[q]``: q's
     buffers as this rank maps them (load/store), ``None`` without a mapping (default: the peer table)."""
 
     recv: torch.Tensor
@@ -246,7 +246,8 @@ class Team:
         self.peer_transports: list[str] = ["p2p"] * world_size
         self.unique_id: bytes = b""  # NVSHMEM teams: the id the team was bootstrapped with
         self.ranks_per_node: int | None = None  # NVSHMEM teams: an emulated node layout (Team.nvshmem)
-        # NVSHMEM teams: the launch reports of the last backward exchange (flashdmoe.ep_backward.exchange_traffic).
+        # NVSHMEM teams: the launch reports of the last backward exchange
+        # (flashdmoe.backward.ep_backward.exchange_traffic).
         self.backward_reports: tuple = ()
 
     def __repr__(self) -> str:
@@ -301,7 +302,7 @@ class Team:
 
         ``uid_bytes``: the 128 bytes of :meth:`make_unique_id` from rank 0. Sizing arguments as in
         :meth:`emulated`. The buffers are allocated on the symmetric heap (collective too).
-        ``peer_transport``: how the kernel reaches each peer (:mod:`flashdmoe.nvshmem_transport`): "auto"
+        ``peer_transport``: how the kernel reaches each peer (:mod:`flashdmoe.parallel.nvshmem_transport`): "auto"
         (stores through a peer pointer where one exists, NVSHMEM puts elsewhere), "p2p" or "nvshmem"
         (forced for every peer). NVSHMEM puts need the process's kernel from the NVSHMEM build
         (``FLASHDMOE_KERNEL_BUILD=nvshmem``); the choice per peer is ``team.peer_transports``. Every rank
@@ -312,7 +313,7 @@ class Team:
         reaches it by NVSHMEM puts, "p2p" is refused), as across real nodes. Default ``None``: the topology
         decides.
         """
-        from flashdmoe import nvshmem_transport
+        from flashdmoe.parallel import nvshmem_transport
 
         peer_transport = nvshmem_transport.parse_peer_transport(peer_transport)
         if nvshmem_transport.kernel_build_problem() is None:
@@ -435,7 +436,7 @@ class Team:
         Checks the team's last forward first (waiting for it), like every use of the team."""
         self.require_usable()
         if self.unchecked_launch is not None:
-            from flashdmoe import status_checks
+            from flashdmoe.kernel import status_checks
 
             status_checks.settle_team(self)
         if self.transport == "nvshmem":
@@ -458,7 +459,7 @@ class Team:
             finally:
                 self.buffers = []
                 try:
-                    from flashdmoe import nvshmem_transport
+                    from flashdmoe.parallel import nvshmem_transport
 
                     nvshmem_transport.release(self)  # its finalize comes before nvshmem4py's
                 finally:

@@ -5,7 +5,7 @@ a collective: every rank calls it for every backward, in the same order. A peer 
 pointer (NVLink, or the same GPU under MPS) gets plain stores; a peer reached by NVSHMEM puts (another
 node, or ``peer_transport="nvshmem"``; the NVSHMEM kernel build) gets the same data staged in this rank's
 symmetric memory (the team's ``stage`` buffer, :attr:`BufferPlan.stage_bytes
-<flashdmoe.team.BufferPlan.stage_bytes>`) and put, at the same places, before the same flags
+<flashdmoe.parallel.team.BufferPlan.stage_bytes>`) and put, at the same places, before the same flags
 (``csrc/nvshmem/ep_rows_puts.cuh``). Per rank ``r`` (``docs/design.md`` §5):
 
 1. **Rows to the owners** (one launch of ``csrc/backward/ep_rows.cuh``): each kept choice ``(t, j)`` of
@@ -18,7 +18,7 @@ symmetric memory (the team's ``stage`` buffer, :attr:`BufferPlan.stage_bytes
    it into the source's place words, then lets the sources write. Each destination gets a flag with the
    backward's sequence number; the launch ends when every source's flag arrived.
 2. **The owner's experts** on the rows as they lie: recompute ``pre`` and run
-   :func:`flashdmoe.expert_backward.packed_row_grads` (grouped GEMMs, the element-wise kernel): ``dw1``,
+   :func:`flashdmoe.backward.expert_backward.packed_row_grads` (grouped GEMMs, the element-wise kernel): ``dw1``,
    ``dw2`` of ``r``'s experts, and per received row ``dx_row`` and the combine weight's gradient. The
    host queues this behind step 1 without waiting for it.
 3. **Gradients back** (the same kernel, other direction): each received row's ``dx_row`` into its source's
@@ -29,7 +29,7 @@ symmetric memory (the team's ``stage`` buffer, :attr:`BufferPlan.stage_bytes
 5. **The router's gradient** (the same kernel, third direction): each rank's float32 share of
    ``d_router`` into every peer's ``comb`` region, then every rank sums the ``P`` shares in rank order
    (bitwise the same on every rank) and rounds once. A share larger than one ``comb`` region goes
-   through :meth:`flashdmoe.ep_peer.PeerExchange.all_reduce_sum` instead.
+   through :meth:`flashdmoe.parallel.ep_peer.PeerExchange.all_reduce_sum` instead.
 
 Before writing into a peer's staging, a launch waits for that peer's "free" flag of the same sequence
 (raised by the peer's own launch of that direction, once its stream has finished reading the region).
@@ -54,13 +54,13 @@ from typing import NamedTuple
 
 import torch
 
-from flashdmoe import status_checks
-from flashdmoe.ep_peer import PeerExchange
-from flashdmoe.expert_backward import packed_row_grads, to_device_without_waiting
-from flashdmoe.kernel_codes import DTYPE_CODES
-from flashdmoe.launch_knobs import debug, timeout_ms
-from flashdmoe.launch_report import LaunchReport, LaunchShape, status_layout
-from flashdmoe.workspace_pool import WorkspacePool
+from flashdmoe.kernel import status_checks
+from flashdmoe.parallel.ep_peer import PeerExchange
+from flashdmoe.backward.expert_backward import packed_row_grads, to_device_without_waiting
+from flashdmoe.kernel.kernel_codes import DTYPE_CODES
+from flashdmoe.kernel.launch_knobs import debug, timeout_ms
+from flashdmoe.kernel.launch_report import LaunchReport, LaunchShape, status_layout
+from flashdmoe.kernel.workspace_pool import WorkspacePool
 
 __all__ = ["ForwardCounts", "OwnerLayout", "emulated_backward", "exchange_traffic", "forward_count_words",
            "owner_layout", "team_backward", "unsupported"]
@@ -81,7 +81,7 @@ def unsupported(team, x: torch.Tensor) -> str:
     if x.device.type != "cuda" or x.dtype not in (torch.bfloat16, torch.float16):
         return f"the device exchange takes bfloat16 / float16 on CUDA, not {x.dtype} on {x.device.type}"
     if transport == "emulated":
-        from flashdmoe import extension
+        from flashdmoe.kernel import extension
 
         return extension.unavailable_reason() or ""
     own = team.buffers[0]
@@ -90,7 +90,7 @@ def unsupported(team, x: torch.Tensor) -> str:
     missing += [q for q, address in enumerate(own.mapped_recv) if address is None and q not in missing + puts]
     if missing or len(own.mapped_signals) != team.world_size:
         return f"ranks {sorted(missing)} have no load/store pointer from rank {team.rank} and no NVSHMEM transport"
-    from flashdmoe import extension
+    from flashdmoe.kernel import extension
 
     if puts:
         if extension.kernel_build() != "nvshmem":
@@ -315,7 +315,7 @@ def emulated_backward(team, xs, router_weight: torch.Tensor, w1s, w2s, experts, 
 def _backward(team, locals_: list[_Local], router_weight: torch.Tensor, *, activation: str, normalize_topk: bool,
               needs) -> tuple[list, torch.Tensor | None, list, list]:
     """The steps of :func:`team_backward` for the ranks this process drives; returns lists over them."""
-    from flashdmoe import extension
+    from flashdmoe.kernel import extension
 
     ext = extension.loaded()
     plan, P = team.plan, team.world_size
@@ -452,7 +452,7 @@ def _sum_over_ranks(ext, team, ranks: list[dict], shares: list[torch.Tensor], ba
 
 
 def _grid_percent() -> int:
-    from flashdmoe.team import mps_thread_percentage
+    from flashdmoe.parallel.team import mps_thread_percentage
 
     percent = mps_thread_percentage()
     return 100 if percent is None else int(percent)

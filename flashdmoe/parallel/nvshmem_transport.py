@@ -1,6 +1,6 @@
 """The NVSHMEM device-API transport (docs/design.md, "Transport"): the per-team transport option and the
 ``flashdmoe_nvshmem`` module bound to the NVSHMEM instance a :meth:`Team.nvshmem
-<flashdmoe.team.Team.nvshmem>` started.
+<flashdmoe.parallel.team.Team.nvshmem>` started.
 
 A team reaches a peer either through a *peer pointer* (NVLink or the same GPU: plain stores, the ``p2p``
 transport) or through NVSHMEM's device API (puts with signals over whatever NVSHMEM's transports reach,
@@ -68,7 +68,7 @@ def resolve_peer_transports(option: str, has_peer_pointer: Sequence[bool], rank:
 
 def kernel_build_problem() -> str | None:
     """Why this process's kernel cannot publish through NVSHMEM (it imports the main build), or ``None``."""
-    from flashdmoe import extension
+    from flashdmoe.kernel import extension
 
     build = extension.kernel_build()
     if build == "nvshmem":
@@ -133,7 +133,7 @@ def release(team) -> None:
 
 def bound_module(team, *, verify: bool = True) -> types.ModuleType:
     """``flashdmoe_nvshmem`` (built on first use) with its device state bound to the NVSHMEM instance of
-    ``team`` (a :meth:`Team.nvshmem <flashdmoe.team.Team.nvshmem>` team: NVSHMEM initialised). Raises
+    ``team`` (a :meth:`Team.nvshmem <flashdmoe.parallel.team.Team.nvshmem>` team: NVSHMEM initialised). Raises
     ``BackendUnavailable`` when the module cannot be built or imported, ``RuntimeError`` when NVSHMEM is
     not initialised or the module is bound to another team (see :func:`require_unbound`). Collective: the
     binding is one more NVSHMEM initialisation with the team's unique id (docs/design.md §8), so every
@@ -143,7 +143,7 @@ def bound_module(team, *, verify: bool = True) -> types.ModuleType:
     global _bound, _bound_team
     with _bind_lock:
         if _bound is None:
-            from flashdmoe import extension
+            from flashdmoe.kernel import extension
 
             module = extension.load_nvshmem()
             if verify:

@@ -37,7 +37,7 @@ class DebugKnobs:
     # batches); off (FLASHDMOE_SMALL_TILE_EPILOGUE=0) leaves it to the warp holding the rows, for measurement.
     small_tile_epilogue: bool = os.environ.get("FLASHDMOE_SMALL_TILE_EPILOGUE", "1") != "0"
     # An NVSHMEM team's backward: "auto" (the device exchange where every peer has a load/store pointer,
-    # flashdmoe.ep_backward) or "torch" (flashdmoe.ep_peer's torch ops, forced for measurement:
+    # flashdmoe.backward.ep_backward) or "torch" (flashdmoe.parallel.ep_peer's torch ops, forced for measurement:
     # FLASHDMOE_TEAM_BACKWARD=torch).
     team_backward: str = os.environ.get("FLASHDMOE_TEAM_BACKWARD", "auto")
     # The backward's gemm="auto" takes the fused launch up to this many routed rows per expert on average

@@ -7,11 +7,11 @@ as per-tile partials summed in column order), ``dx_rows = dpre W1^T``, and the w
 ``dW2 = wh^T dy_rows`` and ``dW1 = x_rows^T dpre`` over each expert's rows. Deterministic: no float
 atomics, every output element written once, every sum in a fixed order. The router's gradient and the
 sum of a token's ``k`` rows of ``dx`` follow in the extension's small kernels
-(:func:`flashdmoe.expert_backward.expert_backward`).
+(:func:`flashdmoe.backward.expert_backward.expert_backward`).
 
 Errors (a stuck block: the watchdog) are reported like a forward's: the kernel's last block writes the
 status block into a pinned slot, checked at the next launch, :func:`flashdmoe.check_errors` or
-:func:`flashdmoe.synchronize` (:mod:`flashdmoe.status_checks`); nothing waits on the host, so the
+:func:`flashdmoe.synchronize` (:mod:`flashdmoe.kernel.status_checks`); nothing waits on the host, so the
 backward can be captured in a CUDA graph. The sync words come from a pool per (device, stream), zero
 at each launch (the kernel's exit resets them); a capture zeroes its own inside the graph.
 """
@@ -23,11 +23,11 @@ from typing import NamedTuple
 
 import torch
 
-from flashdmoe import status_checks
-from flashdmoe.kernel_codes import ACTIVATION_CODES, DTYPE_CODES
-from flashdmoe.launch_knobs import debug, timeout_ms
-from flashdmoe.launch_report import LaunchShape
-from flashdmoe.workspace_pool import WorkspacePool
+from flashdmoe.kernel import status_checks
+from flashdmoe.kernel.kernel_codes import ACTIVATION_CODES, DTYPE_CODES
+from flashdmoe.kernel.launch_knobs import debug, timeout_ms
+from flashdmoe.kernel.launch_report import LaunchShape
+from flashdmoe.kernel.workspace_pool import WorkspacePool
 
 __all__ = ["FusedGrads", "launch", "unsupported"]
 
@@ -56,7 +56,7 @@ def unsupported(dtype: torch.dtype, device: torch.device, tokens: int, hidden: i
         return f"the fused backward takes bfloat16 and float16, not {dtype}"
     if torch.cuda.get_device_capability(device)[0] != 9:
         return "the fused backward needs Hopper (wgmma, TMA)"
-    from flashdmoe import extension
+    from flashdmoe.kernel import extension
 
     why = extension.unavailable_reason()
     if why:
@@ -77,9 +77,9 @@ def launch(x: torch.Tensor, dy: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor
     x, dy ``[T, H]``; w1 ``[E, H, I or 2I]``; w2 ``[E, I, H]``; pre ``[>= kept rows, I or 2I]`` (the
     forward's saved pre-activations by packed row); all one 16-bit dtype, contiguous. expert32, row32
     ``[T, k]`` int32 and weight32 ``[T, k]`` float32: the forward's routing. The caller checked shapes,
-    dtypes and devices (:func:`flashdmoe.expert_backward.expert_backward`) and ``T > 0``.
+    dtypes and devices (:func:`flashdmoe.backward.expert_backward.expert_backward`) and ``T > 0``.
     """
-    from flashdmoe import extension
+    from flashdmoe.kernel import extension
 
     ext = extension.loaded()
     tokens, hidden = x.shape

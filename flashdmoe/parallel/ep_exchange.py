@@ -24,8 +24,8 @@ The exchange is any object with ``rank``, ``world_size``, ``device``, ``traffic`
 * ``all_reduce_sum(tensor)``: the element-wise sum over ranks of ``tensor`` (same shape and dtype on every
   rank), identical on every rank; returns a new tensor of ``tensor``'s shape and dtype.
 
-:class:`flashdmoe.ep_gloo.GlooExchange` (``torch.distributed``) and
-:class:`flashdmoe.ep_peer.PeerExchange` (writes into NVSHMEM peers' symmetric memory) implement it.
+:class:`flashdmoe.parallel.ep_gloo.GlooExchange` (``torch.distributed``) and
+:class:`flashdmoe.parallel.ep_peer.PeerExchange` (writes into NVSHMEM peers' symmetric memory) implement it.
 
 Autograd: the dispatch + expert compute + combine is one :class:`torch.autograd.Function` whose backward
 sends the output gradients to the expert owners (same splits as the dispatch), differentiates the local

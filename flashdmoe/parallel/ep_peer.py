@@ -1,10 +1,10 @@
 """The unfused backward of the fused kernel across NVSHMEM ranks: the expert-parallel layer recomputed with
 torch ops on the forward's fixed routing, its rows exchanged by writes into peers' symmetric memory. The
-fused backend takes it only where :mod:`flashdmoe.ep_backward` (the GPU backward with the rows moved by a
+fused backend takes it only where :mod:`flashdmoe.backward.ep_backward` (the GPU backward with the rows moved by a
 kernel) does not run: a peer reachable only by NVSHMEM puts, or ``FLASHDMOE_TEAM_BACKWARD=torch``.
 
-:class:`PeerExchange` implements the exchange of :mod:`flashdmoe.ep_exchange` over a
-:meth:`flashdmoe.team.Team.nvshmem` team (one process per rank):
+:class:`PeerExchange` implements the exchange of :mod:`flashdmoe.parallel.ep_exchange` over a
+:meth:`flashdmoe.parallel.team.Team.nvshmem` team (one process per rank):
 
 * **Staging** is the team's symmetric ``recv`` buffer followed by its ``comb`` buffer (uint8, each
   ``P * stream_rows * H * elt`` bytes, ``elt`` the token dtype's size). Each buffer is ``P`` equal regions;
@@ -37,7 +37,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from flashdmoe import reference
-from flashdmoe.ep_exchange import (
+from flashdmoe.parallel.ep_exchange import (
     TrafficCounter,
     agree_on_layer,
     check_fixed_routing,
@@ -67,7 +67,7 @@ def _check_splits(name: str, splits, world_size: int) -> list[int]:
 
 
 class PeerExchange:
-    """The exchange of :mod:`flashdmoe.ep_exchange` by writes into peers' memory (see the module docstring).
+    """The exchange of :mod:`flashdmoe.parallel.ep_exchange` by writes into peers' memory (see the module docstring).
 
     Args:
         rank: this rank, ``0 <= rank < world_size``.
@@ -125,7 +125,8 @@ class PeerExchange:
         """
         for attribute in ("transport", "rank", "world_size", "buffers", "barrier", "require_usable"):
             if not hasattr(team, attribute):
-                raise ValueError(f"team: {type(team).__name__} has no {attribute!r}; expected a flashdmoe.team.Team")
+                raise ValueError(f"team: {type(team).__name__} has no {attribute!r}; expected a "
+                                 "flashdmoe.parallel.team.Team")
         team.require_usable()
         if team.transport == "single":
             return cls(0, 1, [[]], team.barrier, traffic=traffic)
@@ -145,7 +146,7 @@ class PeerExchange:
                     raise RuntimeError(
                         f"rank {team.rank}: rank {q} is reached by NVSHMEM puts only (no load/store mapping of "
                         "its buffers, as across nodes); the torch-ops backward needs every peer mapped (NVLink "
-                        "or the same GPU). The device exchange (flashdmoe.ep_backward, the NVSHMEM kernel "
+                        "or the same GPU). The device exchange (flashdmoe.backward.ep_backward, the NVSHMEM kernel "
                         "build, bf16/fp16) reaches such peers")
                 views = [_peer_tensor(own.recv, q), _peer_tensor(own.comb, q)]
                 if any(v is None for v in views) or [v.data_ptr() for v in views] != expected:
@@ -320,7 +321,7 @@ def expert_parallel_backward(team, x: torch.Tensor, router_weight: torch.Tensor,
     :func:`flashdmoe.reference.moe_fixed_routing` with all experts on one rank.
 
     Args:
-        team: a :meth:`flashdmoe.team.Team.nvshmem` team (this process's rank), or ``Team.single()``.
+        team: a :meth:`flashdmoe.parallel.team.Team.nvshmem` team (this process's rank), or ``Team.single()``.
             Its ``recv`` and ``comb`` buffers are overwritten (staging).
         x: ``[T, H]`` this rank's tokens, ``T <= team.plan.max_tokens`` (0 allowed); float (bf16/fp16 on
             the GPU), contiguous.
@@ -344,7 +345,7 @@ def expert_parallel_backward(team, x: torch.Tensor, router_weight: torch.Tensor,
         ValueError: bad input naming the argument -- raised on *every* rank (each rank's checks are shared
             before any row moves), as are different layers on different ranks or messages too large for the
             team's buffers.
-        flashdmoe.team.TeamFailed: the team failed or was closed earlier. An error in the middle of the
+        flashdmoe.parallel.team.TeamFailed: the team failed or was closed earlier. An error in the middle of the
             exchanges marks the team failed (ranks may be out of step).
         RuntimeError: a peer is reached by NVSHMEM puts only (no mapping, as across nodes); raised before
             any exchange, on every rank of such a team.

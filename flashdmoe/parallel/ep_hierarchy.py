@@ -100,7 +100,7 @@ def hierarchical_moe(exchange, x: torch.Tensor, router_weight: torch.Tensor, w1:
                      ranks_per_node: int, traffic: HierarchyTraffic | None = None):
     """This rank's ``y [T, H]`` (compute dtype: float64 for float64 inputs, else float32) of the
     expert-parallel layer through the hierarchical exchange; a collective over ``exchange`` (every rank, the
-    same layer and ``ranks_per_node``). Inputs as :func:`flashdmoe.ep_gloo.expert_parallel_moe` (this rank's
+    same layer and ``ranks_per_node``). Inputs as :func:`flashdmoe.parallel.ep_gloo.expert_parallel_moe` (this rank's
     tokens, the replicated router, this rank's expert shard); capacity per (source rank, expert) as there.
     Returns ``(y, routing, keep)``."""
     P, rank, G = exchange.world_size, exchange.rank, ranks_per_node

@@ -3,7 +3,7 @@
 Every rank of a launch has a status block (``csrc/moe/params.cuh``: error word, phase clock, traffic
 counters, status flags) that the kernel's last block writes into pinned host memory as it exits; nothing
 waits for it. A :class:`LaunchReport` holds those bytes and decodes them when asked: the error and the
-non-finite flag when the launch is checked (:mod:`flashdmoe.status_checks`), the per-phase times and the
+non-finite flag when the launch is checked (:mod:`flashdmoe.kernel.status_checks`), the per-phase times and the
 bytes sent only when read, and the traffic against the routing (a GPU reduction) only in
 :meth:`LaunchReport.traffic`.
 
@@ -21,7 +21,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from flashdmoe import extension
+from flashdmoe.kernel import extension
 from flashdmoe.errors import KernelTimeout
 
 __all__ = ["ErrorKind", "KernelError", "LaunchReport", "LaunchShape", "PHASE_CLOCK_NAMES", "PHASE_NAMES", "RankStatus",
@@ -196,7 +196,7 @@ class LaunchReport:
         grid, blocks_per_sm, smem_bytes: the launch's grid, resident blocks per SM and dynamic shared
             memory per block.
         captured: the launch was recorded into a CUDA graph; the status then holds the last replay's.
-        checked: its status was checked (errors raised) by :mod:`flashdmoe.status_checks`.
+        checked: its status was checked (errors raised) by :mod:`flashdmoe.kernel.status_checks`.
         timeout_ms: the watchdog's limit for this launch.
 
     Reading the status (:attr:`statuses`, :attr:`error`, :attr:`phase_ms`, ...) waits for the launch if it

@@ -22,7 +22,7 @@ chosen probabilities and the softmax gives ``dlogits [T, E]``; ``d_router = dlog
 GEMM back ends (``gemm=``):
 
 * ``"fused"``: one persistent kernel launch for every expert GEMM, the element-wise step in the first
-  GEMM's epilogue (:mod:`flashdmoe.fused_backward`); it needs the forward's saved ``pre``, 16-bit inputs,
+  GEMM's epilogue (:mod:`flashdmoe.backward.fused_backward`); it needs the forward's saved ``pre``, 16-bit inputs,
   Hopper and the extension, ``H`` and ``I`` multiples of 64. ``g`` stays float32 into the epilogue
   (rounded nowhere), ``wh``, ``dpre`` and the per-row ``dx`` are rounded once as below.
 * ``"grouped_mm"``: ``torch._grouped_mm`` on the rows packed by expert (``offs`` = each expert's end row,
@@ -81,9 +81,9 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from flashdmoe import fused_backward
-from flashdmoe.kernel_codes import ACTIVATION_CODES, DTYPE_CODES
-from flashdmoe.launch_knobs import debug
+from flashdmoe.backward import fused_backward
+from flashdmoe.kernel.kernel_codes import ACTIVATION_CODES, DTYPE_CODES
+from flashdmoe.kernel.launch_knobs import debug
 from flashdmoe.reference import ACTIVATIONS, compute_dtype
 
 __all__ = ["expert_backward", "choose_gemm", "PackedRows", "packed_row_grads", "ELEMENTWISE_BACKENDS", "FUSED_MAX_ROWS_PER_EXPERT", "GEMM_BACKENDS",
@@ -299,7 +299,7 @@ def to_device_without_waiting(table: torch.Tensor, device: torch.device) -> torc
 
 class PackedRows:
     """Rows already packed by expert whose per-expert counts the host knows (``counts``: one int per expert;
-    :mod:`flashdmoe.ep_backward` reads them once per backward). The grouped GEMMs run as
+    :mod:`flashdmoe.backward.ep_backward` reads them once per backward). The grouped GEMMs run as
     ``torch._grouped_mm`` where it runs without a host synchronisation (:func:`grouped_mm_supported`), else
     one ``torch.mm`` per expert with rows (the counts are on the host, so slicing costs no synchronisation)."""
 
@@ -385,7 +385,7 @@ def elementwise_kernels_supported(dtype: torch.dtype, device: torch.device, hidd
         return f"the element-wise kernels take bfloat16 and float16, not {dtype}"
     if hidden % 8 or intermediate % 8:
         return f"the element-wise kernels need H and I to be multiples of 8 (got H={hidden}, I={intermediate})"
-    from flashdmoe import extension
+    from flashdmoe.kernel import extension
 
     return extension.unavailable_reason() or ""
 
@@ -400,7 +400,7 @@ def _elementwise_kernels(choice: str, dtype: torch.dtype, device: torch.device, 
         if choice == "cuda":
             raise ValueError(f"elementwise='cuda' cannot run here: {why}")
         return None
-    from flashdmoe import extension
+    from flashdmoe.kernel import extension
 
     return extension.loaded()
 
@@ -628,9 +628,9 @@ def _router_and_dx(kernels, x, router_weight, expert32, rows_of_tokens, dweight_
 
 
 def _fused(x, router_weight, w1, w2, expert, weight, row, dy, pre, activation, normalize_topk, needs):
-    """``gemm="fused"``: the expert GEMMs in one launch (:mod:`flashdmoe.fused_backward`), then the router's
+    """``gemm="fused"``: the expert GEMMs in one launch (:mod:`flashdmoe.backward.fused_backward`), then the router's
     gradient and the sum of a token's rows (:func:`_router_and_dx`)."""
-    from flashdmoe import extension
+    from flashdmoe.kernel import extension
 
     need_dx, need_router, need_dw1, need_dw2 = needs
     kernels = extension.loaded()
