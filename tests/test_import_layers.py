@@ -9,6 +9,7 @@
   imports only itself and the base modules (errors, numerics, the reference, validation); ``parallel/``
   (teams) adds ``kernel/``; ``backward/`` adds ``parallel/``. Nothing there imports ``cuda_backend``,
   the API or anything above it. Checked statically with the same scan.
+* The device scripts (scripts/, run only on a GPU machine) import only modules and names the package has.
 """
 
 from __future__ import annotations
@@ -198,3 +199,38 @@ def test_lower_layers_import_nothing_above_them():
         offending += [f"{path.relative_to(PACKAGE.parent).as_posix()}:{line}: imports {name}"
                       for line, name in package_imports(path) if name not in BASE]
     assert not offending, "a layer imports one above it (docs/architecture.md):\n" + "\n".join(offending)
+
+
+def test_the_device_scripts_import_what_the_package_has():
+    """scripts/ runs only on a GPU machine (nothing here executes it), so a module that moved or a name that
+    went away would break it unseen: every ``import`` / ``from ... import`` of ``flashdmoe`` in scripts/
+    must resolve (the module imports, the name is an attribute or a submodule of it)."""
+    import importlib
+
+    scripts = sorted((PACKAGE.parent / "scripts").glob("*.py"))
+    assert scripts, "no scripts found"
+    missing = []
+    for path in scripts:
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                targets = [(alias.name, None) for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                targets = [(node.module, alias.name) for alias in node.names]
+            else:
+                continue
+            for module, name in targets:
+                if module.split(".")[0] != "flashdmoe":
+                    continue
+                where = f"{path.name}:{node.lineno}"
+                try:
+                    imported = importlib.import_module(module)
+                except ImportError as error:
+                    missing.append(f"{where}: {module} ({error})")
+                    continue
+                if name is None or hasattr(imported, name):
+                    continue
+                try:
+                    importlib.import_module(f"{module}.{name}")
+                except ImportError:
+                    missing.append(f"{where}: {module} has no {name}")
+    assert not missing, "scripts import what the package does not have:\n" + "\n".join(missing)
