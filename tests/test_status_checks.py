@@ -756,3 +756,20 @@ def test_team_backward_row_exchange_launch_is_recorded(fake, monkeypatch):
     assert team.unchecked_launch is report
     status_checks.settle_team(team)
     assert report.checked and team.unchecked_launch is None
+
+
+@pytest.mark.parametrize("name,value", [("FLASHDMOE_TIMEOUT_MS", "ten"), ("FLASHDMOE_TIMEOUT_MS", "0"),
+                                        ("FLASHDMOE_FUSED_BACKWARD_MAX_ROWS", "-3")])
+def test_a_bad_knob_in_the_environment_is_named(name, value):
+    """The launch knobs read from the environment at import (the watchdog's limit, the fused backward's row
+    limit): a value that is not an integer in range is refused naming the variable, not with int()'s
+    bare message."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, name: value}
+    done = subprocess.run([sys.executable, "-c", "import flashdmoe.kernel.launch_knobs"], env=env,
+                          capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.returncode != 0
+    assert f"ValueError: {name}={value!r}: expected an integer >= " in done.stderr, done.stderr[-2000:]

@@ -10,8 +10,25 @@ from dataclasses import dataclass
 __all__ = ["DEFAULT_TIMEOUT_MS", "DebugKnobs", "debug", "timeout_ms"]
 
 DEFAULT_TIMEOUT_MS = 10_000
+
+
+def _env_int(name: str, default: int | None, minimum: int) -> int | None:
+    """Integer environment variable ``name`` (``default`` when unset or empty); a value that is not an
+    integer of at least ``minimum`` raises ``ValueError`` naming the variable."""
+    text = os.environ.get(name, "")
+    if not text:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < minimum:
+        raise ValueError(f"{name}={text!r}: expected an integer >= {minimum}")
+    return value
+
+
 # Read once: a forward must not consult the environment.
-_ENV_TIMEOUT_MS = int(os.environ.get("FLASHDMOE_TIMEOUT_MS", DEFAULT_TIMEOUT_MS))
+_ENV_TIMEOUT_MS = _env_int("FLASHDMOE_TIMEOUT_MS", DEFAULT_TIMEOUT_MS, 1)
 
 
 @dataclass
@@ -43,8 +60,7 @@ class DebugKnobs:
     # The backward's gemm="auto" takes the fused launch up to this many routed rows per expert on average
     # (None: expert_backward.FUSED_MAX_ROWS_PER_EXPERT); FLASHDMOE_FUSED_BACKWARD_MAX_ROWS moves the line,
     # for measurement (a large value: the fused launch wherever it runs).
-    fused_backward_max_rows: int | None = (int(os.environ["FLASHDMOE_FUSED_BACKWARD_MAX_ROWS"])
-                                           if os.environ.get("FLASHDMOE_FUSED_BACKWARD_MAX_ROWS") else None)
+    fused_backward_max_rows: int | None = _env_int("FLASHDMOE_FUSED_BACKWARD_MAX_ROWS", None, 0)
 
     def __setattr__(self, name, value) -> None:
         # Every setting bumps ``generation``: launches prepared under other knobs are not reused (a prepared
