@@ -44,13 +44,14 @@ def status_block(*, error: int = 0, flags: int = 0, clock=(1_000, 2_000, 3_500, 
 _CLEAN_BLOCK = status_block()
 
 
-def _completed(block: bytes) -> bytes:
+def completed_block(block: bytes) -> bytes:
+    """A status block as a finished launch leaves it: its completion word set."""
     raw = bytearray(block)
     struct.pack_into("<I", raw, STATUS_LAYOUT["done_word"], 1)
     return bytes(raw)
 
 
-_CLEAN_DONE_BLOCK = _completed(_CLEAN_BLOCK)
+_CLEAN_DONE_BLOCK = completed_block(_CLEAN_BLOCK)
 
 
 def timeout_word(phase: int, peer: int, block: int = 3) -> int:

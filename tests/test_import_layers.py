@@ -39,29 +39,41 @@ def _is_bench(name: str) -> bool:
     return name == BENCH or name.startswith(BENCH + ".") or name.startswith(BENCH + ":")
 
 
-def bench_imports(path: Path, package: Path = PACKAGE) -> list[tuple[int, str]]:
-    """(line, what) of every reference to ``flashdmoe.bench`` by import in ``path`` (a module of the
-    ``flashdmoe`` package at ``package``)."""
+def _import_nodes(path: Path, package: Path = PACKAGE):
+    """Every import in ``path`` (a module of the ``flashdmoe`` package at ``package``) as (node, source,
+    names): ``import`` nodes with their dotted names (source None), ``from`` nodes with their module
+    resolved (relative ones against this module's package) and the names they take, and string
+    constants (importlib, ``module:function`` names) as (node, None, [the string])."""
     tree = ast.parse(path.read_text(), filename=str(path))
     module = _module_name(path, package)
-    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    found = []
+    here = module if path.name == "__init__.py" else module.rpartition(".")[0]
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            found += [(node.lineno, f"import {alias.name}") for alias in node.names if _is_bench(alias.name)]
+            yield node, None, [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
             if node.level:  # relative: resolved against this module's package
-                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = here.split(".")[: len(here.split(".")) - (node.level - 1)]
                 source = ".".join(base + ([node.module] if node.module else []))
             else:
                 source = node.module or ""
-            targets = [source] + [f"{source}.{alias.name}" for alias in node.names]
-            if any(_is_bench(target) for target in targets):
-                names = ", ".join(alias.name for alias in node.names)
-                found.append((node.lineno, f"from {'.' * node.level}{node.module or ''} import {names}"))
-        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and _is_bench(node.value):
+            yield node, source, [alias.name for alias in node.names]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            yield node, None, [node.value]
+
+
+def bench_imports(path: Path, package: Path = PACKAGE) -> list[tuple[int, str]]:
+    """(line, what) of every reference to ``flashdmoe.bench`` by import in ``path`` (a module of the
+    ``flashdmoe`` package at ``package``)."""
+    found = []
+    for node, source, names in _import_nodes(path, package):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, f"import {name}") for name in names if _is_bench(name)]
+        elif isinstance(node, ast.ImportFrom):
+            if any(_is_bench(target) for target in [source] + [f"{source}.{name}" for name in names]):
+                found.append((node.lineno, f"from {'.' * node.level}{node.module or ''} import {', '.join(names)}"))
+        elif _is_bench(names[0]):
             # importlib.import_module("flashdmoe.bench..."), __import__, or a "module:function" name
-            found.append((node.lineno, f"the name {node.value!r}"))
+            found.append((node.lineno, f"the name {names[0]!r}"))
     return sorted(found)
 
 
@@ -133,33 +145,22 @@ def package_imports(path: Path, package: Path = PACKAGE) -> list[tuple[int, str]
     """(line, module) of every module of the ``flashdmoe`` package that ``path`` imports: ``import X``,
     ``from X import name`` (``X.name`` where that is a module of the package, else ``X``), relative forms
     resolved, and module names written as strings (``importlib``)."""
-    tree = ast.parse(path.read_text(), filename=str(path))
-    module = _module_name(path, package)
-    here = module if path.name == "__init__.py" else module.rpartition(".")[0]
     root = package.parent
-    found = []
 
     def is_module(name: str) -> bool:
         target = root.joinpath(*name.split("."))
         return target.with_suffix(".py").is_file() or (target / "__init__.py").is_file()
 
-    for node in ast.walk(tree):
+    found = []
+    for node, source, names in _import_nodes(path, package):
         if isinstance(node, ast.Import):
-            found += [(node.lineno, alias.name) for alias in node.names if alias.name.split(".")[0] == "flashdmoe"]
+            found += [(node.lineno, name) for name in names if name.split(".")[0] == "flashdmoe"]
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = here.split(".")[: len(here.split(".")) - (node.level - 1)]
-                source = ".".join(base + ([node.module] if node.module else []))
-            else:
-                source = node.module or ""
-            if source.split(".")[0] != "flashdmoe":
-                continue
-            for alias in node.names:
-                found.append((node.lineno, f"{source}.{alias.name}" if is_module(f"{source}.{alias.name}") else source))
-        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("flashdmoe."):
-            name = node.value.split(":")[0]
-            if is_module(name):
-                found.append((node.lineno, name))
+            if source.split(".")[0] == "flashdmoe":
+                found += [(node.lineno, f"{source}.{name}" if is_module(f"{source}.{name}") else source)
+                          for name in names]
+        elif names[0].startswith("flashdmoe.") and is_module(names[0].split(":")[0]):
+            found.append((node.lineno, names[0].split(":")[0]))
     return sorted(set(found))
 
 

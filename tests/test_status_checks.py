@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import flashdmoe
-from fake_cuda import STATUS_LAYOUT, fake_cuda, status_block, timeout_word
+from fake_cuda import STATUS_LAYOUT, completed_block, fake_cuda, status_block, timeout_word
 from flashdmoe import api, cuda_backend
 from flashdmoe.kernel import status_checks
 from flashdmoe.kernel.launch_report import ErrorKind, KernelError, LaunchReport, LaunchShape, StatusLayout, decode_rank
@@ -674,10 +674,7 @@ class _BackwardExtension:
             raise self.fail
         import ctypes
 
-        block = status_block()
-        done = bytearray(block)
-        struct.pack_into("<I", done, STATUS_LAYOUT["done_word"], 1)
-        ctypes.memmove(status_host, bytes(done) * ranks, ranks * STATUS_LAYOUT["bytes"])
+        ctypes.memmove(status_host, completed_block(status_block()) * ranks, ranks * STATUS_LAYOUT["bytes"])
         return (66, 1, 100_000)
 
     def fused_backward_layout(self, tokens, hidden, ffn, experts, top_k, activation):

@@ -305,10 +305,6 @@ def claim_slot(device: int, capturing: bool, ranks: int = 1) -> _Slot:
         settle(oldest)
 
 
-def next_launch_id() -> int:
-    return next(_state.launch_ids)
-
-
 def record_launch(slot: _Slot, launch: Callable[..., tuple[int, int, int]], args: tuple, shape: Any, device: int,
                   capturing: bool, *, team: Any = None, routing: tuple = (), forward: bool = True,
                   failed: Callable[[Exception], None] | None = None) -> LaunchReport:
