@@ -86,13 +86,15 @@ RUN python3 -m venv /opt/venv \
 # package where the extension builder and `flashdmoe run --config configs/...` find them. Then the
 # fused kernel is compiled for Hopper, twice: the main build and the NVSHMEM build (relocatable device
 # code, NVSHMEM's device library linked in) that a team across nodes runs (FLASHDMOE_KERNEL_BUILD=nvshmem,
-# set by the multinode component and by the Ray driver for nodes > 1). No GPU exists during `docker build`: the builder takes the
+# set by the multinode component and by the Ray driver for nodes > 1); then the host module (C++ against
+# the image's torch: the forward's launch path). No GPU exists during `docker build`: the builder takes the
 # architecture from FLASHDMOE_CUDA_ARCH and only runs nvcc. `flashdmoe info` shows what was built.
 COPY --chown=10001:10001 . /opt/flashdmoe
 RUN python -m pip install --editable ".[gpu]" \
     && python -m pip check \
     && flashdmoe build \
     && flashdmoe build --nvshmem \
+    && flashdmoe build --host \
     && flashdmoe info
 
 ENTRYPOINT ["flashdmoe"]

@@ -9,7 +9,10 @@
 #include <cstdint>
 #include <memory>
 #include <vector>
+#include <cstring>
+#include <stdexcept>
 #include "backward/expert_grad.h"
+#include "common/native_launch.h"
 #include "moe/launch.h"
 
 namespace py = pybind11;
@@ -107,6 +110,34 @@ py::tuple launch(PreparedForward& prepared, const std::vector<uintptr_t>& addres
   return launch_released(
       [&] { return launch_prepared(prepared, addresses.data(), sequence, as_ptr<void>(status_host), cuda_stream); });
 }
+
+// The host launch queue's entry (common/native_launch.h): `launch` without pybind11 in between and
+// with the GIL held (the queue's state is guarded by it); exceptions become a code and a message.
+int native_forward(void* prepared, const uintptr_t* addresses, size_t address_count, uint32_t sequence,
+                   uintptr_t stream, uintptr_t status_host, int* info, char* error, size_t error_bytes) {
+  auto fail = [&](int code, const char* message) {
+    std::strncpy(error, message, error_bytes - 1);
+    error[error_bytes - 1] = '\0';
+    return code;
+  };
+  try {
+    auto& p = *static_cast<PreparedForward*>(prepared);
+    if (address_count != static_cast<size_t>(1 + kAddressesPerRank * p.args.num_ranks))
+      return fail(kNativeLaunchInvalidArgument, "addresses: wrong count for the prepared launch");
+    const LaunchInfo launched = launch_prepared(p, addresses, sequence, as_ptr<void>(status_host),
+                                                reinterpret_cast<cudaStream_t>(stream));
+    info[0] = launched.grid;
+    info[1] = launched.blocks_per_sm;
+    info[2] = launched.smem_bytes;
+    return kNativeLaunchOk;
+  } catch (const std::invalid_argument& e) {
+    return fail(kNativeLaunchInvalidArgument, e.what());
+  } catch (const std::exception& e) {
+    return fail(kNativeLaunchError, e.what());
+  }
+}
+
+const NativeForwardEntry kNativeForward{&native_forward};
 
 py::dict layout(int tokens, int hidden, int ffn, int experts, int top_k, int dtype, int world_size, int stream_rows) {
   const WorkspaceLayout l =
@@ -286,7 +317,11 @@ PYBIND11_MODULE(flashdmoe_cuda, m) {
   m.doc() = "FlashDMoE fused persistent MoE kernel (raw-pointer bindings)";
   py::class_<PreparedForward>(m, "PreparedForward",
                               "A launch's options parsed once (shapes, dtype, knobs, peer tables); see launch().")
-      .def_property_readonly("num_ranks", [](const PreparedForward& p) { return p.args.num_ranks; });
+      .def_property_readonly("num_ranks", [](const PreparedForward& p) { return p.args.num_ranks; })
+      .def_property_readonly("address", [](PreparedForward& p) { return reinterpret_cast<uintptr_t>(&p); },
+                             "The object's address, for the native forward entry (alive while this object is).");
+  m.attr("native_forward") =
+      py::capsule(static_cast<const void*>(&kNativeForward), kNativeForwardCapsule);
   m.def("prepare_forward", &prepare_forward,
         "Parse and check a launch's options once: shape rules, workspace layout, peer tables (no CUDA call).", py::arg("shared"),
         py::arg("ranks"));

@@ -68,15 +68,14 @@ def _validate(x, router_weight, w1, w2, *, top_k, activation, capacity_factor, w
 
 
 class _Call:
-    """A call of :func:`moe` on the fused kernel, one rank, remembered under its signature (:data:`_calls`):
-    everything the checks and the launch plan derived from it, valid while the weights it saw are alive,
-    :mod:`flashdmoe.weight_checks` has forgotten nothing since and the debug knobs are the plan's."""
+    """A call of :func:`moe` on the fused kernel, one rank, remembered under its arguments
+    (:data:`_remembered`): everything the checks and the launch plan derived from it, valid while the
+    weights it saw are alive, :mod:`flashdmoe.weight_checks` has forgotten nothing since and the debug
+    knobs are the plan's."""
 
-    __slots__ = ("details", "top_k", "capacity_factor", "plan", "backend", "epoch", "refs", "storages",
-                 "scan_input")
+    __slots__ = ("top_k", "capacity_factor", "plan", "backend", "epoch", "refs", "storages", "scan_input")
 
-    def __init__(self, details, top_k, capacity_factor, plan, backend, epoch, weights, scan_input) -> None:
-        self.details = details  # the signature's second half, compared on a hit
+    def __init__(self, top_k, capacity_factor, plan, backend, epoch, weights, scan_input) -> None:
         self.top_k = top_k
         self.capacity_factor = capacity_factor
         self.plan = plan
@@ -87,61 +86,56 @@ class _Call:
         self.scan_input = scan_input  # CPU x (fake-extension runs only): its NaN scan runs every call
 
     def holds(self, router_weight, w1, w2) -> bool:
-        """The weights seen then are these objects, or their storages are still alive (so the addresses in
-        the signature are not recycled ones)."""
+        """The weights seen then are these objects, or their storages are still alive (so the addresses
+        compared on a hit are not recycled ones)."""
         refs = self.refs
         if refs[0]() is router_weight and refs[1]() is w1 and refs[2]() is w2:
             return True
         return not any(storage.expired() for storage in self.storages)
 
 
-#: Remembered calls. A signature is (key, details): the key (hashed) holds x's shape, the weights'
-#: addresses and the options; the details (compared on a hit) x's dtype, device and contiguity, each
-#: weight's version counter, shape, strides and dtype, and the options' types (``top_k=True`` equals ``1``
-#: but is refused). A weight's address also fixes its device (CUDA's unified address space). Everything
-#: a check or the launch plan reads is in one or the other.
-_calls: dict[tuple, _Call] = {}
+#: Remembered calls: the host module's ``CallCache`` (csrc/host/call_cache.h, made with the first fused
+#: call, so the reference backend never builds it). A hit compares x's shape, dtype, device and
+#: contiguity, each weight's address, version counter, shape, strides and dtype, and the six options
+#: by type and value (``top_k=True`` equals ``1`` but is refused): everything a check or the launch
+#: plan reads. A weight's address also fixes its device (CUDA's unified address space).
+_remembered = None
 _CALLS_LIMIT = 1024
 
 
-def _signature(x, router_weight, w1, w2, top_k, activation, normalize_topk, capacity_factor, backend, return_aux):
-    """``(key, details)`` of this call for :data:`_calls`, or ``None`` (not tensors, no storage...)."""
-    try:
-        key = (x.shape, router_weight.data_ptr(), w1.data_ptr(), w2.data_ptr(), top_k, activation, normalize_topk,
-               capacity_factor, backend, return_aux)
-        try:
-            versions = (router_weight._version, w1._version, w2._version)
-        except RuntimeError:  # inference tensors have no version counter (weight_checks keys them as -1)
-            versions = tuple(-1 if w.is_inference() else w._version for w in (router_weight, w1, w2))
-        return key, (x.dtype, x.device, x.is_contiguous(), versions,
-                     router_weight.shape, router_weight.stride(), router_weight.dtype,
-                     w1.shape, w1.stride(), w1.dtype, w2.shape, w2.stride(), w2.dtype,
-                     type(top_k), type(normalize_topk), type(capacity_factor), type(return_aux))
-    except (AttributeError, TypeError, RuntimeError):
-        return None
-
-
-def _remember_call(signature, x, router_weight, w1, w2, top_k, activation, normalize_topk, capacity_factor,
+def _remember_call(given, x, router_weight, w1, w2, top_k, activation, normalize_topk, capacity_factor,
                    epoch) -> None:
     """Remember a call that passed every check (before its launch: a shape the kernel refuses raises
-    here, and is not remembered)."""
+    here, and is not remembered); ``given``: its six options as the caller passed them."""
+    global _remembered
     cuda_backend = _module("flashdmoe.cuda_backend")
     plan = cuda_backend.single_plan(x, router_weight, w2, top_k=top_k, activation=activation,
                                     normalize_topk=normalize_topk, capacity_factor=capacity_factor)
-    key, details = signature
-    try:
-        hash(key)
-    except TypeError:  # an unhashable option (refused by the checks anyway)
-        return
-    if len(_calls) >= _CALLS_LIMIT:
-        _calls.clear()
-    _calls[key] = _Call(details, top_k, capacity_factor, plan, cuda_backend, epoch, (router_weight, w1, w2),
-                        x.device.type == "cpu")
+    if _remembered is None:
+        _remembered = _module("flashdmoe.kernel.host_queue").module().CallCache(_CALLS_LIMIT)
+    call = _Call(top_k, capacity_factor, plan, cuda_backend, epoch, (router_weight, w1, w2), x.device.type == "cpu")
+    _remembered.remember(call, x, router_weight, w1, w2, *given)
 
 
 def forget_calls() -> None:
-    """Drop every remembered call signature (they are re-derived at the next call)."""
-    _calls.clear()
+    """Drop every remembered call (they are re-derived at the next call)."""
+    if _remembered is not None:
+        _remembered.clear()
+
+
+def remembered_call(x, router_weight, w1, w2, top_k, activation="gelu", normalize_topk=True, capacity_factor=None,
+                    backend="auto", return_aux=False):
+    """The remembered call these arguments would take (its ``plan`` is the prepared launch), or ``None``;
+    nothing is checked. For measurements and tests."""
+    if _remembered is None:
+        return None
+    return _remembered.find(x, router_weight, w1, w2, top_k, activation, normalize_topk, capacity_factor, backend,
+                            return_aux)
+
+
+def remembered_calls() -> int:
+    """How many calls are remembered."""
+    return 0 if _remembered is None else _remembered.size()
 
 
 def _as_float(capacity_factor):
@@ -256,31 +250,27 @@ def moe(
             so this (and ``ValueError`` for NaN / Inf in ``x``, ``router_weight`` or a new weight) is
             raised by a later call: see :func:`flashdmoe.check_errors` for exactly when.
     """
-    signature = None
-    if team is None and not torch.compiler.is_compiling():
-        # A signature seen before passed every check below and has its launch prepared: go straight to it.
-        signature = _signature(x, router_weight, w1, w2, top_k, activation, normalize_topk, capacity_factor, backend,
-                               return_aux)
-        if signature is not None:
-            try:
-                call = _calls.get(signature[0])
-            except TypeError:  # an unhashable option: the checks below say why
-                call = None
-            if (call is not None and call.details == signature[1] and call.epoch == weight_checks._epoch.value
-                    and call.plan.generation == call.backend.debug.generation and call.holds(router_weight, w1, w2)):
-                # The launch (or the autograd node around it), nothing else.
-                cuda_backend = call.backend
-                if call.scan_input:
-                    validation.check_finite_input(x)
-                if torch.is_grad_enabled() and (x.requires_grad or router_weight.requires_grad or w1.requires_grad
-                                                or w2.requires_grad):
-                    return cuda_backend.moe_cuda(x, router_weight, w1, w2, top_k=call.top_k, activation=activation,
-                                                 normalize_topk=normalize_topk, capacity_factor=call.capacity_factor,
-                                                 return_aux=return_aux)
-                y, routing = cuda_backend.launch_one(call.plan, x, router_weight, w1, w2, None, signature[0][1:4])
-                if not return_aux:
-                    return y
-                return y, cuda_backend._aux(x, router_weight, call.top_k, routing.counts, routing.row)
+    rememberable = team is None and not torch.compiler.is_compiling()
+    if rememberable and _remembered is not None:
+        # A call seen before passed every check below and has its launch prepared: go straight to it.
+        call = _remembered.find(x, router_weight, w1, w2, top_k, activation, normalize_topk, capacity_factor, backend,
+                                return_aux)
+        if (call is not None and call.epoch == weight_checks._epoch.value
+                and call.plan.generation == call.backend.debug.generation and call.holds(router_weight, w1, w2)):
+            # The launch (or the autograd node around it), nothing else.
+            cuda_backend = call.backend
+            if call.scan_input:
+                validation.check_finite_input(x)
+            if torch.is_grad_enabled() and (x.requires_grad or router_weight.requires_grad or w1.requires_grad
+                                            or w2.requires_grad):
+                return cuda_backend.moe_cuda(x, router_weight, w1, w2, top_k=call.top_k, activation=activation,
+                                             normalize_topk=normalize_topk, capacity_factor=call.capacity_factor,
+                                             return_aux=return_aux)
+            y, routing = cuda_backend.launch_one(call.plan, x, router_weight, w1, w2)
+            if not return_aux:
+                return y
+            return y, cuda_backend._aux(x, router_weight, call.top_k, routing.counts, routing.row)
+    given = (top_k, activation, normalize_topk, capacity_factor, backend, return_aux)  # the remembered call's key
     world_size = _team_world_size(team)
     if not isinstance(normalize_topk, bool):
         raise ValueError(f"normalize_topk={normalize_topk!r}: expected True or False")
@@ -296,9 +286,8 @@ def moe(
     # Fused forwards queue the scan of new weights and do not wait for it; the reference waits anyway.
     remembered = check_finite_weights((("router_weight", router_weight), ("w1", w1), ("w2", w2)),
                                       asynchronous=chosen == "cuda")
-    if signature is not None and remembered and chosen == "cuda":
-        _remember_call(signature, x, router_weight, w1, w2, top_k, activation, normalize_topk, capacity_factor,
-                       epoch)
+    if rememberable and remembered and chosen == "cuda":
+        _remember_call(given, x, router_weight, w1, w2, top_k, activation, normalize_topk, capacity_factor, epoch)
     if torch.compiler.is_compiling() and getattr(team, "transport", "single") == "single":
         # Under torch.compile one rank is the registered op (CPU: the reference; CUDA: the kernel), which
         # traces without a graph break; eager calls keep the direct path below (less host work per call).

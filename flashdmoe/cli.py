@@ -344,8 +344,15 @@ def _command_run(args: argparse.Namespace) -> int:
 
 
 def _command_build(args: argparse.Namespace) -> int:
-    from flashdmoe.kernel import extension
+    from flashdmoe.kernel import extension, host_queue
 
+    if args.host:
+        try:
+            print(host_queue.module().__file__)
+        except extension.BuildError as error:
+            print(f"error: build failed: {error}", file=sys.stderr)
+            return 1
+        return 0
     builder = extension.build_nvshmem if args.nvshmem else extension.build
     try:
         path = builder(arch=args.arch, force=args.force, verbose=args.verbose)
@@ -469,6 +476,9 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--nvshmem", action="store_true",
                        help="build the NVSHMEM kernel build instead (flashdmoe_nvshmem: what a team across nodes "
                             "runs, FLASHDMOE_KERNEL_BUILD=nvshmem)")
+    build.add_argument("--host", action="store_true",
+                       help="build the host module instead (flashdmoe_host: C++ against this torch, no CUDA; the "
+                            "fused forward's launch path)")
     build.set_defaults(handler=_command_build)
     return parser
 

@@ -167,7 +167,7 @@ class _Plan:
     """A launch prepared once per (ranks' token counts, shapes, options, debug knobs) and team."""
 
     __slots__ = ("launch", "prepared", "stride", "sync_bytes", "workspace_bytes", "shape", "skip", "top_k", "experts",
-                 "routing_words", "routing_stride", "generation")
+                 "routing_words", "routing_stride", "generation", "native")
 
     def __init__(self, launch, prepared, stride: int, sync_bytes: int, shape: LaunchShape, skip: bool, top_k: int,
                  experts: int) -> None:
@@ -183,6 +183,11 @@ class _Plan:
         self.routing_words = 3 * shape.tokens[0] * top_k + experts  # one rank's FusedRouting block
         self.routing_stride = 4 * shape.tokens[0] * top_k  # bytes between its expert, weight, row, counts
         self.generation = debug.generation  # the debug knobs it was made under
+        self.native = None  # one rank: the host module's plan (status_checks.launch_native), where it applies
+
+    def routing(self, block: torch.Tensor) -> "FusedRouting":
+        """One rank's routing outputs in ``block`` (a launch's, as the host module returns it)."""
+        return FusedRouting(block, self.shape.tokens[0], self.top_k, self.experts)
 
 
 _single_plans: dict = {}
@@ -241,7 +246,11 @@ def _make_plan(ext, kind, team, tokens, H, I, E, top_k, dtype, activation, norma
     prepared = ext.prepare_forward(shared, rank_args)
     shape = LaunchShape(ranks=ranks, tokens=tokens, local_experts=L,
                         row_bytes=H * torch.empty((), dtype=dtype).element_size(), timeout_ms=timeout)
-    return _Plan(ext.launch, prepared, stride, sync_bytes, shape, kind == "single" and tokens[0] == 0, top_k, E)
+    plan = _Plan(ext.launch, prepared, stride, sync_bytes, shape, kind == "single" and tokens[0] == 0, top_k, E)
+    if kind == "single" and not plan.skip and not debug.poison_outputs:
+        plan.native = status_checks.native_plan(ext, prepared, _pool.table, plan.routing_words, plan.routing_stride,
+                                                stride, sync_bytes)
+    return plan
 
 
 def _plan(ext, kind, team, xs, router_weight, w2s, top_k, activation, normalize_topk, capacity_factor) -> _Plan:
@@ -299,6 +308,12 @@ def launch_one(plan: _Plan, x, router_weight, w1, w2, saved_pre=None, weight_add
     Launches on ``x``'s device and that device's current stream (asked per call: the user may switch
     streams or devices between calls)."""
     index = x.device.index
+    if plan.native is not None and index == _current_device() and not torch.cuda.is_current_stream_capturing():
+        # The common case in one C++ call (flashdmoe.kernel.host_queue); None: the path below runs it.
+        launched = status_checks.launch_native(plan.native, plan, x, router_weight, w1, w2, saved_pre, index,
+                                               _current_stream_handle(index))
+        if launched is not None:
+            return launched[0], plan.routing(launched[1])
     if index != _current_device():
         with torch.cuda.device(index):
             return launch_one(plan, x, router_weight, w1, w2, saved_pre, weight_addresses)

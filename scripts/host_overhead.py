@@ -3,13 +3,13 @@
 On a GPU (the default when one is present): for each shape, the GPU is first held busy by a long
 ``torch.cuda._sleep``, then ``--calls`` forwards are issued back to back; the host time per call is pure
 Python + binding + CUDA API work (nothing can wait for the GPU, which has not reached them yet). Also
-printed: the parts of a remembered call (its signature, ``launch_one``, the extension's C++ launch alone
+printed: the parts of a remembered call (its lookup, ``launch_one``, the extension's C++ launch alone
 -- so Python's share and C++'s show apart --, ``MoELayer`` around it), and
 the GPU time per call of back-to-back eager calls and of CUDA-graph replays (CUDA events), so that what
 the host adds shows.
 
 ``--stand-in`` (no GPU needed): the same host path on CPU tensors with the extension and the CUDA
-stream calls replaced by tests/fake_cuda.py, so the Python work per call (call signature, launch
+stream calls replaced by tests/fake_cuda.py, so the host work per call (call lookup, launch
 bookkeeping, output and workspace handling, report, status checks) is measured without the CUDA API
 (whose calls -- the launch and the two output allocations -- come on top). What device tensors get is timed: the
 NaN scan of ``x`` that CPU tensors get at every call is left out, and the process runs with glibc's
@@ -78,8 +78,7 @@ def host_parts(x, router, w1, w2, k, activation, calls, trials, before=None, aft
     full = lambda: flashdmoe.moe(x, router, w1, w2, top_k=k, activation=activation, backend="cuda")  # noqa: E731
     full()
     options = (k, activation, True, None, "cuda", False)
-    key, _ = api._signature(x, router, w1, w2, *options)
-    plan = api._calls[key].plan
+    plan = api.remembered_call(x, router, w1, w2, *options).plan
     config = flashdmoe.MoEConfig(hidden=x.shape[1], ffn=w2.shape[1], experts=router.shape[0], top_k=k,
                                  tokens_per_rank=x.shape[0], activation=activation,
                                  dtype=str(x.dtype).removeprefix("torch."))
@@ -91,9 +90,10 @@ def host_parts(x, router, w1, w2, k, activation, calls, trials, before=None, aft
     layer(x)
     parts = {
         "flashdmoe.moe": per_call_us(full, calls, trials, before, after),
-        "  call signature": per_call_us(lambda: api._signature(x, router, w1, w2, *options), calls * 10, trials),
+        "  remembered-call lookup": per_call_us(lambda: api.remembered_call(x, router, w1, w2, *options), calls * 10,
+                                                trials),
         "  cuda_backend.launch_one": per_call_us(
-            lambda: cuda_backend.launch_one(plan, x, router, w1, w2, None, key[1:4]), calls, trials, before, after),
+            lambda: cuda_backend.launch_one(plan, x, router, w1, w2), calls, trials, before, after),
         "MoELayer forward": per_call_us(lambda: layer(x), calls, trials, before, after),
     }
     if x.is_cuda:
@@ -186,8 +186,7 @@ def stand_in_report(args) -> None:
                 with torch.no_grad():
                     parts = host_parts(x, router, w1, w2, k, activation, args.calls, args.trials,
                                        after=flashdmoe.synchronize)
-                    key, _ = api._signature(x, router, w1, w2, k, activation, True, None, "cuda", False)
-                    plan = api._calls[key].plan
+                    plan = api.remembered_call(x, router, w1, w2, k, activation, True, None, "cuda", False).plan
                     slot = status_checks.claim_slot(None, False)
                     addresses = [0] * (1 + 10)
                     parts["  (the fake's launch)"] = per_call_us(

@@ -355,6 +355,23 @@ def test_build_nvshmem_builds_the_transport_module(monkeypatch, capsys, tmp_path
     assert calls == [("nvshmem", {"arch": None, "force": False, "verbose": True})]
 
 
+def test_build_host_builds_the_host_module(monkeypatch, capsys, tmp_path):
+    from flashdmoe.kernel import extension, host_queue
+
+    module = type("Module", (), {"__file__": str(tmp_path / "flashdmoe_host.so")})
+    monkeypatch.setattr(host_queue, "module", lambda: module)
+    monkeypatch.setattr(extension, "build", lambda **kw: pytest.fail("the kernel is not built"))
+    assert cli.main(["build", "--host"]) == 0
+    assert capsys.readouterr().out.strip() == str(tmp_path / "flashdmoe_host.so")
+
+    def failing():
+        raise extension.BuildError("c++: not found")
+
+    monkeypatch.setattr(host_queue, "module", failing)
+    assert cli.main(["build", "--host"]) == 1
+    assert "build failed: c++: not found" in capsys.readouterr().err
+
+
 # -- the in-process executor and the verification -------------------------------------------------
 
 

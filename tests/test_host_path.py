@@ -177,7 +177,7 @@ def test_a_call_with_new_weight_objects_on_live_storage_is_remembered(fake, chec
 def test_a_call_on_freed_weights_is_not_remembered(seed):
     """The addresses in a signature may be recycled once the weights are freed: the entry no longer holds."""
     _, router, w1, w2 = inputs(seed)
-    call = api._Call((), K, None, None, cuda_backend, weight_checks.epoch(), (router, w1, w2), False)
+    call = api._Call(K, None, None, cuda_backend, weight_checks.epoch(), (router, w1, w2), False)
     assert call.holds(router, w1, w2)
     clones = [router.clone(), w1.clone(), w2.clone()]
     assert call.holds(*clones), "other objects, but the storages seen are alive"
@@ -445,9 +445,9 @@ def test_scan_extremes_find_every_non_finite_kind_and_no_false_alarm(seed):
 def test_remembered_calls_match_the_reference_on_cpu(seed):
     """Without the fake, ``backend='auto'`` on CPU runs the reference every call: nothing is remembered."""
     x, router, w1, w2 = inputs(seed, dtype=torch.float32)
-    before = dict(api._calls)
+    before = api.remembered_calls()
     y = flashdmoe.moe(x, router, w1, w2, top_k=K)
-    assert torch.equal(y, reference.moe(x, router, w1, w2, top_k=K)) and api._calls == before
+    assert torch.equal(y, reference.moe(x, router, w1, w2, top_k=K)) and api.remembered_calls() == before
 
 
 def test_check_finite_input_names_x(seed):

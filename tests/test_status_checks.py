@@ -161,7 +161,7 @@ def slot_of(ranks):
     layout = StatusLayout.from_mapping(STATUS_LAYOUT)
     memory = bytearray(status_checks.SLOT_RANKS * layout.bytes)
     home = []
-    slot = status_checks._Slot(0, memoryview(memory), home, 0, layout)
+    slot = status_checks._Slot(0, memoryview(memory), lambda: home.append(slot), 0, layout)
     slot.ranks = ranks
     return slot, memory, home, layout
 
@@ -394,11 +394,11 @@ def test_launch_failure_returns_the_slot_and_fails_the_team(fake):
     ext, _, _ = fake
     team = emulated_team()
     ext.fail_launch = RuntimeError("launching moe_forward_kernel: too many resources requested")
-    free = len(status_checks._state.devices.get(None).eager_free) if status_checks._state.devices else None
+    free = status_checks._state.devices.get(None).eager_free() if status_checks._state.devices else None
     with pytest.raises(RuntimeError, match="too many resources"):
         emulated_forward(team)
     assert team.failed and "launch failed" in team._failure
-    assert len(status_checks._state.devices[None].eager_free) == (free or status_checks.EAGER_SLOTS)
+    assert status_checks._state.devices[None].eager_free() == (free or status_checks.EAGER_SLOTS)
 
 
 def test_one_rank_launch_failure_returns_the_slot_and_records_nothing(fake):
@@ -409,11 +409,11 @@ def test_one_rank_launch_failure_returns_the_slot_and_records_nothing(fake):
     forward(x, router, w1, w2)
     flashdmoe.synchronize()
     before = flashdmoe.last_report()
-    free = len(status_checks._state.devices[None].eager_free)
+    free = status_checks._state.devices[None].eager_free()
     ext.fail_launch = RuntimeError("launching moe_forward_kernel: unspecified launch failure")
     with pytest.raises(RuntimeError, match="unspecified launch failure"):
         forward(x, router, w1, w2)
-    assert len(status_checks._state.devices[None].eager_free) == free
+    assert status_checks._state.devices[None].eager_free() == free
     assert flashdmoe.last_report() is before and not status_checks._state.pending
     ext.fail_launch = None
     forward(x, router, w1, w2)
@@ -490,6 +490,12 @@ def test_pool_zeroes_sync_words_only_when_a_launch_reaches_past_the_last_reset()
         scratch_after_launch(2048, 512, 2)
         pool.address(device, None, 5, stride=2048, sync_bytes=512, ranks=1)
         assert len(zero_calls) == 2
+        scratch_after_launch(2048, 512, 1)
+        pool.address(device, None, 5, stride=1024, sync_bytes=512, ranks=1)  # one rank's words start the buffer
+        assert len(zero_calls) == 2
+        scratch_after_launch(1024, 512, 1)
+        pool.address(device, None, 5, stride=1024, sync_bytes=512, ranks=2)  # a second share: zeroed
+        assert len(zero_calls) == 3 and not buffer_of()[1024:1536].any()
     finally:
         torch.Tensor.zero_ = real_zero
 
@@ -710,7 +716,7 @@ def test_fused_backward_launch_is_recorded_on_its_status_slot(fake, monkeypatch,
     forward(x, router, w1, w2)
     flashdmoe.synchronize()
     report, slots = flashdmoe.last_report(), status_checks._state.devices[None]
-    free = len(slots.eager_free)
+    free = slots.eager_free()
     T = x.shape[0]
     expert = torch.zeros(T, K, dtype=torch.int32)
     args = (x, x, w1, w2, torch.zeros(T * K, I, dtype=x.dtype), expert, expert, torch.ones(T, K))
@@ -718,19 +724,19 @@ def test_fused_backward_launch_is_recorded_on_its_status_slot(fake, monkeypatch,
     if fail:
         with pytest.raises(RuntimeError, match="boom"):
             fused_backward.launch(*args, **options)
-        assert len(slots.eager_free) == free and not status_checks._state.pending
+        assert slots.eager_free() == free and not status_checks._state.pending
         return
-    claimed = slots.eager_free[-1].address  # the slot the launch will claim
+    claimed = slots.next_eager().address  # the slot the launch will claim
     grads = fused_backward.launch(*args, **options)
     assert grads.dw2 is None and grads.dw1.shape == w1.shape and grads.row_of_choice.shape == (T, K)
     (call,) = backward_ext.calls
-    assert len(slots.eager_free) == free - 1, "the launch holds a slot until it is checked"
+    assert slots.eager_free() == free - 1, "the launch holds a slot until it is checked"
     assert call["status_host"] == claimed
     assert flashdmoe.last_report() is report, "a backward's launch does not replace the forward's report"
     (pending,) = [r for r in status_checks._state.pending if not r.checked]
     assert pending.launch_id == report.launch_id + 1 and pending.ranks == (0,) and pending.tokens == (T,)
     flashdmoe.synchronize()
-    assert pending.checked and len(slots.eager_free) == free
+    assert pending.checked and slots.eager_free() == free
 
 
 def test_team_backward_row_exchange_launch_is_recorded(fake, monkeypatch):

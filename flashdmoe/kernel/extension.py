@@ -72,6 +72,8 @@ NVSHMEM_MODULE_NAME = "flashdmoe_nvshmem"
 # The transport module's own compile units; they are not part of flashdmoe_cuda.
 NVSHMEM_SUBDIR = "nvshmem"
 # Relocatable device code: NVSHMEM's device API is a static device library resolved at device-link time.
+# Sources of the host module (flashdmoe/kernel/host_queue.py: C++ against libtorch), never in a kernel build.
+HOST_SUBDIR = "host"
 NVSHMEM_EXTRA_FLAGS = ("-rdc=true",)
 # The policy type its kernel instances publish through (csrc/nvshmem/nvshmem_transport.cuh).
 NVSHMEM_TRANSPORT = "NvshmemTransport"
@@ -184,7 +186,8 @@ def collect_sources(source_dir: str | os.PathLike | None = None) -> SourceTree:
     root = Path(source_dir).expanduser().resolve() if source_dir is not None else default_source_dir()
     if not root.is_dir():
         raise ValueError(f"source_dir={str(root)!r} is not a directory; expected the CUDA source tree (csrc/)")
-    files = sorted(path for path in root.rglob("*") if path.is_file() and not _in_nvshmem_subdir(root, path))
+    files = sorted(path for path in root.rglob("*")
+                   if path.is_file() and not _in_nvshmem_subdir(root, path) and not _in_host_subdir(root, path))
     compile_units = tuple(path for path in files if path.suffix in COMPILE_UNIT_SUFFIXES)
     headers = tuple(path for path in files if path.suffix in HEADER_SUFFIXES)
     if not compile_units:
@@ -199,6 +202,10 @@ def _in_nvshmem_subdir(root: Path, path: Path) -> bool:
     return path.relative_to(root).parts[0] == NVSHMEM_SUBDIR
 
 
+def _in_host_subdir(root: Path, path: Path) -> bool:
+    return path.relative_to(root).parts[0] == HOST_SUBDIR
+
+
 def collect_nvshmem_sources(source_dir: str | os.PathLike | None = None) -> SourceTree:
     """The transport module's tree: every compile unit of ``source_dir`` (the whole kernel module, whose
     generated instances publish through ``NvshmemTransport``) plus those under ``<source_dir>/nvshmem/``
@@ -207,7 +214,7 @@ def collect_nvshmem_sources(source_dir: str | os.PathLike | None = None) -> Sour
     root = Path(source_dir).expanduser().resolve() if source_dir is not None else default_source_dir()
     if not root.is_dir():
         raise ValueError(f"source_dir={str(root)!r} is not a directory; expected the CUDA source tree (csrc/)")
-    files = sorted(path for path in root.rglob("*") if path.is_file())
+    files = sorted(path for path in root.rglob("*") if path.is_file() and not _in_host_subdir(root, path))
     compile_units = tuple(path for path in files if path.suffix in COMPILE_UNIT_SUFFIXES)
     headers = tuple(path for path in files if path.suffix in HEADER_SUFFIXES)
     if not any(_in_nvshmem_subdir(root, path) for path in compile_units):

@@ -38,7 +38,7 @@ checks those slots after the device is idle. The first forward on a device must 
 from __future__ import annotations
 
 import collections
-import itertools
+import functools
 import os
 import threading
 import time
@@ -47,7 +47,9 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from flashdmoe.kernel import host_queue
 from flashdmoe.kernel.launch_report import LaunchReport, StatusLayout, status_layout
+from flashdmoe.kernel.workspace_pool import device_key
 
 __all__ = ["check_errors", "last_report", "set_sync_checks", "sync_checks", "synchronize"]
 
@@ -65,16 +67,18 @@ WAIT_POLL_S = 0.05
 
 
 class _Slot:
-    """One launch's pinned status bytes (``SLOT_RANKS`` blocks); ``home`` is the free list it goes back
-    to. For an eager launch it is also the launch's completion: :meth:`query` and :meth:`synchronize`
-    read the completion words the kernel sets in the first ``ranks`` blocks."""
+    """One launch's pinned status bytes (``SLOT_RANKS`` blocks). For an eager launch it is also the
+    launch's completion: :meth:`query` and :meth:`synchronize` read the completion words the kernel sets in
+    the first ``ranks`` blocks. ``release`` hands it back (an eager slot to the host queue, which owns
+    their free list; a graph slot to its device's list)."""
 
-    __slots__ = ("address", "view", "home", "device", "ranks", "done_at")
+    __slots__ = ("address", "view", "release", "device", "ranks", "done_at")
 
-    def __init__(self, address: int, view: memoryview, home: list, device: int, layout: StatusLayout) -> None:
+    def __init__(self, address: int, view: memoryview, release: Callable[[], None], device: int,
+                 layout: StatusLayout) -> None:
         self.address = address
         self.view = view
-        self.home = home
+        self.release = release
         self.device = device
         self.ranks = 1
         # The word's lowest byte (the kernel writes 1; little-endian): one byte read per rank.
@@ -113,7 +117,7 @@ class _Slot:
             view = self.view
             for at in self.done_at[:self.ranks]:
                 view[at] = 0
-        self.home.append(self)  # list.append is atomic under the GIL
+        self.release()
 
 
 def _allocate_pinned(nbytes: int) -> torch.Tensor:
@@ -127,34 +131,53 @@ def _synchronize_device(device: int) -> None:
 
 
 class _DeviceSlots:
-    """The pinned status slots of one device: a fixed ring for eager launches and a growing set for
-    captured ones (a graph may replay for as long as the process lives, so its slot is never reused)."""
+    """The pinned status slots of one device: a fixed ring for eager launches, whose free list the host
+    queue keeps (launches made in C++ claim them there too), and a growing set for captured ones (a graph
+    may replay for as long as the process lives, so its slot is never reused)."""
 
-    def __init__(self, device: int, layout: StatusLayout) -> None:
+    def __init__(self, device: int, layout: StatusLayout, queue) -> None:
         self.device = device
+        self.key = device_key(device)
         self.layout = layout
+        self.queue = queue
         self.slot_bytes = SLOT_RANKS * layout.bytes
         self.chunks: list[torch.Tensor] = []  # keeps the pinned memory alive
-        self.eager_free: list[_Slot] = []
-        self.eager_free.extend(self._carve(EAGER_SLOTS, self.eager_free))
+        self.eager = self._carve(EAGER_SLOTS, lambda index: functools.partial(queue.release, self.key, index))
+        queue.add_device(self.key, self.eager[0].address, EAGER_SLOTS)
         self.graph_free: list[_Slot] = []
         self.graph_chunks: list[tuple[torch.Tensor, int]] = []  # (chunk, first graph slot number)
         self.graph_reports: dict[int, LaunchReport] = {}  # graph slot number -> the captured launch
         self.grow_graph_slots()
 
-    def _carve(self, count: int, home: list) -> list[_Slot]:
+    def _carve(self, count: int, release: Callable[[int], Callable[[], None]]) -> list[_Slot]:
         chunk = _allocate_pinned(count * self.slot_bytes)
         self.chunks.append(chunk)
         view = memoryview(chunk.numpy())
         base = chunk.data_ptr()
-        slots = [_Slot(base + i * self.slot_bytes, view[i * self.slot_bytes:(i + 1) * self.slot_bytes], home,
-                       self.device, self.layout) for i in range(count)]
-        slots.reverse()  # pop() hands out the lowest address first
-        return slots
+        return [_Slot(base + i * self.slot_bytes, view[i * self.slot_bytes:(i + 1) * self.slot_bytes], release(i),
+                      self.device, self.layout) for i in range(count)]
+
+    def claim_eager(self) -> _Slot | None:
+        index = self.queue.claim(self.key)
+        return None if index < 0 else self.eager[index]
+
+    def eager_free(self) -> int:
+        """Eager slots free now."""
+        return self.queue.free_slots(self.key)
+
+    def next_eager(self) -> _Slot | None:
+        """The eager slot the next launch claims, if any is free."""
+        index = self.queue.next_free(self.key)
+        return None if index < 0 else self.eager[index]
 
     def grow_graph_slots(self) -> None:
         first = len(self.graph_chunks) * GRAPH_CHUNK
-        self.graph_free[:0] = self._carve(GRAPH_CHUNK, self.graph_free)
+        free = self.graph_free
+        slots = self._carve(GRAPH_CHUNK, lambda index: None)
+        for slot in slots:
+            slot.release = functools.partial(free.append, slot)
+        slots.reverse()  # pop() hands out the lowest address first
+        free[:0] = slots
         self.graph_chunks.append((self.chunks[-1], first))
 
     def graph_slot_number(self, slot: _Slot) -> int:
@@ -170,12 +193,18 @@ class _State:
         self.lock = threading.Lock()
         self.pending: collections.deque[LaunchReport] = collections.deque()  # eager launches, oldest first
         self.devices: dict[int, _DeviceSlots] = {}
-        self.launch_ids = itertools.count(1)  # next() is atomic under the GIL
+        # The host module's LaunchQueue (made with the first device's slots): eager slots' free lists, the
+        # launch id counter, and the launches made in C++, newer than everything in `pending` (see
+        # launch_native); _absorb() moves them here before the Python path reads or extends the queue.
+        self.queue = None
         # Eager launches recorded so far: a check queued since the last one belongs to the call about to
         # launch, and that call does not raise it before its own launch (see queued()).
         self.eager_launches = 0
+        # Some device has fewer than GRAPH_LOW_WATER graph slots left: the next eager forward takes the
+        # Python path, which adds more.
+        self.graph_low = False
         self.sync_checks = os.environ.get("FLASHDMOE_SYNC_CHECKS", "0") == "1"
-        self.local = threading.local()
+        self.last_reports: dict[int, LaunchReport] = {}  # thread ident -> its latest forward's report
 
 
 _state = _State()
@@ -200,7 +229,18 @@ def sync_checks() -> bool:
 def last_report() -> LaunchReport | None:
     """The :class:`flashdmoe.kernel.launch_report.LaunchReport` of the latest fused forward this thread ran
     (``None`` before the first). Cheap: decoding happens when its fields are read."""
-    return getattr(_state.local, "report", None)
+    _absorb()
+    me = threading.get_ident()
+    report = _state.last_reports.get(me)
+    retired = None if _state.queue is None else _state.queue.take_retired_last()
+    if retired is not None:  # this thread's latest launch made in C++, checked clean there
+        launch_id, key, plan, block, info, raw = retired
+        if report is None or launch_id > report.launch_id:
+            report = LaunchReport(plan.shape, launch_id, None if key < 0 else key, info, _status_layout(), raw,
+                                  routing=(plan.routing(block),))
+            report.checked = True
+            _state.last_reports[me] = report
+    return report
 
 
 def check_errors() -> None:
@@ -226,6 +266,7 @@ def synchronize(device: int | torch.device | None = None) -> None:
     fused launch. Checks every eager launch (oldest first), then every CUDA-graph-captured launch (the
     status its latest replay left; each error is raised once). Errors as :func:`check_errors`.
     """
+    _absorb()
     if device is None:
         devices = sorted(set(_state.devices) | {entry.device for entry in list(_state.pending)})
     else:
@@ -244,6 +285,33 @@ def synchronize(device: int | torch.device | None = None) -> None:
 
 
 # ---- used by the backend around a launch ----
+def native_plan(ext: Any, prepared: Any, workspaces: Any, routing_words: int, routing_stride: int, stride: int,
+                sync_bytes: int):
+    """A prepared one-rank launch for :func:`launch_native`: through the kernel module's C entry (its
+    ``native_forward`` capsule) where it has one, else through its Python ``launch`` (the CPU stand-in).
+    ``workspaces``: the pool's ``WorkspaceTable``; the rest as the backend's plan has them."""
+    launcher = getattr(ext, "native_forward", None) or ext.launch
+    return host_queue.module().native_plan(launcher, prepared, workspaces, routing_words, routing_stride, stride,
+                                           sync_bytes)
+
+
+def launch_native(native: Any, plan: Any, x: torch.Tensor, router_weight: torch.Tensor, w1: torch.Tensor,
+                  w2: torch.Tensor, saved_pre: torch.Tensor | None, device: int | None, stream: int):
+    """An eager one-rank forward launched by the host module in one call: ``(y, routing block)``, or
+    ``None`` when the Python path must run it (an unchecked launch still running or one with an error,
+    debug mode, a device without slots yet, too few graph slots, a workspace to grow or zero), with nothing
+    changed but the earlier launches checked, as :func:`before_launch` checks them. ``plan``: the
+    backend's plan (``shape`` and ``routing(block)`` make the report if the launch is ever reported)."""
+    state = _state
+    if state.sync_checks or state.graph_low or state.queue is None:
+        return None
+    if state.pending:  # older launches first, as before_launch checks them (may raise their error)
+        _poll(launching=True)
+        if state.pending:
+            return None
+    return state.queue.launch(native, plan, x, router_weight, w1, w2, saved_pre, device_key(device), stream)
+
+
 def before_launch(device: int, team: Any, capturing: bool) -> None:
     """Surface finished launches' errors and settle ``team``'s last launch (waiting for it) before a new
     launch; inside a capture only refuse a team whose last launch is unchecked."""
@@ -260,16 +328,20 @@ def before_launch(device: int, team: Any, capturing: bool) -> None:
                 "waiting for it inside a graph capture; call flashdmoe.synchronize() before capturing"
             )
         return
+    _absorb()
     slots = _state.devices.get(device)
     if slots is None:
+        queue = _queue()
         with _state.lock:
             slots = _state.devices.get(device)
             if slots is None:
-                slots = _state.devices[device] = _DeviceSlots(device, _status_layout())
-    elif len(slots.graph_free) < GRAPH_LOW_WATER:
+                slots = _state.devices[device] = _DeviceSlots(device, _status_layout(), queue)
+    elif _state.graph_low:
         with _state.lock:
-            if len(slots.graph_free) < GRAPH_LOW_WATER:
-                slots.grow_graph_slots()
+            for each in _state.devices.values():
+                if len(each.graph_free) < GRAPH_LOW_WATER:
+                    each.grow_graph_slots()
+            _state.graph_low = False
     if unchecked is not None:
         settle(unchecked)
     if _state.pending:
@@ -288,15 +360,16 @@ def claim_slot(device: int, capturing: bool, ranks: int = 1) -> _Slot:
                     "are added at each eager forward when fewer than "
                     f"{GRAPH_LOW_WATER} remain); run an eager forward between large captures"
                 )
-            return slots.graph_free.pop()
+            slot = slots.graph_free.pop()
+            if len(slots.graph_free) < GRAPH_LOW_WATER:
+                _state.graph_low = True
+            return slot
     while True:
-        try:
-            slot = slots.eager_free.pop()  # atomic under the GIL
-        except IndexError:
-            pass
-        else:
+        slot = slots.claim_eager()
+        if slot is not None:
             slot.ranks = ranks
             return slot
+        _absorb()
         with _state.lock:
             oldest = next((r for r in _state.pending
                            if not r.checked and r.device == device and isinstance(r, LaunchReport)), None)
@@ -324,7 +397,7 @@ def record_launch(slot: _Slot, launch: Callable[..., tuple[int, int, int]], args
         raise
     layout = _status_layout()
     source = slot.view[:len(shape.ranks) * layout.bytes]
-    launch_id = next(_state.launch_ids)
+    launch_id = _queue().next_id()
     if capturing:
         report = LaunchReport(shape, launch_id, device, info, layout, source, None, None, True, team, routing)
     else:
@@ -340,12 +413,13 @@ def launched(report: LaunchReport, slot: _Slot, team: Any, forward: bool = True)
     ``forward``: a forward's launch, which :func:`last_report` then returns (a fused backward's is checked
     the same way but does not replace it)."""
     if forward:
-        _state.local.report = report
+        _state.last_reports[threading.get_ident()] = report
     if report.captured:
         slots = _state.devices[report.device]
         with _state.lock:
             slots.graph_reports[slots.graph_slot_number(slot)] = report
         return
+    _absorb()
     _state.eager_launches += 1
     _state.pending.append(report)  # atomic under the GIL; _take holds the lock to pop
     if team is not None:
@@ -359,6 +433,7 @@ def queued(entry: Any) -> None:
     :class:`flashdmoe.weight_checks.WeightScan`); it is checked with the launches, oldest first. A check
     queued by a forward before its launch surfaces after that launch (at the next forward, check_errors(),
     synchronize()), never from the forward's own pre-launch poll, however fast the device ran it."""
+    _absorb()
     entry.queued_after = _state.eager_launches
     _state.pending.append(entry)
 
@@ -366,6 +441,7 @@ def queued(entry: Any) -> None:
 def settle_through(last: Any = None) -> None:
     """Wait for and check every unchecked entry, oldest first, up to and including ``last`` (``None``: all
     of them): debug mode's check at the call. Raises the first error found."""
+    _absorb()
     while (entry := _take(lambda entry: True)) is not None:
         _raise_if_failed(entry)
         if entry is last:
@@ -393,6 +469,41 @@ def _status_layout() -> StatusLayout:
     return status_layout()
 
 
+def _queue():
+    """This state's ``flashdmoe_host.LaunchQueue`` (made on first use)."""
+    queue = _state.queue
+    if queue is None:
+        with _state.lock:
+            if _state.queue is None:
+                layout = _status_layout()
+                _state.queue = host_queue.module().LaunchQueue(layout.bytes, layout.done_word, layout.error_word,
+                                                               layout.status_flags, SLOT_RANKS)
+            queue = _state.queue
+    return queue
+
+
+def _absorb() -> None:
+    """Move the launches made in C++ (:func:`launch_native`) into the Python queue, oldest first, as
+    reports of their own: what the Python path reads or appends to the queue then sees every launch in
+    order. Their slots stay theirs until they are checked."""
+    queue = _state.queue
+    if queue is None or not queue.outstanding():
+        return
+    layout = _status_layout()
+    for launch_id, key, index, plan, block, info, thread, latest in queue.take():
+        device = None if key < 0 else key
+        slot = _state.devices[device].eager[index]
+        slot.ranks = 1
+        report = LaunchReport(plan.shape, launch_id, device, info, layout, slot.view[:layout.bytes], slot,
+                              slot.give_back, False, None, (plan.routing(block),))
+        _state.eager_launches += 1
+        _state.pending.append(report)
+        if latest:
+            earlier = _state.last_reports.get(thread)
+            if earlier is None or earlier.launch_id < launch_id:
+                _state.last_reports[thread] = report
+
+
 def _take(accept: Callable[[LaunchReport], bool] = lambda report: report.ready()) -> LaunchReport | None:
     """Pop the oldest unchecked launch if ``accept`` takes it (default: finished), marking it checked."""
     pending = _state.pending
@@ -413,6 +524,7 @@ def _take(accept: Callable[[LaunchReport], bool] = lambda report: report.ready()
 def _poll(launching: bool = False) -> None:
     """Check finished entries, oldest first, up to the first one still running (never blocks); before a
     launch (``launching``), also up to the first check queued by the launching call itself."""
+    _absorb()
     pending, lock = _state.pending, _state.lock
     while pending:
         with lock:

@@ -5,8 +5,8 @@ rank's sync words (the first ``sync_bytes`` of its ``stride``-byte share) zero, 
 itself: the kernel's last block resets them as it exits (``finish_launch`` in csrc/common/sync.cuh).
 What that reset leaves zero is the previous launch's sync words only; the rest of its share was scratch.
 So the pool remembers, per buffer, the (stride, sync_bytes, ranks) of its last launch (or that the
-buffer is freshly zeroed) and zeroes the sync words itself, on the stream, only when a launch's would
-reach past them (another stride, larger sync words, more ranks): once per change of shape, never in a
+buffer is freshly zeroed; kept in the host module's table, which the C++ launch path shares) and zeroes the sync words itself, on the stream, only when a launch's would
+reach past them (larger sync words, more ranks, another stride for more than one rank): once per change of shape, never in a
 steady loop. Launches on different streams may overlap, so each stream has its own buffer. A buffer
 grows to the largest launch seen on its stream and is kept (:meth:`WorkspacePool.release` frees them;
 ``held_bytes`` says how much).
@@ -25,6 +25,8 @@ import threading
 
 import torch
 
+from flashdmoe.kernel import host_queue
+
 __all__ = ["WorkspacePool"]
 
 #: Buffers grow in steps of this many bytes (and by at least a quarter), so a slowly rising batch size
@@ -33,14 +35,23 @@ GRANULE = 2 << 20
 
 
 class WorkspacePool:
-    """One uint8 buffer per (device index, stream handle), grown on demand."""
+    """One uint8 buffer per (device index, stream handle), grown on demand. What is known of each buffer
+    (address, size, known-zero sync words) lives in :attr:`table` (``flashdmoe_host.WorkspaceTable``), which
+    the C++ launch path (:mod:`flashdmoe.kernel.host_queue`) reads and updates too."""
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[int, int], torch.Tensor] = {}
-        # key -> [data_ptr, bytes, what is known zero: None (all of it) or the last launch's
-        # (stride, sync_bytes, ranks)]
-        self._entries: dict[tuple[int, int], list] = {}
+        self._table = None
         self._lock = threading.Lock()
+
+    @property
+    def table(self):
+        """The pool's ``flashdmoe_host.WorkspaceTable`` (device index ``None``, a CPU stand-in's, is -1)."""
+        if self._table is None:
+            with self._lock:
+                if self._table is None:
+                    self._table = host_queue.module().WorkspaceTable()
+        return self._table
 
     def get(self, device: torch.device, stream_handle: int, nbytes: int) -> torch.Tensor:
         """A buffer of at least ``nbytes`` for launches on ``stream_handle`` (the current stream of
@@ -49,6 +60,7 @@ class WorkspacePool:
         buffer = self._buffers.get(key)
         if buffer is not None and buffer.numel() >= nbytes:
             return buffer
+        table = self.table
         with self._lock:
             buffer = self._buffers.get(key)
             if buffer is None or buffer.numel() < nbytes:
@@ -57,7 +69,7 @@ class WorkspacePool:
                 # The old buffer goes back to torch's caching allocator, which reuses it only for work on
                 # this stream, ordered after the launches that used it.
                 buffer = self._buffers[key] = torch.zeros(size, dtype=torch.uint8, device=device)
-                self._entries[key] = [buffer.data_ptr(), size, None]
+                table.set(device_key(device.index), stream_handle, buffer.data_ptr(), size)
         return buffer
 
     def address(self, device: torch.device, index: int, stream_handle: int, stride: int, sync_bytes: int,
@@ -65,17 +77,16 @@ class WorkspacePool:
         """The device address of a buffer for a launch of ``ranks`` shares of ``stride`` bytes whose first
         ``sync_bytes`` each are zero when the launch starts (``index``: ``device.index``). No tensor call
         on a launch that fits and whose sync words the previous launch's exit left zero."""
-        key = (index, stream_handle)
-        entry = self._entries.get(key)
-        if entry is None or entry[1] < stride * ranks:
+        table = self.table
+        key = device_key(index)
+        address, need = table.claim(key, stream_handle, stride, sync_bytes, ranks)
+        if need == _GROW:
             self.get(device, stream_handle, stride * ranks)
-            entry = self._entries[key]
-        zero = entry[2]
-        if zero is not None and not (zero[0] == stride and zero[1] >= sync_bytes and zero[2] >= ranks):
-            shares = self._buffers[key][:stride * ranks].view(ranks, stride)
+            address, need = table.claim(key, stream_handle, stride, sync_bytes, ranks)
+        if need == _ZERO:
+            shares = self._buffers[(index, stream_handle)][:stride * ranks].view(ranks, stride)
             shares[:, :sync_bytes].zero_()
-        entry[2] = (stride, sync_bytes, ranks)
-        return entry[0]
+        return address
 
     def held_bytes(self) -> int:
         return sum(buffer.numel() for buffer in self._buffers.values())
@@ -83,5 +94,14 @@ class WorkspacePool:
     def release(self) -> None:
         """Drop every buffer (torch's caching allocator keeps the memory until ``empty_cache``)."""
         with self._lock:
-            self._entries.clear()
+            if self._table is not None:
+                self._table.clear()
             self._buffers.clear()
+
+
+def device_key(index: int | None) -> int:
+    """A device index as the host module keys it (a CPU stand-in's ``None`` is -1)."""
+    return -1 if index is None else index
+
+
+_GROW, _ZERO = 1, 2  # flashdmoe_host.GROW / ZERO (WorkspaceTable.claim's answers)

@@ -1,0 +1,328 @@
+// The eager one-rank forward's host path in C++ (flashdmoe/kernel/host_queue.py).
+//
+// A forward that has nothing to report (no unchecked launch with an error, a status slot free, its
+// workspace ready) is launched here from one Python call: finished launches are retired oldest first,
+// the outputs allocated, the kernel launched and the launch queued, with no Python object made per
+// launch. Anything else (an error to raise, a wait, a workspace to grow or zero, teams, captures, debug
+// modes) is left to the Python path (flashdmoe/kernel/status_checks.py), which first takes over the
+// launches queued here (`take`) so that one queue, oldest first, decides when an error surfaces.
+//
+// Links libtorch (it allocates the outputs) but not CUDA: the launch goes through the kernel module's
+// C entry (common/native_launch.h) or, for the CPU stand-in, a Python callable. Every method runs with
+// the GIL held, which guards this module's state as it guards status_checks'.
+#pragma once
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/csrc/utils/pybind.h>  // Python.h first: pythread.h and pybind11 after it
+#include <pybind11/stl.h>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <deque>
+#include <stdexcept>
+#include <string>
+#include <unordered_map>
+#include <vector>
+#include "common/native_launch.h"
+
+namespace flashdmoe {
+
+namespace py = pybind11;
+
+// Addresses of a one-rank launch, in the order `launch` takes them (csrc/moe/launch.h CallAddress).
+inline constexpr int kOneRankAddresses = 11;
+
+// WorkspaceTable::claim's answers.
+enum Need : int { kReady = 0, kGrow = 1, kZero = 2 };
+
+// What the pooled workspaces hold (flashdmoe/kernel/workspace_pool.py keeps the buffers): per (device,
+// stream) the buffer's address and size and which sync words are known zero: all of them (a new
+// buffer) or those of the last launch's (stride, sync bytes, ranks), which its exit reset.
+class WorkspaceTable {
+ public:
+  struct Entry {
+    int64_t device;
+    uintptr_t stream;
+    uintptr_t address;
+    int64_t bytes;
+    bool all_zero;
+    int64_t stride, sync_bytes, ranks;
+  };
+
+  void set(int64_t device, uintptr_t stream, uintptr_t address, int64_t bytes) {
+    Entry* e = find(device, stream);
+    if (e == nullptr) {
+      entries_.push_back({device, stream, 0, 0, true, 0, 0, 0});
+      e = &entries_.back();
+    }
+    *e = {device, stream, address, bytes, true, 0, 0, 0};
+  }
+
+  // (address, need): kGrow leaves the entry as it is; kReady and kZero record this launch's sync words
+  // as what its exit leaves zero (kZero: once the caller has zeroed them). `commit_zero` false: a kZero
+  // answer records nothing either (the caller will not zero them).
+  std::pair<uintptr_t, int> claim(int64_t device, uintptr_t stream, int64_t stride, int64_t sync_bytes, int64_t ranks,
+                                  bool commit_zero = true) {
+    Entry* e = find(device, stream);
+    if (e == nullptr || e->bytes < stride * ranks) return {0, kGrow};
+    // One rank's sync words start the buffer whatever the stride: any earlier launch's first share covers them.
+    const bool zero = e->all_zero || ((ranks == 1 || e->stride == stride) && e->sync_bytes >= sync_bytes &&
+                                      e->ranks >= ranks);
+    if (!zero && !commit_zero) return {e->address, kZero};
+    e->all_zero = false;
+    e->stride = stride;
+    e->sync_bytes = sync_bytes;
+    e->ranks = ranks;
+    return {e->address, zero ? kReady : kZero};
+  }
+
+  void clear() { entries_.clear(); }
+
+ private:
+  Entry* find(int64_t device, uintptr_t stream) {
+    for (Entry& e : entries_)
+      if (e.device == device && e.stream == stream) return &e;
+    return nullptr;
+  }
+  std::vector<Entry> entries_;  // a few (device, stream) pairs: a scan beats hashing
+};
+
+// One prepared one-rank launch (a cuda_backend._Plan's): how to launch it and what it needs per call.
+struct NativePlan {
+  const NativeForwardEntry* entry = nullptr;  // the kernel module's, or null: call `python_launch`
+  void* prepared = nullptr;                   // the PreparedForward (kept alive by `prepared_object`)
+  py::object prepared_object;
+  py::object python_launch;
+  py::object workspace_owner;  // keeps `workspaces` alive
+  WorkspaceTable* workspaces = nullptr;
+  int64_t routing_words = 0, routing_stride = 0, stride = 0, sync_bytes = 0;
+};
+
+// The status block's byte offsets (csrc/moe/params.cuh) and slot geometry.
+struct Layout {
+  int64_t block_bytes, done_word, error_word, status_flags, slot_bytes;
+};
+
+struct Pending {
+  uint64_t id;
+  int64_t device;
+  int slot;
+  py::object plan;  // the Python plan (its shape and routing factory make the report)
+  at::Tensor block;
+  int info[3];
+  unsigned long thread;
+};
+
+// A thread's latest launch made here, kept until the Python side asks for it (last_report) or takes it.
+struct Last {
+  uint64_t id = 0;
+  bool retired = false;  // checked clean here; `raw` holds its status block
+  std::string raw;
+  int64_t device = 0;
+  py::object plan;
+  at::Tensor block;
+  int info[3] = {0, 0, 0};
+};
+
+class LaunchQueue {
+ public:
+  LaunchQueue(int64_t block_bytes, int64_t done_word, int64_t error_word, int64_t status_flags, int64_t slot_ranks)
+      : layout_{block_bytes, done_word, error_word, status_flags, block_bytes * slot_ranks} {}
+
+  // A device's eager status slots: `count` slots of slot_bytes at `base` (pinned), all free.
+  void add_device(int64_t device, uintptr_t base, int count) {
+    Slots slots{device, reinterpret_cast<uint8_t*>(base), {}};
+    for (int i = count - 1; i >= 0; --i) slots.free.push_back(i);  // back(): the lowest address first
+    devices_.push_back(std::move(slots));
+  }
+
+  // A free slot's index, or -1.
+  int claim(int64_t device) {
+    Slots& s = slots(device);
+    if (s.free.empty()) return -1;
+    const int index = s.free.back();
+    s.free.pop_back();
+    return index;
+  }
+
+  // Hand a slot back: clear its completion words (nothing writes them until its next launch).
+  void release(int64_t device, int index) {
+    Slots& s = slots(device);
+    uint8_t* slot = s.base + index * layout_.slot_bytes;
+    for (int64_t at = layout_.done_word; at < layout_.slot_bytes; at += layout_.block_bytes)
+      reinterpret_cast<std::atomic<uint32_t>*>(slot + at)->store(0, std::memory_order_relaxed);
+    s.free.push_back(index);
+  }
+
+  int free_slots(int64_t device) { return static_cast<int>(slots(device).free.size()); }
+  int next_free(int64_t device) {
+    Slots& s = slots(device);
+    return s.free.empty() ? -1 : s.free.back();
+  }
+
+  uint64_t next_id() { return next_id_++; }
+  size_t outstanding() const { return pending_.size(); }
+
+  // The eager one-rank forward, or None where the Python path must run it (see the file comment).
+  py::object launch(const NativePlan& p, py::object plan, const at::Tensor& x, const at::Tensor& router,
+                    const at::Tensor& w1, const at::Tensor& w2, const std::optional<at::Tensor>& saved_pre,
+                    int64_t device, uintptr_t stream) {
+    while (!pending_.empty()) {  // finished launches, oldest first, up to the first still running
+      const uint8_t* status = slot_address(pending_.front());
+      if (!done(status)) break;
+      if (!clean(status)) return py::none();  // its error is raised by the Python path
+      retire(pending_.front());
+      pending_.pop_front();
+    }
+    Slots* s = find_slots(device);
+    if (s == nullptr || s->free.empty()) return py::none();
+    const auto [workspace, need] = p.workspaces->claim(device, stream, p.stride, p.sync_bytes, 1, false);
+    if (need != kReady) return py::none();
+    const int slot = s->free.back();
+    s->free.pop_back();
+    at::Tensor y, block;
+    int info[3] = {0, 0, 0};
+    try {
+      y = at::empty(x.sizes(), x.options());  // x is contiguous (checked by the caller)
+      block = at::empty({p.routing_words}, x.options().dtype(at::kInt));
+      const auto base = reinterpret_cast<uintptr_t>(block.data_ptr());
+      const uintptr_t addresses[kOneRankAddresses] = {
+          reinterpret_cast<uintptr_t>(router.data_ptr()), reinterpret_cast<uintptr_t>(x.data_ptr()),
+          reinterpret_cast<uintptr_t>(w1.data_ptr()), reinterpret_cast<uintptr_t>(w2.data_ptr()),
+          reinterpret_cast<uintptr_t>(y.data_ptr()), base, base + p.routing_stride, base + 2 * p.routing_stride,
+          base + 3 * p.routing_stride, saved_pre ? reinterpret_cast<uintptr_t>(saved_pre->data_ptr()) : 0, workspace};
+      run(p, addresses, stream, reinterpret_cast<uintptr_t>(s->base + slot * layout_.slot_bytes), info);
+    } catch (...) {
+      s->free.push_back(slot);  // nothing was launched on it
+      throw;
+    }
+    const uint64_t id = next_id_++;
+    const unsigned long thread = PyThread_get_thread_ident();
+    pending_.push_back({id, device, slot, plan, block, {info[0], info[1], info[2]}, thread});
+    Last& last = last_[thread];
+    last.id = id;
+    last.retired = false;
+    last.raw.clear();
+    last.device = device;
+    last.plan = std::move(plan);
+    last.block = block;
+    std::memcpy(last.info, info, sizeof(info));
+    return py::make_tuple(std::move(y), std::move(block));
+  }
+
+  // Every launch queued here, oldest first, handed to the Python queue: (launch id, device, slot, plan,
+  // routing block, (grid, blocks per SM, smem bytes), thread, whether it is its thread's latest).
+  py::list take() {
+    py::list out;
+    for (Pending& e : pending_) {
+      auto last = last_.find(e.thread);
+      const bool latest = last != last_.end() && last->second.id == e.id;
+      if (latest) last_.erase(last);  // the Python side holds its report from now on
+      out.append(py::make_tuple(e.id, e.device, e.slot, e.plan, e.block, py::make_tuple(e.info[0], e.info[1], e.info[2]),
+                                e.thread, latest));
+    }
+    pending_.clear();
+    return out;
+  }
+
+  // The calling thread's latest launch made here if it was retired here (checked clean), else None:
+  // (launch id, device, plan, routing block, info, status bytes). Forgotten once returned.
+  py::object take_retired_last() {
+    auto it = last_.find(PyThread_get_thread_ident());
+    if (it == last_.end() || !it->second.retired) return py::none();
+    Last& l = it->second;
+    py::object out = py::make_tuple(l.id, l.device, l.plan, l.block, py::make_tuple(l.info[0], l.info[1], l.info[2]),
+                                    py::bytes(l.raw));
+    last_.erase(it);
+    return out;
+  }
+
+ private:
+  struct Slots {
+    int64_t device;
+    uint8_t* base;
+    std::vector<int> free;
+  };
+
+  Slots* find_slots(int64_t device) {
+    for (Slots& s : devices_)
+      if (s.device == device) return &s;
+    return nullptr;
+  }
+  Slots& slots(int64_t device) {
+    Slots* s = find_slots(device);
+    if (s == nullptr) throw std::invalid_argument("device " + std::to_string(device) + ": no status slots added");
+    return *s;
+  }
+
+  const uint8_t* slot_address(const Pending& e) {
+    return slots(e.device).base + e.slot * layout_.slot_bytes;
+  }
+  // The kernel stores the completion word last (st.release.sys); reading it with acquire orders the
+  // status block's reads after it.
+  bool done(const uint8_t* status) const {
+    return reinterpret_cast<const std::atomic<uint32_t>*>(status + layout_.done_word)->load(std::memory_order_acquire) != 0;
+  }
+  bool clean(const uint8_t* status) const {
+    uint64_t error;
+    uint32_t flags;
+    std::memcpy(&error, status + layout_.error_word, sizeof(error));
+    std::memcpy(&flags, status + layout_.status_flags, sizeof(flags));
+    return error == 0 && flags == 0;
+  }
+
+  void retire(Pending& e) {
+    auto last = last_.find(e.thread);
+    if (last != last_.end() && last->second.id == e.id) {  // last_report() may still ask for its status
+      last->second.retired = true;
+      last->second.raw.assign(reinterpret_cast<const char*>(slot_address(e)), layout_.block_bytes);
+    }
+    release(e.device, e.slot);
+  }
+
+  static void run(const NativePlan& p, const uintptr_t* addresses, uintptr_t stream, uintptr_t status, int* info) {
+    if (p.entry != nullptr) {
+      char error[512];
+      const int code = p.entry->launch(p.prepared, addresses, kOneRankAddresses, 1, stream, status, info, error,
+                                       sizeof(error));
+      if (code == kNativeLaunchInvalidArgument) throw std::invalid_argument(error);
+      if (code != kNativeLaunchOk) throw std::runtime_error(error);
+      return;
+    }
+    py::list list(kOneRankAddresses);
+    for (int i = 0; i < kOneRankAddresses; ++i) list[i] = py::int_(addresses[i]);
+    const py::tuple got = p.python_launch(p.prepared_object, list, 1, stream, status);
+    for (int i = 0; i < 3; ++i) info[i] = got[i].cast<int>();
+  }
+
+  Layout layout_;
+  std::vector<Slots> devices_;
+  std::deque<Pending> pending_;
+  std::unordered_map<unsigned long, Last> last_;
+  uint64_t next_id_ = 1;
+};
+
+inline NativePlan make_plan(py::object launcher, py::object prepared, py::object workspaces, int64_t routing_words,
+                     int64_t routing_stride, int64_t stride, int64_t sync_bytes) {
+  NativePlan p;
+  if (PyCapsule_CheckExact(launcher.ptr())) {
+    p.entry = static_cast<const NativeForwardEntry*>(PyCapsule_GetPointer(launcher.ptr(), kNativeForwardCapsule));
+    if (p.entry == nullptr) throw py::error_already_set();
+    p.prepared = reinterpret_cast<void*>(prepared.attr("address").cast<uintptr_t>());
+  } else if (PyCallable_Check(launcher.ptr())) {
+    p.python_launch = launcher;
+  } else {
+    throw std::invalid_argument("launcher: expected the kernel module's native_forward capsule or a callable");
+  }
+  p.prepared_object = std::move(prepared);
+  p.workspaces = workspaces.cast<WorkspaceTable*>();
+  p.workspace_owner = std::move(workspaces);
+  p.routing_words = routing_words;
+  p.routing_stride = routing_stride;
+  p.stride = stride;
+  p.sync_bytes = sync_bytes;
+  return p;
+}
+
+}  // namespace flashdmoe
+

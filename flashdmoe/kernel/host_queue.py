@@ -1,0 +1,78 @@
+"""``flashdmoe_host``: the eager one-rank forward's host path in C++ (``csrc/host/``).
+
+Python costs about as much per call as the CUDA launch itself: the outputs' allocation, the status slot,
+the launch report and its queueing made a one-rank forward's host time ~8 µs of Python on a development
+CPU (docs/perf-notes.md, "Host time"). This module does that work in one C++ call for the common case --
+nothing to report, a slot free, the workspace ready -- and answers ``None`` for everything else, which
+the Python path (:mod:`flashdmoe.kernel.status_checks`) then runs as before, having first taken over the
+launches queued in C++ so that every error still surfaces where and when it is documented.
+
+What it holds:
+
+* ``WorkspaceTable``: per (device, stream) the pooled workspace's address, size and which sync words are
+  known zero (:class:`flashdmoe.kernel.workspace_pool.WorkspacePool` keeps the buffers themselves);
+* ``LaunchQueue``: each device's eager status slots (pinned memory the Python side allocates), the launch
+  id counter, and the launches made in C++ and not yet checked, oldest first;
+* ``native_plan(...)``: a prepared one-rank launch as the C++ path runs it, through the kernel module's C
+  entry (``flashdmoe_cuda.native_forward``, a capsule: no Python call between the queue and the CUDA
+  launch) or, with the CPU stand-in of the tests, a Python ``launch`` callable.
+
+It links libtorch, not CUDA, and is built on first use with ``torch.utils.cpp_extension`` (ninja; about
+15 s) into the flashdmoe build cache, per torch and Python version; the kernel module stays free of
+libtorch.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import types
+from pathlib import Path
+
+MODULE_NAME = "flashdmoe_host"
+SOURCE = Path("host") / "module.cpp"
+
+_module: types.ModuleType | None = None
+_lock = threading.Lock()
+
+
+def build_dir() -> Path:
+    """Where the module is built: per torch and Python version, under the flashdmoe build cache."""
+    import torch
+
+    from flashdmoe.kernel import extension
+
+    tag = f"torch-{torch.__version__.replace('+', '_')}-py{sys.version_info[0]}{sys.version_info[1]}"
+    return extension.cache_root() / "host" / tag
+
+
+def module() -> types.ModuleType:
+    """The built module (built on the first call in a process, cached on disk after)."""
+    global _module
+    if _module is None:
+        with _lock:
+            if _module is None:
+                _module = _build()
+    return _module
+
+
+def _build() -> types.ModuleType:
+    from torch.utils import cpp_extension
+
+    from flashdmoe.kernel import extension
+
+    source_dir = extension.default_source_dir()
+    source = source_dir / SOURCE
+    if not source.is_file():
+        raise extension.BuildError(f"{source}: the host module's source is missing")
+    out = build_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        return cpp_extension.load(
+            name=MODULE_NAME, sources=[str(source)], extra_include_paths=[str(source_dir)],
+            extra_cflags=["-O2"], build_directory=str(out), with_cuda=False,
+            verbose=os.environ.get("FLASHDMOE_BUILD_VERBOSE", "0") == "1",
+        )
+    except (RuntimeError, OSError, ImportError) as error:
+        raise extension.BuildError(f"the host module {MODULE_NAME} did not build in {out}: {error}") from error
