@@ -9,6 +9,7 @@ flashdmoe.kernel.status_checks documents (the next call, check_errors, synchroni
 
 from __future__ import annotations
 
+import shutil
 import threading
 
 import pytest
@@ -287,3 +288,24 @@ def test_workspace_table_answers():
     assert table.claim(1, 7, 256, 64, 1) == (0, grow) and table.claim(0, 8, 256, 64, 1) == (0, grow)
     table.clear()
     assert table.claim(0, 7, 256, 64, 1) == (0, grow)
+
+
+def test_each_source_tree_builds_into_a_folder_of_its_own(tmp_path):
+    """Two checkouts (or two versions) never rebuild a module the other has loaded."""
+    tree = tmp_path / "a"
+    (tree / "host").mkdir(parents=True)
+    (tree / "common").mkdir()
+    (tree / "host" / "module.cpp").write_text("int x;")
+    (tree / "common" / "native_launch.h").write_text("")
+    (tree / "common" / "other.h").write_text("")
+    first = host_queue.build_dir(tree)
+    assert host_queue.build_dir(tree) == first
+    (tree / "common" / "other.h").write_text("changed")
+    assert host_queue.build_dir(tree) == first, "a file the module does not compile"
+    (tree / "common" / "native_launch.h").write_text("changed")
+    second = host_queue.build_dir(tree)
+    assert second != first
+    (tree / "host" / "module.cpp").write_text("int y;")
+    assert host_queue.build_dir(tree) not in (first, second)
+    shutil.copytree(tree, tmp_path / "b")
+    assert host_queue.build_dir(tmp_path / "b") != host_queue.build_dir(tree)

@@ -18,12 +18,13 @@ What it holds:
   launch) or, with the CPU stand-in of the tests, a Python ``launch`` callable.
 
 It links libtorch, not CUDA, and is built on first use with ``torch.utils.cpp_extension`` (ninja; about
-15 s) into the flashdmoe build cache, per torch and Python version; the kernel module stays free of
-libtorch.
+15 s) into the flashdmoe build cache, per torch and Python version and per source tree; the kernel module
+stays free of libtorch.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 import threading
@@ -37,14 +38,27 @@ _module: types.ModuleType | None = None
 _lock = threading.Lock()
 
 
-def build_dir() -> Path:
-    """Where the module is built: per torch and Python version, under the flashdmoe build cache."""
+# What the module compiles, relative to the source tree (csrc/).
+INPUTS = (Path("host"), Path("common") / "native_launch.h")
+
+
+def build_dir(source_dir: Path | None = None) -> Path:
+    """Where the module is built, under the flashdmoe build cache: per torch and Python version and per
+    source tree (its path and the contents of :data:`INPUTS`), so that no process rebuilds a module
+    another one has loaded."""
     import torch
 
     from flashdmoe.kernel import extension
 
+    root = source_dir or extension.default_source_dir()
+    digest = hashlib.sha256(str(root).encode())
+    for item in INPUTS:
+        paths = sorted((root / item).rglob("*")) if (root / item).is_dir() else [root / item]
+        for path in paths:
+            if path.is_file():
+                digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
     tag = f"torch-{torch.__version__.replace('+', '_')}-py{sys.version_info[0]}{sys.version_info[1]}"
-    return extension.cache_root() / "host" / tag
+    return extension.cache_root() / "host" / f"{tag}-{digest.hexdigest()[:16]}"
 
 
 def module() -> types.ModuleType:
@@ -66,7 +80,7 @@ def _build() -> types.ModuleType:
     source = source_dir / SOURCE
     if not source.is_file():
         raise extension.BuildError(f"{source}: the host module's source is missing")
-    out = build_dir()
+    out = build_dir(source_dir)
     out.mkdir(parents=True, exist_ok=True)
     try:
         return cpp_extension.load(
