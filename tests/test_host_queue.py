@@ -17,25 +17,16 @@ import torch
 
 import flashdmoe
 from fake_cuda import ADDRESSES_PER_RANK, fake_cuda, status_block, timeout_word
+from test_status_checks import K, forward
+from test_status_checks import inputs as layer_inputs
 from flashdmoe import cuda_backend
 from flashdmoe.kernel import host_queue, status_checks
 
-H, I, E, K = 64, 64, 8, 2
 SEED = 20261205
 
 
-def inputs(tokens=16, seed=SEED, dtype=torch.bfloat16):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(tokens, H, generator=g).to(dtype)
-    router = torch.randn(E, H, generator=g).to(dtype)
-    w1 = torch.randn(E, H, I, generator=g).to(dtype)
-    w2 = torch.randn(E, I, H, generator=g).to(dtype)
-    return x, router, w1, w2
-
-
-def forward(x, router, w1, w2, **options):
-    with torch.no_grad():
-        return flashdmoe.moe(x, router, w1, w2, top_k=K, backend="cuda", **options)
+def inputs(tokens=16):
+    return layer_inputs(tokens, seed=SEED)
 
 
 @pytest.fixture
@@ -172,7 +163,7 @@ def test_the_python_path_runs_what_cpp_leaves(fake, monkeypatch):
     # Another shape on the same stream: larger sync words than the buffer's last launch left zero.
     monkeypatch.setattr(ext, "workspace_layout", lambda T, *a, **k: {
         "total_bytes": 4096 + 64 * T * K, "sync_bytes": 1024 + 8 * T})
-    big = inputs(tokens=64)[0]
+    big = inputs(64)[0]
     forward(big, router, w1, w2)
     assert len(python_launches) == 3
     flashdmoe.synchronize()
