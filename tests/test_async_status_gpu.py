@@ -148,6 +148,47 @@ def test_profiler_sees_no_synchronisation_copy_or_memset(backend, seed):
     assert copies == []
 
 
+def test_the_cpp_launch_path_gives_the_python_paths_bits(backend, seed, monkeypatch):
+    """Steady calls launch from C++ (flashdmoe.kernel.host_queue) through the kernel module's C entry;
+    their outputs, routing and gradients are bitwise the Python path's."""
+    from flashdmoe.kernel import extension
+
+    assert hasattr(extension.loaded(), "native_forward")
+    x, router, w1, w2 = make_inputs(64, 256, 256, 16, "swiglu", seed=seed)
+    python_launches = []
+    record = status_checks.record_launch
+
+    def counting(*args, **kwargs):
+        if kwargs.get("forward", True):  # the fused backward's launches are the Python path's
+            python_launches.append(args[4])
+        return record(*args, **kwargs)
+
+    monkeypatch.setattr(status_checks, "record_launch", counting)
+
+    def step():
+        xg, rg, w1g, w2g = (t.clone().requires_grad_() for t in (x, router, w1, w2))
+        y, aux = flashdmoe.moe(xg, rg, w1g, w2g, top_k=4, activation="swiglu", backend="cuda", return_aux=True)
+        y.float().square().sum().backward()
+        flashdmoe.synchronize()  # checks the backward's launches: the next forward has nothing older to check
+        with torch.no_grad():
+            inference = flashdmoe.moe(x, router, w1, w2, top_k=4, activation="swiglu", backend="cuda")
+        return [y.detach(), aux.counts, inference, xg.grad, rg.grad, w1g.grad, w2g.grad]
+
+    step()  # the first calls of each signature take the Python path (checks, plan, slots)
+    flashdmoe.synchronize()
+    before = len(python_launches)
+    steady = step()
+    assert len(python_launches) == before, "a remembered call with nothing to report launches from C++"
+    flashdmoe.synchronize()
+    assert flashdmoe.last_report().error is None
+    monkeypatch.setattr(status_checks, "launch_native", lambda *args, **kwargs: None)
+    python = step()
+    flashdmoe.synchronize()
+    assert len(python_launches) == before + 2
+    for mine, theirs in zip(steady, python):
+        assert torch.equal(mine, theirs)
+
+
 # ------------------------------------------------------------------------------------------------------------
 # Errors surface where documented (default: asynchronous)
 
