@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import flashdmoe
-from fake_cuda import ADDRESSES_PER_RANK, fake_cuda, status_block, timeout_word
+from fake_cuda import ADDRESSES_PER_RANK, FakeExtension, fake_cuda, status_block, timeout_word
 from test_status_checks import K, forward
 from test_status_checks import inputs as layer_inputs
 from flashdmoe import cuda_backend
@@ -300,3 +300,39 @@ def test_each_source_tree_builds_into_a_folder_of_its_own(tmp_path):
     assert host_queue.build_dir(tree) not in (first, second)
     shutil.copytree(tree, tmp_path / "b")
     assert host_queue.build_dir(tmp_path / "b") != host_queue.build_dir(tree)
+
+
+def test_latest_launches_of_finished_threads_are_not_kept_forever(monkeypatch):
+    """A thread's latest report keeps its routing outputs alive; past a bound, threads no longer alive
+    are forgotten, in the host queue and in the Python queue."""
+    monkeypatch.setattr(cuda_backend.debug, "timeout_ms", None)
+    monkeypatch.setattr(status_checks, "LAST_REPORTS", 4)
+    with fake_cuda(monkeypatch, FakeExtension(finish_at_once=True, record=False)):
+        x, router, w1, w2 = inputs()
+        forward(x, router, w1, w2)
+
+        def crowd(count, ask):
+            barrier = threading.Barrier(count)
+
+            def worker():
+                forward(x, router, w1, w2)
+                if ask:
+                    flashdmoe.last_report()
+                barrier.wait()
+
+            threads = [threading.Thread(target=worker) for _ in range(count)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+
+        queue = status_checks._state.queue
+        crowd(300, ask=False)  # launched in C++, alive together: all kept
+        assert queue.kept_threads() >= 256
+        forward(x, router, w1, w2)
+        assert queue.kept_threads() == 1, "only this thread is alive"
+        crowd(10, ask=True)
+        assert len(status_checks._state.last_reports) >= 10
+        forward(x, router, w1, w2)
+        flashdmoe.last_report()
+        assert list(status_checks._state.last_reports) == [threading.get_ident()]

@@ -15,6 +15,7 @@
 #include <ATen/ops/empty.h>
 #include <torch/csrc/utils/pybind.h>  // Python.h first: pythread.h and pybind11 after it
 #include <pybind11/stl.h>
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
@@ -161,6 +162,7 @@ class LaunchQueue {
   }
 
   uint64_t next_id() { return next_id_++; }
+  size_t kept_threads() const { return last_.size(); }
   size_t outstanding() const { return pending_.size(); }
 
   // The eager one-rank forward, or None where the Python path must run it (see the file comment).
@@ -199,6 +201,7 @@ class LaunchQueue {
     const uint64_t id = next_id_++;
     const unsigned long thread = PyThread_get_thread_ident();
     pending_.push_back({id, device, slot, plan, block, {info[0], info[1], info[2]}, thread});
+    if (last_.size() >= kLastLimit && last_.find(thread) == last_.end()) forget_dead_threads();
     Last& last = last_[thread];
     last.id = id;
     last.retired = false;
@@ -293,6 +296,21 @@ class LaunchQueue {
     for (int i = 0; i < kOneRankAddresses; ++i) list[i] = py::int_(addresses[i]);
     const py::tuple got = p.python_launch(p.prepared_object, list, 1, stream, status);
     for (int i = 0; i < 3; ++i) info[i] = got[i].cast<int>();
+  }
+
+  // A retired launch keeps its routing block alive for last_report(): past kLastLimit threads (as
+  // status_checks.LAST_REPORTS), those threading no longer lists as alive are forgotten.
+  static constexpr size_t kLastLimit = 256;
+  void forget_dead_threads() {
+    std::vector<unsigned long> alive;
+    for (py::handle t : py::module_::import("threading").attr("enumerate")()) {
+      const py::object ident = t.attr("ident");
+      if (!ident.is_none()) alive.push_back(ident.cast<unsigned long>());
+    }
+    for (auto it = last_.begin(); it != last_.end();) {
+      const bool live = std::find(alive.begin(), alive.end(), it->first) != alive.end();
+      it = live ? std::next(it) : last_.erase(it);
+    }
   }
 
   Layout layout_;

@@ -35,6 +35,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("free_slots", &LaunchQueue::free_slots, py::arg("device"))
       .def("next_free", &LaunchQueue::next_free, py::arg("device"))
       .def("next_id", &LaunchQueue::next_id)
+      .def("kept_threads", &LaunchQueue::kept_threads, "Threads whose latest launch made here is kept")
       .def("outstanding", &LaunchQueue::outstanding)
       .def("launch", &LaunchQueue::launch, py::arg("native"), py::arg("plan"), py::arg("x"), py::arg("router_weight"),
            py::arg("w1"), py::arg("w2"), py::arg("saved_pre"), py::arg("device"), py::arg("stream"))

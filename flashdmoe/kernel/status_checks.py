@@ -61,6 +61,9 @@ EAGER_SLOTS = 64
 GRAPH_CHUNK = 512
 #: ... whenever fewer than this many are left at an eager forward.
 GRAPH_LOW_WATER = 128
+#: Threads whose latest report is kept before those no longer alive are forgotten (the host module
+#: keeps the same bound for the launches it retires).
+LAST_REPORTS = 256
 #: How long a wait for one launch polls its completion words before it waits for the whole device
 #: instead (which also surfaces a CUDA error that kept the kernel from running).
 WAIT_POLL_S = 0.05
@@ -239,7 +242,7 @@ def last_report() -> LaunchReport | None:
             report = LaunchReport(plan.shape, launch_id, None if key < 0 else key, info, _status_layout(), raw,
                                   routing=(plan.routing(block),))
             report.checked = True
-            _state.last_reports[me] = report
+            _note_last_report(me, report)
     return report
 
 
@@ -413,7 +416,7 @@ def launched(report: LaunchReport, slot: _Slot, team: Any, forward: bool = True)
     ``forward``: a forward's launch, which :func:`last_report` then returns (a fused backward's is checked
     the same way but does not replace it)."""
     if forward:
-        _state.last_reports[threading.get_ident()] = report
+        _note_last_report(threading.get_ident(), report)
     if report.captured:
         slots = _state.devices[report.device]
         with _state.lock:
@@ -501,7 +504,18 @@ def _absorb() -> None:
         if latest:
             earlier = _state.last_reports.get(thread)
             if earlier is None or earlier.launch_id < launch_id:
-                _state.last_reports[thread] = report
+                _note_last_report(thread, report)
+
+
+def _note_last_report(thread: int, report: LaunchReport) -> None:
+    """``report`` is ``thread``'s latest forward. Past LAST_REPORTS threads, those no longer alive are
+    forgotten (a report keeps its launch's routing outputs alive)."""
+    reports = _state.last_reports
+    reports[thread] = report
+    if len(reports) > LAST_REPORTS:
+        alive = {t.ident for t in threading.enumerate()}
+        for ident in [ident for ident in reports if ident not in alive and ident != thread]:
+            del reports[ident]
 
 
 def _take(accept: Callable[[LaunchReport], bool] = lambda report: report.ready()) -> LaunchReport | None:
