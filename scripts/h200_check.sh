@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Everything of record on one H200 in one call (< 600 s): build, every GPU test (one process; then the
+# Everything of record on one H200 in one call (< 600 s): build (the kernel, then the host module), every GPU test (one process; then the
 # multi-process tests under MPS; then Ray), the single-GPU and training benchmarks, the host-overhead
 # script, optionally Nsight Compute. Each step has its own timeout; logs under $OUT (at most eight files
 # come back), a summary table last. Skip steps with SKIP="mp ray bench training host" (any subset);
@@ -32,6 +32,10 @@ python3 -m flashdmoe build --verbose > /tmp/build.log 2>&1; rc=$?
 note "build rc=$rc in $(( $(date +%s) - t0 )) s"
 grep -E "registers|spill" /tmp/build.log | sort | uniq -c
 [ $rc -eq 0 ] || { tail -40 /tmp/build.log; exit 1; }
+t0=$(date +%s)
+python3 -m flashdmoe build --host > /tmp/host_build.log 2>&1; rc=$?
+note "host module build rc=$rc in $(( $(date +%s) - t0 )) s"
+[ $rc -eq 0 ] || { tail -40 /tmp/host_build.log; exit 1; }
 
 run_tests() {  # name, timeout, files...
   local name=$1 limit=$2; shift 2
