@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import sys
 import threading
 import types
@@ -38,20 +39,21 @@ _module: types.ModuleType | None = None
 _lock = threading.Lock()
 
 
-# What the module compiles, relative to the source tree (csrc/).
+# What the module compiles, relative to the source tree (csrc/), and how.
 INPUTS = (Path("host"), Path("common") / "native_launch.h")
+CFLAGS = ("-O2", "-fvisibility=hidden")  # hidden: what pybind11 expects of a module's own types
 
 
 def build_dir(source_dir: Path | None = None) -> Path:
     """Where the module is built, under the flashdmoe build cache: per torch and Python version and per
-    source tree (its path and the contents of :data:`INPUTS`), so that no process rebuilds a module
-    another one has loaded."""
+    source tree (its path, the contents of :data:`INPUTS`, :data:`CFLAGS`), so that no process rebuilds a
+    module another one has loaded."""
     import torch
 
     from flashdmoe.kernel import extension
 
     root = source_dir or extension.default_source_dir()
-    digest = hashlib.sha256(str(root).encode())
+    digest = hashlib.sha256(" ".join((str(root),) + CFLAGS).encode())
     for item in INPUTS:
         paths = sorted((root / item).rglob("*")) if (root / item).is_dir() else [root / item]
         for path in paths:
@@ -82,10 +84,15 @@ def _build() -> types.ModuleType:
         raise extension.BuildError(f"{source}: the host module's source is missing")
     out = build_dir(source_dir)
     out.mkdir(parents=True, exist_ok=True)
+    ninja = extension.find_ninja()
+    if ninja is None:
+        raise extension.BuildError("ninja not found (pip install ninja): the host module is built with it")
+    if shutil.which("ninja") is None:  # torch's builder runs `ninja` from PATH; the PyPI package's may not be there
+        os.environ["PATH"] = f"{ninja.parent}{os.pathsep}{os.environ.get('PATH', '')}"
     try:
         return cpp_extension.load(
             name=MODULE_NAME, sources=[str(source)], extra_include_paths=[str(source_dir)],
-            extra_cflags=["-O2"], build_directory=str(out), with_cuda=False,
+            extra_cflags=list(CFLAGS), build_directory=str(out), with_cuda=False,
             verbose=os.environ.get("FLASHDMOE_BUILD_VERBOSE", "0") == "1",
         )
     except (RuntimeError, OSError, ImportError) as error:
