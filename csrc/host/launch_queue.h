@@ -174,6 +174,8 @@ class LaunchQueue {
       if (!done(status)) break;
       if (!clean(status)) return py::none();  // its error is raised by the Python path
       retire(pending_.front());
+      // Moved out before the pop: releasing its plan may run Python code (another thread's call).
+      const Pending finished = std::move(pending_.front());
       pending_.pop_front();
     }
     Slots* s = find_slots(device);
@@ -195,36 +197,46 @@ class LaunchQueue {
           base + 3 * p.routing_stride, saved_pre ? reinterpret_cast<uintptr_t>(saved_pre->data_ptr()) : 0, workspace};
       run(p, addresses, stream, reinterpret_cast<uintptr_t>(s->base + slot * layout_.slot_bytes), info);
     } catch (...) {
-      s->free.push_back(slot);  // nothing was launched on it
+      // The stand-in's Python launch may have let another thread in: no pointer into devices_ survives it.
+      slots(device).free.push_back(slot);  // nothing was launched on it
       throw;
     }
     const uint64_t id = next_id_++;
     const unsigned long thread = PyThread_get_thread_ident();
     pending_.push_back({id, device, slot, plan, block, {info[0], info[1], info[2]}, thread});
     if (last_.size() >= kLastLimit && last_.find(thread) == last_.end()) forget_dead_threads();
-    Last& last = last_[thread];
-    last.id = id;
-    last.retired = false;
-    last.raw.clear();
-    last.device = device;
-    last.plan = std::move(plan);
-    last.block = block;
-    std::memcpy(last.info, info, sizeof(info));
+    Last latest;
+    latest.id = id;
+    latest.device = device;
+    latest.plan = std::move(plan);
+    latest.block = block;
+    std::memcpy(latest.info, info, sizeof(info));
+    std::swap(last_[thread], latest);  // the previous one is released after, holding no reference into last_
     return py::make_tuple(std::move(y), std::move(block));
   }
 
   // Every launch queued here, oldest first, handed to the Python queue: (launch id, device, slot, plan,
   // routing block, (grid, blocks per SM, smem bytes), thread, whether it is its thread's latest).
   py::list take() {
-    py::list out;
-    for (Pending& e : pending_) {
-      auto last = last_.find(e.thread);
-      const bool latest = last != last_.end() && last->second.id == e.id;
-      if (latest) last_.erase(last);  // the Python side holds its report from now on
-      out.append(py::make_tuple(e.id, e.device, e.slot, e.plan, e.block, py::make_tuple(e.info[0], e.info[1], e.info[2]),
-                                e.thread, latest));
+    // Emptied first, then turned into Python objects (whose making may run Python code, even another
+    // thread's flashdmoe call).
+    std::deque<Pending> taken;
+    taken.swap(pending_);
+    std::vector<bool> latest(taken.size());
+    for (size_t i = 0; i < taken.size(); ++i) {
+      auto last = last_.find(taken[i].thread);
+      latest[i] = last != last_.end() && last->second.id == taken[i].id;
+      if (latest[i]) {  // the Python side holds its report from now on
+        const Last gone = std::move(last->second);
+        last_.erase(last);
+      }
     }
-    pending_.clear();
+    py::list out;
+    for (size_t i = 0; i < taken.size(); ++i) {
+      const Pending& e = taken[i];
+      out.append(py::make_tuple(e.id, e.device, e.slot, e.plan, e.block, py::make_tuple(e.info[0], e.info[1], e.info[2]),
+                                e.thread, static_cast<bool>(latest[i])));
+    }
     return out;
   }
 
@@ -233,11 +245,10 @@ class LaunchQueue {
   py::object take_retired_last() {
     auto it = last_.find(PyThread_get_thread_ident());
     if (it == last_.end() || !it->second.retired) return py::none();
-    Last& l = it->second;
-    py::object out = py::make_tuple(l.id, l.device, l.plan, l.block, py::make_tuple(l.info[0], l.info[1], l.info[2]),
-                                    py::bytes(l.raw));
-    last_.erase(it);
-    return out;
+    const Last l = std::move(it->second);
+    last_.erase(it);  // before any Python object is made
+    return py::make_tuple(l.id, l.device, l.plan, l.block, py::make_tuple(l.info[0], l.info[1], l.info[2]),
+                          py::bytes(l.raw));
   }
 
  private:
@@ -307,9 +318,14 @@ class LaunchQueue {
       const py::object ident = t.attr("ident");
       if (!ident.is_none()) alive.push_back(ident.cast<unsigned long>());
     }
+    std::vector<Last> dropped;  // released once the map is consistent again
     for (auto it = last_.begin(); it != last_.end();) {
-      const bool live = std::find(alive.begin(), alive.end(), it->first) != alive.end();
-      it = live ? std::next(it) : last_.erase(it);
+      if (std::find(alive.begin(), alive.end(), it->first) != alive.end()) {
+        ++it;
+      } else {
+        dropped.push_back(std::move(it->second));
+        it = last_.erase(it);
+      }
     }
   }
 
