@@ -165,6 +165,10 @@ def cuda_unavailable_reason(x: torch.Tensor) -> str | None:
         return f"flashdmoe.kernel.extension cannot be imported: {error}"
     if not extension.available():
         return extension.unavailable_reason() or "the CUDA extension is not available"
+    try:  # the forward's launch path (C++ against this torch; built on first use)
+        _module("flashdmoe.kernel.host_queue").module()
+    except extension.BuildError as error:
+        return str(error)
     return None
 
 

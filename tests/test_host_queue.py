@@ -336,3 +336,27 @@ def test_latest_launches_of_finished_threads_are_not_kept_forever(monkeypatch):
         forward(x, router, w1, w2)
         flashdmoe.last_report()
         assert list(status_checks._state.last_reports) == [threading.get_ident()]
+
+
+def test_a_host_module_that_does_not_build_makes_the_backend_unavailable(monkeypatch):
+    """Tried once per process; the reason reaches backend='cuda''s error like the kernel build's."""
+    from types import SimpleNamespace
+
+    from flashdmoe import api
+    from flashdmoe.kernel import extension
+
+    attempts = []
+
+    def failing():
+        attempts.append(1)
+        raise extension.BuildError("the host module flashdmoe_host did not build: c++: not found")
+
+    monkeypatch.setattr(host_queue, "_module", None)
+    monkeypatch.setattr(host_queue, "_failure", None)
+    monkeypatch.setattr(host_queue, "_build", failing)
+    monkeypatch.setattr(extension, "available", lambda: True)
+    x = SimpleNamespace(is_cuda=True, dtype=torch.bfloat16)
+    assert "c++: not found" in api.cuda_unavailable_reason(x)
+    with pytest.raises(extension.BuildError, match="c\\+\\+: not found"):
+        host_queue.module()
+    assert attempts == [1]

@@ -36,6 +36,7 @@ MODULE_NAME = "flashdmoe_host"
 SOURCE = Path("host") / "module.cpp"
 
 _module: types.ModuleType | None = None
+_failure: Exception | None = None  # a build that failed is not tried again in this process
 _lock = threading.Lock()
 
 
@@ -64,12 +65,19 @@ def build_dir(source_dir: Path | None = None) -> Path:
 
 
 def module() -> types.ModuleType:
-    """The built module (built on the first call in a process, cached on disk after)."""
-    global _module
+    """The built module (built on the first call in a process, cached on disk after). Raises
+    ``flashdmoe.kernel.extension.BuildError`` if it does not build, the same one at every later call."""
+    global _module, _failure
     if _module is None:
         with _lock:
+            if _failure is not None:
+                raise _failure
             if _module is None:
-                _module = _build()
+                try:
+                    _module = _build()
+                except Exception as error:
+                    _failure = error
+                    raise
     return _module
 
 
