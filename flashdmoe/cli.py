@@ -92,6 +92,17 @@ def _nvshmem_info() -> dict[str, Any]:
     return info
 
 
+def _host_module_state() -> str:
+    """Where the host module is built for this torch and source tree, or that it is not built yet (it is
+    built by the first fused forward, or ``flashdmoe build --host``); nothing is built here."""
+    try:
+        host_queue = importlib.import_module("flashdmoe.kernel.host_queue")
+        built = sorted(host_queue.build_dir().glob(f"{host_queue.MODULE_NAME}*.so"))
+    except Exception as error:
+        return f"unknown: {_error_text(error)}"
+    return str(built[-1]) if built else "not built yet (flashdmoe build --host)"
+
+
 def _extension_info() -> dict[str, Any]:
     try:
         extension = importlib.import_module("flashdmoe.kernel.extension")
@@ -103,7 +114,8 @@ def _extension_info() -> dict[str, Any]:
         build = f"invalid: {error}"
     # The NVSHMEM build (what a team across nodes runs) needs NVSHMEM's device and host libraries.
     nvshmem_problem = extension.nvshmem_problem()
-    builds = {"kernel_build": build, "nvshmem_build": "buildable" if nvshmem_problem is None else nvshmem_problem}
+    builds = {"kernel_build": build, "nvshmem_build": "buildable" if nvshmem_problem is None else nvshmem_problem,
+              "host_module": _host_module_state()}
     try:
         available = bool(extension.available())
         return {"available": available, "reason": None if available else extension.unavailable_reason(), **builds}
@@ -175,6 +187,8 @@ def _print_info(info: dict[str, Any], console: Console) -> None:
     if "kernel_build" in extension:
         table.add_row("kernel build", f"{extension['kernel_build']} (FLASHDMOE_KERNEL_BUILD; NVSHMEM build: "
                                       f"{extension['nvshmem_build']})")
+    if "host_module" in extension:
+        table.add_row("host module", extension["host_module"])
     table.add_row("ray", shown(info["ray"]))
     console.print(table)
 

@@ -529,3 +529,13 @@ def test_in_process_run_on_cuda(world_size, tmp_path):
     assert all(worker["device"].startswith("cuda") for worker in results["workers"])
     assert results["verification"]["passed"] is True, results["verification"]
     check_results_schema(results, executor="in-process", steps=2, world_size=world_size)
+
+
+def test_info_says_where_the_host_module_is_built(monkeypatch, tmp_path):
+    from flashdmoe.kernel import host_queue
+
+    monkeypatch.setattr(host_queue, "build_dir", lambda: tmp_path)
+    assert cli._host_module_state() == "not built yet (flashdmoe build --host)"
+    (tmp_path / "flashdmoe_host.so").write_bytes(b"")
+    assert cli._host_module_state() == str(tmp_path / "flashdmoe_host.so")
+    assert cli.collect_info()["extension"]["host_module"] == str(tmp_path / "flashdmoe_host.so")
