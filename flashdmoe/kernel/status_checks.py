@@ -18,6 +18,12 @@ error raised) at the first of these points:
 * at the launch itself in debug mode (``FLASHDMOE_SYNC_CHECKS=1`` or :func:`set_sync_checks`), which
   waits for every launch and raises its error from the call that made it.
 
+A one-rank eager forward with nothing to report is launched by the host module's C++ path
+(:mod:`flashdmoe.kernel.host_queue`), which checks finished launches of its own, oldest first, and leaves
+everything else here: before any point above reads the queue, or the Python path adds to it, the
+launches made in C++ are taken over into it, oldest first, so the points are the same whichever path
+launched.
+
 A launch's watchdog timeout raises :class:`flashdmoe.KernelTimeout` and marks its team failed (the team
 then raises ``TeamFailed``); non-finite router logits (NaN / Inf in ``x`` or ``router_weight``) raise
 ``ValueError``. Each error is raised once; the message names the launch it came from.
