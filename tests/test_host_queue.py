@@ -360,3 +360,63 @@ def test_a_host_module_that_does_not_build_makes_the_backend_unavailable(monkeyp
     with pytest.raises(extension.BuildError, match="c\\+\\+: not found"):
         host_queue.module()
     assert attempts == [1]
+
+
+def _run_program(ops, native):
+    """Apply ``ops`` on a fresh stand-in; what the caller sees (each call's outcome, in order) and how
+    many launches the Python path made."""
+    seen, python_launches = [], []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cuda_backend.debug, "timeout_ms", None)
+        if not native:
+            patch.setattr(status_checks, "launch_native", lambda *args, **kwargs: None)
+        record = status_checks.record_launch
+        patch.setattr(status_checks, "record_launch",
+                      lambda *args, **kwargs: python_launches.append(1) or record(*args, **kwargs))
+        with fake_cuda(patch) as (ext, _, _):
+            x, router, w1, w2 = inputs()
+            for op, value in ops + [("sync", 0)]:
+                try:
+                    if op == "forward":
+                        if value:  # a launch that times out, or sees NaN router logits
+                            ext.script.append([status_block(error=timeout_word(2, 0)) if value == 1
+                                               else status_block(flags=1)])
+                        y = forward(x, router, w1, w2)
+                        seen.append(("launched", len(ext.launches), tuple(y.shape)))
+                    elif op == "finish":
+                        running = [launch for launch in ext.launches if not launch["completion"].done]
+                        if running:
+                            running[value % len(running)]["completion"].done = True
+                        seen.append(("finished", len(running)))
+                    elif op == "check":
+                        flashdmoe.check_errors()
+                        seen.append(("checked",))
+                    elif op == "sync":
+                        flashdmoe.synchronize()
+                        seen.append(("synchronized",))
+                    else:
+                        report = flashdmoe.last_report()
+                        seen.append(("last", report.launch_id, report.checked) if report else ("last", None))
+                except (flashdmoe.KernelTimeout, ValueError) as error:
+                    seen.append(("raised", type(error).__name__, str(error).split("[")[-1]))
+    return seen, len(python_launches)
+
+
+def test_the_cpp_path_changes_nothing_a_caller_sees():
+    """Random sequences of forwards (some failing), launches finishing in any order, check_errors,
+    synchronize and last_report: the same outcomes, errors and launch ids with the C++ path as without."""
+    import random
+
+    rng = random.Random(SEED)
+    print(f"seed {SEED}")
+    kinds = ["forward"] * 12 + ["finish"] * 6 + ["check", "sync", "last", "last"]
+    in_cpp = 0
+    for _ in range(30):
+        ops = [(kind, rng.choice([0, 0, 0, 0, 1, 2]) if kind == "forward" else rng.randrange(64))
+               for kind in (rng.choice(kinds) for _ in range(40))]
+        native, python_path_launches = _run_program(ops, native=True)
+        python, _ = _run_program(ops, native=False)
+        assert native == python, ops
+        in_cpp += sum(1 for event in native if event[0] == "launched") - python_path_launches
+    print(f"launches made in C++: {in_cpp}")
+    assert in_cpp > 100, "the programs exercise the C++ path"
