@@ -73,6 +73,25 @@ def per_call_us(fn, calls: int, trials: int, before=None, after=None) -> float:
     return STATISTIC(samples)
 
 
+def python_path_share(fn, calls: int, before=None) -> str:
+    """How many of ``calls`` calls of fn launched by the Python path rather than the host module's C++ one
+    (flashdmoe.kernel.host_queue), as in a trial of the timings (a synchronize, then ``before``): which
+    path they measured."""
+    flashdmoe.synchronize()
+    if before is not None:
+        before()
+    count = []
+    record = status_checks.record_launch
+    status_checks.record_launch = lambda *args, **kwargs: count.append(1) or record(*args, **kwargs)
+    try:
+        for _ in range(calls):
+            fn()
+    finally:
+        status_checks.record_launch = record
+    flashdmoe.synchronize()
+    return f"{len(count)} of {calls}"
+
+
 def host_parts(x, router, w1, w2, k, activation, calls, trials, before=None, after=None) -> dict[str, float]:
     """µs per call of the whole call and of its parts (the call is remembered after its first run)."""
     full = lambda: flashdmoe.moe(x, router, w1, w2, top_k=k, activation=activation, backend="cuda")  # noqa: E731
@@ -134,6 +153,9 @@ def gpu_report(args) -> None:
             # ~50 ms of GPU work ahead of the calls: none of them can be reached while they are issued.
             busy = lambda: torch.cuda._sleep(100_000_000)  # noqa: E731
             parts = host_parts(x, router, w1, w2, k, activation, args.calls, args.trials, busy, flashdmoe.synchronize)
+            share = python_path_share(
+                lambda: flashdmoe.moe(x, router, w1, w2, top_k=k, activation=activation, backend="cuda"), args.calls,
+                busy)
 
             def gpu_ms(fn, n=50):
                 fn()
@@ -161,6 +183,7 @@ def gpu_report(args) -> None:
         print(f"T={T} H={H} I={I} E={E} k={k} {activation}:")
         for name, value in parts.items():
             print(f"  {name:<28} {value:8.1f} us/call (host)")
+        print(f"  {'calls on the Python path':<28} {share}")
         print(f"  {'back-to-back eager':<28} {eager * 1e3:8.1f} us/call (GPU)")
         print(f"  {'CUDA-graph replay':<28} {replay * 1e3:8.1f} us/call (GPU)")
 
@@ -193,9 +216,13 @@ def stand_in_report(args) -> None:
                         lambda: fake.launch(plan.prepared, addresses, 1, 7, slot.address),
                         args.calls * 10, args.trials)
                     slot.give_back()
+                    share = python_path_share(
+                        lambda: flashdmoe.moe(x, router, w1, w2, top_k=k, activation=activation, backend="cuda"),
+                        args.calls)
                 print(f"stand-in T={T} H={H} I={I} E={E} k={k} {activation} (CPU tensors, fake extension):")
                 for name, value in parts.items():
                     print(f"  {name:<28} {value:8.2f} us/call (host)")
+                print(f"  {'calls on the Python path':<28} {share}")
     finally:
         patch.undo()
 
