@@ -4,7 +4,8 @@ On a GPU (the default when one is present): for each shape, the GPU is first hel
 ``torch.cuda._sleep``, then ``--calls`` forwards are issued back to back; the host time per call is pure
 Python + binding + CUDA API work (nothing can wait for the GPU, which has not reached them yet). Also
 printed: the parts of a remembered call (its lookup, ``launch_one``, the extension's C++ launch alone
--- so Python's share and C++'s show apart --, ``MoELayer`` around it), and
+-- so Python's share and C++'s show apart --, ``MoELayer`` around it, and the same call with every launch
+made by the Python path instead of the host module's C++ one: the baseline in the same run), and
 the GPU time per call of back-to-back eager calls and of CUDA-graph replays (CUDA events), so that what
 the host adds shows.
 
@@ -92,6 +93,17 @@ def python_path_share(fn, calls: int, before=None) -> str:
     return f"{len(count)} of {calls}"
 
 
+def python_launch_path_us(fn, calls, trials, before, after) -> float:
+    """:func:`per_call_us` of fn with the host module's C++ launch path turned away (every launch by the
+    Python path: status_checks.record_launch and the Python report, as before that path existed)."""
+    native = status_checks.launch_native
+    status_checks.launch_native = lambda *args, **kwargs: None
+    try:
+        return per_call_us(fn, calls, trials, before, after)
+    finally:
+        status_checks.launch_native = native
+
+
 def host_parts(x, router, w1, w2, k, activation, calls, trials, before=None, after=None) -> dict[str, float]:
     """µs per call of the whole call and of its parts (the call is remembered after its first run)."""
     full = lambda: flashdmoe.moe(x, router, w1, w2, top_k=k, activation=activation, backend="cuda")  # noqa: E731
@@ -114,6 +126,8 @@ def host_parts(x, router, w1, w2, k, activation, calls, trials, before=None, aft
         "  cuda_backend.launch_one": per_call_us(
             lambda: cuda_backend.launch_one(plan, x, router, w1, w2), calls, trials, before, after),
         "MoELayer forward": per_call_us(lambda: layer(x), calls, trials, before, after),
+        # The baseline in the same run: the launch made by the Python path every time.
+        "flashdmoe.moe, Python launch path": python_launch_path_us(full, calls, trials, before, after),
     }
     if x.is_cuda:
         parts["  extension launch (C++)"] = extension_launch_us(plan, x, router, w1, w2, calls, trials, before, after)
