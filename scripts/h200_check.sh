@@ -2,7 +2,7 @@
 # Everything of record on one H200 in one call (< 600 s): build (the kernel, then the host module), every GPU test (one process; then the
 # multi-process tests under MPS; then Ray), the single-GPU and training benchmarks, the host-overhead
 # script, optionally Nsight Compute. Each step has its own timeout; logs under $OUT (at most eight files
-# come back), a summary table last. Skip steps with SKIP="mp ray bench training host" (any subset);
+# come back), a summary table last. Skip steps with SKIP="standin mp ray bench training host" (any subset);
 # GPU_TESTS overrides the one-process test files, BENCH_CONFIGS the single-gpu bench shapes; NCU=1 adds Nsight Compute on the expert-bound shape; PROFILE=1 the backward's per-kernel profile
 # (PROFILE_ARGS passes options to scripts/backward_profile.py); ONE_PROCESS_LIMIT the one-process tests' limit (300 s);
 # PHASES=1 the fused backward's time per kind of task; SOAK=1 ~500 fused backward launches of the Mixtral
@@ -36,6 +36,13 @@ t0=$(date +%s)
 python3 -m flashdmoe build --host > /tmp/host_build.log 2>&1; rc=$?
 note "host module build rc=$rc in $(( $(date +%s) - t0 )) s"
 [ $rc -eq 0 ] || { tail -40 /tmp/host_build.log; exit 1; }
+if ! skip standin; then
+  # the host path on CPU tensors with this machine's torch: the host module against the device's libtorch
+  t0=$(date +%s)
+  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_host_queue.py tests/test_status_checks.py \
+    tests/test_host_path.py > /tmp/standin.log 2>&1; rc=$?
+  note "host-path stand-in tests rc=$rc in $(( $(date +%s) - t0 )) s: $(tail -1 /tmp/standin.log)"
+fi
 
 run_tests() {  # name, timeout, files...
   local name=$1 limit=$2; shift 2
