@@ -134,6 +134,8 @@ int native_forward(void* prepared, const uintptr_t* addresses, size_t address_co
     return fail(kNativeLaunchInvalidArgument, e.what());
   } catch (const std::exception& e) {
     return fail(kNativeLaunchError, e.what());
+  } catch (...) {  // nothing may cross the C boundary
+    return fail(kNativeLaunchError, "the launch failed with an exception that is not a std::exception");
   }
 }
 

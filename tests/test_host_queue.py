@@ -9,8 +9,10 @@ flashdmoe.kernel.status_checks documents (the next call, check_errors, synchroni
 
 from __future__ import annotations
 
+import gc
 import shutil
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -302,11 +304,10 @@ def test_each_source_tree_builds_into_a_folder_of_its_own(tmp_path):
     assert host_queue.build_dir(tmp_path / "b") != host_queue.build_dir(tree)
 
 
-def test_latest_launches_of_finished_threads_are_not_kept_forever(monkeypatch):
-    """A thread's latest report keeps its routing outputs alive; past a bound, threads no longer alive
-    are forgotten, in the host queue and in the Python queue."""
+def test_a_threads_reports_end_with_it_and_a_new_thread_inherits_none(monkeypatch):
+    """A thread's latest report keeps its routing outputs alive until the thread ends, in the host queue
+    and in the Python queue; a new thread (which may get an ended one's ident) has no latest report."""
     monkeypatch.setattr(cuda_backend.debug, "timeout_ms", None)
-    monkeypatch.setattr(status_checks, "LAST_REPORTS", 4)
     with fake_cuda(monkeypatch, FakeExtension(finish_at_once=True, record=False)):
         x, router, w1, w2 = inputs()
         forward(x, router, w1, w2)
@@ -325,17 +326,24 @@ def test_latest_launches_of_finished_threads_are_not_kept_forever(monkeypatch):
                 thread.start()
             for thread in threads:
                 thread.join()
+            gc.collect()
 
         queue = status_checks._state.queue
-        crowd(300, ask=False)  # launched in C++, alive together: all kept
-        assert queue.kept_threads() >= 256
-        forward(x, router, w1, w2)
-        assert queue.kept_threads() == 1, "only this thread is alive"
-        crowd(10, ask=True)
-        assert len(status_checks._state.last_reports) >= 10
-        forward(x, router, w1, w2)
-        flashdmoe.last_report()
-        assert list(status_checks._state.last_reports) == [threading.get_ident()]
+        mine = flashdmoe.last_report()
+        crowd(40, ask=False)  # launched in C++, each thread's latest kept there until it ended
+        assert queue.kept_threads() == 0
+        crowd(10, ask=True)  # their reports made in Python
+        assert list(status_checks._state.last_reports.values()) == [mine]
+        seen = []
+        for _ in range(2):
+            thread = threading.Thread(target=lambda: seen.append((threading.get_ident(), flashdmoe.last_report())))
+            thread.start()
+            thread.join()
+            if seen[-1][1] is None:
+                worker = threading.Thread(target=lambda: forward(x, router, w1, w2))
+                worker.start()
+                worker.join()
+        assert [report for _, report in seen] == [None, None]
 
 
 def test_a_host_module_that_does_not_build_makes_the_backend_unavailable(monkeypatch):
@@ -420,3 +428,39 @@ def test_the_cpp_path_changes_nothing_a_caller_sees():
         in_cpp += sum(1 for event in native if event[0] == "launched") - python_path_launches
     print(f"launches made in C++: {in_cpp}")
     assert in_cpp > 100, "the programs exercise the C++ path"
+
+
+def test_a_built_module_is_imported_without_building(monkeypatch):
+    """A module built before into its folder (an image's prebuilt one) is imported directly: no ninja, no
+    compiler, no write to the cache; while a build holds the folder's lock, the builder is asked."""
+    from torch.utils import cpp_extension
+
+    from flashdmoe.kernel import extension
+
+    built = host_queue.module()
+    calls = []
+    monkeypatch.setattr(cpp_extension, "load", lambda **kwargs: calls.append(kwargs) or pytest.fail("rebuilt"))
+    monkeypatch.setattr(extension, "find_ninja", lambda: None)
+    assert host_queue._build().__file__ == built.__file__ and calls == []
+    lock = host_queue.build_dir() / "lock"  # torch's builder holds it while it builds
+    exists = Path.exists
+    monkeypatch.setattr(Path, "exists", lambda self, *args, **kwargs: self == lock or exists(self, *args, **kwargs))
+    with pytest.raises(extension.BuildError, match="ninja not found"):
+        host_queue._build()
+
+
+def test_a_weight_updated_in_place_replaces_its_remembered_call(fake):
+    """An optimizer step makes a new version of a weight: the call remembered for the old version is
+    replaced, not kept beside it (the old version never comes back)."""
+    from flashdmoe import api
+
+    x, router, w1, w2 = inputs()
+    counts = []
+    for _ in range(6):
+        forward(x, router, w1, w2)
+        counts.append(api.remembered_calls())
+        with torch.no_grad():
+            w1.add_(0.0)
+    forward(x, router, w1, w2)
+    assert counts == [1] * 6 and api.remembered_calls() == 1
+    assert api.remembered_call(x, router, w1, w2, K, "gelu", True, None, "cuda", False) is not None

@@ -27,22 +27,23 @@ class CallCache {
     const at::Tensor* t[4];
     if (!tensors({x, router, w1, w2}, t) || options.size() != kOptions) return py::none();
     try {
-      auto bucket = entries_.find(hash(t));
-      if (bucket == entries_.end()) return py::none();
-      for (const Entry& e : bucket->second)
-        if (matches(e, t, options)) return e.call;
+      return lookup(t, options, /*with_versions=*/true).second;
     } catch (const c10::Error&) {  // a tensor without storage or strides: the checks say what is wrong
+      return py::none();
     }
-    return py::none();
   }
 
-  // Remember `call` for the arguments that follow it (a call that passed every check); false if they cannot be
-  // remembered (not tensors, no storage). Past `limit` entries, everything is forgotten first.
+  // Remember `call` for the arguments that follow it (a call that passed every check); false if they
+  // cannot be remembered (not tensors, no storage). An entry for the same call with other weight
+  // versions is replaced (a weight updated in place: the old versions do not come back). Past `limit`
+  // entries, everything is forgotten first.
   bool remember(py::object call, py::handle x, py::handle router, py::handle w1, py::handle w2,
                 const py::args& options) {
     const at::Tensor* t[4];
     if (!tensors({x, router, w1, w2}, t) || options.size() != kOptions) return false;
     Entry e;
+    size_t hash_value;
+    std::pair<int, py::object> old;
     try {
       e.x_sizes.assign(t[0]->sizes().begin(), t[0]->sizes().end());
       e.x_dtype = t[0]->scalar_type();
@@ -57,26 +58,30 @@ class CallCache {
         k.dtype = w.scalar_type();
         k.version = version(w);
       }
+      hash_value = hash(t);
+      if (size_ >= limit_) clear();
+      old = lookup(t, options, /*with_versions=*/false);
     } catch (const c10::Error&) {  // a tensor without storage or strides
       return false;
     }
     for (int i = 0; i < kOptions; ++i) e.options[i] = py::reinterpret_borrow<py::object>(options[i]);
     e.call = std::move(call);
-    if (size_ >= limit_) clear();
-    auto& bucket = entries_[hash(t)];
-    for (Entry& old : bucket)
-      if (matches(old, t, options)) {  // the same arguments again (a weight scan forgot the first)
-        old = std::move(e);
-        return true;
-      }
+    auto& bucket = entries_[hash_value];
+    ++generation_;
+    if (old.first >= 0) {
+      std::swap(bucket[old.first], e);  // the replaced entry is released below, after the map is consistent
+      return true;
+    }
     bucket.push_back(std::move(e));
     ++size_;
     return true;
   }
 
   void clear() {
-    entries_.clear();
+    std::unordered_map<size_t, std::vector<Entry>> gone;  // released after the map is consistent
+    gone.swap(entries_);
     size_ = 0;
+    ++generation_;
   }
   size_t size() const { return size_; }
 
@@ -126,7 +131,7 @@ class CallCache {
     return equal == 1;
   }
 
-  static bool matches(const Entry& e, const at::Tensor* const* t, const py::args& options) {
+  static bool same_tensors(const Entry& e, const at::Tensor* const* t, bool with_versions) {
     const at::Tensor& x = *t[0];
     if (x.sizes() != at::IntArrayRef(e.x_sizes) || x.scalar_type() != e.x_dtype || x.device() != e.x_device ||
         x.is_contiguous() != e.x_contiguous)
@@ -135,16 +140,43 @@ class CallCache {
       const at::Tensor& w = *t[i + 1];
       const Weight& k = e.weights[i];
       if (w.data_ptr() != k.address || w.sizes() != at::IntArrayRef(k.sizes) ||
-          w.strides() != at::IntArrayRef(k.strides) || w.scalar_type() != k.dtype || version(w) != k.version)
+          w.strides() != at::IntArrayRef(k.strides) || w.scalar_type() != k.dtype ||
+          (with_versions && version(w) != k.version))
         return false;
     }
-    for (int i = 0; i < kOptions; ++i)
-      if (!same_option(e.options[i], options[i])) return false;
     return true;
+  }
+
+  // (index in its bucket, call) of the entry for these arguments, or (-1, None). Comparing an option
+  // may run Python code (and another thread's remember or clear): the options are compared on copies,
+  // and the search starts again if the map changed meanwhile.
+  std::pair<int, py::object> lookup(const at::Tensor* const* t, const py::args& options, bool with_versions) const {
+    for (;;) {
+      auto bucket = entries_.find(hash(t));
+      if (bucket == entries_.end()) return {-1, py::none()};
+      const uint64_t seen = generation_;
+      bool changed = false;
+      for (size_t i = 0; !changed && i < bucket->second.size(); ++i) {  // not a look at bucket once changed
+        const Entry& e = bucket->second[i];
+        if (!same_tensors(e, t, with_versions)) continue;
+        py::object mine[kOptions];
+        for (int j = 0; j < kOptions; ++j) mine[j] = e.options[j];
+        py::object call = e.call;
+        bool same = true;
+        for (int j = 0; j < kOptions && same; ++j) same = same_option(mine[j], options[j]);
+        if (generation_ != seen) {
+          changed = true;
+        } else if (same) {
+          return {static_cast<int>(i), call};
+        }
+      }
+      if (!changed) return {-1, py::none()};
+    }
   }
 
   size_t limit_;
   size_t size_ = 0;
+  uint64_t generation_ = 0;  // bumped by every change of entries_
   std::unordered_map<size_t, std::vector<Entry>> entries_;
 };
 

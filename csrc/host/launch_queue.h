@@ -9,13 +9,13 @@
 //
 // Links libtorch (it allocates the outputs) but not CUDA: the launch goes through the kernel module's
 // C entry (common/native_launch.h) or, for the CPU stand-in, a Python callable. Every method runs with
-// the GIL held, which guards this module's state as it guards status_checks'.
+// the GIL held, which guards this module's state as it guards status_checks' (the C entry's launch alone
+// runs without it, on a slot the launch already owns).
 #pragma once
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/csrc/utils/pybind.h>  // Python.h first: pythread.h and pybind11 after it
 #include <pybind11/stl.h>
-#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
@@ -111,10 +111,11 @@ struct Pending {
   py::object plan;  // the Python plan (its shape and routing factory make the report)
   at::Tensor block;
   int info[3];
-  unsigned long thread;
+  uint64_t thread;  // the launching thread's serial (status_checks._thread_serial; idents are reused)
 };
 
-// A thread's latest launch made here, kept until the Python side asks for it (last_report) or takes it.
+// A thread's latest launch made here, kept until the Python side asks for it (last_report), takes it,
+// or forgets the thread (when its thread-local state is released).
 struct Last {
   uint64_t id = 0;
   bool retired = false;  // checked clean here; `raw` holds its status block
@@ -125,15 +126,24 @@ struct Last {
   int info[3] = {0, 0, 0};
 };
 
+// Methods that make or release Python objects may run Python code (a destructor, an allocation's
+// garbage collection), and so let another thread in: none holds a reference into a container across
+// such a point, and a launch holds the slot it claimed, not a pointer to its device's entry.
 class LaunchQueue {
  public:
   LaunchQueue(int64_t block_bytes, int64_t done_word, int64_t error_word, int64_t status_flags, int64_t slot_ranks)
       : layout_{block_bytes, done_word, error_word, status_flags, block_bytes * slot_ranks} {}
 
-  // A device's eager status slots: `count` slots of slot_bytes at `base` (pinned), all free.
+  // A device's eager status slots: `count` slots of slot_bytes at `base` (pinned), all free. Replaces
+  // an earlier registration of the device (whose memory is gone).
   void add_device(int64_t device, uintptr_t base, int count) {
     Slots slots{device, reinterpret_cast<uint8_t*>(base), {}};
     for (int i = count - 1; i >= 0; --i) slots.free.push_back(i);  // back(): the lowest address first
+    for (Slots& s : devices_)
+      if (s.device == device) {
+        s = std::move(slots);
+        return;
+      }
     devices_.push_back(std::move(slots));
   }
 
@@ -165,25 +175,35 @@ class LaunchQueue {
   size_t kept_threads() const { return last_.size(); }
   size_t outstanding() const { return pending_.size(); }
 
-  // The eager one-rank forward, or None where the Python path must run it (see the file comment).
-  py::object launch(const NativePlan& p, py::object plan, const at::Tensor& x, const at::Tensor& router,
-                    const at::Tensor& w1, const at::Tensor& w2, const std::optional<at::Tensor>& saved_pre,
-                    int64_t device, uintptr_t stream) {
-    while (!pending_.empty()) {  // finished launches, oldest first, up to the first still running
+  // Retire finished clean launches, oldest first, up to the first still running. True when it stopped
+  // at a finished launch with an error (the Python path takes the queue over and raises it).
+  bool retire_finished() {
+    while (!pending_.empty()) {
       const uint8_t* status = slot_address(pending_.front());
-      if (!done(status)) break;
-      if (!clean(status)) return py::none();  // its error is raised by the Python path
+      if (!done(status)) return false;
+      if (!clean(status)) return true;
       retire(pending_.front());
-      // Moved out before the pop: releasing its plan may run Python code (another thread's call).
+      // Moved out before the pop: releasing its plan may run Python code.
       const Pending finished = std::move(pending_.front());
       pending_.pop_front();
     }
+    return false;
+  }
+
+  // The eager one-rank forward, or None where the Python path must run it (see the file comment).
+  // `thread`: the calling thread's serial.
+  py::object launch(const NativePlan& p, py::object plan, const at::Tensor& x, const at::Tensor& router,
+                    const at::Tensor& w1, const at::Tensor& w2, const std::optional<at::Tensor>& saved_pre,
+                    int64_t device, uintptr_t stream, uint64_t thread) {
+    if (retire_finished()) return py::none();  // its error is raised by the Python path
     Slots* s = find_slots(device);
     if (s == nullptr || s->free.empty()) return py::none();
     const auto [workspace, need] = p.workspaces->claim(device, stream, p.stride, p.sync_bytes, 1, false);
     if (need != kReady) return py::none();
     const int slot = s->free.back();
     s->free.pop_back();
+    const auto status = reinterpret_cast<uintptr_t>(s->base + slot * layout_.slot_bytes);
+    s = nullptr;  // what follows may let another thread in
     at::Tensor y, block;
     int info[3] = {0, 0, 0};
     try {
@@ -195,16 +215,13 @@ class LaunchQueue {
           reinterpret_cast<uintptr_t>(w1.data_ptr()), reinterpret_cast<uintptr_t>(w2.data_ptr()),
           reinterpret_cast<uintptr_t>(y.data_ptr()), base, base + p.routing_stride, base + 2 * p.routing_stride,
           base + 3 * p.routing_stride, saved_pre ? reinterpret_cast<uintptr_t>(saved_pre->data_ptr()) : 0, workspace};
-      run(p, addresses, stream, reinterpret_cast<uintptr_t>(s->base + slot * layout_.slot_bytes), info);
+      run(p, addresses, stream, status, info);
     } catch (...) {
-      // The stand-in's Python launch may have let another thread in: no pointer into devices_ survives it.
       slots(device).free.push_back(slot);  // nothing was launched on it
       throw;
     }
     const uint64_t id = next_id_++;
-    const unsigned long thread = PyThread_get_thread_ident();
     pending_.push_back({id, device, slot, plan, block, {info[0], info[1], info[2]}, thread});
-    if (last_.size() >= kLastLimit && last_.find(thread) == last_.end()) forget_dead_threads();
     Last latest;
     latest.id = id;
     latest.device = device;
@@ -216,18 +233,18 @@ class LaunchQueue {
   }
 
   // Every launch queued here, oldest first, handed to the Python queue: (launch id, device, slot, plan,
-  // routing block, (grid, blocks per SM, smem bytes), thread, whether it is its thread's latest).
+  // routing block, (grid, blocks per SM, smem bytes), thread serial, whether it is its thread's latest).
   py::list take() {
-    // Emptied first, then turned into Python objects (whose making may run Python code, even another
-    // thread's flashdmoe call).
+    // Emptied first, then turned into Python objects.
     std::deque<Pending> taken;
     taken.swap(pending_);
     std::vector<bool> latest(taken.size());
+    std::vector<Last> handed;  // released after the map is consistent
     for (size_t i = 0; i < taken.size(); ++i) {
       auto last = last_.find(taken[i].thread);
       latest[i] = last != last_.end() && last->second.id == taken[i].id;
       if (latest[i]) {  // the Python side holds its report from now on
-        const Last gone = std::move(last->second);
+        handed.push_back(std::move(last->second));
         last_.erase(last);
       }
     }
@@ -240,15 +257,23 @@ class LaunchQueue {
     return out;
   }
 
-  // The calling thread's latest launch made here if it was retired here (checked clean), else None:
+  // Thread `thread`'s latest launch made here if it was retired here (checked clean), else None:
   // (launch id, device, plan, routing block, info, status bytes). Forgotten once returned.
-  py::object take_retired_last() {
-    auto it = last_.find(PyThread_get_thread_ident());
+  py::object take_retired_last(uint64_t thread) {
+    auto it = last_.find(thread);
     if (it == last_.end() || !it->second.retired) return py::none();
     const Last l = std::move(it->second);
     last_.erase(it);  // before any Python object is made
     return py::make_tuple(l.id, l.device, l.plan, l.block, py::make_tuple(l.info[0], l.info[1], l.info[2]),
                           py::bytes(l.raw));
+  }
+
+  // A thread that ended: its latest launch is nobody's to ask for.
+  void forget_thread(uint64_t thread) {
+    auto it = last_.find(thread);
+    if (it == last_.end()) return;
+    const Last gone = std::move(it->second);
+    last_.erase(it);
   }
 
  private:
@@ -297,8 +322,13 @@ class LaunchQueue {
   static void run(const NativePlan& p, const uintptr_t* addresses, uintptr_t stream, uintptr_t status, int* info) {
     if (p.entry != nullptr) {
       char error[512];
-      const int code = p.entry->launch(p.prepared, addresses, kOneRankAddresses, 1, stream, status, info, error,
-                                       sizeof(error));
+      int code;
+      {
+        // As the kernel module's own binding does: a first launch of a kernel loads it, and a full
+        // launch queue blocks; other threads (a stream callback's among them) go on meanwhile.
+        py::gil_scoped_release released;
+        code = p.entry->launch(p.prepared, addresses, kOneRankAddresses, 1, stream, status, info, error, sizeof(error));
+      }
       if (code == kNativeLaunchInvalidArgument) throw std::invalid_argument(error);
       if (code != kNativeLaunchOk) throw std::runtime_error(error);
       return;
@@ -309,30 +339,10 @@ class LaunchQueue {
     for (int i = 0; i < 3; ++i) info[i] = got[i].cast<int>();
   }
 
-  // A retired launch keeps its routing block alive for last_report(): past kLastLimit threads (as
-  // status_checks.LAST_REPORTS), those threading no longer lists as alive are forgotten.
-  static constexpr size_t kLastLimit = 256;
-  void forget_dead_threads() {
-    std::vector<unsigned long> alive;
-    for (py::handle t : py::module_::import("threading").attr("enumerate")()) {
-      const py::object ident = t.attr("ident");
-      if (!ident.is_none()) alive.push_back(ident.cast<unsigned long>());
-    }
-    std::vector<Last> dropped;  // released once the map is consistent again
-    for (auto it = last_.begin(); it != last_.end();) {
-      if (std::find(alive.begin(), alive.end(), it->first) != alive.end()) {
-        ++it;
-      } else {
-        dropped.push_back(std::move(it->second));
-        it = last_.erase(it);
-      }
-    }
-  }
-
   Layout layout_;
   std::vector<Slots> devices_;
   std::deque<Pending> pending_;
-  std::unordered_map<unsigned long, Last> last_;
+  std::unordered_map<uint64_t, Last> last_;
   uint64_t next_id_ = 1;
 };
 

@@ -38,7 +38,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("kept_threads", &LaunchQueue::kept_threads, "Threads whose latest launch made here is kept")
       .def("outstanding", &LaunchQueue::outstanding)
       .def("launch", &LaunchQueue::launch, py::arg("native"), py::arg("plan"), py::arg("x"), py::arg("router_weight"),
-           py::arg("w1"), py::arg("w2"), py::arg("saved_pre"), py::arg("device"), py::arg("stream"))
+           py::arg("w1"), py::arg("w2"), py::arg("saved_pre"), py::arg("device"), py::arg("stream"), py::arg("thread"))
+      .def("retire_finished", &LaunchQueue::retire_finished,
+           "Retire finished clean launches, oldest first; True when one that finished has an error")
       .def("take", &LaunchQueue::take)
-      .def("take_retired_last", &LaunchQueue::take_retired_last);
+      .def("take_retired_last", &LaunchQueue::take_retired_last, py::arg("thread"))
+      .def("forget_thread", &LaunchQueue::forget_thread, py::arg("thread"));
 }

@@ -18,13 +18,14 @@ What it holds:
   launch) or, with the CPU stand-in of the tests, a Python ``launch`` callable.
 
 It links libtorch, not CUDA, and is built on first use with ``torch.utils.cpp_extension`` (ninja; about
-15 s) into the flashdmoe build cache, per torch and Python version and per source tree; the kernel module
-stays free of libtorch.
+15 s) into the flashdmoe build cache, per torch and Python version and per source tree; a module built
+there before is imported directly. The kernel module stays free of libtorch.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 import shutil
 import sys
@@ -81,6 +82,24 @@ def module() -> types.ModuleType:
     return _module
 
 
+def _import_built(out: Path) -> types.ModuleType | None:
+    """The module built earlier into ``out`` (its folder is keyed by everything that changes it), imported
+    without ninja, a compiler or a writable cache (an image's prebuilt module, a read-only cache); ``None``
+    when there is none, or while a build is under way there (torch's builder holds ``lock``)."""
+    path = out / f"{MODULE_NAME}.so"
+    if not path.is_file() or (out / "lock").exists():
+        return None
+    spec = importlib.util.spec_from_file_location(MODULE_NAME, path)
+    if spec is None or spec.loader is None:
+        return None
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except ImportError:  # a build cut short: built again
+        return None
+    return module
+
+
 def _build() -> types.ModuleType:
     from torch.utils import cpp_extension
 
@@ -91,6 +110,9 @@ def _build() -> types.ModuleType:
     if not source.is_file():
         raise extension.BuildError(f"{source}: the host module's source is missing")
     out = build_dir(source_dir)
+    built = _import_built(out)
+    if built is not None:
+        return built
     out.mkdir(parents=True, exist_ok=True)
     ninja = extension.find_ninja()
     if ninja is None:

@@ -45,9 +45,11 @@ from __future__ import annotations
 
 import collections
 import functools
+import itertools
 import os
 import threading
 import time
+import weakref
 from typing import Any, Callable
 
 import numpy as np
@@ -67,9 +69,6 @@ EAGER_SLOTS = 64
 GRAPH_CHUNK = 512
 #: ... whenever fewer than this many are left at an eager forward.
 GRAPH_LOW_WATER = 128
-#: Threads whose latest report is kept before those no longer alive are forgotten (the host module
-#: keeps the same bound for the launches it retires).
-LAST_REPORTS = 256
 #: How long a wait for one launch polls its completion words before it waits for the whole device
 #: instead (which also surfaces a CUDA error that kept the kernel from running).
 WAIT_POLL_S = 0.05
@@ -152,11 +151,13 @@ class _DeviceSlots:
         self.slot_bytes = SLOT_RANKS * layout.bytes
         self.chunks: list[torch.Tensor] = []  # keeps the pinned memory alive
         self.eager = self._carve(EAGER_SLOTS, lambda index: functools.partial(queue.release, self.key, index))
-        queue.add_device(self.key, self.eager[0].address, EAGER_SLOTS)
         self.graph_free: list[_Slot] = []
         self.graph_chunks: list[tuple[torch.Tensor, int]] = []  # (chunk, first graph slot number)
         self.graph_reports: dict[int, LaunchReport] = {}  # graph slot number -> the captured launch
         self.grow_graph_slots()
+        # Last: the queue gets the slots only once everything here exists (a failed allocation above
+        # frees the eager chunk, which the queue must never have seen).
+        queue.add_device(self.key, self.eager[0].address, EAGER_SLOTS)
 
     def _carve(self, count: int, release: Callable[[int], Callable[[], None]]) -> list[_Slot]:
         chunk = _allocate_pinned(count * self.slot_bytes)
@@ -213,7 +214,10 @@ class _State:
         # Python path, which adds more.
         self.graph_low = False
         self.sync_checks = os.environ.get("FLASHDMOE_SYNC_CHECKS", "0") == "1"
-        self.last_reports: dict[int, LaunchReport] = {}  # thread ident -> its latest forward's report
+        # Threads by serial number (idents are reused as soon as a thread ends): its latest forward's report.
+        self.local = threading.local()
+        self.serials = itertools.count(1)
+        self.last_reports: dict[int, LaunchReport] = {}
 
 
 _state = _State()
@@ -239,9 +243,9 @@ def last_report() -> LaunchReport | None:
     """The :class:`flashdmoe.kernel.launch_report.LaunchReport` of the latest fused forward this thread ran
     (``None`` before the first). Cheap: decoding happens when its fields are read."""
     _absorb()
-    me = threading.get_ident()
+    me = _thread_serial()
     report = _state.last_reports.get(me)
-    retired = None if _state.queue is None else _state.queue.take_retired_last()
+    retired = None if _state.queue is None else _state.queue.take_retired_last(me)
     if retired is not None:  # this thread's latest launch made in C++, checked clean there
         launch_id, key, plan, block, info, raw = retired
         if report is None or launch_id > report.launch_id:
@@ -318,7 +322,8 @@ def launch_native(native: Any, plan: Any, x: torch.Tensor, router_weight: torch.
         _poll(launching=True)
         if state.pending:
             return None
-    return state.queue.launch(native, plan, x, router_weight, w1, w2, saved_pre, device_key(device), stream)
+    return state.queue.launch(native, plan, x, router_weight, w1, w2, saved_pre, device_key(device), stream,
+                              _thread_serial())
 
 
 def before_launch(device: int, team: Any, capturing: bool) -> None:
@@ -422,15 +427,13 @@ def launched(report: LaunchReport, slot: _Slot, team: Any, forward: bool = True)
     ``forward``: a forward's launch, which :func:`last_report` then returns (a fused backward's is checked
     the same way but does not replace it)."""
     if forward:
-        _note_last_report(threading.get_ident(), report)
+        _note_last_report(_thread_serial(), report)
     if report.captured:
         slots = _state.devices[report.device]
         with _state.lock:
             slots.graph_reports[slots.graph_slot_number(slot)] = report
         return
-    _absorb()
-    _state.eager_launches += 1
-    _state.pending.append(report)  # atomic under the GIL; _take holds the lock to pop
+    _absorb(report)
     if team is not None:
         team.unchecked_launch = report
     if _state.sync_checks:
@@ -442,9 +445,7 @@ def queued(entry: Any) -> None:
     :class:`flashdmoe.weight_checks.WeightScan`); it is checked with the launches, oldest first. A check
     queued by a forward before its launch surfaces after that launch (at the next forward, check_errors(),
     synchronize()), never from the forward's own pre-launch poll, however fast the device ran it."""
-    _absorb()
-    entry.queued_after = _state.eager_launches
-    _state.pending.append(entry)
+    _absorb(entry, launch=False)
 
 
 def settle_through(last: Any = None) -> None:
@@ -491,37 +492,64 @@ def _queue():
     return queue
 
 
-def _absorb() -> None:
+def _absorb(then: Any = None, launch: bool = True) -> None:
     """Move the launches made in C++ (:func:`launch_native`) into the Python queue, oldest first, as
-    reports of their own: what the Python path reads or appends to the queue then sees every launch in
-    order. Their slots stay theirs until they are checked."""
+    reports of their own, then append ``then`` if given (a launch's report; with ``launch=False`` a check
+    queued without a launch): one step under the lock, so that no other thread's entry lands between
+    them. Their slots stay theirs until they are checked."""
     queue = _state.queue
-    if queue is None or not queue.outstanding():
+    if then is None and (queue is None or not queue.outstanding()):
         return
-    layout = _status_layout()
-    for launch_id, key, index, plan, block, info, thread, latest in queue.take():
-        device = None if key < 0 else key
-        slot = _state.devices[device].eager[index]
-        slot.ranks = 1
-        report = LaunchReport(plan.shape, launch_id, device, info, layout, slot.view[:layout.bytes], slot,
-                              slot.give_back, False, None, (plan.routing(block),))
-        _state.eager_launches += 1
-        _state.pending.append(report)
-        if latest:
-            earlier = _state.last_reports.get(thread)
-            if earlier is None or earlier.launch_id < launch_id:
-                _note_last_report(thread, report)
+    with _state.lock:
+        if queue is not None and queue.outstanding():
+            layout = _status_layout()
+            for launch_id, key, index, plan, block, info, thread, latest in queue.take():
+                device = None if key < 0 else key
+                slot = _state.devices[device].eager[index]
+                slot.ranks = 1
+                report = LaunchReport(plan.shape, launch_id, device, info, layout, slot.view[:layout.bytes], slot,
+                                      slot.give_back, False, None, (plan.routing(block),))
+                _state.eager_launches += 1
+                _state.pending.append(report)
+                if latest:
+                    earlier = _state.last_reports.get(thread)
+                    if earlier is None or earlier.launch_id < launch_id:
+                        _note_last_report(thread, report)
+        if then is not None:
+            if launch:
+                _state.eager_launches += 1
+            else:
+                then.queued_after = _state.eager_launches
+            _state.pending.append(then)
+
+
+def _thread_serial() -> int:
+    """This thread's serial number (never reused, unlike thread idents); its end forgets its reports."""
+    local = _state.local
+    serial = getattr(local, "serial", None)
+    if serial is None:
+        serial = local.serial = next(_state.serials)
+        local.mark = mark = _ThreadMark()  # released with the thread's local state
+        weakref.finalize(mark, _forget_thread, weakref.ref(_state), serial)
+    return serial
+
+
+class _ThreadMark:
+    """Lives in one thread's local state, and dies with it."""
+
+
+def _forget_thread(state_ref: weakref.ref, serial: int) -> None:
+    state = state_ref()
+    if state is None:
+        return
+    state.last_reports.pop(serial, None)
+    if state.queue is not None:
+        state.queue.forget_thread(serial)
 
 
 def _note_last_report(thread: int, report: LaunchReport) -> None:
-    """``report`` is ``thread``'s latest forward. Past LAST_REPORTS threads, those no longer alive are
-    forgotten (a report keeps its launch's routing outputs alive)."""
-    reports = _state.last_reports
-    reports[thread] = report
-    if len(reports) > LAST_REPORTS:
-        alive = {t.ident for t in threading.enumerate()}
-        for ident in [ident for ident in reports if ident not in alive and ident != thread]:
-            del reports[ident]
+    """``report`` is the latest forward of the thread with serial ``thread``."""
+    _state.last_reports[thread] = report
 
 
 def _take(accept: Callable[[LaunchReport], bool] = lambda report: report.ready()) -> LaunchReport | None:
@@ -543,24 +571,30 @@ def _take(accept: Callable[[LaunchReport], bool] = lambda report: report.ready()
 
 def _poll(launching: bool = False) -> None:
     """Check finished entries, oldest first, up to the first one still running (never blocks); before a
-    launch (``launching``), also up to the first check queued by the launching call itself."""
-    _absorb()
+    launch (``launching``), also up to the first check queued by the launching call itself. The launches
+    made in C++ are newer than every entry here: once these are checked, the host queue retires its
+    finished clean ones itself, and a finished one with an error is taken over and raised."""
     pending, lock = _state.pending, _state.lock
-    while pending:
-        with lock:
-            if not pending:
-                return
-            head = pending[0]
-            if head.checked:  # checked elsewhere (settle): only drop it
+    while True:
+        while pending:
+            with lock:
+                if not pending:
+                    break
+                head = pending[0]
+                if head.checked:  # checked elsewhere (settle): only drop it
+                    pending.popleft()
+                    continue
+                if not head.ready():
+                    return
+                if launching and getattr(head, "queued_after", None) == _state.eager_launches:
+                    return
+                head.checked = True
                 pending.popleft()
-                continue
-            if not head.ready():
-                return
-            if launching and getattr(head, "queued_after", None) == _state.eager_launches:
-                return
-            head.checked = True
-            pending.popleft()
-        _raise_if_failed(head)
+            _raise_if_failed(head)
+        queue = _state.queue
+        if queue is None or not queue.outstanding() or not queue.retire_finished():
+            return
+        _absorb()  # a finished launch with an error, and those after it: raised from here
 
 
 def _raise_if_failed(report: LaunchReport) -> None:
