@@ -246,7 +246,7 @@ def moe(
 
     Raises:
         ValueError: bad input, naming the argument (see :func:`flashdmoe.validation.validate_moe_inputs`;
-            checked once per call signature, :data:`_calls`); NaN / Inf in ``router_weight``, ``w1`` or
+            checked once per call signature, :data:`_remembered`); NaN / Inf in ``router_weight``, ``w1`` or
             ``w2``, scanned the first time each version of a weight is used (:mod:`flashdmoe.weight_checks`):
             at the call on the reference backend, later on the fused one (as below).
         BackendUnavailable: ``backend="cuda"`` cannot run here.

@@ -1,4 +1,4 @@
-"""The eager forward's C++ host path (flashdmoe.kernel.host_queue, csrc/host/launch_queue.cpp) on the CPU.
+"""The eager forward's C++ host path (flashdmoe.kernel.host_queue, csrc/host/) on the CPU.
 
 The host module is real (built here with torch.utils.cpp_extension); the kernel module and the CUDA calls
 are tests/fake_cuda.py's, whose Python ``launch`` the C++ path calls in place of the kernel module's C
