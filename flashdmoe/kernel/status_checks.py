@@ -252,7 +252,7 @@ def last_report() -> LaunchReport | None:
             report = LaunchReport(plan.shape, launch_id, None if key < 0 else key, info, _status_layout(), raw,
                                   routing=(plan.routing(block),))
             report.checked = True
-            _note_last_report(me, report)
+            _state.last_reports[me] = report
     return report
 
 
@@ -427,7 +427,7 @@ def launched(report: LaunchReport, slot: _Slot, team: Any, forward: bool = True)
     ``forward``: a forward's launch, which :func:`last_report` then returns (a fused backward's is checked
     the same way but does not replace it)."""
     if forward:
-        _note_last_report(_thread_serial(), report)
+        _state.last_reports[_thread_serial()] = report
     if report.captured:
         slots = _state.devices[report.device]
         with _state.lock:
@@ -514,7 +514,7 @@ def _absorb(then: Any = None, launch: bool = True) -> None:
                 if latest:
                     earlier = _state.last_reports.get(thread)
                     if earlier is None or earlier.launch_id < launch_id:
-                        _note_last_report(thread, report)
+                        _state.last_reports[thread] = report
         if then is not None:
             if launch:
                 _state.eager_launches += 1
@@ -545,11 +545,6 @@ def _forget_thread(state_ref: weakref.ref, serial: int) -> None:
     state.last_reports.pop(serial, None)
     if state.queue is not None:
         state.queue.forget_thread(serial)
-
-
-def _note_last_report(thread: int, report: LaunchReport) -> None:
-    """``report`` is the latest forward of the thread with serial ``thread``."""
-    _state.last_reports[thread] = report
 
 
 def _take(accept: Callable[[LaunchReport], bool] = lambda report: report.ready()) -> LaunchReport | None:

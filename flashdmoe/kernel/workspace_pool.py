@@ -42,6 +42,7 @@ class WorkspacePool:
     def __init__(self) -> None:
         self._buffers: dict[tuple[int, int], torch.Tensor] = {}
         self._table = None
+        self._grow = self._zero = None  # set with the table
         self._lock = threading.Lock()
 
     @property
@@ -50,7 +51,9 @@ class WorkspacePool:
         if self._table is None:
             with self._lock:
                 if self._table is None:
-                    self._table = host_queue.module().WorkspaceTable()
+                    module = host_queue.module()
+                    self._grow, self._zero = module.GROW, module.ZERO  # WorkspaceTable.claim's answers
+                    self._table = module.WorkspaceTable()
         return self._table
 
     def get(self, device: torch.device, stream_handle: int, nbytes: int) -> torch.Tensor:
@@ -80,10 +83,10 @@ class WorkspacePool:
         table = self.table
         key = device_key(index)
         address, need = table.claim(key, stream_handle, stride, sync_bytes, ranks)
-        if need == _GROW:
+        if need == self._grow:
             self.get(device, stream_handle, stride * ranks)
             address, need = table.claim(key, stream_handle, stride, sync_bytes, ranks)
-        if need == _ZERO:
+        if need == self._zero:
             shares = self._buffers[(index, stream_handle)][:stride * ranks].view(ranks, stride)
             shares[:, :sync_bytes].zero_()
         return address
@@ -103,5 +106,3 @@ def device_key(index: int | None) -> int:
     """A device index as the host module keys it (a CPU stand-in's ``None`` is -1)."""
     return -1 if index is None else index
 
-
-_GROW, _ZERO = 1, 2  # flashdmoe_host.GROW / ZERO (WorkspaceTable.claim's answers)
