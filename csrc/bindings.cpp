@@ -139,7 +139,16 @@ int native_forward(void* prepared, const uintptr_t* addresses, size_t address_co
   }
 }
 
-const NativeForwardEntry kNativeForward{&native_forward};
+int native_capturing(uintptr_t stream) {
+  cudaStreamCaptureStatus status;
+  if (cudaStreamIsCapturing(reinterpret_cast<cudaStream_t>(stream), &status) != cudaSuccess) {
+    (void)cudaGetLastError();  // not sticky: cleared so that the next CUDA call does not report it
+    return -1;
+  }
+  return status == cudaStreamCaptureStatusNone ? 0 : 1;
+}
+
+const NativeForwardEntry kNativeForward{&native_forward, &native_capturing};
 
 py::dict layout(int tokens, int hidden, int ffn, int experts, int top_k, int dtype, int world_size, int stream_rows) {
   const WorkspaceLayout l =

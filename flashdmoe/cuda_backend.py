@@ -307,13 +307,13 @@ def launch_one(plan: _Plan, x, router_weight, w1, w2, saved_pre=None, weight_add
     plan by the caller (``weight_addresses``: the weights' ``data_ptr()`` when the caller has read them).
     Launches on ``x``'s device and that device's current stream (asked per call: the user may switch
     streams or devices between calls)."""
-    index = x.device.index
-    if plan.native is not None and index == _current_device() and not torch.cuda.is_current_stream_capturing():
-        # The common case in one C++ call (flashdmoe.kernel.host_queue); None: the path below runs it.
-        launched = status_checks.launch_native(plan.native, plan, x, router_weight, w1, w2, saved_pre, index,
-                                               _current_stream_handle(index))
+    if plan.native is not None:
+        # The common case in one C++ call (flashdmoe.kernel.host_queue), which also asks for the current
+        # device and stream; None: the path below runs it.
+        launched = status_checks.launch_native(plan.native, plan, x, router_weight, w1, w2, saved_pre)
         if launched is not None:
             return launched[0], plan.routing(launched[1])
+    index = x.device.index
     if index != _current_device():
         with torch.cuda.device(index):
             return launch_one(plan, x, router_weight, w1, w2, saved_pre, weight_addresses)

@@ -22,6 +22,9 @@ struct NativeForwardEntry {
   // `info` receives (grid, blocks per SM, shared memory bytes), `error` a message on failure.
   int (*launch)(void* prepared, const uintptr_t* addresses, size_t address_count, uint32_t sequence,
                 uintptr_t stream, uintptr_t status_host, int* info, char* error, size_t error_bytes);
+  // 1 while `stream` captures a CUDA graph, 0 when it does not, -1 when CUDA cannot say (the queue then
+  // leaves the call to the Python path, which asks torch).
+  int (*capturing)(uintptr_t stream);
 };
 
 }  // namespace flashdmoe

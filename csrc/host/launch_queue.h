@@ -14,6 +14,7 @@
 #pragma once
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/utils/pybind.h>  // Python.h first: pythread.h and pybind11 after it
 #include <pybind11/stl.h>
 #include <atomic>
@@ -94,6 +95,7 @@ struct NativePlan {
   void* prepared = nullptr;                   // the PreparedForward (kept alive by `prepared_object`)
   py::object prepared_object;
   py::object python_launch;
+  py::object python_stream;  // with python_launch: the current stream, or None while a graph is captured
   py::object workspace_owner;  // keeps `workspaces` alive
   WorkspaceTable* workspaces = nullptr;
   int64_t routing_words = 0, routing_stride = 0, stride = 0, sync_bytes = 0;
@@ -190,11 +192,15 @@ class LaunchQueue {
     return false;
   }
 
-  // The eager one-rank forward, or None where the Python path must run it (see the file comment).
-  // `thread`: the calling thread's serial.
+  // The eager one-rank forward on x's device, which must be the current one, and that device's current
+  // stream, or None where the Python path must run it (see the file comment; also another current
+  // device, or a stream capturing a graph). `thread`: the calling thread's serial.
   py::object launch(const NativePlan& p, py::object plan, const at::Tensor& x, const at::Tensor& router,
                     const at::Tensor& w1, const at::Tensor& w2, const std::optional<at::Tensor>& saved_pre,
-                    int64_t device, uintptr_t stream, uint64_t thread) {
+                    uint64_t thread) {
+    int64_t device;
+    uintptr_t stream;
+    if (!current_stream(p, x, device, stream)) return py::none();
     if (retire_finished()) return py::none();  // its error is raised by the Python path
     Slots* s = find_slots(device);
     if (s == nullptr || s->free.empty()) return py::none();
@@ -230,6 +236,13 @@ class LaunchQueue {
     std::memcpy(latest.info, info, sizeof(info));
     std::swap(last_[thread], latest);  // the previous one is released after, holding no reference into last_
     return py::make_tuple(std::move(y), std::move(block));
+  }
+
+  // Whether `launch` could run on x's device and stream now (its other conditions aside).
+  static bool launchable(const NativePlan& p, const at::Tensor& x) {
+    int64_t device;
+    uintptr_t stream;
+    return current_stream(p, x, device, stream);
   }
 
   // Every launch queued here, oldest first, handed to the Python queue: (launch id, device, slot, plan,
@@ -319,6 +332,27 @@ class LaunchQueue {
     release(e.device, e.slot);
   }
 
+  // x's device (-1: the CPU stand-in's) and the stream a launch there goes to, as torch has them current:
+  // asked per call (the user may switch either between calls), through torch's device guard for CUDA
+  // (libtorch_cuda registers it) and the kernel module for the capture state.
+  static bool current_stream(const NativePlan& p, const at::Tensor& x, int64_t& device, uintptr_t& stream) {
+    if (p.entry == nullptr) {  // the CPU stand-in (tests/fake_cuda.py) answers from Python
+      const py::object current = p.python_stream();
+      if (current.is_none()) return false;
+      device = x.is_cpu() ? -1 : x.device().index();
+      stream = current.cast<uintptr_t>();
+      return true;
+    }
+    if (!x.is_cuda()) return false;
+    const c10::impl::DeviceGuardImplInterface* guard = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
+    const c10::Device here = guard->getDevice();
+    if (here.index() != x.device().index()) return false;
+    stream = reinterpret_cast<uintptr_t>(guard->getStream(here).native_handle());
+    if (p.entry->capturing(stream) != 0) return false;
+    device = here.index();
+    return true;
+  }
+
   static void run(const NativePlan& p, const uintptr_t* addresses, uintptr_t stream, uintptr_t status, int* info) {
     if (p.entry != nullptr) {
       char error[512];
@@ -346,15 +380,20 @@ class LaunchQueue {
   uint64_t next_id_ = 1;
 };
 
+// `stream`: with a Python `launcher` (the CPU stand-in), a callable giving the current stream, or None
+// while a graph is captured; unused with the kernel module's capsule.
 inline NativePlan make_plan(py::object launcher, py::object prepared, py::object workspaces, int64_t routing_words,
-                     int64_t routing_stride, int64_t stride, int64_t sync_bytes) {
+                            int64_t routing_stride, int64_t stride, int64_t sync_bytes, py::object stream) {
   NativePlan p;
   if (PyCapsule_CheckExact(launcher.ptr())) {
     p.entry = static_cast<const NativeForwardEntry*>(PyCapsule_GetPointer(launcher.ptr(), kNativeForwardCapsule));
     if (p.entry == nullptr) throw py::error_already_set();
     p.prepared = reinterpret_cast<void*>(prepared.attr("address").cast<uintptr_t>());
   } else if (PyCallable_Check(launcher.ptr())) {
+    if (!PyCallable_Check(stream.ptr()))
+      throw std::invalid_argument("stream: expected a callable giving the current stream with a Python launcher");
     p.python_launch = launcher;
+    p.python_stream = std::move(stream);
   } else {
     throw std::invalid_argument("launcher: expected the kernel module's native_forward capsule or a callable");
   }

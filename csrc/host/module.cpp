@@ -18,7 +18,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("clear", &WorkspaceTable::clear);
   py::class_<NativePlan>(m, "NativePlan", "A prepared one-rank launch, as the C++ path runs it");
   m.def("native_plan", &make_plan, py::arg("launcher"), py::arg("prepared"), py::arg("workspaces"),
-        py::arg("routing_words"), py::arg("routing_stride"), py::arg("stride"), py::arg("sync_bytes"));
+        py::arg("routing_words"), py::arg("routing_stride"), py::arg("stride"), py::arg("sync_bytes"),
+        py::arg("stream") = py::none());
   py::class_<CallCache>(m, "CallCache", "flashdmoe.moe's remembered calls (flashdmoe/api.py)")
       .def(py::init<size_t>(), py::arg("limit"))
       .def("find", &CallCache::find, "The call remembered for (x, router_weight, w1, w2, *six options), or None")
@@ -38,7 +39,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("kept_threads", &LaunchQueue::kept_threads, "Threads whose latest launch made here is kept")
       .def("outstanding", &LaunchQueue::outstanding)
       .def("launch", &LaunchQueue::launch, py::arg("native"), py::arg("plan"), py::arg("x"), py::arg("router_weight"),
-           py::arg("w1"), py::arg("w2"), py::arg("saved_pre"), py::arg("device"), py::arg("stream"), py::arg("thread"))
+           py::arg("w1"), py::arg("w2"), py::arg("saved_pre"), py::arg("thread"))
+      .def_static("launchable", &LaunchQueue::launchable, py::arg("native"), py::arg("x"),
+                  "Whether x's device is the current one and its current stream captures no graph")
       .def("retire_finished", &LaunchQueue::retire_finished,
            "Retire finished clean launches, oldest first; True when one that finished has an error")
       .def("take", &LaunchQueue::take)

@@ -303,27 +303,41 @@ def native_plan(ext: Any, prepared: Any, workspaces: Any, routing_words: int, ro
     """A prepared one-rank launch for :func:`launch_native`: through the kernel module's C entry (its
     ``native_forward`` capsule) where it has one, else through its Python ``launch`` (the CPU stand-in).
     ``workspaces``: the pool's ``WorkspaceTable``; the rest as the backend's plan has them."""
-    launcher = getattr(ext, "native_forward", None) or ext.launch
-    return host_queue.module().native_plan(launcher, prepared, workspaces, routing_words, routing_stride, stride,
-                                           sync_bytes)
+    launcher = getattr(ext, "native_forward", None)
+    if launcher is not None:
+        return host_queue.module().native_plan(launcher, prepared, workspaces, routing_words, routing_stride, stride,
+                                               sync_bytes)
+    return host_queue.module().native_plan(ext.launch, prepared, workspaces, routing_words, routing_stride, stride,
+                                           sync_bytes, _stand_in_stream)
+
+
+def _stand_in_stream() -> int | None:
+    """The CPU stand-in's current stream as the backend asks for it, or ``None`` inside a capture (what
+    the host module asks torch's device guard and the kernel module for on a GPU)."""
+    from flashdmoe import cuda_backend
+
+    return None if torch.cuda.is_current_stream_capturing() else cuda_backend._current_stream_handle(None)
 
 
 def launch_native(native: Any, plan: Any, x: torch.Tensor, router_weight: torch.Tensor, w1: torch.Tensor,
-                  w2: torch.Tensor, saved_pre: torch.Tensor | None, device: int | None, stream: int):
-    """An eager one-rank forward launched by the host module in one call: ``(y, routing block)``, or
-    ``None`` when the Python path must run it (an unchecked launch still running or one with an error,
+                  w2: torch.Tensor, saved_pre: torch.Tensor | None):
+    """An eager one-rank forward launched by the host module in one call, on x's device (which must be
+    the current one) and its current stream: ``(y, routing block)``, or ``None`` when the Python path must
+    run it (another current device, a capture, an unchecked launch still running or one with an error,
     debug mode, a device without slots yet, too few graph slots, a workspace to grow or zero), with nothing
     changed but the earlier launches checked, as :func:`before_launch` checks them. ``plan``: the
     backend's plan (``shape`` and ``routing(block)`` make the report if the launch is ever reported)."""
     state = _state
-    if state.sync_checks or state.graph_low or state.queue is None:
+    queue = state.queue
+    if state.sync_checks or state.graph_low or queue is None:
         return None
     if state.pending:  # older launches first, as before_launch checks them (may raise their error)
+        if not queue.launchable(native, x):  # a capture checks nothing (before_launch)
+            return None
         _poll(launching=True)
         if state.pending:
             return None
-    return state.queue.launch(native, plan, x, router_weight, w1, w2, saved_pre, device_key(device), stream,
-                              _thread_serial())
+    return queue.launch(native, plan, x, router_weight, w1, w2, saved_pre, _thread_serial())
 
 
 def before_launch(device: int, team: Any, capturing: bool) -> None:
