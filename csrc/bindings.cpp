@@ -330,7 +330,24 @@ PYBIND11_MODULE(flashdmoe_cuda, m) {
                               "A launch's options parsed once (shapes, dtype, knobs, peer tables); see launch().")
       .def_property_readonly("num_ranks", [](const PreparedForward& p) { return p.args.num_ranks; })
       .def_property_readonly("address", [](PreparedForward& p) { return reinterpret_cast<uintptr_t>(&p); },
-                             "The object's address, for the native forward entry (alive while this object is).");
+                             "The object's address, for the native forward entry (alive while this object is).")
+      .def_property_readonly(
+          "splits",
+          [](PreparedForward& p) {
+            // What the first launch chose from the grid (moe/launch_template.cuh), per rank; empty before it.
+            std::lock_guard<std::mutex> lock(p.mutex);
+            py::list out;
+            if (p.grid.kernel == nullptr) return out;
+            for (int i = 0; i < p.args.num_ranks; ++i) {
+              py::dict rank;
+              rank["blocks"] = p.ranks[i].params.blocks;
+              rank["gate_splits"] = p.ranks[i].params.gate_splits;
+              out.append(rank);
+            }
+            return out;
+          },
+          "Per rank, the blocks and the gate's K ranges per tile the launches run with (empty before the first "
+          "launch, which chooses them from the grid).");
   m.attr("native_forward") =
       py::capsule(static_cast<const void*>(&kNativeForward), kNativeForwardCapsule);
   m.def("prepare_forward", &prepare_forward,

@@ -391,10 +391,11 @@ def test_real_csrc_compiles_for_sm_90a(toolchain, tmp_path, capsys, record_prope
         "                               [dict(rank, **change) if where is rank else rank])\n"
         "    except ValueError as error:\n"
         "        errors.append(str(error))\n"
-        "print(repr((module.prepare_forward(shared, [rank]).num_ranks, errors)))\n",
+        "prepared = module.prepare_forward(shared, [rank])\n"
+        "print(repr((prepared.num_ranks, prepared.splits, errors)))\n",
         so_path)
-    ranks, errors = eval(printed)  # noqa: S307  (our own repr)
-    assert ranks == 1 and len(errors) == 2, printed
+    ranks, splits, errors = eval(printed)  # noqa: S307  (our own repr)
+    assert ranks == 1 and splits == [] and len(errors) == 2, printed  # splits: chosen at the first launch
     assert "hidden size H=200" in errors[0] and "workspace holds 64 bytes" in errors[1], errors
     # Per (variant, dtype) of the table one kernel for each rank capacity of the parameter struct
     # (expert_variants.RANK_CAPACITIES), and one training instance (saving pre-activations, one rank) per

@@ -194,17 +194,26 @@ def test_zero_tokens(backend):
 
 
 @pytest.mark.parametrize("T,H,E,k", [(128, 4096, 64, 6), (100, 1024, 256, 8), (100, 1024, 1024, 8), (2048, 512, 32, 2),
-                                     (33, 64, 8, 2), (1, 2048, 128, 8), (8, 2048, 128, 8), (32, 7168, 256, 8)])
+                                     (33, 64, 8, 2), (1, 2048, 128, 8), (8, 2048, 128, 8), (32, 7168, 256, 8),
+                                     (64, 2048, 512, 2), (1, 2048, 512, 10), (8, 2048, 512, 10)])
 @pytest.mark.parametrize("split", [True, False])
 def test_small_batches_split_the_gate(backend, T, H, E, k, split):
     """Few gate tiles, with the split gate forced on (each tile's K slabs split over several blocks, partial
-    logits summed in split order by the tile's last block; E <= 256 only, larger E stays unsplit; the
-    default) and forced off. Correct against the reference, and bitwise repeatable."""
+    logits summed in split order by the tile's last block; the default) and forced off. Correct against the
+    reference, and bitwise repeatable. E = 512 and 1024 run the shallow gate pipeline (it once misrouted
+    whole tiles there when split: docs/perf-notes.md)."""
     backend.debug.gate_split = split
     try:
         x, router, w1, w2 = make_inputs(T, H, 128, E, k, "silu", torch.bfloat16)
         y, routing = check_against_reference(backend, x, router, w1, w2, top_k=k, activation="silu",
                                              normalize=True, capacity_factor=None)
+        plan = backend.single_plan(x, router, w2, top_k=k, activation="silu", normalize_topk=True,
+                                   capacity_factor=None)
+        (ran,) = plan.prepared.splits
+        if not split:
+            assert ran["gate_splits"] == 1
+        elif ran["blocks"] == 132:  # an H200's SMs: csrc/moe/tile_config.cuh splits all but a one-slab H
+            assert (ran["gate_splits"] > 1) == (H > 64), ran
         for _ in range(3):
             again, again_routing = backend.fused_forward(x, router, w1, w2, top_k=k, activation="silu",
                                                          normalize_topk=True, capacity_factor=None)

@@ -32,16 +32,14 @@ __host__ __device__ constexpr int gate_router_rows(int experts) {
 __host__ __device__ constexpr int gate_slab_bytes(int experts) {
   return (experts + kGateTileN - 1) / kGateTileN * (kGateTileM + gate_router_rows(experts)) * 64 * 2;
 }
-// K ranges per gate tile for a rank of `blocks` blocks and `tokens` tokens. Only with the deep gate
-// pipeline (E <= 256): with E = 512 and 1024 (4-deep pipeline) the split gate misrouted whole tiles on
-// the H200 (scripts/gate_check.py, 2026-12-02: 8 of 20 split runs wrong, 0 of 20 unsplit), cause not
-// found yet. The split count balances a block's share of the tile's slabs against the last block's
+// K ranges per gate tile for a rank of `blocks` blocks and `tokens` tokens, for every E (docs/perf-notes.md,
+// "Split gate", has the history of its E >= 512 misrouting). The split count balances a block's share of
+// the tile's slabs against the last block's
 // sum of every split's partials (tokens x E fp32 each, counted twice: plain loads keep fewer bytes in
 // flight than the TMA pipeline): one token takes one slab per split (its partials are 512 B with
 // E = 128), a full tile of E = 256 about eight splits (32 KB of partials each).
 __host__ __device__ constexpr int gate_splits_for(int tokens, int gate_tiles, int hidden, int experts, int blocks) {
   const int items = blocks < gate_split_max_items(experts) ? blocks : gate_split_max_items(experts);
-  if (experts > kDeepGateMaxExperts) return 1;
   if (gate_tiles < 1 || gate_tiles > kGateSplitMaxTiles || 2 * gate_tiles > items) return 1;
   const int slabs = hidden / 64;
   const int most = items / gate_tiles < slabs ? items / gate_tiles : slabs;
@@ -62,8 +60,8 @@ __host__ __device__ constexpr int gate_splits_for(int tokens, int gate_tiles, in
 // T = 128 (four tiles), DeepSeek-V3's at T = 32; a large batch stays unsplit.
 static_assert(gate_splits_for(1, 1, 2048, 128, 132) == 32 && gate_splits_for(8, 1, 2048, 128, 132) == 8 &&
                   gate_splits_for(128, 4, 4096, 64, 132) == 8 && gate_splits_for(32, 1, 7168, 256, 132) == 8 &&
-                  gate_splits_for(4096, 128, 2048, 64, 132) == 1,
-              "gate split counts of the decode rows");
+                  gate_splits_for(4096, 128, 2048, 64, 132) == 1 && gate_splits_for(1, 1, 2048, 512, 132) == 32,
+              "gate split counts of the decode rows (and Qwen3-Next's 512-expert router at T = 1)");
 __host__ __device__ constexpr int gate_pipeline_bytes(int stages) { return stages * (kGateTileM + kGateTileN) * 64 * 2; }
 
 // Expert FFN GEMMs: 128-row tiles, 128 or 256 columns (per variant), K slabs of 64.

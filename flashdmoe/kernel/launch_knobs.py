@@ -44,7 +44,7 @@ class DebugKnobs:
     max_blocks: int = 0
     timeout_ms: int | None = None
     # Small batches split each gate tile's K slabs over several blocks; the kernel's gate_splits_for
-    # (csrc/moe/tile_config.cuh) decides how far, and keeps E > 256 unsplit (it misrouted there).
+    # (csrc/moe/tile_config.cuh) decides how far.
     # None: on (the kernel decides); True / False (FLASHDMOE_GATE_SPLIT=1 / 0) force it for measurement.
     gate_split: bool | None = {"1": True, "0": False}.get(os.environ.get("FLASHDMOE_GATE_SPLIT", ""))
     # Expert GEMM variant (EXPERT_VARIANTS). None: chosen per shape (expert_variants.choose_variant);
