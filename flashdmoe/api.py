@@ -112,7 +112,8 @@ def _remember_call(given, x, router_weight, w1, w2, top_k, activation, normalize
     plan = cuda_backend.single_plan(x, router_weight, w2, top_k=top_k, activation=activation,
                                     normalize_topk=normalize_topk, capacity_factor=capacity_factor)
     if _remembered is None:
-        _remembered = _module("flashdmoe.kernel.host_queue").module().CallCache(_CALLS_LIMIT)
+        _remembered = _module("flashdmoe.kernel.host_queue").module().CallCache(
+            _CALLS_LIMIT, weight_checks._epoch, _module("flashdmoe.kernel.status_checks"), validation)
     call = _Call(top_k, capacity_factor, plan, cuda_backend, epoch, (router_weight, w1, w2), x.device.type == "cpu")
     _remembered.remember(call, x, router_weight, w1, w2, *given)
 
@@ -256,9 +257,12 @@ def moe(
     """
     rememberable = team is None and not torch.compiler.is_compiling()
     if rememberable and _remembered is not None:
-        # A call seen before passed every check below and has its launch prepared: go straight to it.
-        call = _remembered.find(x, router_weight, w1, w2, top_k, activation, normalize_topk, capacity_factor, backend,
-                                return_aux)
+        # A call seen before passed every check below and has its launch prepared: go straight to it, in
+        # C++ where nothing else is needed (then y comes back), else here with the remembered call.
+        call = _remembered.launch(x, router_weight, w1, w2, top_k, activation, normalize_topk, capacity_factor,
+                                  backend, return_aux)
+        if type(call) is torch.Tensor:
+            return call
         if (call is not None and call.epoch == weight_checks._epoch.value
                 and call.plan.generation == call.backend.debug.generation and call.holds(router_weight, w1, w2)):
             # The launch (or the autograd node around it), nothing else.

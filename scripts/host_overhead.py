@@ -96,12 +96,11 @@ def python_path_share(fn, calls: int, before=None) -> str:
 def python_launch_path_us(fn, calls, trials, before, after) -> float:
     """:func:`per_call_us` of fn with the host module's C++ launch path turned away (every launch by the
     Python path: status_checks.record_launch and the Python report, as before that path existed)."""
-    native = status_checks.launch_native
-    status_checks.launch_native = lambda *args, **kwargs: None
+    status_checks.native_launches = False
     try:
         return per_call_us(fn, calls, trials, before, after)
     finally:
-        status_checks.launch_native = native
+        status_checks.native_launches = True
 
 
 def host_parts(x, router, w1, w2, k, activation, calls, trials, before=None, after=None) -> dict[str, float]:

@@ -79,6 +79,48 @@ def test_steady_calls_launch_in_cpp_with_the_python_paths_arguments(fake):
     assert ext.launches[2]["status_host"] == ext.launches[1]["status_host"]
 
 
+def test_a_steady_call_runs_in_one_cpp_call_and_anything_else_in_python(fake, monkeypatch):
+    """flashdmoe.moe's steady state is the call cache's ``launch``: no Python launch function is entered.
+    Autograd, return_aux, a check the Python queue holds, and the C++ path turned off take the Python
+    path (which may still launch from C++ through launch_native)."""
+    from flashdmoe import api
+
+    ext, python_launches, _ = fake
+    entered = []
+    for module, name in ((cuda_backend, "launch_one"), (status_checks, "launch_native")):
+        original = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _f=original, _n=name, **k: entered.append(_n) or _f(*a, **k))
+    x, router, w1, w2 = inputs()
+    first = forward(x, router, w1, w2)
+    finish(ext, 0)
+    entered.clear()
+    # The Python queue still holds the first launch and its weight scan: the Python path checks them, then
+    # launches from C++.
+    forward(x, router, w1, w2)
+    assert entered == ["launch_one", "launch_native"] and not status_checks._state.pending
+    finish(ext, 1)
+    entered.clear()
+    steady = forward(x, router, w1, w2)
+    assert entered == [] and len(python_launches) == 1 and len(ext.launches) == 3
+    assert steady.shape == first.shape and steady.dtype == first.dtype  # the stand-in computes nothing
+    finish(ext, 2)
+    y, aux = flashdmoe.moe(x, router, w1, w2, top_k=K, backend="cuda", return_aux=True)
+    assert entered == ["launch_one", "launch_native"] and len(python_launches) == 1, "aux: Python, launch in C++"
+    assert y.shape == first.shape and aux.counts.shape == (router.shape[0],)
+    finish(ext, 3)
+    entered.clear()
+    monkeypatch.setattr(status_checks, "native_launches", False)
+    forward(x, router, w1, w2)
+    assert entered == ["launch_one", "launch_native"] and len(python_launches) == 2, "turned off: Python launch"
+    finish(ext, 4)
+    monkeypatch.setattr(status_checks, "native_launches", True)
+    entered.clear()
+    x_grad = x.clone().requires_grad_()
+    flashdmoe.moe(x_grad, router, w1, w2, top_k=K, backend="cuda")
+    assert "launch_one" in entered, "autograd: the Python path"
+    assert api.remembered_call(x, router, w1, w2, K, "gelu", True, None, "cuda", False) is not None
+
+
 def test_launch_ids_and_the_report_of_a_launch_made_in_cpp(fake):
     ext, python_launches, _ = fake
     x, router, w1, w2 = inputs()
@@ -377,7 +419,7 @@ def _run_program(ops, native):
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(cuda_backend.debug, "timeout_ms", None)
         if not native:
-            patch.setattr(status_checks, "launch_native", lambda *args, **kwargs: None)
+            patch.setattr(status_checks, "native_launches", False)
         record = status_checks.record_launch
         patch.setattr(status_checks, "record_launch",
                       lambda *args, **kwargs: python_launches.append(1) or record(*args, **kwargs))

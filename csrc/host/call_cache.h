@@ -3,14 +3,21 @@
 // launch plan reads: x's shape, dtype, device and contiguity; each weight's address, shape, strides, dtype
 // and version counter (an in-place update is a new version: its values are scanned again); the six
 // options by type and value. A weight's address also fixes its device (CUDA's unified address space).
+//
+// `launch` also runs a remembered call's eager launch, for the common case, through the launch queue
+// (launch_queue.h) in the same Python call: the whole of flashdmoe.moe's steady state in C++.
 #pragma once
 #include <ATen/core/Tensor.h>
+#include <ATen/core/grad_mode.h>
+#include <c10/core/Storage.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <unordered_map>
 #include <vector>
+#include "host/launch_queue.h"
 
 namespace flashdmoe {
 
@@ -20,7 +27,58 @@ class CallCache {
  public:
   static constexpr int kOptions = 6;  // top_k, activation, normalize_topk, capacity_factor, backend, return_aux
 
-  explicit CallCache(size_t limit) : limit_(limit) {}
+  // `epoch`: flashdmoe.weight_checks' epoch object (its `value`); `status`: the module
+  // flashdmoe.kernel.status_checks (its `_state` and `native_launches`); `validation`: the module
+  // flashdmoe.validation (its `check_finite_input`). Without them `launch` only looks up.
+  explicit CallCache(size_t limit, py::object epoch = py::none(), py::object status = py::none(),
+                     py::object validation = py::none())
+      : limit_(limit), epoch_(std::move(epoch)), status_(std::move(status)), validation_(std::move(validation)) {}
+
+  // flashdmoe.moe's steady state: the remembered call for these arguments launched here, returning `y`,
+  // when the Python path would do no more than launch it from C++ (api.moe's checks on a remembered call,
+  // then status_checks.launch_native's): the same weight objects' storages alive, the weight checks'
+  // epoch and the debug knobs the call's, no autograd, no aux, and nothing for the Python queue to
+  // check first. A CPU input (the stand-in's) is scanned as the Python path scans it (which raises). Otherwise returns the remembered call (or None) for the
+  // Python path, with nothing done.
+  py::object launch(py::handle x, py::handle router, py::handle w1, py::handle w2, const py::args& options) {
+    const at::Tensor* t[4];
+    if (!tensors({x, router, w1, w2}, t) || options.size() != kOptions) return py::none();
+    std::pair<int, py::object> found;
+    Fast fast;
+    try {
+      found = lookup(t, options, /*with_versions=*/true);
+      if (found.first < 0) return py::none();
+      // Copied out before any Python code runs (which may change entries_).
+      fast = entries_.find(hash(t))->second[found.first].fast;
+      for (int i = 0; i < 3; ++i) {
+        const c10::StorageImpl* now = t[i + 1]->storage().unsafeGetStorageImpl();
+        if (!fast.storages[i] || fast.storages[i]->expired() || fast.storages[i]->_unsafe_get_target() != now)
+          return found.second;
+      }
+    } catch (const c10::Error&) {
+      return py::none();
+    }
+    py::object call = std::move(found.second);
+    if (!fast.usable || status_.is_none() || options[kOptions - 1].ptr() != Py_False)
+      return call;  // return_aux: built in Python
+    const at::Tensor& xt = *t[0];
+    if (at::GradMode::is_enabled() &&
+        (xt.requires_grad() || t[1]->requires_grad() || t[2]->requires_grad() || t[3]->requires_grad()))
+      return call;
+    if (!same(fast.epoch, epoch_.attr("value")) || !same(fast.generation, fast.debug.attr("generation"))) return call;
+    if (fast.scan_input) validation_.attr("check_finite_input")(x);
+    if (!truthy(status_.attr("native_launches"))) return call;
+    py::object state = status_.attr("_state");
+    if (truthy(state.attr("sync_checks")) || truthy(state.attr("graph_low")) || truthy(state.attr("pending")))
+      return call;
+    py::object queue = state.attr("queue");
+    py::object serial = py::getattr(state.attr("local"), "serial", py::none());  // set by the thread's first launch
+    if (queue.is_none() || serial.is_none()) return call;
+    py::object launched = queue.cast<LaunchQueue&>().launch(fast.native.cast<const NativePlan&>(), fast.plan, xt,
+                                                           *t[1], *t[2], *t[3], std::nullopt, serial.cast<uint64_t>());
+    if (launched.is_none()) return call;
+    return launched.cast<py::tuple>()[0];
+  }
 
   // The remembered call for these arguments, or None (also for arguments that are not tensors).
   py::object find(py::handle x, py::handle router, py::handle w1, py::handle w2, const py::args& options) const {
@@ -45,6 +103,7 @@ class CallCache {
     size_t hash_value;
     std::pair<int, py::object> old;
     try {
+      e.fast = fast_path(call, t);  // first: it reads Python attributes, and the lookup below must be the last
       e.x_sizes.assign(t[0]->sizes().begin(), t[0]->sizes().end());
       e.x_dtype = t[0]->scalar_type();
       e.x_device = t[0]->device();
@@ -92,6 +151,15 @@ class CallCache {
     at::ScalarType dtype = at::ScalarType::Undefined;
     int64_t version = 0;
   };
+  // What `launch` reads of a remembered call (flashdmoe.api._Call), read once when it is remembered: the
+  // call's fields do not change. `usable` false: the call is not one `launch` can run (the Python path will).
+  struct Fast {
+    bool usable = false;
+    py::object plan, native, debug, epoch, generation;
+    bool scan_input = false;
+    // The weights' storages (alive: the addresses compared on a hit are not recycled ones).
+    std::optional<c10::weak_intrusive_ptr<c10::StorageImpl>> storages[3];
+  };
   struct Entry {
     std::vector<int64_t> x_sizes;
     at::ScalarType x_dtype = at::ScalarType::Undefined;
@@ -100,7 +168,27 @@ class CallCache {
     Weight weights[3];
     py::object options[kOptions];
     py::object call;
+    Fast fast;
   };
+
+  Fast fast_path(const py::object& call, const at::Tensor* const* t) const {
+    Fast f;
+    for (int i = 0; i < 3; ++i) f.storages[i] = t[i + 1]->storage().getWeakStorageImpl();
+    if (epoch_.is_none() || status_.is_none() || validation_.is_none()) return f;
+    try {
+      f.plan = call.attr("plan");
+      f.native = f.plan.attr("native");
+      f.debug = call.attr("backend").attr("debug");
+      f.epoch = call.attr("epoch");
+      f.generation = f.plan.attr("generation");
+      f.scan_input = truthy(call.attr("scan_input"));
+      f.usable = !f.native.is_none() && py::isinstance<NativePlan>(f.native);
+    } catch (py::error_already_set&) {  // not a call `launch` can run: the Python path takes it
+      f = Fast{};
+      for (int i = 0; i < 3; ++i) f.storages[i] = t[i + 1]->storage().getWeakStorageImpl();
+    }
+    return f;
+  }
 
   static bool tensors(std::initializer_list<py::handle> objects, const at::Tensor** out) {
     int i = 0;
@@ -119,6 +207,17 @@ class CallCache {
     for (int64_t s : t[0]->sizes()) mix(std::hash<int64_t>{}(s));
     for (int i = 1; i < 4; ++i) mix(std::hash<const void*>{}(t[i]->data_ptr()));
     return h;
+  }
+
+  static bool truthy(const py::object& o) {
+    const int value = PyObject_IsTrue(o.ptr());
+    if (value < 0) throw py::error_already_set();
+    return value == 1;
+  }
+  static bool same(const py::object& a, const py::object& b) {
+    const int equal = PyObject_RichCompareBool(a.ptr(), b.ptr(), Py_EQ);
+    if (equal < 0) throw py::error_already_set();
+    return equal == 1;
   }
 
   static bool same_option(py::handle mine, py::handle given) {
@@ -175,6 +274,7 @@ class CallCache {
   }
 
   size_t limit_;
+  py::object epoch_, status_, validation_;
   size_t size_ = 0;
   uint64_t generation_ = 0;  // bumped by every change of entries_
   std::unordered_map<size_t, std::vector<Entry>> entries_;

@@ -2,7 +2,6 @@
 // the launch queue and workspace table (launch_queue.h) and the remembered calls (call_cache.h). One
 // translation unit: the module builds in seconds.
 #include "host/call_cache.h"
-#include "host/launch_queue.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace flashdmoe;
@@ -21,8 +20,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("routing_words"), py::arg("routing_stride"), py::arg("stride"), py::arg("sync_bytes"),
         py::arg("stream") = py::none());
   py::class_<CallCache>(m, "CallCache", "flashdmoe.moe's remembered calls (flashdmoe/api.py)")
-      .def(py::init<size_t>(), py::arg("limit"))
+      .def(py::init<size_t, py::object, py::object, py::object>(), py::arg("limit"), py::arg("epoch") = py::none(),
+           py::arg("status") = py::none(), py::arg("validation") = py::none())
       .def("find", &CallCache::find, "The call remembered for (x, router_weight, w1, w2, *six options), or None")
+      .def("launch", &CallCache::launch,
+           "(x, router_weight, w1, w2, *six options): y launched from C++, else the remembered call or None")
       .def("remember", &CallCache::remember,
            "Remember the first argument for (x, router_weight, w1, w2, *six options); False if they cannot be")
       .def("clear", &CallCache::clear)

@@ -297,6 +297,11 @@ def synchronize(device: int | torch.device | None = None) -> None:
             _check_graph_slots(slots)
 
 
+#: Whether eager one-rank forwards may launch from C++ (flashdmoe.kernel.host_queue); off, every launch
+#: takes the Python path (the benchmarks' and tests' baseline for the C++ path).
+native_launches = True
+
+
 # ---- used by the backend around a launch ----
 def native_plan(ext: Any, prepared: Any, workspaces: Any, routing_words: int, routing_stride: int, stride: int,
                 sync_bytes: int):
@@ -329,7 +334,7 @@ def launch_native(native: Any, plan: Any, x: torch.Tensor, router_weight: torch.
     backend's plan (``shape`` and ``routing(block)`` make the report if the launch is ever reported)."""
     state = _state
     queue = state.queue
-    if state.sync_checks or state.graph_low or queue is None:
+    if state.sync_checks or state.graph_low or queue is None or not native_launches:
         return None
     if state.pending:  # older launches first, as before_launch checks them (may raise their error)
         if not queue.launchable(native, x):  # a capture checks nothing (before_launch)
