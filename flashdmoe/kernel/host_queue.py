@@ -9,6 +9,8 @@ launches queued in C++ so that every error still surfaces where and when it is d
 
 What it holds:
 
+* ``CallCache``: :func:`flashdmoe.moe`'s remembered calls; its ``launch`` is the whole steady call (lookup,
+  the remembered checks, the launch through the queue below, ``y`` back);
 * ``WorkspaceTable``: per (device, stream) the pooled workspace's address, size and which sync words are
   known zero (:class:`flashdmoe.kernel.workspace_pool.WorkspacePool` keeps the buffers themselves);
 * ``LaunchQueue``: each device's eager status slots (pinned memory the Python side allocates), the launch
