@@ -146,6 +146,12 @@ def _multiprocessors(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def _stand_in_stream() -> int | None:
+    """The current stream as launch_one asks for it, or ``None`` inside a capture: what the host module asks
+    a launcher without the kernel module's C entry (the CPU stand-in of the tests) before a launch."""
+    return None if torch.cuda.is_current_stream_capturing() else _current_stream_handle(None)
+
+
 def _current_device() -> int:
     """The current CUDA device (CUDA is initialised once a CUDA tensor exists)."""
     return torch._C._cuda_getDevice()
@@ -249,7 +255,7 @@ def _make_plan(ext, kind, team, tokens, H, I, E, top_k, dtype, activation, norma
     plan = _Plan(ext.launch, prepared, stride, sync_bytes, shape, kind == "single" and tokens[0] == 0, top_k, E)
     if kind == "single" and not plan.skip and not debug.poison_outputs:
         plan.native = status_checks.native_plan(ext, prepared, _pool.table, plan.routing_words, plan.routing_stride,
-                                                stride, sync_bytes)
+                                                stride, sync_bytes, _stand_in_stream)
     return plan
 
 

@@ -304,24 +304,17 @@ native_launches = True
 
 # ---- used by the backend around a launch ----
 def native_plan(ext: Any, prepared: Any, workspaces: Any, routing_words: int, routing_stride: int, stride: int,
-                sync_bytes: int):
+                sync_bytes: int, stand_in_stream: Callable[[], int | None]):
     """A prepared one-rank launch for :func:`launch_native`: through the kernel module's C entry (its
-    ``native_forward`` capsule) where it has one, else through its Python ``launch`` (the CPU stand-in).
+    ``native_forward`` capsule) where it has one, else through its Python ``launch`` (the CPU stand-in),
+    which then asks ``stand_in_stream()`` for the current stream (``None`` inside a capture).
     ``workspaces``: the pool's ``WorkspaceTable``; the rest as the backend's plan has them."""
     launcher = getattr(ext, "native_forward", None)
     if launcher is not None:
         return host_queue.module().native_plan(launcher, prepared, workspaces, routing_words, routing_stride, stride,
                                                sync_bytes)
     return host_queue.module().native_plan(ext.launch, prepared, workspaces, routing_words, routing_stride, stride,
-                                           sync_bytes, _stand_in_stream)
-
-
-def _stand_in_stream() -> int | None:
-    """The CPU stand-in's current stream as the backend asks for it, or ``None`` inside a capture (what
-    the host module asks torch's device guard and the kernel module for on a GPU)."""
-    from flashdmoe import cuda_backend
-
-    return None if torch.cuda.is_current_stream_capturing() else cuda_backend._current_stream_handle(None)
+                                           sync_bytes, stand_in_stream)
 
 
 def launch_native(native: Any, plan: Any, x: torch.Tensor, router_weight: torch.Tensor, w1: torch.Tensor,
