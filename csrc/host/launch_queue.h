@@ -23,7 +23,9 @@
 #include <deque>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 #include "common/native_launch.h"
 
@@ -347,11 +349,27 @@ class LaunchQueue {
     const c10::impl::DeviceGuardImplInterface* guard = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
     const c10::Device here = guard->getDevice();
     if (here.index() != x.device().index()) return false;
-    stream = reinterpret_cast<uintptr_t>(guard->getStream(here).native_handle());
+    stream = native_stream(guard, here);
     if (p.entry->capturing(stream) != 0) return false;
     device = here.index();
     return true;
   }
+
+  // The current stream's cudaStream_t: from c10::Stream::native_handle where this torch has it (newer
+  // than some torch versions this module builds against), else from torch's own Python binding.
+  template <typename Stream = c10::Stream>
+  static uintptr_t native_stream(const c10::impl::DeviceGuardImplInterface* guard, c10::Device device) {
+    if constexpr (HasNativeHandle<Stream>::value) {
+      return reinterpret_cast<uintptr_t>(static_cast<const Stream&>(guard->getStream(device)).native_handle());
+    } else {
+      static py::object raw = py::module_::import("torch._C").attr("_cuda_getCurrentRawStream");
+      return raw(device.index()).template cast<uintptr_t>();
+    }
+  }
+  template <typename S, typename = void>
+  struct HasNativeHandle : std::false_type {};
+  template <typename S>
+  struct HasNativeHandle<S, std::void_t<decltype(std::declval<const S&>().native_handle())>> : std::true_type {};
 
   static void run(const NativePlan& p, const uintptr_t* addresses, uintptr_t stream, uintptr_t status, int* info) {
     if (p.entry != nullptr) {
