@@ -59,14 +59,14 @@ class CallCache {
       return py::none();
     }
     py::object call = std::move(found.second);
-    if (!fast.usable || status_.is_none() || options[kOptions - 1].ptr() != Py_False)
-      return call;  // return_aux: built in Python
+    if (!fast.usable || options[kOptions - 1].ptr() != Py_False) return call;  // return_aux: built in Python
     const at::Tensor& xt = *t[0];
     if (at::GradMode::is_enabled() &&
         (xt.requires_grad() || t[1]->requires_grad() || t[2]->requires_grad() || t[3]->requires_grad()))
       return call;
     if (!same(fast.epoch, epoch_.attr("value")) || !same(fast.generation, fast.debug.attr("generation"))) return call;
     if (fast.scan_input) validation_.attr("check_finite_input")(x);
+    // status_checks.launch_native's conditions, read from the same state (keep the two in step).
     if (!truthy(status_.attr("native_launches"))) return call;
     py::object state = status_.attr("_state");
     if (truthy(state.attr("sync_checks")) || truthy(state.attr("graph_low")) || truthy(state.attr("pending")))
@@ -184,8 +184,7 @@ class CallCache {
       f.scan_input = truthy(call.attr("scan_input"));
       f.usable = !f.native.is_none() && py::isinstance<NativePlan>(f.native);
     } catch (py::error_already_set&) {  // not a call `launch` can run: the Python path takes it
-      f = Fast{};
-      for (int i = 0; i < 3; ++i) f.storages[i] = t[i + 1]->storage().getWeakStorageImpl();
+      f.usable = false;
     }
     return f;
   }

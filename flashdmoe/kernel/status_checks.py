@@ -327,6 +327,7 @@ def launch_native(native: Any, plan: Any, x: torch.Tensor, router_weight: torch.
     backend's plan (``shape`` and ``routing(block)`` make the report if the launch is ever reported)."""
     state = _state
     queue = state.queue
+    # The host module's CallCache.launch (csrc/host/call_cache.h) reads these same conditions: keep in step.
     if state.sync_checks or state.graph_low or queue is None or not native_launches:
         return None
     if state.pending:  # older launches first, as before_launch checks them (may raise their error)
