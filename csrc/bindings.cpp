@@ -49,7 +49,7 @@ py::tuple launch_released(Launch&& launch) {
 using PreparedForward = PreparedLaunch;
 
 // shared: the launch's common options; ranks: one dict per rank in the launch (tokens, capacity, rank,
-// silent, workspace_bytes, peer_recv / peer_comb / peer_signals, and a team's sequence_word).
+// silent, workspace_bytes, peer_recv / peer_comb / peer_signals, and a team rank's team_words).
 std::unique_ptr<PreparedForward> prepare_forward(const py::dict& shared, const py::list& ranks) {
   auto prepared = std::make_unique<PreparedForward>();
   ForwardArgs& a = prepared->args;
@@ -80,7 +80,7 @@ std::unique_ptr<PreparedForward> prepare_forward(const py::dict& shared, const p
     r.capacity = get<int>(d, "capacity");
     r.rank = get<int>(d, "rank");
     r.silent = get<bool>(d, "silent");
-    r.sequence_word = d.contains("sequence_word") ? as_ptr<uint32_t>(get<uintptr_t>(d, "sequence_word")) : nullptr;
+    r.team_words = d.contains("team_words") ? as_ptr<TeamRankWords>(get<uintptr_t>(d, "team_words")) : nullptr;
     const py::list recv = get<py::list>(d, "peer_recv"), comb = get<py::list>(d, "peer_comb"),
                    signals = get<py::list>(d, "peer_signals");
     const int peers = static_cast<int>(py::len(recv));

@@ -247,8 +247,8 @@ def _make_plan(ext, kind, team, tokens, H, I, E, top_k, dtype, activation, norma
             "peer_comb": [] if buf is None else buf.peer_comb,
             "peer_signals": [] if buf is None else buf.peer_signals,
         })
-        if kind != "single":  # the rank's forwards are counted on the device (Team.sequence_words)
-            rank_args[-1]["sequence_word"] = team.sequence_words.data_ptr() + 4 * i
+        if kind != "single":  # the rank's forwards are counted on the device (Team.device_words)
+            rank_args[-1]["team_words"] = team.device_words.data_ptr() + 8 * i
     prepared = ext.prepare_forward(shared, rank_args)
     shape = LaunchShape(ranks=ranks, tokens=tokens, local_experts=L,
                         row_bytes=H * torch.empty((), dtype=dtype).element_size(), timeout_ms=timeout)
@@ -387,8 +387,9 @@ def _run_forward(xs, router_weight, w1s, w2s, *, top_k, activation, normalize_to
     # An NVSHMEM rank that raised an earlier launch's error instead of launching would leave its peers
     # waiting for this forward's signals: unless the team itself failed, launch first, then raise.
     deferred = None
+    handle = _current_stream_handle(device.index)
     try:
-        status_checks.before_launch(device.index, None if kind == "single" else team, capturing)
+        status_checks.before_launch(device.index, None if kind == "single" else team, capturing, handle)
     except Exception as error:
         if kind != "nvshmem" or team.failed:
             raise
@@ -406,7 +407,6 @@ def _run_forward(xs, router_weight, w1s, w2s, *, top_k, activation, normalize_to
             status_checks.settle_through()
         return outputs
 
-    handle = _current_stream_handle(device.index)
     if capturing:
         workspace = _captured_workspace(plan, device)
         base = workspace.data_ptr()
@@ -426,13 +426,14 @@ def _run_forward(xs, router_weight, w1s, w2s, *, top_k, activation, normalize_to
             raise
         deferred = deferred or error
         slot = status_checks.claim_slot(device.index, capturing, len(xs))  # the launch that raised gave its back
-    # A team's sequence number is counted on the device (its prepared ranks' sequence_word): the kernel
+    # A team's sequence number is counted on the device (its prepared ranks' team_words): the kernel
     # takes count + 1 and stores it back, so a CUDA graph's replays advance it as eager launches do.
     sequence = 1 if kind == "single" else 0
     team = None if kind == "single" else team
     failed = None if team is None else lambda error: team.mark_failed(f"launch failed: {error}")
     status_checks.record_launch(slot, ext.launch, (plan.prepared, addresses, sequence, handle), plan.shape,
-                                device.index, capturing, team=team, routing=tuple(r for _, r in outputs), failed=failed)
+                                device.index, capturing, team=team, routing=tuple(r for _, r in outputs), failed=failed,
+                                stream=handle)
     if deferred is not None:
         raise deferred
     return outputs

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["BackendUnavailable", "KernelTimeout"]
+__all__ = ["BackendUnavailable", "KernelTimeout", "TeamFailed"]
 
 
 class KernelTimeout(RuntimeError):
@@ -15,3 +15,8 @@ class KernelTimeout(RuntimeError):
 
 class BackendUnavailable(RuntimeError):
     """A backend was asked for explicitly but cannot run here; the message says why."""
+
+
+class TeamFailed(RuntimeError):
+    """The team saw a kernel failure earlier (or was closed); it cannot be used again. Also raised for a
+    forward the device stopped at its start because an earlier forward of its team had failed."""

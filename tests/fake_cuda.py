@@ -58,6 +58,11 @@ def timeout_word(phase: int, peer: int, block: int = 3) -> int:
     return 1 | (phase << 8) | (peer << 16) | (block << 32)
 
 
+def team_failed_word(forward: int) -> int:
+    """The error word of a team rank that ran nothing because its forward number ``forward`` failed."""
+    return 3 | (forward << 32)
+
+
 class FakeEvent:
     """A CUDA event whose completion the test decides (``done``); ``synchronize`` completes it."""
 
@@ -158,15 +163,23 @@ class FakeExtension:
             completion.done = True
         if not completion.done:
             self.completions.append(completion)
-        # A team rank's forwards are counted on the device (csrc/moe/moe_forward.cuh): the kernel publishes
-        # count + 1 and stores it back. A captured launch runs nothing until a replay.
+        # A team rank's words on the device (csrc/moe/params.cuh, TeamRankWords): the kernel publishes
+        # count + 1 and stores it back; a rank whose earlier forward failed runs nothing and reports it; a
+        # failed forward marks the rank. A captured launch runs nothing until a replay.
         captured = torch.cuda.is_current_stream_capturing()
-        for rank in ranks:
-            if rank.get("sequence_word") is not None:
-                count = ctypes.c_int32.from_address(rank["sequence_word"])
+        for i, rank in enumerate(ranks):
+            if rank.get("team_words") is not None:
+                count = ctypes.c_int32.from_address(rank["team_words"])
+                failed = ctypes.c_int32.from_address(rank["team_words"] + 4)
                 sequence = None if captured else count.value + 1
-                if not captured:
-                    count.value = sequence
+                if captured:
+                    continue
+                count.value = sequence
+                error_at = status_host + i * STATUS_LAYOUT["bytes"] + STATUS_LAYOUT["error_word"]
+                if failed.value:
+                    ctypes.memmove(error_at, struct.pack("<Q", team_failed_word(failed.value)), 8)
+                elif status_host and struct.unpack("<Q", ctypes.string_at(error_at, 8))[0]:
+                    failed.value = sequence
         if self.record:
             self.launches.append({"sequence": sequence, "stream": stream, "ranks": len(ranks),
                                   "completion": completion, "status_host": status_host, "addresses": list(addresses),

@@ -247,7 +247,9 @@ def test_sync_checks_raise_at_the_call(backend, knobs, seed):
         flashdmoe.set_sync_checks(previous)
 
 
-def test_a_stuck_rank_fails_every_rank_at_the_teams_next_use(backend, knobs, seed):
+def test_a_stuck_rank_fails_every_rank_and_the_device_stops_the_teams_next_forward(backend, knobs, seed):
+    """The next forward is queued without waiting for the failed one; every rank of it runs nothing (the
+    failed word on the device) and says so after the failure itself, oldest first."""
     P, H, I, E, k = 3, 128, 128, 12, 2
     g = torch.Generator(device="cuda").manual_seed(seed)
     xs = [torch.randn(256, H, device="cuda", generator=g).to(torch.bfloat16) for _ in range(P)]
@@ -256,17 +258,51 @@ def test_a_stuck_rank_fails_every_rank_at_the_teams_next_use(backend, knobs, see
     team = Team.emulated(P, max_tokens=256, hidden=H, top_k=k, local_experts=E // P, dtype=torch.bfloat16)
     knobs.silent_rank, knobs.timeout_ms = 2, 300
     flashdmoe.moe_expert_parallel(xs, router, w1s, w2s, top_k=k, team=team)  # returns
+    failed = flashdmoe.last_report()
     knobs.silent_rank, knobs.timeout_ms = -1, None
-    assert not team.failed
+    flashdmoe.moe_expert_parallel(xs, router, w1s, w2s, top_k=k, team=team)  # queued: no wait
+    stopped = flashdmoe.last_report()
+    assert not failed.ready(), "the second forward waited for the first (300 ms watchdog)"
     with pytest.raises(flashdmoe.KernelTimeout) as caught:
-        flashdmoe.moe_expert_parallel(xs, router, w1s, w2s, top_k=k, team=team)  # waits for the last launch
+        flashdmoe.synchronize()
     segments = str(caught.value).split("; ")
     for r in range(P):
         assert len([s for s in segments if f"rank {r} timed out" in s]) == 1, str(caught.value)
     assert all("waiting on rank 2" in s for s in segments if "timed out" in s and "rank 2 timed" not in s)
+    assert f"[launch {failed.launch_id} on" in str(caught.value)
     assert team.failed
+    with pytest.raises(TeamFailed) as caught:
+        flashdmoe.check_errors()
+    for r in range(P):
+        assert f"rank {r} ran nothing: its team's forward number 1 failed earlier" in str(caught.value)
+    assert f"[launch {stopped.launch_id} on" in str(caught.value)
+    assert [s.phase_ms for s in stopped.statuses] == [None] * P
+    assert team.device_words.tolist() == [[2, 1]] * P
     with pytest.raises(TeamFailed):
         flashdmoe.moe_expert_parallel(xs, router, w1s, w2s, top_k=k, team=team)
+
+
+def test_a_teams_forwards_on_one_stream_queue_without_a_host_wait(backend, seed):
+    """Back-to-back team forwards behind busy GPU work: the host returns from each before the first ran,
+    and the results equal those of forwards with the GPU idle, bit for bit."""
+    P, H, I, E, k = 4, 256, 256, 16, 2
+    x, router, w1, w2 = make_inputs(512, H, I, E, "gelu", seed=seed)
+    xs = [tokens_like(x[:128], seed + rank) for rank in range(P)]
+    w1s, w2s = list(w1.split(E // P)), list(w2.split(E // P))
+    team = Team.emulated(P, max_tokens=128, hidden=H, top_k=k, local_experts=E // P, dtype=torch.bfloat16)
+    expected = [y.clone() for y in flashdmoe.moe_expert_parallel(xs, router, w1s, w2s, top_k=k, team=team)]
+    flashdmoe.synchronize()
+    torch.cuda._sleep(1_000_000_000)  # about half a second of GPU time ahead of the forwards
+    outs, reports = [], []
+    for _ in range(3):
+        outs.append(flashdmoe.moe_expert_parallel(xs, router, w1s, w2s, top_k=k, team=team))
+        reports.append(flashdmoe.last_report())
+    waited = reports[0].ready()
+    flashdmoe.synchronize()
+    assert not waited, "a team forward waited on the host for the team's previous one"
+    assert all(r.checked and r.error is None for r in reports) and team.device_words[:, 0].tolist() == [4] * P
+    for ys in outs:
+        assert all(torch.equal(y, e) for y, e in zip(ys, expected))
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -315,20 +315,57 @@ def test_status_slots_are_not_reused_before_their_bytes_are_kept(fake):
     assert (first.statuses[0].dispatch_bytes, first.statuses[0].combine_bytes) == (11, 22)
 
 
-def test_a_team_waits_for_its_last_launch_before_its_next_use(fake):
+def test_a_teams_next_forward_on_the_same_stream_does_not_wait_for_its_last(fake):
+    """The device keeps the order safe (a rank's launch after a failed forward runs nothing and says so):
+    the host queues the next forward at once, and the errors surface oldest first at the next check."""
     ext, _, synchronized = fake
     team = emulated_team()
     ext.script.append([status_block(), status_block(error=timeout_word(6, 0))])
     emulated_forward(team)
     first = ext.launches[0]["completion"]
     assert not first.done and team.unchecked_launch is flashdmoe.last_report()
-    with pytest.raises(flashdmoe.KernelTimeout, match="rank 1 timed out in the wait for a peer's per-expert row counts"):
-        emulated_forward(team)  # not finished yet: this waits for it
-    assert synchronized == [None] and team.failed and len(ext.launches) == 1
+    emulated_forward(team)  # not finished yet: queued behind it all the same
+    assert synchronized == [] and len(ext.launches) == 2 and not first.done and not team.failed
+    assert team.device_words.tolist() == [[2, 0], [2, 1]], "rank 1's forward 1 failed"
+    with pytest.raises(flashdmoe.KernelTimeout,
+                       match=r"rank 1 timed out in the wait for a peer's per-expert row counts.*\[launch 1 on"):
+        flashdmoe.synchronize()
+    assert team.failed
+    with pytest.raises(TeamFailed, match=r"rank 1 ran nothing: its team's forward number 1 failed earlier.*\[launch 2 on"):
+        flashdmoe.check_errors()
+    flashdmoe.check_errors()  # each raised once
     with pytest.raises(TeamFailed, match="failed earlier"):
         emulated_forward(team)
     with pytest.raises(TeamFailed):
         team.barrier()
+
+
+def test_a_teams_other_uses_wait_for_its_launches_oldest_first(fake):
+    """Team.barrier (as the backward) waits for the team's last launch and raises the first failure, not
+    the "ran nothing" of the launch the device stopped after it."""
+    ext, _, synchronized = fake
+    team = emulated_team()
+    ext.script.append([status_block(error=timeout_word(8, 1)), status_block()])
+    emulated_forward(team)
+    emulated_forward(team)
+    with pytest.raises(flashdmoe.KernelTimeout, match=r"rank 0 timed out.*\[launch 1 on"):
+        team.barrier()
+    assert synchronized == [None] and team.failed and team.unchecked_launch is not None
+    with pytest.raises(TeamFailed, match=r"rank 0 ran nothing.*\[launch 2 on"):
+        flashdmoe.check_errors()
+    assert team.unchecked_launch is None
+
+
+def test_a_teams_forward_on_another_stream_waits_for_its_last_launch(fake, monkeypatch):
+    """Stream order is what the device words rely on: on another stream the host waits, as before."""
+    ext, _, synchronized = fake
+    team = emulated_team()
+    ext.script.append([status_block(), status_block(error=timeout_word(6, 0))])
+    emulated_forward(team)
+    monkeypatch.setattr(cuda_backend, "_current_stream_handle", lambda index: 8)
+    with pytest.raises(flashdmoe.KernelTimeout, match="rank 1 timed out"):
+        emulated_forward(team)
+    assert synchronized == [None] and team.failed and len(ext.launches) == 1
 
 
 def test_team_barrier_checks_the_last_launch(fake):
@@ -559,17 +596,18 @@ def test_captured_launch_has_its_own_slot_and_workspace_and_surfaces_at_synchron
 
 
 def test_a_team_launch_takes_its_sequence_numbers_from_the_device_count(fake):
-    """Every rank of a team launch names its own count word; the host passes no sequence number."""
+    """Every rank of a team launch names its own device words (count, failed forward); the host passes
+    no sequence number."""
     ext, _, _ = fake
     team = emulated_team(P=4)
     emulated_forward(team, tokens=(16, 5, 9, 1))
     emulated_forward(team, tokens=(16, 5, 9, 1))
     _, ranks = ext.prepared[-1]
-    words = team.sequence_words
-    assert words.dtype == torch.int32 and words.device == team.device and words.numel() == 4
-    assert [r["sequence_word"] for r in ranks] == [words.data_ptr() + 4 * i for i in range(4)]
-    assert [launch["sequence"] for launch in ext.launches] == [1, 2] and words.tolist() == [2, 2, 2, 2]
-    assert Team.single().sequence_words is None
+    words = team.device_words
+    assert words.dtype == torch.int32 and words.device == team.device and words.shape == (4, 2)
+    assert [r["team_words"] for r in ranks] == [words.data_ptr() + 8 * i for i in range(4)]
+    assert [launch["sequence"] for launch in ext.launches] == [1, 2] and words.tolist() == [[2, 0]] * 4
+    assert Team.single().device_words is None
 
 
 def test_capture_of_an_emulated_team_leaves_its_signals_and_count_to_the_device(monkeypatch):
@@ -590,7 +628,7 @@ def test_capture_of_an_emulated_team_leaves_its_signals_and_count_to_the_device(
         capturing["on"] = False
         assert int(team.buffers[0].signals[0]) == 5, "no signal word cleared"
         assert [launch["sequence"] for launch in ext.launches] == [1, None]
-        assert all(r["sequence_word"] == team.sequence_words.data_ptr() + 4 * i
+        assert all(r["team_words"] == team.device_words.data_ptr() + 8 * i
                    for i, r in enumerate(ext.prepared[-1][1]))
         assert team.unchecked_launch is None, "a captured launch is checked at synchronize, not at the team's use"
         emulated_forward(team)
@@ -610,7 +648,7 @@ def test_capture_of_an_nvshmem_team_takes_the_device_count(monkeypatch):
             capturing["on"] = False
             flashdmoe.moe(x, router, w1[:4], w2[:4], top_k=K, backend="cuda", team=team)
         assert [launch["sequence"] for launch in ext.launches] == [1, None, 2]
-        assert ext.prepared[-1][1][0]["sequence_word"] == team.sequence_words.data_ptr()
+        assert ext.prepared[-1][1][0]["team_words"] == team.device_words.data_ptr()
         flashdmoe.synchronize()
         assert not team.failed
 

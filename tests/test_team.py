@@ -110,7 +110,7 @@ def test_backward_sequence_numbers_count_up_and_run_out():
     assert team.next_backward_sequence() == 2**31 - 1
     with pytest.raises(TeamFailed, match="backward sequence numbers exhausted"):
         team.next_backward_sequence()
-    assert team.sequence_words is None, "one rank has no forward count"
+    assert team.device_words is None, "one rank has no forward count"
 
 
 def test_failed_team_cannot_be_used():
@@ -250,7 +250,7 @@ def test_emulated_team_buffers_and_peer_tables():
     addresses = [b.recv.data_ptr() for b in team.buffers] + [b.comb.data_ptr() for b in team.buffers]
     assert len(set(addresses)) == 2 * P  # distinct buffers
     # each rank's forwards counted on the device, from zero
-    assert team.sequence_words.tolist() == [0] * P and team.sequence_words.device == team.device
+    assert team.device_words.tolist() == [[0, 0]] * P and team.device_words.device == team.device
     team.barrier()  # no-op for emulated teams
     team.close()
     assert team.buffers == []

@@ -87,11 +87,15 @@ __device__ __forceinline__ bool grid_barrier(const Params& p, uint32_t phase, ui
 // CUDA event after it. Safe because only this rank's own blocks write its sync words (peers write the
 // team buffers' signals, which carry sequence numbers and are never reset), and all of them have
 // counted themselves out. A launch that times out still reaches this in every block (every wait is
-// bounded by the watchdog), so the reset runs after a failure too. Not inlined: as a call it adds no
-// register pressure to the phases before it (fewer spills in mma.sync). Returns whether this block was
-// the rank's last.
-template <typename Params>
-static __device__ __noinline__ bool finish_launch(const Params& p) {
+// bounded by the watchdog), so the reset runs after a failure too. `last` runs on thread 0 of the last
+// block before anything is copied or reset (the launch's error word is still set). Not inlined: as a call
+// it adds no register pressure to the phases before it (fewer spills in mma.sync). Returns whether this
+// block was the rank's last.
+struct NothingLast {
+  __device__ void operator()() const {}
+};
+template <typename Params, typename Last = NothingLast>
+static __device__ __noinline__ bool finish_launch(const Params& p, Last last = {}) {
   __shared__ int last_block;
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -101,6 +105,7 @@ static __device__ __noinline__ bool finish_launch(const Params& p) {
   }
   __syncthreads();
   if (!last_block) return false;
+  if (threadIdx.x == 0) last();
   constexpr int kStatusWords = static_cast<int>(kStatusBytes / 4);
   static_assert(kStatusWords <= 32, "one warp copies the status block");
   constexpr int kDoneWord = static_cast<int>(kStatusDone / 4);

@@ -79,7 +79,7 @@ static void prepare_rank(const ForwardArgs& a, const RankArgs& r, PreparedRank& 
   p.rank = r.rank; p.world_size = a.world_size; p.local_experts = local_experts;
   p.stream_rows = a.stream_rows;
   p.silent = r.silent;
-  p.sequence_word = r.sequence_word;
+  p.team_words = r.team_words;
   if (a.world_size > 1) {
     for (int q = 0; q < a.world_size; ++q) {
       if (!r.peer_recv[q] || !r.peer_comb[q] || !r.peer_signals[q])

@@ -21,9 +21,7 @@ struct RankArgs {
   int capacity;  // rows kept per expert; >= tokens means dropless
   int rank;
   bool silent;   // debug: publish no signals
-  // A team rank's count of its forwards so far (device memory the team owns, zero at its creation); the
-  // kernel publishes count + 1 and stores it back as it exits. Null: the host's sequence number.
-  uint32_t* sequence_word;
+  TeamRankWords* team_words;  // a team rank's words (moe/params.cuh); null: one rank, the host's number
   // Symmetric buffers of every rank as this rank addresses them (all null for a single-rank team:
   // its comb region and signal words then come from its workspace).
   void* peer_recv[kMaxRanks];

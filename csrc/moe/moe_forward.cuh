@@ -70,24 +70,39 @@ __device__ __forceinline__ void forward_block(const MoEParams& p, char* smem) {
 }
 
 // This block's forward number (block_sequence): the host's, or for a team rank its device count + 1,
-// which every block of the rank reads before the rank's last block stores it back (end_forward_sequence):
-// stream order then hands it to the next launch, eager or a graph's replay. False, with the error word
-// set, when the count is used up: every rank of the team stops at the same forward.
-__device__ __forceinline__ bool begin_forward_sequence(const MoEParams& p) {
-  __shared__ bool fresh;
+// which every block of the rank reads before the rank's last block stores it back (end_forward): stream
+// order then hands it to the next launch, eager or a graph's replay. False, with the error word set, when
+// the rank must run nothing: its count is used up (every rank of the team stops at the same forward), or
+// an earlier forward of the rank failed (TeamRankWords::failed).
+__device__ __forceinline__ bool begin_forward(const MoEParams& p) {
+  __shared__ bool run;
   if (threadIdx.x == 0) {
-    uint32_t sequence = p.sequence;
-    if (p.sequence_word != nullptr) sequence = *reinterpret_cast<volatile const uint32_t*>(p.sequence_word) + 1u;
-    fresh = sequence < (1u << 31);
-    if (!fresh) atomicCAS(p.error_word, 0ull, static_cast<unsigned long long>(kErrorSequence));
+    uint32_t sequence = p.sequence, failed = 0;
+    if (p.team_words != nullptr) {
+      const volatile TeamRankWords* words = p.team_words;
+      sequence = words->forwards + 1u;
+      failed = words->failed;
+    }
+    run = failed == 0 && sequence < (1u << 31);
+    if (failed != 0)
+      atomicCAS(p.error_word, 0ull, static_cast<unsigned long long>(kErrorTeamFailed) |
+                                        (static_cast<unsigned long long>(failed) << 32));
+    else if (!run)
+      atomicCAS(p.error_word, 0ull, static_cast<unsigned long long>(kErrorSequence));
     block_sequence() = sequence;
   }
   __syncthreads();
-  return fresh;
+  return run;
 }
-__device__ __forceinline__ void end_forward_sequence(const MoEParams& p, bool last_block) {
-  if (last_block && threadIdx.x == 0 && p.sequence_word != nullptr && block_sequence() < (1u << 31))
-    *p.sequence_word = block_sequence();
+// The rank's last block, every other block counted out: store the count back, and mark the rank failed
+// if this forward failed (the error word is still this launch's: finish_launch resets it afterwards).
+__device__ __forceinline__ void end_forward(const MoEParams& p) {
+  volatile TeamRankWords* words = p.team_words;
+  if (words == nullptr) return;
+  const uint32_t sequence = block_sequence();
+  if (sequence < (1u << 31)) words->forwards = sequence;
+  if (*reinterpret_cast<volatile const unsigned long long*>(p.error_word) != 0 && words->failed == 0)
+    words->failed = sequence;
 }
 
 template <typename Element, typename Variant, int kRankCapacity>
@@ -99,9 +114,9 @@ __global__ void __launch_bounds__(Variant::kBlockThreads, Variant::kMinBlocksPer
   // wgmma's 128-byte swizzle is computed from absolute shared addresses: align the base to its atom.
   char* smem = raw_smem + ((1024u - (ptx::smem_addr(raw_smem) & 1023u)) & 1023u);
   const MoEParams& p = kRankCapacity == 1 ? launch.rank[0] : launch.rank[blockIdx.x / launch.rank[0].blocks];
-  if (begin_forward_sequence(p)) forward_block<Element, Variant>(p, smem);
+  if (begin_forward(p)) forward_block<Element, Variant>(p, smem);
   // Every early return above lands here: the exit count and the reset must see every block.
-  end_forward_sequence(p, finish_launch(p));
+  finish_launch(p, [&p] { end_forward(p); });
 }
 
 }  // namespace flashdmoe

@@ -58,7 +58,19 @@ __host__ __device__ __forceinline__ int signal_words(int world, int local_expert
 
 // Error word (uint64): bits 0-7 kind, 8-15 phase, 16-31 peer rank, 32-63 block id.
 // kErrorSequence: a team rank's forwards used up the 31-bit sequence numbers (its flags would wrap).
-enum ErrorKind : uint32_t { kErrorNone = 0, kErrorTimeout = 1, kErrorSequence = 2 };
+// kErrorTeamFailed: the rank ran nothing because an earlier forward of its team failed; bits 32-63 hold
+// that forward's number instead of a block id.
+enum ErrorKind : uint32_t { kErrorNone = 0, kErrorTimeout = 1, kErrorSequence = 2, kErrorTeamFailed = 3 };
+// A team rank's words in device memory the team owns, zero when it is made. `forwards`: its forwards so
+// far; a launch takes forwards + 1 as its sequence number and the rank's last block stores it back, so a
+// CUDA graph's replays advance it as eager launches do. `failed`: the number of the first forward that
+// failed (0: none). It stays set: every later launch of the rank reads it and runs nothing, publishing
+// nothing, so its peers stop on their watchdog. Stream order alone then keeps a launch off buffers a
+// failed one left in an unknown state, and the host need not wait for one forward to queue the next.
+struct TeamRankWords {
+  uint32_t forwards;
+  uint32_t failed;
+};
 // Status flags word (uint32), not fatal: reported after the launch.
 enum StatusFlag : uint32_t { kStatusNonFiniteLogits = 1u };
 // Phase clock slots: 0 start, 1..4 after grid barriers 1..4 (block 0's view), 5 last block's exit.
@@ -117,10 +129,8 @@ struct MoEParams {
   int rank, world_size, local_experts;
   int first_block, blocks;  // this rank's blocks in the launch (P virtual ranks share an emulated one)
   int stream_rows;          // rows of one region of recv / comb
-  uint32_t sequence;        // the host's number for this forward (1 for one rank; see sequence_word)
-  // A team rank's count of its forwards on the device: this forward is count + 1, stored back by the
-  // rank's last block, so that a CUDA graph's replays advance it as eager launches do. Null: `sequence`.
-  uint32_t* sequence_word;
+  uint32_t sequence;        // the host's number for this forward (1 for one rank; see team_words)
+  TeamRankWords* team_words;  // a team rank's words on the device; null for one rank
   bool silent;              // debug: publish no signals (peers must time out, not hang)
   PeerBuffers peers[kMaxRanks];
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from flashdmoe.kernel import extension
-from flashdmoe.errors import KernelTimeout
+from flashdmoe.errors import KernelTimeout, TeamFailed
 
 __all__ = ["ErrorKind", "KernelError", "LaunchReport", "LaunchShape", "PHASE_CLOCK_NAMES", "PHASE_NAMES", "RankStatus",
            "StatusLayout"]
@@ -34,6 +34,7 @@ class ErrorKind(enum.IntEnum):
     NONE = 0
     TIMEOUT = 1
     SEQUENCE = 2  # a team rank's forwards used up the 31-bit sequence numbers
+    TEAM_FAILED = 3  # the rank ran nothing: an earlier forward of its team failed (bits 32-63: its number)
 
 
 # Phase ids the kernel's watchdog writes (csrc/moe/params.cuh, enum Phase).
@@ -128,6 +129,9 @@ class KernelError:
         if self.kind == ErrorKind.SEQUENCE:
             return (f"rank {self.rank}: the team's forwards used up their 2^31 - 1 sequence numbers (the kernel ran "
                     "nothing); make a new team")
+        if self.kind == ErrorKind.TEAM_FAILED:
+            return (f"rank {self.rank} ran nothing: its team's forward number {self.block} failed earlier (that "
+                    "launch's error says why); make a new team")
         return f"rank {self.rank} reported error word {self.word:#x}"
 
 
@@ -323,9 +327,10 @@ class LaunchReport:
 
     def exception(self) -> Exception | None:
         """The exception this launch's status calls for, or ``None``: :class:`flashdmoe.KernelTimeout` when
-        a rank's watchdog fired, ``RuntimeError`` for another error kind, ``ValueError`` when a rank's
-        router logits were not finite (NaN or Inf in ``x`` or ``router_weight``). Keeps the status first
-        (waiting for the launch)."""
+        a rank's watchdog fired, :class:`flashdmoe.errors.TeamFailed` when every failed rank ran nothing
+        because an earlier forward of its team had failed, ``RuntimeError`` for another error kind,
+        ``ValueError`` when a rank's router logits were not finite (NaN or Inf in ``x`` or
+        ``router_weight``). Keeps the status first (waiting for the launch)."""
         if self.clean():
             return None
         words = self.error_words()
@@ -335,7 +340,11 @@ class LaunchReport:
             timed_out = any(e.timed_out for e in errors)
             limit = f"; timeout {self.timeout_ms} ms (FLASHDMOE_TIMEOUT_MS)" if timed_out else ""
             message = "flashdmoe kernel: " + "; ".join(e.describe() for e in errors) + limit + where
-            return KernelTimeout(message) if timed_out else RuntimeError(message)
+            if timed_out:
+                return KernelTimeout(message)
+            if all(e.kind == ErrorKind.TEAM_FAILED for e in errors):
+                return TeamFailed(message)
+            return RuntimeError(message)
         nonfinite = [rank for rank, _, flags in words if flags & 1]
         if nonfinite:
             ranks = "" if len(self.ranks) == 1 else f" (rank {', '.join(map(str, nonfinite))})"

@@ -9,8 +9,11 @@ error raised) at the first of these points:
 
 * the next fused forward in this process (any shape, any team), if the launch's completion words are set:
   finished launches are checked oldest first before the new one is launched;
-* before the next use of the launch's team (a forward, the backward of this forward, ``Team.barrier``):
-  this one waits for the launch, so a team never runs on top of a failed launch;
+* before the next use of the launch's team (the backward of this forward, ``Team.barrier``, a forward on
+  another stream): this one waits for the launch and checks it with everything queued before it, oldest
+  first. A team's forward on the same stream as its last one does not wait: the device keeps a launch
+  off a failed one's buffers (a rank's launch after a failed forward runs nothing and reports
+  ``TeamFailed``; its peers then time out), so an error surfaces there at the next point of this list;
 * :func:`check_errors` (launches that have finished, never blocks) and :func:`synchronize` (waits for
   the device, then checks every launch, CUDA-graph replays included);
 * when the 64 status slots of a device are all taken by unchecked launches (a deep queue), the oldest
@@ -25,7 +28,7 @@ launches made in C++ are taken over into it, oldest first, so the points are the
 launched.
 
 A launch's watchdog timeout raises :class:`flashdmoe.KernelTimeout` and marks its team failed (the team
-then raises ``TeamFailed``); non-finite router logits (NaN / Inf in ``x`` or ``router_weight``) raise
+then raises ``TeamFailed``, as does each launch the device stopped after it); non-finite router logits (NaN / Inf in ``x`` or ``router_weight``) raise
 ``ValueError``. Each error is raised once; the message names the launch it came from.
 
 The asynchronous scans of new weights for NaN / Inf (:class:`flashdmoe.weight_checks.WeightScan`, queued
@@ -339,9 +342,11 @@ def launch_native(native: Any, plan: Any, x: torch.Tensor, router_weight: torch.
     return queue.launch(native, plan, x, router_weight, w1, w2, saved_pre, _thread_serial())
 
 
-def before_launch(device: int, team: Any, capturing: bool) -> None:
-    """Surface finished launches' errors and settle ``team``'s last launch (waiting for it) before a new
-    launch; inside a capture only refuse a team whose last launch is unchecked."""
+def before_launch(device: int, team: Any, capturing: bool, stream: int | None = None) -> None:
+    """Surface finished launches' errors before a new launch, and settle ``team``'s last launch (waiting
+    for it) unless it is a forward on ``stream``, the new forward's stream: the device stops a launch that
+    follows a failed one there (csrc/moe/params.cuh, TeamRankWords). Inside a capture only refuse a team
+    whose last launch is unchecked."""
     unchecked = None if team is None else getattr(team, "unchecked_launch", None)
     if capturing:
         if device not in _state.devices:
@@ -369,8 +374,8 @@ def before_launch(device: int, team: Any, capturing: bool) -> None:
                 if len(each.graph_free) < GRAPH_LOW_WATER:
                     each.grow_graph_slots()
             _state.graph_low = False
-    if unchecked is not None:
-        settle(unchecked)
+    if unchecked is not None and (stream is None or getattr(team, "unchecked_stream", None) != stream):
+        settle_team(team)
     if _state.pending:
         _poll(launching=True)
 
@@ -407,13 +412,13 @@ def claim_slot(device: int, capturing: bool, ranks: int = 1) -> _Slot:
 
 def record_launch(slot: _Slot, launch: Callable[..., tuple[int, int, int]], args: tuple, shape: Any, device: int,
                   capturing: bool, *, team: Any = None, routing: tuple = (), forward: bool = True,
-                  failed: Callable[[Exception], None] | None = None) -> LaunchReport:
+                  failed: Callable[[Exception], None] | None = None, stream: int | None = None) -> LaunchReport:
     """Launch on a claimed status slot and record the launch: ``launch(*args, slot.address)`` calls the
     extension (its status blocks go to that address) and returns its ``(grid, blocks_per_sm, smem_bytes)``.
     A launch that raises gives the slot back (``failed(error)`` first, where given). The report covers the
     slot's first ``len(shape.ranks)`` status blocks (``shape``: a
-    :class:`flashdmoe.kernel.launch_report.LaunchShape`); then :func:`launched` (``team``, ``routing`` and
-    ``forward`` as there and in :class:`LaunchReport`). A captured launch's slot belongs to its graph for
+    :class:`flashdmoe.kernel.launch_report.LaunchShape`); then :func:`launched` (``team``, ``routing``,
+    ``forward`` and ``stream`` as there and in :class:`LaunchReport`). A captured launch's slot belongs to its graph for
     good: never waited on, never given back."""
     try:
         info = launch(*args, slot.address)
@@ -430,15 +435,16 @@ def record_launch(slot: _Slot, launch: Callable[..., tuple[int, int, int]], args
     else:
         report = LaunchReport(shape, launch_id, device, info, layout, source, slot, slot.give_back, False, team,
                               routing)
-    launched(report, slot, team, forward)
+    launched(report, slot, team, forward, stream)
     return report
 
 
-def launched(report: LaunchReport, slot: _Slot, team: Any, forward: bool = True) -> None:
+def launched(report: LaunchReport, slot: _Slot, team: Any, forward: bool = True, stream: int | None = None) -> None:
     """Record a started launch (its slot is its completion), or a captured launch's graph slot; then, in
     debug mode, check it (and what was queued before it) at once.
     ``forward``: a forward's launch, which :func:`last_report` then returns (a fused backward's is checked
-    the same way but does not replace it)."""
+    the same way but does not replace it). ``stream``: a team forward's stream, where the team's next
+    forward need not wait for this one (:func:`before_launch`)."""
     if forward:
         _state.last_reports[_thread_serial()] = report
     if report.captured:
@@ -449,6 +455,7 @@ def launched(report: LaunchReport, slot: _Slot, team: Any, forward: bool = True)
     _absorb(report)
     if team is not None:
         team.unchecked_launch = report
+        team.unchecked_stream = stream if forward else None
     if _state.sync_checks:
         settle_through(report)
 
@@ -481,10 +488,15 @@ def settle(report: LaunchReport) -> None:
 
 
 def settle_team(team: Any) -> None:
-    """Before another use of ``team``: wait for and check its last launch, if unchecked."""
+    """Before another use of ``team``: wait for and check its last launch, if unchecked, and every entry
+    queued before it, oldest first (the first error raised is an earlier failed forward's, not the
+    "ran nothing" of the launches the device stopped after it)."""
     unchecked = getattr(team, "unchecked_launch", None)
     if unchecked is not None:
-        settle(unchecked)
+        if unchecked.checked:
+            team.unchecked_launch = team.unchecked_stream = None
+        else:
+            settle_through(unchecked)
 
 
 # ---- internals ----
@@ -609,7 +621,7 @@ def _raise_if_failed(report: LaunchReport) -> None:
     error = report.exception()  # keeps the status first (waiting for it), which frees its slot
     team = report.team
     if team is not None and getattr(team, "unchecked_launch", None) is report:
-        team.unchecked_launch = None
+        team.unchecked_launch = team.unchecked_stream = None
     if error is None:
         return
     _fail_team(team, error)

@@ -28,15 +28,17 @@ Transports:
 A team runs one forward at a time, in stream order: its buffers are shared by all its launches.
 
 A team that saw a kernel failure (timeout) is *failed*: its signal words are in an unknown state, so
-every later use raises; tear it down and make a new one. A forward does not wait for its kernel: the
-team's last launch is checked (waiting for it if needed) before the team's next use -- a forward, the
-backward, :meth:`Team.barrier` -- so a timeout still reaches every rank (flashdmoe/kernel/status_checks.py).
+every later use raises; tear it down and make a new one. A forward does not wait for its kernel, nor for
+the team's previous forward on the same stream: the device keeps that order safe, since a rank's launch
+after a failed one runs nothing (:attr:`Team.device_words`). The team's last launch is checked (waiting for
+it if needed) before its other uses -- the backward, :meth:`Team.barrier`, a forward on another stream --
+so a timeout still reaches every rank (flashdmoe/kernel/status_checks.py).
 
-Sequence numbers and CUDA graphs: each rank counts its forwards on the device
-(:attr:`Team.sequence_words`); a launch publishes count + 1 and its last block stores it back, so a CUDA
-graph's replays advance the count exactly as eager forwards do, and an emulated or NVSHMEM team's forward
-can be captured and replayed (every rank replays, in the same order as its peers, as with eager calls).
-After 2^31 - 1 forwards the kernel refuses to run (the flags would wrap) and the team fails.
+Sequence numbers and CUDA graphs: each rank counts its forwards on the device (:attr:`Team.device_words`);
+a launch publishes count + 1 and its last block stores it back, so a CUDA graph's replays advance the count
+exactly as eager forwards do, and an emulated or NVSHMEM team's forward can be captured and replayed
+(every rank replays, in the same order as its peers, as with eager calls). After 2^31 - 1 forwards the
+kernel refuses to run (the flags would wrap) and the team fails.
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from flashdmoe.errors import TeamFailed
+
 __all__ = ["BufferPlan", "RankBuffers", "Team", "TeamFailed", "MAX_RANKS"]
 
 #: Most ranks one team (or one emulated launch) holds: the kernel's peer table (csrc/moe/params.cuh).
@@ -55,8 +59,6 @@ MAX_RANKS = 8
 UNIQUE_ID_BYTES = 128
 
 
-class TeamFailed(RuntimeError):
-    """The team saw a kernel failure earlier (or was closed); it cannot be used again."""
 
 
 def _positive_int(name: str, value) -> int:
@@ -231,16 +233,19 @@ class Team:
         self.plan = plan
         self.buffers = buffers  # one entry per rank this process drives (P for emulated, 1 otherwise)
         self.device = device
-        # Per rank driven here, its forwards so far, counted by the kernel (csrc/moe/moe_forward.cuh,
-        # begin_forward_sequence): a forward's flags carry count + 1.
-        self.sequence_words = (None if transport == "single"
-                               else torch.zeros(len(buffers), dtype=torch.int32, device=device))
+        # Per rank driven here, [forwards so far, number of the first forward that failed (0: none)], kept
+        # by the kernel (csrc/moe/params.cuh, TeamRankWords): a forward's flags carry count + 1, and a
+        # launch after a failed one runs nothing.
+        self.device_words = (None if transport == "single"
+                             else torch.zeros((len(buffers), 2), dtype=torch.int32, device=device))
         self._backward_sequence = 0
         self._failure: str | None = None
         self._closed = False
         # The backend's state for this team: its last launch not checked yet (a LaunchReport), and the
         # launches it prepared (per batch shape and options).
         self.unchecked_launch = None
+        # The stream of the last launch if it was a forward: a forward on it need not wait for it.
+        self.unchecked_stream: int | None = None
         self.launch_plans: dict = {}
         # How the kernel reaches each peer ("p2p": stores through a mapping; "nvshmem": NVSHMEM puts).
         self.peer_transports: list[str] = ["p2p"] * world_size
@@ -465,7 +470,7 @@ class Team:
                 finally:
                     nvshmem.finalize()
         self.buffers = []
-        self.sequence_words = None
+        self.device_words = None
 
     def __enter__(self) -> "Team":
         return self
