@@ -482,6 +482,30 @@ def test_silent_rank_in_the_backward_makes_every_rank_time_out(mps_daemon):
 
 
 @pytest.mark.gpu
+def test_forwards_queued_behind_a_silent_ranks_run_nothing_on_every_rank(mps_daemon):
+    """No rank waits on the host between its team's forwards: the two queued behind the failed one are
+    stopped by the device on every rank (its failed word), and raise TeamFailed after the timeout."""
+    problem = Problem((128, 128), 128, 128, 8, 2, "gelu", seed=23)
+    timeout_ms = 2000
+    result = _run(mps_daemon, "silent_rank_timeout", 2,
+                  {"problem": problem.to_dict(), "silent_rank": 1, "timeout_ms": timeout_ms, "queued_forwards": 2},
+                  "queued after a timeout")
+    result.check()
+    for outcome in result.ranks:
+        info = outcome.info
+        where = f"rank {outcome.rank}: {info}"
+        assert info["error"]["type"] == "KernelTimeout", where
+        failed = int(re.search(r"\[launch (\d+) on", info["error"]["message"]).group(1))
+        assert [e["type"] for e in info["queued_errors"]] == ["TeamFailed", "TeamFailed"], where
+        for launch, queued in zip((failed + 1, failed + 2), info["queued_errors"]):
+            assert re.search(rf"rank {outcome.rank} ran nothing: its team's forward number \d+ failed earlier",
+                             queued["message"]), where
+            assert f"[launch {launch} on" in queued["message"], where
+        assert info["elapsed_s"] < timeout_ms / 1000 + 60, where
+        assert info["team_failed"] is True and info["second_call_error"]["type"] == "TeamFailed", where
+
+
+@pytest.mark.gpu
 def test_silent_rank_makes_every_rank_time_out_then_a_new_team_works(mps_daemon):
     problem = Problem((128, 128), 128, 128, 8, 2, "gelu", seed=21)
     timeout_ms = 2000

@@ -113,11 +113,14 @@ def backward_path(context: RankContext, x: torch.Tensor) -> str:
 def silent_rank_timeout(context: RankContext) -> ScenarioOutput:
     """params: ``problem``, ``silent_rank`` (its signals are never published), ``timeout_ms`` (default 2000),
     ``in_backward`` (default False: the forward is silent; True: a forward with every rank, then a
-    backward in which the rank is silent).
+    backward in which the rank is silent), ``queued_forwards`` (default 0: forwards every rank queues
+    behind the silent one, no rank silent, before it waits for the device).
 
-    Returns info ``error`` (type/module/message of what the forward, or the backward, raised; type None if
-    nothing), ``elapsed_s`` (of that call), ``team_failed`` (``team.failed`` afterwards) and
-    ``second_call_error`` (what a further forward on the same team raised: it must be ``TeamFailed``).
+    Returns info ``error`` (type/module/message of what the forward, or the backward, or the wait after
+    them raised; type None if nothing), ``elapsed_s`` (of that call), ``queued_errors`` (what each later
+    ``flashdmoe.check_errors()`` raised, one per queued forward: the device stopped them, so each must be
+    ``TeamFailed``), ``team_failed`` (``team.failed`` afterwards) and ``second_call_error`` (what a
+    further forward on the same team raised: it must be ``TeamFailed``).
     """
     from flashdmoe import cuda_backend
 
@@ -129,9 +132,11 @@ def silent_rank_timeout(context: RankContext) -> ScenarioOutput:
     knobs = cuda_backend.debug
     saved = (getattr(knobs, "silent_rank", -1), knobs.timeout_ms)
     in_backward = bool(context.params.get("in_backward", False))
+    queued = int(context.params.get("queued_forwards", 0))
     knobs.silent_rank = -1 if in_backward else silent_rank
     knobs.timeout_ms = timeout_ms
     error = second = {"type": None, "module": None, "message": None}
+    queued_errors = []
     try:
         started = time.monotonic()
         try:
@@ -145,10 +150,19 @@ def silent_rank_timeout(context: RankContext) -> ScenarioOutput:
             else:
                 with torch.no_grad():
                     team_moe(problem, context, *args)
+                    knobs.silent_rank = -1
+                    for _ in range(queued):
+                        team_moe(problem, context, *args)
             synchronize(context.device)
         except Exception as caught:
             error = error_info(caught)
         elapsed = time.monotonic() - started
+        for _ in range(queued):
+            try:
+                flashdmoe.check_errors()
+                queued_errors.append({"type": None, "module": None, "message": None})
+            except Exception as caught:
+                queued_errors.append(error_info(caught))
         team_failed = bool(context.team.failed)
         knobs.silent_rank = -1
         try:
@@ -161,7 +175,7 @@ def silent_rank_timeout(context: RankContext) -> ScenarioOutput:
         knobs.silent_rank, knobs.timeout_ms = saved
     return ScenarioOutput(info={"error": error, "elapsed_s": elapsed, "team_failed": team_failed,
                                 "second_call_error": second, "silent_rank": silent_rank,
-                                "timeout_ms": timeout_ms})
+                                "timeout_ms": timeout_ms, "queued_errors": queued_errors})
 
 
 def graph_replay(context: RankContext) -> ScenarioOutput:
