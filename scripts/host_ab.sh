@@ -3,6 +3,8 @@
 # machine, in alternation: the device's host CPU differs from one call to the next, so only times taken
 # in the same run compare. HOST_AB_BASE=<tree>: a copy of the repository at another commit (for example
 # `git archive <commit> | tar x -C ab_trees/<name>`, carried to the device); HOST_AB_ROUNDS (2).
+# Each round also runs this tree's scripts/team_stack.py over each tree (a stack of team forwards: does the
+# host wait between layers?), unless HOST_AB_TEAM_STACK=0.
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 base=$(cd "${HOST_AB_BASE:?HOST_AB_BASE=<tree>}" && pwd)
@@ -19,5 +21,9 @@ for round in $(seq "${HOST_AB_ROUNDS:-2}"); do
     echo "== $side, round $round"
     (cd "$dir" && PYTHONPATH=$dir:$site FLASHDMOE_CACHE_DIR=$cache timeout 90 python3 scripts/host_overhead.py 2>&1 |
        grep -E "^T=|flashdmoe.moe|MoELayer|extension launch")
+    if [ "${HOST_AB_TEAM_STACK:-1}" != 0 ]; then
+      (cd "$dir" && PYTHONPATH=$dir:$site FLASHDMOE_CACHE_DIR=$cache timeout 90 python3 "$here/scripts/team_stack.py" \
+         --tree "$dir" 2>&1 | tail -3)
+    fi
   done
 done
