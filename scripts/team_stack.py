@@ -62,9 +62,9 @@ def main() -> None:
     def step(inputs):
         hidden = inputs
         for router, w1s, w2s in layers:
-            # the layer's output feeds the next, as in a model (a residual add keeps the scale)
-            ys = flashdmoe.moe_expert_parallel(hidden, router, w1s, w2s, top_k=k, team=team)
-            hidden = [h + y for h, y in zip(hidden, ys)]
+            # the layer's output feeds the next, as in a model: residual add, then RMS norm (keeps the scale)
+            ys = flashdmoe.moe_expert_parallel(hidden, router, w1s, w2s, top_k=k, activation="swiglu", team=team)
+            hidden = [torch.nn.functional.rms_norm(h + y, (H,)) for h, y in zip(hidden, ys)]
         return hidden
 
     with torch.no_grad():
