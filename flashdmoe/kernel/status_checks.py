@@ -28,8 +28,8 @@ launches made in C++ are taken over into it, oldest first, so the points are the
 launched.
 
 A launch's watchdog timeout raises :class:`flashdmoe.KernelTimeout` and marks its team failed (the team
-then raises ``TeamFailed``, as does each launch the device stopped after it); non-finite router logits (NaN / Inf in ``x`` or ``router_weight``) raise
-``ValueError``. Each error is raised once; the message names the launch it came from.
+then raises ``TeamFailed``, as does each launch the device stopped after it); non-finite router logits
+(NaN / Inf in ``x`` or ``router_weight``) raise ``ValueError``. Each error is raised once; the message names the launch it came from.
 
 The asynchronous scans of new weights for NaN / Inf (:class:`flashdmoe.weight_checks.WeightScan`, queued
 on the stream ahead of the launch that first uses the weights) share this queue and these points: their
@@ -492,11 +492,8 @@ def settle_team(team: Any) -> None:
     queued before it, oldest first (the first error raised is an earlier failed forward's, not the
     "ran nothing" of the launches the device stopped after it)."""
     unchecked = getattr(team, "unchecked_launch", None)
-    if unchecked is not None:
-        if unchecked.checked:
-            team.unchecked_launch = team.unchecked_stream = None
-        else:
-            settle_through(unchecked)
+    if unchecked is not None and not unchecked.checked:  # settle_through would drain the whole queue
+        settle_through(unchecked)
 
 
 # ---- internals ----
@@ -621,7 +618,7 @@ def _raise_if_failed(report: LaunchReport) -> None:
     error = report.exception()  # keeps the status first (waiting for it), which frees its slot
     team = report.team
     if team is not None and getattr(team, "unchecked_launch", None) is report:
-        team.unchecked_launch = team.unchecked_stream = None
+        team.unchecked_launch = None
     if error is None:
         return
     _fail_team(team, error)

@@ -59,8 +59,6 @@ MAX_RANKS = 8
 UNIQUE_ID_BYTES = 128
 
 
-
-
 def _positive_int(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name}={value!r}: expected an integer >= 1")
@@ -244,7 +242,7 @@ class Team:
         # The backend's state for this team: its last launch not checked yet (a LaunchReport), and the
         # launches it prepared (per batch shape and options).
         self.unchecked_launch = None
-        # The stream of the last launch if it was a forward: a forward on it need not wait for it.
+        # The stream of unchecked_launch if it is a forward: a forward on it need not wait for it.
         self.unchecked_stream: int | None = None
         self.launch_plans: dict = {}
         # How the kernel reaches each peer ("p2p": stores through a mapping; "nvshmem": NVSHMEM puts).

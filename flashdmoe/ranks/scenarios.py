@@ -110,6 +110,10 @@ def backward_path(context: RankContext, x: torch.Tensor) -> str:
     return "device" if debug.team_backward != "torch" and not ep_backward.unsupported(context.team, x) else "torch"
 
 
+#: What a call that raised nothing reports (error_info's fields).
+_NO_ERROR = {"type": None, "module": None, "message": None}
+
+
 def silent_rank_timeout(context: RankContext) -> ScenarioOutput:
     """params: ``problem``, ``silent_rank`` (its signals are never published), ``timeout_ms`` (default 2000),
     ``in_backward`` (default False: the forward is silent; True: a forward with every rank, then a
@@ -135,7 +139,7 @@ def silent_rank_timeout(context: RankContext) -> ScenarioOutput:
     queued = int(context.params.get("queued_forwards", 0))
     knobs.silent_rank = -1 if in_backward else silent_rank
     knobs.timeout_ms = timeout_ms
-    error = second = {"type": None, "module": None, "message": None}
+    error = second = _NO_ERROR
     queued_errors = []
     try:
         started = time.monotonic()
@@ -160,7 +164,7 @@ def silent_rank_timeout(context: RankContext) -> ScenarioOutput:
         for _ in range(queued):
             try:
                 flashdmoe.check_errors()
-                queued_errors.append({"type": None, "module": None, "message": None})
+                queued_errors.append(_NO_ERROR)
             except Exception as caught:
                 queued_errors.append(error_info(caught))
         team_failed = bool(context.team.failed)
