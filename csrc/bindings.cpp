@@ -303,6 +303,7 @@ EpRowsArgs ep_rows_args(const py::dict& args) {
   a.sum = as_ptr<float>(args.contains("sum") ? get<uintptr_t>(args, "sum") : 0);
   a.sync = as_ptr<void>(get<uintptr_t>(args, "sync"));
   a.status_host = as_ptr<void>(get<uintptr_t>(args, "status_host"));
+  a.team_words = as_ptr<void>(args.contains("team_words") ? get<uintptr_t>(args, "team_words") : 0);
   a.timeout_ns = get<uint64_t>(args, "timeout_ns");
   a.debug_withhold_phase = get<int>(args, "debug_withhold_phase");
   a.grid_percent = get<int>(args, "grid_percent");

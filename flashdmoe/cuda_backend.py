@@ -517,6 +517,7 @@ class _FusedMoEEmulated(torch.autograd.Function):
         P = team.world_size
         xs, w1s, w2s = tensors[:P], tensors[P:2 * P], tensors[2 * P:]
         results = run_forward(list(xs), router_weight, list(w1s), list(w2s), team=team, **options)
+        ctx.forward_report = team.unchecked_launch  # this launch's (an older one's if it launched nothing)
         routing_out.extend(routing for _, routing in results)
         ctx.counts = None
         if any(ctx.needs_input_grad[3:]) and debug.team_backward != "torch" and not ep_backward.unsupported(team, xs[0]):
@@ -531,7 +532,7 @@ class _FusedMoEEmulated(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *dys):
         # The saved routing is only meaningful if the launch succeeded: check it first (waits for it).
-        status_checks.settle_team(ctx.team)
+        _before_team_backward(ctx, ctx.saved_tensors[0])
         P = ctx.world_size
         saved = ctx.saved_tensors
         router_weight, tensors = saved[0], saved[1:1 + 3 * P]
@@ -586,6 +587,7 @@ class _FusedMoETeam(torch.autograd.Function):
         from flashdmoe.backward import ep_backward
 
         (y, routing), = run_forward([x], router_weight, [w1], [w2], team=team, **options)
+        ctx.forward_report = team.unchecked_launch  # this launch's (an older one's if it launched nothing)
         routing_out.append(routing)
         ctx.counts = None
         if any(ctx.needs_input_grad[3:]) and debug.team_backward != "torch" and not ep_backward.unsupported(team, x):
@@ -602,7 +604,7 @@ class _FusedMoETeam(torch.autograd.Function):
 
         # A collective on a team whose forward timed out could wait forever: check the forward first, so
         # every rank raises KernelTimeout here instead.
-        status_checks.settle_team(ctx.team)
+        _before_team_backward(ctx, dy)
         ctx.team.require_usable()
         x, router_weight, w1, w2, expert, row, weight = ctx.saved_tensors
         activation, normalize_topk = ctx.options
@@ -616,6 +618,13 @@ class _FusedMoETeam(torch.autograd.Function):
             normalize_topk=normalize_topk, needs_input_grad=tuple(ctx.needs_input_grad[3:7]),
         )
         return (None, None, None, *grads)
+
+
+def _before_team_backward(ctx, like: torch.Tensor) -> None:
+    """Check the forward a team's backward differentiates; wait for the team's last launch only if it ran
+    on another stream than the backward's (``like``'s device's current one): on the same stream the
+    device stops the backward's exchange after a failed launch (status_checks.before_backward)."""
+    status_checks.before_backward(ctx.team, ctx.forward_report, _current_stream_handle(like.device.index))
 
 
 def _aux(x, router_weight, top_k, counts, row) -> reference.MoEAux:

@@ -58,9 +58,24 @@ def timeout_word(phase: int, peer: int, block: int = 3) -> int:
     return 1 | (phase << 8) | (peer << 16) | (block << 32)
 
 
-def team_failed_word(forward: int) -> int:
-    """The error word of a team rank that ran nothing because its forward number ``forward`` failed."""
-    return 3 | (forward << 32)
+def team_failed_word(failed: int) -> int:
+    """The error word of a team rank that ran nothing because of its failed word ``failed``: a forward's
+    number, or a backward's with bit 31 set (csrc/moe/params.cuh)."""
+    return 3 | (failed << 32)
+
+
+def run_team_words(team_words: int, status_at: int, sequence: int | None) -> bool:
+    """What the kernel does with a team rank's words (csrc/moe/params.cuh, TeamRankWords) around a launch
+    whose status block is at ``status_at`` (a scripted error already written there): a rank whose earlier
+    launch failed runs nothing and says so (False); a launch that failed marks the rank with ``sequence``."""
+    failed = ctypes.c_uint32.from_address(team_words + 4)
+    error_at = status_at + STATUS_LAYOUT["error_word"]
+    if failed.value:
+        ctypes.memmove(error_at, struct.pack("<Q", team_failed_word(failed.value)), 8)
+        return False
+    if struct.unpack("<Q", ctypes.string_at(error_at, 8))[0]:
+        failed.value = sequence
+    return True
 
 
 class FakeEvent:
@@ -164,22 +179,18 @@ class FakeExtension:
         if not completion.done:
             self.completions.append(completion)
         # A team rank's words on the device (csrc/moe/params.cuh, TeamRankWords): the kernel publishes
-        # count + 1 and stores it back; a rank whose earlier forward failed runs nothing and reports it; a
-        # failed forward marks the rank. A captured launch runs nothing until a replay.
+        # count + 1 and stores it back (run_team_words does the rest). A captured launch runs nothing until
+        # a replay.
         captured = torch.cuda.is_current_stream_capturing()
         for i, rank in enumerate(ranks):
             if rank.get("team_words") is not None:
-                count = ctypes.c_int32.from_address(rank["team_words"])
-                failed = ctypes.c_int32.from_address(rank["team_words"] + 4)
-                sequence = None if captured else count.value + 1
                 if captured:
+                    sequence = None
                     continue
-                count.value = sequence
-                error_at = status_host + i * STATUS_LAYOUT["bytes"] + STATUS_LAYOUT["error_word"]
-                if failed.value:
-                    ctypes.memmove(error_at, struct.pack("<Q", team_failed_word(failed.value)), 8)
-                elif status_host and struct.unpack("<Q", ctypes.string_at(error_at, 8))[0]:
-                    failed.value = sequence
+                count = ctypes.c_int32.from_address(rank["team_words"])
+                sequence = count.value = count.value + 1
+                if status_host:
+                    run_team_words(rank["team_words"], status_host + i * STATUS_LAYOUT["bytes"], sequence)
         if self.record:
             self.launches.append({"sequence": sequence, "stream": stream, "ranks": len(ranks),
                                   "completion": completion, "status_host": status_host, "addresses": list(addresses),

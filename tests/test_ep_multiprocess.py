@@ -506,6 +506,34 @@ def test_forwards_queued_behind_a_silent_ranks_run_nothing_on_every_rank(mps_dae
 
 
 @pytest.mark.gpu
+def test_forwards_queued_behind_a_failed_backward_run_nothing_on_every_rank(mps_daemon):
+    """No rank waits on the host for its team's backward before the next forward: the two forwards queued
+    behind a backward whose exchange timed out are stopped by the device on every rank (the exchange marked
+    the rank with its backward number), and raise TeamFailed after the backward's timeouts."""
+    problem = Problem((128, 96), 128, 128, 8, 2, "gelu", seed=24)
+    timeout_ms = 2000
+    result = _run(mps_daemon, "silent_rank_timeout", 2,
+                  {"problem": problem.to_dict(), "silent_rank": 1, "timeout_ms": timeout_ms, "in_backward": True,
+                   "queued_forwards": 2}, "forwards queued after a backward timeout")
+    result.check()
+    for outcome in result.ranks:
+        info = outcome.info
+        where = f"rank {outcome.rank}: {info}"
+        assert info["error"]["type"] == "KernelTimeout" and "backward exchange" in info["error"]["message"], where
+        failed = int(re.search(r"\[launch (\d+) on", info["error"]["message"]).group(1))
+        kinds = [e["type"] for e in info["queued_errors"]]
+        # the backward's later exchange launches stopped with the first one's error, then the two forwards
+        assert kinds[-2:] == ["TeamFailed", "TeamFailed"] and set(kinds[:-2]) <= {"KernelTimeout"}, where
+        for queued in info["queued_errors"][-2:]:
+            assert re.search(rf"rank {outcome.rank} ran nothing: its team's backward number \d+ failed earlier",
+                             queued["message"]), where
+        launches = [int(re.search(r"\[launch (\d+) on", e["message"]).group(1)) for e in info["queued_errors"]]
+        assert [failed, *launches] == sorted(set([failed, *launches])), where  # oldest first, each once
+        assert info["elapsed_s"] < timeout_ms / 1000 + 60, where
+        assert info["team_failed"] is True and info["second_call_error"]["type"] == "TeamFailed", where
+
+
+@pytest.mark.gpu
 def test_silent_rank_makes_every_rank_time_out_then_a_new_team_works(mps_daemon):
     problem = Problem((128, 128), 128, 128, 8, 2, "gelu", seed=21)
     timeout_ms = 2000

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import flashdmoe
-from fake_cuda import STATUS_LAYOUT, completed_block, fake_cuda, status_block, timeout_word
+from fake_cuda import STATUS_LAYOUT, FakeCompletion, completed_block, fake_cuda, run_team_words, status_block, timeout_word
 from flashdmoe import api, cuda_backend
 from flashdmoe.kernel import status_checks
 from flashdmoe.kernel.launch_report import ErrorKind, KernelError, LaunchReport, LaunchShape, StatusLayout, decode_rank
@@ -705,20 +705,32 @@ def test_inference_forward_builds_no_autograd_node(fake):
 
 
 class _BackwardExtension:
-    """The fake extension plus the two backward launches, which write a clean finished status block."""
+    """The fake extension plus the two backward launches, which write a clean finished status block, or
+    with ``finish_at_once=False`` a status block (``script``'s next, per rank, else clean) that the fake
+    device's next synchronisation completes; the row exchange honours the ranks' team words as the kernel
+    does (a failed launch marks the rank with its sequence number and bit 31)."""
 
-    def __init__(self, ext, fail: Exception | None = None) -> None:
+    def __init__(self, ext, fail: Exception | None = None, finish_at_once: bool = True) -> None:
         self.ext, self.fail, self.calls = ext, fail, []
+        self.finish_at_once, self.script = finish_at_once, []
 
     def __getattr__(self, name):
         return getattr(self.ext, name)
 
-    def _finish(self, status_host: int, ranks: int) -> tuple[int, int, int]:
+    def _finish(self, status_host: int, ranks: int, team_words=(), sequence: int = 0) -> tuple[int, int, int]:
         if self.fail is not None:
             raise self.fail
         import ctypes
 
-        ctypes.memmove(status_host, completed_block(status_block()) * ranks, ranks * STATUS_LAYOUT["bytes"])
+        blocks = self.script.pop(0) if self.script else [status_block()] * ranks
+        if self.finish_at_once:
+            blocks = [completed_block(block) for block in blocks]
+        ctypes.memmove(status_host, b"".join(blocks), ranks * STATUS_LAYOUT["bytes"])
+        for i, words in enumerate(team_words):
+            if words:
+                run_team_words(words, status_host + i * STATUS_LAYOUT["bytes"], (1 << 31) | sequence)
+        if not self.finish_at_once:
+            self.ext.completions.append(FakeCompletion(status_host, ranks))
         return (66, 1, 100_000)
 
     def fused_backward_layout(self, tokens, hidden, ffn, experts, top_k, activation):
@@ -734,7 +746,8 @@ class _BackwardExtension:
     def ep_rows(self, args, stream):
         ranks = args if isinstance(args, list) else [args]
         self.calls.append([dict(a) for a in ranks])
-        return self._finish(ranks[0]["status_host"], len(ranks))
+        return self._finish(ranks[0]["status_host"], len(ranks), [a.get("team_words", 0) for a in ranks],
+                            ranks[0].get("sequence", 0))
 
 
 @pytest.mark.parametrize("fail", [False, True], ids=["launched", "raising"])
@@ -797,6 +810,83 @@ def test_team_backward_row_exchange_launch_is_recorded(fake, monkeypatch):
     assert team.unchecked_launch is report
     status_checks.settle_team(team)
     assert report.checked and team.unchecked_launch is None
+
+
+def _exchange(backward_ext, team, sequence: int):
+    """One launch of the backward's row exchange for every rank of an emulated team, with the ranks' team
+    words as flashdmoe.backward.ep_backward._backward passes them."""
+    from flashdmoe.backward import ep_backward
+
+    args = [{"rank": r, "sequence": sequence, "team_words": team.device_words.data_ptr() + 8 * r}
+            for r in range(team.world_size)]
+    return ep_backward._launch(backward_ext, team, args, torch.device("cpu"), (16,) * team.world_size)
+
+
+@pytest.fixture
+def exchange_ext(fake, monkeypatch):
+    """The fake extension with the backward's launches, which finish at the fake device's next sync."""
+    from flashdmoe.backward import ep_backward
+
+    ext, _, synchronized = fake
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 7, raising=False)
+    monkeypatch.setattr(ep_backward, "_pool", cuda_backend.WorkspacePool())
+    return _BackwardExtension(ext, finish_at_once=False), synchronized
+
+
+def test_a_teams_backward_waits_for_its_forward_not_for_the_teams_last_launch(exchange_ext):
+    """A model's backward: the previous layer's exchange still runs on the stream when the next layer's
+    backward starts; only the forward it differentiates is checked (it finished long before). On another
+    stream the host waits for the exchange, as before."""
+    backward_ext, synchronized = exchange_ext
+    team = emulated_team()
+    emulated_forward(team)
+    forward = flashdmoe.last_report()
+    flashdmoe.synchronize()
+    assert forward.checked and synchronized == [None]
+    previous = _exchange(backward_ext, team, sequence=1)
+    assert team.unchecked_launch is previous and team.unchecked_stream == 7
+    status_checks.before_backward(team, forward, 7)
+    assert synchronized == [None] and not previous.ready() and not previous.checked
+    emulated_forward(team)  # the next step's forward: the same stream, no wait either
+    assert synchronized == [None] and not previous.checked
+    status_checks.before_backward(team, forward, 8)
+    assert synchronized == [None, None] and previous.checked
+    flashdmoe.synchronize()
+
+
+def test_a_teams_backward_checks_its_forward_first(exchange_ext):
+    """The routing a backward reads is only meaningful if its forward succeeded: its error is raised
+    before the backward launches anything."""
+    backward_ext, synchronized = exchange_ext
+    team = emulated_team()
+    backward_ext.ext.script.append([status_block(error=timeout_word(6, 1)), status_block()])
+    emulated_forward(team)
+    forward = flashdmoe.last_report()
+    with pytest.raises(flashdmoe.KernelTimeout, match=r"rank 0 timed out.*\[launch 1 on"):
+        status_checks.before_backward(team, forward, 7)
+    assert team.failed and backward_ext.calls == []
+
+
+def test_a_failed_backward_exchange_stops_the_teams_next_forward_on_the_device(exchange_ext):
+    """A failed exchange marks its rank (bit 31 and the backward's number): the next forward, queued at
+    once on the same stream, runs nothing there and says whose failure stopped it, after that failure."""
+    backward_ext, synchronized = exchange_ext
+    team = emulated_team()
+    emulated_forward(team)
+    flashdmoe.synchronize()
+    backward_ext.script.append([status_block(), status_block(error=timeout_word(16, 0))])
+    failed = _exchange(backward_ext, team, sequence=1)
+    assert team.device_words.tolist() == [[1, 0], [1, -(1 << 31) + 1]]
+    emulated_forward(team)
+    stopped = flashdmoe.last_report()
+    assert synchronized == [None] and not team.failed and not failed.checked
+    with pytest.raises(flashdmoe.KernelTimeout, match=rf"rank 1 timed out.*waiting on rank 0.*\[launch {failed.launch_id} on"):
+        flashdmoe.synchronize()
+    assert team.failed
+    with pytest.raises(TeamFailed, match=rf"rank 1 ran nothing: its team's backward number 1 failed earlier.*"
+                                         rf"\[launch {stopped.launch_id} on"):
+        flashdmoe.check_errors()
+    flashdmoe.check_errors()
 
 
 @pytest.mark.parametrize("name,value", [("FLASHDMOE_TIMEOUT_MS", "ten"), ("FLASHDMOE_TIMEOUT_MS", "0"),

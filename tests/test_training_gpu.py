@@ -363,6 +363,119 @@ def test_a_silent_rank_in_the_emulated_backward_times_out_every_rank(fused, P, s
     drain_launch_errors()
 
 
+def launch_errors(limit: int = 16) -> list[Exception]:
+    """Every unchecked launch error, oldest first (flashdmoe.check_errors() raises one per call)."""
+    torch.cuda.synchronize()  # every launch finished: check_errors then sees each of them
+    errors = []
+    for _ in range(limit):
+        try:
+            flashdmoe.check_errors()
+            return errors
+        except Exception as error:  # noqa: BLE001 - collected for the test's assertions
+            errors.append(error)
+    raise AssertionError(f"more than {limit} unchecked launch errors")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("P,silent", [(2, 1), (3, 0)])
+def test_a_forward_queued_behind_a_failed_emulated_backward_runs_nothing(fused, P, silent):
+    """The host does not wait for a team's backward before its next forward on the same stream: a failed
+    exchange marks its ranks on the device (bit 31 and the backward's number), the forward queued behind it
+    runs nothing on any rank, and the errors surface oldest first: the timeouts, then TeamFailed."""
+    _, xs, router_weight, w1s, w2s, dys, team, leaves = small_emulated(P, (128,) * P)
+    previous = flashdmoe.set_sync_checks(False)
+    try:
+        ys = flashdmoe.moe_expert_parallel(leaves[1:1 + P], leaves[0], leaves[1 + P:1 + 2 * P], leaves[1 + 2 * P:],
+                                           top_k=2, team=team)
+        loss = sum((y.float() * dy.float()).sum() for y, dy in zip(ys, dys))
+        flashdmoe.synchronize()
+        fused.debug.silent_rank, fused.debug.timeout_ms = silent, 300
+        try:
+            loss.backward()  # queued: the exchange times out 300 ms later
+        finally:
+            fused.debug.silent_rank, fused.debug.timeout_ms = -1, None
+        exchange = team.backward_reports
+        with torch.no_grad():
+            flashdmoe.moe_expert_parallel(xs, router_weight, w1s, w2s, top_k=2, team=team)
+        stopped = flashdmoe.last_report()
+        waited = exchange[0].ready()
+        errors = launch_errors()
+    finally:
+        flashdmoe.set_sync_checks(previous)
+    assert not waited, "the forward waited on the host for the backward's exchange"
+    assert errors and all(isinstance(e, flashdmoe.KernelTimeout) for e in errors[:-1]), errors
+    assert f"[launch {exchange[0].launch_id} on" in str(errors[0]) and "backward exchange" in str(errors[0])
+    for rank in range(P):
+        assert f"rank {rank} timed out" in str(errors[0]), str(errors[0])
+    assert isinstance(errors[-1], TeamFailed) and f"[launch {stopped.launch_id} on" in str(errors[-1]), errors
+    number = team._backward_sequence
+    for rank in range(P):
+        assert f"rank {rank} ran nothing: its team's backward number {number} failed earlier" in str(errors[-1])
+    assert team.device_words[:, 1].tolist() == [number - (1 << 31)] * P
+    assert team.failed
+    with pytest.raises(TeamFailed):
+        flashdmoe.moe_expert_parallel(xs, router_weight, w1s, w2s, top_k=2, team=team)
+
+
+@pytest.mark.gpu
+def test_a_multi_layer_emulated_backward_queues_without_a_host_wait(fused, monkeypatch):
+    """Three layers of an emulated team, residual: each layer's backward starts without waiting for the
+    previous layer's exchange (all queued behind half a second of GPU work before any ran), and the
+    gradients equal those of the same step in debug mode (a wait at every launch), bit for bit."""
+    from flashdmoe.backward import ep_backward
+
+    P, layers = 3, 3
+    config, xs, router_weight, w1s, w2s, dys = emulated_problem(P, (96, 130, 64), 128, 128, 2, 2, "swiglu", True,
+                                                                None, 0.0, torch.bfloat16)
+    g = torch.Generator(device="cuda").manual_seed(next_seed())
+    weights = [(router_weight, w1s, w2s)] + [
+        ((torch.randn(router_weight.shape, device="cuda", generator=g) * router_weight.float().std()).to(torch.bfloat16),
+         [(torch.randn(w.shape, device="cuda", generator=g) * w.float().std()).to(w.dtype) for w in w1s],
+         [(torch.randn(w.shape, device="cuda", generator=g) * w.float().std()).to(w.dtype) for w in w2s])
+        for _ in range(layers - 1)]
+    team = Team.emulated(P, max_tokens=130, hidden=128, top_k=2, local_experts=2, dtype=torch.bfloat16)
+    launched = []
+    real_launch = ep_backward._launch
+    def recorded(*args, **kwargs):
+        launched.append(real_launch(*args, **kwargs))
+        return launched[-1]
+
+    monkeypatch.setattr(ep_backward, "_launch", recorded)
+
+    def step(busy: bool):
+        leaves = [[t.detach().clone().requires_grad_() for t in (r, *a, *b)] for r, a, b in weights]
+        hs = [x.detach().clone().requires_grad_() for x in xs]
+        out = hs
+        for layer in leaves:
+            ys = flashdmoe.moe_expert_parallel(out, layer[0], layer[1:1 + P], layer[1 + P:], top_k=2,
+                                               activation="swiglu", team=team)
+            out = [h + y for h, y in zip(out, ys)]
+        loss = sum((h.float() * dy.float()).sum() for h, dy in zip(out, dys))
+        flashdmoe.synchronize()
+        launched.clear()
+        if busy:
+            torch.cuda._sleep(1_000_000_000)  # about half a second of GPU time ahead of the backward
+        loss.backward()
+        ran = [r.ready() for r in launched]
+        flashdmoe.synchronize()
+        return [t.grad for t in hs] + [t.grad for layer in leaves for t in layer], ran, len(launched)
+
+    previous = flashdmoe.set_sync_checks(True)
+    try:
+        want, _, count = step(busy=False)
+    finally:
+        flashdmoe.set_sync_checks(previous)
+    previous = flashdmoe.set_sync_checks(False)
+    try:
+        got, ran, queued = step(busy=True)
+    finally:
+        flashdmoe.set_sync_checks(previous)
+    assert count == queued == 3 * layers
+    assert not any(ran), f"exchange launches finished before the backward returned: {ran}"
+    for index, (a, b) in enumerate(zip(got, want)):
+        assert a is not None and torch.equal(a, b), f"gradient {index} differs from the debug-mode step"
+
+
 def drain_launch_errors(limit: int = 16) -> None:
     """Raise and drop every unchecked launch error (flashdmoe.synchronize() raises one per call)."""
     for _ in range(limit):

@@ -114,6 +114,7 @@ void fill_params(const EpRowsArgs& a, EpRowsParams& p) {
   p.sync_words = reinterpret_cast<uint32_t*>(w);
   p.sync_words_count = static_cast<int>(kEpSyncBytes / 4);
   p.status_host = a.status_host;
+  p.team_words = static_cast<TeamRankWords*>(a.team_words);
   p.timeout_ns = a.timeout_ns;
   p.debug_withhold_phase = a.debug_withhold_phase;
 }

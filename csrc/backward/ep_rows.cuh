@@ -138,6 +138,10 @@ struct EpRowsParams {
   const float* share;
   float* sum;
 
+  // The rank's words shared with its forwards (moe/params.cuh; null: none): a failed forward or exchange
+  // marks it, and every later launch of the rank on the stream then runs nothing.
+  TeamRankWords* team_words;
+
   // Watchdog and sync words (common/sync.cuh names).
   unsigned long long* error_word;
   unsigned long long* traffic;  // [kTrafficWords]: to owners counts as dispatch, back as combine
@@ -371,6 +375,28 @@ __device__ inline bool aborted(const EpRowsParams& p, const EpSignalLayout& layo
   return true;
 }
 
+// True when an earlier forward or backward of the rank failed (TeamRankWords::failed): this launch runs
+// nothing and says whose failure stopped it, as a forward does (moe_forward.cuh, begin_forward).
+__device__ inline bool team_failed(const EpRowsParams& p) {
+  if (p.team_words == nullptr) return false;
+  const uint32_t failed = static_cast<const volatile TeamRankWords*>(p.team_words)->failed;
+  if (failed == 0) return false;
+  if (block_in_rank(p) == 0 && threadIdx.x == 0)
+    atomicCAS(p.error_word, 0ull, static_cast<unsigned long long>(kErrorTeamFailed) |
+                                      (static_cast<unsigned long long>(failed) << 32));
+  return true;
+}
+
+// The rank's last block: a failed launch marks the rank, so that its later launches run nothing (the
+// forward's end_forward marks it the same way, with the forward's number; an exchange's number has the top
+// bit set). The error word is still this launch's: finish_launch resets it afterwards.
+__device__ inline void mark_failed(const EpRowsParams& p) {
+  volatile TeamRankWords* words = p.team_words;
+  if (words == nullptr) return;
+  if (*reinterpret_cast<volatile const unsigned long long*>(p.error_word) != 0 && words->failed == 0)
+    words->failed = kTeamFailedInBackward | p.sequence;
+}
+
 // This launch failed: leave its error for the backward's later launches (see aborted).
 __device__ inline void leave_abort(const EpRowsParams& p, const EpSignalLayout& layout) {
   __syncthreads();
@@ -398,8 +424,9 @@ struct EpRowsLaunch {
 template <typename Publish>
 __device__ void ep_rows_block(const EpRowsParams& p) {
   const EpSignalLayout layout{p.world_size, p.local_experts, p.stream_rows};
-  if (ep_rows::aborted(p, layout)) {
-    finish_launch(p);
+  const auto last = [&p] { ep_rows::mark_failed(p); };
+  if (ep_rows::aborted(p, layout) || ep_rows::team_failed(p)) {
+    finish_launch(p, last);
     return;
   }
   const bool to_owners = p.direction == EpDirection::ToOwners;
@@ -451,7 +478,7 @@ __device__ void ep_rows_block(const EpRowsParams& p) {
     }
   }
   ep_rows::leave_abort(p, layout);
-  finish_launch(p);
+  finish_launch(p, last);
 }
 
 template <typename Publish, int kRankCapacity>

@@ -130,6 +130,7 @@ struct EpRowsArgs {
   float* sum;                                                 // [n] the sum over ranks, in rank order
   void* sync;         // ep_rows_sync_bytes() zero bytes, zero again after the launch
   void* status_host;  // pinned status slot, or null
+  void* team_words;   // the rank's TeamRankWords (moe/params.cuh), or null
   uint64_t timeout_ns;
   int debug_withhold_phase;
   int grid_percent;  // share of the SMs (MPS), 100: all

@@ -58,19 +58,24 @@ __host__ __device__ __forceinline__ int signal_words(int world, int local_expert
 
 // Error word (uint64): bits 0-7 kind, 8-15 phase, 16-31 peer rank, 32-63 block id.
 // kErrorSequence: a team rank's forwards used up the 31-bit sequence numbers (its flags would wrap).
-// kErrorTeamFailed: the rank ran nothing because an earlier forward of its team failed; bits 32-63 hold
-// that forward's number instead of a block id.
+// kErrorTeamFailed: the rank ran nothing because an earlier launch of its team failed; bits 32-63 hold
+// the rank's TeamRankWords::failed (that forward's number, or a backward's with kTeamFailedInBackward)
+// instead of a block id.
 enum ErrorKind : uint32_t { kErrorNone = 0, kErrorTimeout = 1, kErrorSequence = 2, kErrorTeamFailed = 3 };
 // A team rank's words in device memory the team owns, zero when it is made. `forwards`: its forwards so
 // far; a launch takes forwards + 1 as its sequence number and the rank's last block stores it back, so a
-// CUDA graph's replays advance it as eager launches do. `failed`: the number of the first forward that
-// failed (0: none). It stays set: every later launch of the rank reads it and runs nothing, publishing
-// nothing, so its peers stop on their watchdog. Stream order alone then keeps a launch off buffers a
-// failed one left in an unknown state, and the host need not wait for one forward to queue the next.
+// CUDA graph's replays advance it as eager launches do. `failed`: the number of the rank's first forward
+// or backward exchange that failed (0: none). It stays set: every later launch of the rank, forward or
+// exchange, reads it and runs nothing, publishing nothing, so its peers stop on their watchdog. Stream
+// order alone then keeps a launch off buffers a failed one left in an unknown state, and the host need not
+// wait for one launch to queue the next.
 struct TeamRankWords {
   uint32_t forwards;
   uint32_t failed;
 };
+// TeamRankWords::failed of a rank whose backward exchange failed: that backward's sequence number with this
+// bit set (a forward's number is below 2^31).
+constexpr uint32_t kTeamFailedInBackward = 1u << 31;
 // Status flags word (uint32), not fatal: reported after the launch.
 enum StatusFlag : uint32_t { kStatusNonFiniteLogits = 1u };
 // Phase clock slots: 0 start, 1..4 after grid barriers 1..4 (block 0's view), 5 last block's exit.

@@ -35,12 +35,17 @@ Before writing into a peer's staging, a launch waits for that peer's "free" flag
 (raised by the peer's own launch of that direction, once its stream has finished reading the region).
 Every wait is bounded: a silent or stuck rank makes the waiting ranks' launches stop (a stopped launch
 publishes nothing further, so its peers stop too; it leaves its error in the rank's abort words, and the
-backward's later launches stop at once with it), and every rank raises :class:`flashdmoe.KernelTimeout`
-(naming the phase and the peer) with the team marked failed, at the team's next use (its next forward,
-:func:`flashdmoe.check_errors`, :func:`flashdmoe.synchronize`); nothing waits forever.
+backward's later launches stop at once with it; it also marks the rank failed in its team words, so
+that every later launch of the rank on the stream, forward or exchange, runs nothing and reports
+``TeamFailed``), and every rank raises :class:`flashdmoe.KernelTimeout` (naming the phase and the peer)
+with the team marked failed, at the next check (a later forward's poll of finished launches,
+:func:`flashdmoe.check_errors`, :func:`flashdmoe.synchronize`, ``Team.barrier``, a launch on another
+stream); nothing waits forever.
 
-Host waits: one, for the forward's counts (:meth:`ForwardCounts.get`), which in a model's backward
-finished long before; none inside the backward.
+Host waits: for the forward this backward differentiates (its check, and its counts:
+:meth:`ForwardCounts.get`), which in a model's backward finished long before; not for the team's last
+launch (the previous layer's exchange: :func:`flashdmoe.kernel.status_checks.before_backward`), and
+none inside the backward.
 
 Memory held per rank: nothing between forward and backward beyond what autograd saves (``x``, the
 weights, the routing) and the forward's ``P * L`` counts in pinned host memory; the backward's staging is the team's ``recv`` / ``comb`` buffers and signal words.
@@ -255,7 +260,7 @@ def _launch(ext, team, rank_args: list[dict], device: torch.device, what_tokens:
     shape = LaunchShape(tuple(args["rank"] for args in rank_args), what_tokens, plan.local_experts,
                         plan.hidden * plan.element_bytes, timeout_ms())
     return status_checks.record_launch(status_checks.claim_slot(index, False, len(rank_args)), start, (), shape,
-                                       index, False, team=team, forward=False)
+                                       index, False, team=team, forward=False, stream=stream)
 
 
 class _Local(NamedTuple):
@@ -336,7 +341,8 @@ def _backward(team, locals_: list[_Local], router_weight: torch.Tensor, *, activ
         tokens, top_k = loc.expert.shape
         ranks.append({
             "loc": loc, "tokens": tokens, "top_k": top_k, "puts": "stage" in peers,
-            "common": {**common_all, "rank": loc.rank, "silent": loc.rank == debug.silent_rank, **peers},
+            "common": {**common_all, "rank": loc.rank, "silent": loc.rank == debug.silent_rank,
+                       "team_words": team.device_words.data_ptr() + 8 * loc.local, **peers},
             "recv": own.recv[:staged * H * plan.element_bytes].view(dtype).view(staged, H),
             "comb": own.comb[:staged * H * plan.element_bytes].view(dtype).view(staged, H),
             "row_words": own.signals[plan.backward_word("row_word", 0, 0):plan.backward_word("row_word", P, 0)],

@@ -34,7 +34,13 @@ class ErrorKind(enum.IntEnum):
     NONE = 0
     TIMEOUT = 1
     SEQUENCE = 2  # a team rank's forwards used up the 31-bit sequence numbers
-    TEAM_FAILED = 3  # the rank ran nothing: an earlier forward of its team failed (bits 32-63: its number)
+    TEAM_FAILED = 3  # the rank ran nothing: an earlier launch of its team failed (bits 32-63: FAILED_IN_BACKWARD
+    # plus a backward's sequence number, or a forward's number)
+
+
+#: The bit of a TEAM_FAILED error's number that says the failure was a backward's exchange (csrc/moe/params.cuh,
+#: kTeamFailedInBackward); the rest is that backward's number.
+FAILED_IN_BACKWARD = 1 << 31
 
 
 # Phase ids the kernel's watchdog writes (csrc/moe/params.cuh, enum Phase).
@@ -130,8 +136,10 @@ class KernelError:
             return (f"rank {self.rank}: the team's forwards used up their 2^31 - 1 sequence numbers (the kernel ran "
                     "nothing); make a new team")
         if self.kind == ErrorKind.TEAM_FAILED:
-            return (f"rank {self.rank} ran nothing: its team's forward number {self.block} failed earlier (that "
-                    "launch's error says why); make a new team")
+            which = (f"backward number {self.block - FAILED_IN_BACKWARD}" if self.block & FAILED_IN_BACKWARD
+                     else f"forward number {self.block}")
+            return (f"rank {self.rank} ran nothing: its team's {which} failed earlier (that launch's error says "
+                    "why); make a new team")
         return f"rank {self.rank} reported error word {self.word:#x}"
 
 

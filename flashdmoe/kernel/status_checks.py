@@ -9,11 +9,13 @@ error raised) at the first of these points:
 
 * the next fused forward in this process (any shape, any team), if the launch's completion words are set:
   finished launches are checked oldest first before the new one is launched;
-* before the next use of the launch's team (the backward of this forward, ``Team.barrier``, a forward on
-  another stream): this one waits for the launch and checks it with everything queued before it, oldest
-  first. A team's forward on the same stream as its last one does not wait: the device keeps a launch
-  off a failed one's buffers (a rank's launch after a failed forward runs nothing and reports
-  ``TeamFailed``; its peers then time out), so an error surfaces there at the next point of this list;
+* before the next use of the launch's team on another stream, and at ``Team.barrier``: this one waits for
+  the launch and checks it with everything queued before it, oldest first. A team's forward, or its
+  backward's exchange, on the same stream as the team's last launch does not wait for it: the device
+  keeps a launch off a failed one's buffers (a rank's launch after a failed forward or exchange runs
+  nothing and reports ``TeamFailed``; its peers then time out), so an error surfaces there at the next
+  point of this list. A team's backward waits only for its own forward (whose routing it reads), which in
+  a model's backward finished long before;
 * :func:`check_errors` (launches that have finished, never blocks) and :func:`synchronize` (waits for
   the device, then checks every launch, CUDA-graph replays included);
 * when the 64 status slots of a device are all taken by unchecked launches (a deep queue), the oldest
@@ -344,8 +346,8 @@ def launch_native(native: Any, plan: Any, x: torch.Tensor, router_weight: torch.
 
 def before_launch(device: int, team: Any, capturing: bool, stream: int | None = None) -> None:
     """Surface finished launches' errors before a new launch, and settle ``team``'s last launch (waiting
-    for it) unless it is a forward on ``stream``, the new forward's stream: the device stops a launch that
-    follows a failed one there (csrc/moe/params.cuh, TeamRankWords). Inside a capture only refuse a team
+    for it) unless it ran on ``stream``, the new forward's stream: the device stops a launch that follows a
+    failed forward or backward exchange there (csrc/moe/params.cuh, TeamRankWords). Inside a capture only refuse a team
     whose last launch is unchecked."""
     unchecked = None if team is None else getattr(team, "unchecked_launch", None)
     if capturing:
@@ -378,6 +380,19 @@ def before_launch(device: int, team: Any, capturing: bool, stream: int | None = 
         settle_team(team)
     if _state.pending:
         _poll(launching=True)
+
+
+def before_backward(team: Any, forward: Any, stream: int | None) -> None:
+    """Before a team's backward on ``stream``: check ``forward`` (the report of the forward it
+    differentiates, whose routing it reads; waits for it and for what was queued before it, oldest first,
+    unless checked), and settle the team's last launch only if it ran on another stream. On the same stream
+    the device stops the backward's exchange after a failed launch of the team (csrc/backward/ep_rows.cuh),
+    so a model's backward queues each layer's behind the previous one's without waiting."""
+    if forward is not None and not forward.checked:
+        settle_through(forward)
+    unchecked = getattr(team, "unchecked_launch", None)
+    if unchecked is not None and (stream is None or getattr(team, "unchecked_stream", None) != stream):
+        settle_team(team)
 
 
 def claim_slot(device: int, capturing: bool, ranks: int = 1) -> _Slot:
@@ -443,8 +458,9 @@ def launched(report: LaunchReport, slot: _Slot, team: Any, forward: bool = True,
     """Record a started launch (its slot is its completion), or a captured launch's graph slot; then, in
     debug mode, check it (and what was queued before it) at once.
     ``forward``: a forward's launch, which :func:`last_report` then returns (a fused backward's is checked
-    the same way but does not replace it). ``stream``: a team forward's stream, where the team's next
-    forward need not wait for this one (:func:`before_launch`)."""
+    the same way but does not replace it). ``stream``: a team launch's stream (a forward's or a backward
+    exchange's: the device stops the rank's later launches after either fails), where the team's next
+    forward or backward need not wait for this one (:func:`before_launch`, :func:`before_backward`)."""
     if forward:
         _state.last_reports[_thread_serial()] = report
     if report.captured:
@@ -455,7 +471,7 @@ def launched(report: LaunchReport, slot: _Slot, team: Any, forward: bool = True,
     _absorb(report)
     if team is not None:
         team.unchecked_launch = report
-        team.unchecked_stream = stream if forward else None
+        team.unchecked_stream = stream
     if _state.sync_checks:
         settle_through(report)
 

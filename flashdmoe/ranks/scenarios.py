@@ -118,11 +118,12 @@ def silent_rank_timeout(context: RankContext) -> ScenarioOutput:
     """params: ``problem``, ``silent_rank`` (its signals are never published), ``timeout_ms`` (default 2000),
     ``in_backward`` (default False: the forward is silent; True: a forward with every rank, then a
     backward in which the rank is silent), ``queued_forwards`` (default 0: forwards every rank queues
-    behind the silent one, no rank silent, before it waits for the device).
+    behind the silent forward or backward, no rank silent, before it waits for the device).
 
     Returns info ``error`` (type/module/message of what the forward, or the backward, or the wait after
     them raised; type None if nothing), ``elapsed_s`` (of that call), ``queued_errors`` (what each later
-    ``flashdmoe.check_errors()`` raised, one per queued forward: the device stopped them, so each must be
+    ``flashdmoe.check_errors()`` raised, oldest first, until one raised nothing: the failed backward's later
+    exchange launches, then one per queued forward, which the device stopped, so each must be
     ``TeamFailed``), ``team_failed`` (``team.failed`` afterwards) and ``second_call_error`` (what a
     further forward on the same team raised: it must be ``TeamFailed``).
     """
@@ -151,6 +152,10 @@ def silent_rank_timeout(context: RankContext) -> ScenarioOutput:
                 knobs.silent_rank = silent_rank
                 started = time.monotonic()
                 y.backward(inputs.dy)
+                knobs.silent_rank = -1
+                with torch.no_grad():
+                    for _ in range(queued):
+                        team_moe(problem, context, *args)
             else:
                 with torch.no_grad():
                     team_moe(problem, context, *args)
@@ -161,10 +166,10 @@ def silent_rank_timeout(context: RankContext) -> ScenarioOutput:
         except Exception as caught:
             error = error_info(caught)
         elapsed = time.monotonic() - started
-        for _ in range(queued):
+        for _ in range(queued + 8 if queued else 0):  # the device finished: each check raises one launch's
             try:
                 flashdmoe.check_errors()
-                queued_errors.append(_NO_ERROR)
+                break
             except Exception as caught:
                 queued_errors.append(error_info(caught))
         team_failed = bool(context.team.failed)
