@@ -9,10 +9,16 @@ GPU held busy by a ``torch.cuda._sleep``, so nothing can wait for it, unless the
 earlier launch). If the host never waits, the eager step is about the larger of the GPU's time and the
 host's; if it waits for each layer's launch, it is about their sum.
 
+``--train`` makes each step a training step instead: the layers' forwards with gradients, a loss, and
+``loss.backward()`` (a team's backward is not capturable: no replay). Printed: the eager step, the host
+time of the whole step with the GPU held busy, and the GPU's time for the same step (CUDA events around it
+after the host has queued it all behind a sleep, so host gaps do not count). If the host waits for each
+layer's backward before queueing the next, the eager step is about the host's time plus the GPU's.
+
 ``--tree DIR`` imports flashdmoe from another copy of the repository (an A/B of two commits on one
 machine: scripts/host_ab.sh runs it once per tree).
 
-    python scripts/team_stack.py [--tree DIR] [--ranks 4] [--layers 16] [--tokens 8] [--steps 20]
+    python scripts/team_stack.py [--tree DIR] [--ranks 4] [--layers 16] [--tokens 8] [--steps 20] [--train]
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ def main() -> None:
     parser.add_argument("--shape", default="1024/512/32/4", help="H/I/E/k (swiglu)")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--train", action="store_true", help="forward + backward steps (no graph replay)")
     args = parser.parse_args()
     sys.path.insert(0, str(args.tree.resolve()))
     import torch
@@ -43,7 +50,7 @@ def main() -> None:
     H, I, E, k = (int(v) for v in args.shape.split("/"))
     P, L, T = args.ranks, args.layers, args.tokens
     print(f"tree {args.tree}; emulated team of {P} ranks, {L} layers, {T} tokens per rank, H={H} I={I} E={E} "
-          f"k={k} swiglu, seed {args.seed}")
+          f"k={k} swiglu, seed {args.seed}{', training steps' if args.train else ''}")
     g = torch.Generator(device="cuda").manual_seed(args.seed)
     bf16 = torch.bfloat16
 
@@ -67,6 +74,9 @@ def main() -> None:
             hidden = [torch.nn.functional.rms_norm(h + y, (H,)) for h, y in zip(hidden, ys)]
         return hidden
 
+    if args.train:
+        train(args, step, layers, xs, team)
+        return
     with torch.no_grad():
         for _ in range(3):
             step(xs)
@@ -108,6 +118,53 @@ def main() -> None:
     eager, replay, host = (statistics.median(v) for v in (walls, replays, hosts))
     print("| eager step ms | graph replay ms | host µs per layer call | eager / replay | replay bitwise eager |")
     print(f"| {eager * 1e3:.3f} | {replay * 1e3:.3f} | {host * 1e6:.1f} | {eager / replay:.2f} | {same} |")
+
+
+def train(args, step, layers, xs, team) -> None:
+    """--train: forward + backward steps; see the module's docstring."""
+    import torch
+
+    import flashdmoe
+
+    leaves = [t.requires_grad_() for router, w1s, w2s in layers for t in (router, *w1s, *w2s)]
+    dys = [torch.randn_like(x) for x in xs]
+
+    def train_step():
+        for t in leaves:
+            t.grad = None
+        out = step(xs)
+        sum((o.float() * dy.float()).sum() for o, dy in zip(out, dys)).backward()
+
+    for _ in range(3):
+        train_step()
+    flashdmoe.synchronize()
+    walls, hosts, gpus = [], [], []
+    for _ in range(args.steps):
+        start = time.perf_counter()
+        train_step()
+        flashdmoe.synchronize()
+        walls.append(time.perf_counter() - start)
+    for _ in range(5):
+        before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(400_000_000)  # ~0.2 s: the GPU busy well past the host's queueing of the step
+        before.record()
+        start = time.perf_counter()
+        train_step()
+        host = time.perf_counter() - start
+        after.record()
+        flashdmoe.synchronize()
+        hosts.append(host)
+        if host < 0.1:  # queued before the ~0.2 s sleep ended: the events time the GPU alone
+            gpus.append(before.elapsed_time(after) / 1e3)
+    grads = [t.grad.clone() for t in leaves]
+    train_step()
+    flashdmoe.synchronize()
+    same = all(torch.equal(a, t.grad) for a, t in zip(grads, leaves))
+    team.close()
+    eager, host = statistics.median(walls), statistics.median(hosts)
+    gpu = statistics.median(gpus) if gpus else float("nan")
+    print("| eager training step ms | host ms per step (GPU busy) | GPU ms per step | eager / GPU | repeat bitwise |")
+    print(f"| {eager * 1e3:.3f} | {host * 1e3:.3f} | {gpu * 1e3:.3f} | {eager / gpu:.2f} | {same} |")
 
 
 if __name__ == "__main__":
