@@ -147,6 +147,10 @@ def silent_rank_timeout(context: RankContext) -> ScenarioOutput:
         try:
             if in_backward:
                 leaves = [t.detach().clone().requires_grad_() for t in args]
+                if queued:
+                    # A first backward loads its kernels (CUDA's lazy loading), and a load may wait for the
+                    # kernels running on the GPU: here, the silent backward's exchange until it times out.
+                    team_moe(problem, context, *leaves).backward(inputs.dy)
                 y = team_moe(problem, context, *leaves)
                 synchronize(context.device)
                 knobs.silent_rank = silent_rank
