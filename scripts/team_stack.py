@@ -41,6 +41,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--train", action="store_true", help="forward + backward steps (no graph replay)")
+    parser.add_argument("--host-profile", action="store_true",
+                        help="with --train: also print the host's top operators (self CPU time) in one step")
     args = parser.parse_args()
     sys.path.insert(0, str(args.tree.resolve()))
     import torch
@@ -150,6 +152,11 @@ def train(args, step, layers, xs, team) -> None:
             train_step()
             flashdmoe.synchronize()
         gpus.append(sum(event.self_device_time_total for event in profile.key_averages()) / 1e6)
+    if args.host_profile:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+            train_step()
+            flashdmoe.synchronize()
+        print(profile.key_averages().table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=48))
     grads = [t.grad.clone() for t in leaves]
     train_step()
     flashdmoe.synchronize()
