@@ -57,6 +57,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from flashdmoe.kernel import status_checks
@@ -152,23 +153,24 @@ def owner_layout(counts: torch.Tensor, stream_rows: int, device: torch.device | 
     asynchronous copy (its size is known here: no synchronisation); ``place`` is returned on ``device`` too.
     """
     P, L = counts.shape
-    counts = counts.to(torch.int64).clamp(0, stream_rows)
+    # P * L numbers: numpy on the host (a torch op on a tensor this small costs more than its work).
+    counts = np.clip(counts.numpy().astype(np.int64), 0, stream_rows)
     # Counts of a failed forward may hold any value: never index past a stream.
-    within = torch.cumsum(counts, dim=1) - counts                     # start of (q, l) in q's stream
+    within = np.cumsum(counts, axis=1) - counts                       # start of (q, l) in q's stream
     overflow = (within + counts) > stream_rows
-    counts = torch.where(overflow, (stream_rows - within).clamp(min=0), counts)
-    per_expert = counts.sum(dim=0)
-    expert_start = torch.cumsum(per_expert, 0) - per_expert
-    before = torch.cumsum(counts, dim=0) - counts                     # rows of sources < q for expert l
+    counts = np.where(overflow, np.clip(stream_rows - within, 0, None), counts)
+    per_expert = counts.sum(axis=0)
+    expert_start = np.cumsum(per_expert) - per_expert
+    before = np.cumsum(counts, axis=0) - counts                       # rows of sources < q for expert l
     place = expert_start[None, :] + before - within
-    starts = (torch.arange(P, dtype=torch.int64)[:, None] * stream_rows + within).t().reshape(-1)  # (l, q) order
-    sizes = counts.t().reshape(-1)
+    starts = (np.arange(P, dtype=np.int64)[:, None] * stream_rows + within).T.reshape(-1)  # (l, q) order
+    sizes = counts.T.reshape(-1)
     total = int(sizes.sum())
-    offsets = torch.cumsum(sizes, 0) - sizes
+    offsets = np.cumsum(sizes) - sizes
     device = torch.device("cpu") if device is None else device
     # One copy for all three, without waiting for the stream.
-    table = to_device_without_waiting(torch.cat([starts - offsets, sizes, place.reshape(-1), counts.sum(dim=1)]),
-                                      device)
+    table = to_device_without_waiting(
+        torch.from_numpy(np.concatenate([starts - offsets, sizes, place.reshape(-1), counts.sum(axis=1)])), device)
     shift, sizes = table[:P * L], table[P * L:2 * P * L]
     place, from_rows = table[2 * P * L:3 * P * L].view(P, L).to(torch.int32), table[3 * P * L:].to(torch.int32)
     index = torch.repeat_interleave(shift, sizes, output_size=total) + torch.arange(total, device=device)
