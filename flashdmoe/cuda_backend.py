@@ -603,12 +603,17 @@ class _FusedMoETeam(torch.autograd.Function):
         from flashdmoe.parallel import ep_peer
 
         # A collective on a team whose forward timed out could wait forever: check the forward first, so
-        # every rank raises KernelTimeout here instead.
-        _before_team_backward(ctx, dy)
+        # every rank raises KernelTimeout here instead. The torch-ops path's team barriers have no
+        # watchdog, so it also waits for the team's last launch, whatever the stream.
+        on_device = ctx.counts is not None and debug.team_backward != "torch"
+        if on_device:
+            _before_team_backward(ctx, dy)
+        else:
+            status_checks.settle_team(ctx.team)
         ctx.team.require_usable()
         x, router_weight, w1, w2, expert, row, weight = ctx.saved_tensors
         activation, normalize_topk = ctx.options
-        if ctx.counts is not None and debug.team_backward != "torch":
+        if on_device:
             grads = ep_backward.team_backward(
                 ctx.team, x, router_weight, w1, w2, expert, weight, row, dy.contiguous(), ctx.counts,
                 activation=activation, normalize_topk=normalize_topk, needs=tuple(ctx.needs_input_grad[3:7]))
