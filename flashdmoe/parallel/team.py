@@ -28,11 +28,12 @@ Transports:
 A team runs one forward at a time, in stream order: its buffers are shared by all its launches.
 
 A team that saw a kernel failure (timeout) is *failed*: its signal words are in an unknown state, so
-every later use raises; tear it down and make a new one. A forward does not wait for its kernel, nor for
-the team's previous forward on the same stream: the device keeps that order safe, since a rank's launch
-after a failed one runs nothing (:attr:`Team.device_words`). The team's last launch is checked (waiting for
-it if needed) before its other uses -- the backward, :meth:`Team.barrier`, a forward on another stream --
-so a timeout still reaches every rank (flashdmoe/kernel/status_checks.py).
+every later use raises; tear it down and make a new one. A forward does not wait for its kernel, nor a
+forward or backward for the team's previous launch on the same stream: the device keeps that order safe,
+since a rank's launch after a failed forward or backward exchange runs nothing (:attr:`Team.device_words`).
+The team's last launch is checked (waiting for it if needed) before a use on another stream and at
+:meth:`Team.barrier`, and a backward checks its own forward first, so a timeout still reaches every rank
+(flashdmoe/kernel/status_checks.py).
 
 Sequence numbers and CUDA graphs: each rank counts its forwards on the device (:attr:`Team.device_words`);
 a launch publishes count + 1 and its last block stores it back, so a CUDA graph's replays advance the count
@@ -231,9 +232,9 @@ class Team:
         self.plan = plan
         self.buffers = buffers  # one entry per rank this process drives (P for emulated, 1 otherwise)
         self.device = device
-        # Per rank driven here, [forwards so far, number of the first forward that failed (0: none)], kept
-        # by the kernel (csrc/moe/params.cuh, TeamRankWords): a forward's flags carry count + 1, and a
-        # launch after a failed one runs nothing.
+        # Per rank driven here, [forwards so far, number of the first forward (or, with bit 31, backward
+        # exchange) that failed (0: none)], kept by the kernels (csrc/moe/params.cuh, TeamRankWords): a
+        # forward's flags carry count + 1, and a launch after a failed one runs nothing.
         self.device_words = (None if transport == "single"
                              else torch.zeros((len(buffers), 2), dtype=torch.int32, device=device))
         self._backward_sequence = 0
@@ -242,7 +243,7 @@ class Team:
         # The backend's state for this team: its last launch not checked yet (a LaunchReport), and the
         # launches it prepared (per batch shape and options).
         self.unchecked_launch = None
-        # The stream of unchecked_launch if it is a forward: a forward on it need not wait for it.
+        # The stream of unchecked_launch: a forward or backward on it need not wait for it.
         self.unchecked_stream: int | None = None
         self.launch_plans: dict = {}
         # How the kernel reaches each peer ("p2p": stores through a mapping; "nvshmem": NVSHMEM puts).
