@@ -532,7 +532,7 @@ class _FusedMoEEmulated(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *dys):
         # The saved routing is only meaningful if the launch succeeded: check it first (waits for it).
-        _before_team_backward(ctx, ctx.saved_tensors[0])
+        _before_team_backward(ctx)
         P = ctx.world_size
         saved = ctx.saved_tensors
         router_weight, tensors = saved[0], saved[1:1 + 3 * P]
@@ -607,7 +607,7 @@ class _FusedMoETeam(torch.autograd.Function):
         # watchdog, so it also waits for the team's last launch, whatever the stream.
         on_device = ctx.counts is not None and debug.team_backward != "torch"
         if on_device:
-            _before_team_backward(ctx, dy)
+            _before_team_backward(ctx)
         else:
             status_checks.settle_team(ctx.team)
         ctx.team.require_usable()
@@ -625,11 +625,12 @@ class _FusedMoETeam(torch.autograd.Function):
         return (None, None, None, *grads)
 
 
-def _before_team_backward(ctx, like: torch.Tensor) -> None:
+def _before_team_backward(ctx) -> None:
     """Check the forward a team's backward differentiates; wait for the team's last launch only if it ran
-    on another stream than the backward's (``like``'s device's current one): on the same stream the
+    on another stream than the backward's (the current one of the team's device): on the same stream the
     device stops the backward's exchange after a failed launch (status_checks.before_backward)."""
-    status_checks.before_backward(ctx.team, ctx.forward_report, _current_stream_handle(like.device.index))
+    team = ctx.team
+    status_checks.before_backward(team, ctx.forward_report, _current_stream_handle(team.device_words.device.index))
 
 
 def _aux(x, router_weight, top_k, counts, row) -> reference.MoEAux:

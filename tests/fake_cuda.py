@@ -64,18 +64,16 @@ def team_failed_word(failed: int) -> int:
     return 3 | (failed << 32)
 
 
-def run_team_words(team_words: int, status_at: int, sequence: int | None) -> bool:
+def run_team_words(team_words: int, status_at: int, sequence: int) -> None:
     """What the kernel does with a team rank's words (csrc/moe/params.cuh, TeamRankWords) around a launch
     whose status block is at ``status_at`` (a scripted error already written there): a rank whose earlier
-    launch failed runs nothing and says so (False); a launch that failed marks the rank with ``sequence``."""
+    launch failed runs nothing and says so; a launch that failed marks the rank with ``sequence``."""
     failed = ctypes.c_uint32.from_address(team_words + 4)
     error_at = status_at + STATUS_LAYOUT["error_word"]
     if failed.value:
         ctypes.memmove(error_at, struct.pack("<Q", team_failed_word(failed.value)), 8)
-        return False
-    if struct.unpack("<Q", ctypes.string_at(error_at, 8))[0]:
+    elif struct.unpack("<Q", ctypes.string_at(error_at, 8))[0]:
         failed.value = sequence
-    return True
 
 
 class FakeEvent:

@@ -20,7 +20,8 @@ import flashdmoe
 from fake_cuda import STATUS_LAYOUT, FakeCompletion, completed_block, fake_cuda, run_team_words, status_block, timeout_word
 from flashdmoe import api, cuda_backend
 from flashdmoe.kernel import status_checks
-from flashdmoe.kernel.launch_report import ErrorKind, KernelError, LaunchReport, LaunchShape, StatusLayout, decode_rank
+from flashdmoe.kernel.launch_report import (FAILED_IN_BACKWARD, ErrorKind, KernelError, LaunchReport, LaunchShape,
+                                             StatusLayout, decode_rank)
 from flashdmoe.parallel.team import BufferPlan, RankBuffers, Team, TeamFailed
 
 REPO = Path(__file__).resolve().parent.parent
@@ -728,7 +729,7 @@ class _BackwardExtension:
         ctypes.memmove(status_host, b"".join(blocks), ranks * STATUS_LAYOUT["bytes"])
         for i, words in enumerate(team_words):
             if words:
-                run_team_words(words, status_host + i * STATUS_LAYOUT["bytes"], (1 << 31) | sequence)
+                run_team_words(words, status_host + i * STATUS_LAYOUT["bytes"], FAILED_IN_BACKWARD | sequence)
         if not self.finish_at_once:
             self.ext.completions.append(FakeCompletion(status_host, ranks))
         return (66, 1, 100_000)

@@ -376,8 +376,8 @@ def before_launch(device: int, team: Any, capturing: bool, stream: int | None = 
                 if len(each.graph_free) < GRAPH_LOW_WATER:
                     each.grow_graph_slots()
             _state.graph_low = False
-    if unchecked is not None and (stream is None or getattr(team, "unchecked_stream", None) != stream):
-        settle_team(team)
+    if unchecked is not None:
+        settle_team(team, stream)
     if _state.pending:
         _poll(launching=True)
 
@@ -390,9 +390,7 @@ def before_backward(team: Any, forward: Any, stream: int | None) -> None:
     so a model's backward queues each layer's behind the previous one's without waiting."""
     if forward is not None and not forward.checked:
         settle_through(forward)
-    unchecked = getattr(team, "unchecked_launch", None)
-    if unchecked is not None and (stream is None or getattr(team, "unchecked_stream", None) != stream):
-        settle_team(team)
+    settle_team(team, stream)
 
 
 def claim_slot(device: int, capturing: bool, ranks: int = 1) -> _Slot:
@@ -503,11 +501,14 @@ def settle(report: LaunchReport) -> None:
     _raise_if_failed(report)  # keeping the status waits for it
 
 
-def settle_team(team: Any) -> None:
+def settle_team(team: Any, stream: int | None = None) -> None:
     """Before another use of ``team``: wait for and check its last launch, if unchecked, and every entry
     queued before it, oldest first (the first error raised is an earlier failed forward's, not the
-    "ran nothing" of the launches the device stopped after it)."""
+    "ran nothing" of the launches the device stopped after it). Not if that launch ran on ``stream``, the
+    new use's: there the device stops a launch that follows a failed one (csrc/moe/params.cuh)."""
     unchecked = getattr(team, "unchecked_launch", None)
+    if stream is not None and getattr(team, "unchecked_stream", None) == stream:
+        return
     if unchecked is not None and not unchecked.checked:  # settle_through would drain the whole queue
         settle_through(unchecked)
 
