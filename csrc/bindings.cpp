@@ -68,7 +68,6 @@ std::unique_ptr<PreparedForward> prepare_forward(const py::dict& shared, const p
   a.max_blocks = get<int>(shared, "max_blocks");
   a.gate_split = get<bool>(shared, "gate_split");
   a.small_tile_epilogue = shared.contains("small_tile_epilogue") ? get<bool>(shared, "small_tile_epilogue") : true;
-  a.l2_prefetch_mb = shared.contains("l2_prefetch_mb") ? get<int>(shared, "l2_prefetch_mb") : -1;
   a.grid_percent = get<int>(shared, "grid_percent");
   a.num_ranks = static_cast<int>(py::len(ranks));
   if (a.num_ranks < 1 || a.num_ranks > kMaxRanks)

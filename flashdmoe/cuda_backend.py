@@ -235,7 +235,6 @@ def _make_plan(ext, kind, team, tokens, H, I, E, top_k, dtype, activation, norma
         "expert_variant": variant, "max_blocks": int(debug.max_blocks),
         "gate_split": True if debug.gate_split is None else bool(debug.gate_split),
         "small_tile_epilogue": bool(debug.small_tile_epilogue),
-        "l2_prefetch_mb": -1 if debug.l2_prefetch_mb is None else int(debug.l2_prefetch_mb),
         "grid_percent": 100 if percent is None else percent,
     }
     rank_args = []

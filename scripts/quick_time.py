@@ -7,8 +7,6 @@ Environment knobs:
   QUICK_VARIANTS=a,b     expert variants to force; "auto" = what the public call picks (printed).
   QUICK_GATE_SPLIT=auto,on,off  split-gate settings to compare (auto by default).
   QUICK_SMALL_EPILOGUE=on,off  the small-tile GEMM1 epilogue settings to compare (on by default).
-  QUICK_L2_PREFETCH=auto,0,32  MiB of GEMM1 weights asked of L2 before the expert phase ("auto": the
-                         kernel's rule by the batch, the default).
   QUICK_SEED=n           seed of each shape's inputs (0 by default): two builds timed with the same seed
                          get the same inputs, so their digests show whether they compute the same bits.
 Each row prints the graph-free event time, the kernel time from the profiler, the kernel's phase split and
@@ -69,9 +67,6 @@ def main():
     small = [v for v in os.environ.get("QUICK_SMALL_EPILOGUE", "on").split(",") if v]
     if not set(small) <= {"on", "off"}:
         raise ValueError(f"QUICK_SMALL_EPILOGUE={small!r}: expected a list of on / off")
-    prefetch = [v for v in os.environ.get("QUICK_L2_PREFETCH", "auto").split(",") if v]
-    if not all(v == "auto" or v.isdigit() for v in prefetch):
-        raise ValueError(f"QUICK_L2_PREFETCH={prefetch!r}: expected a list of auto / MiB")
     # QUICK_ACTIVATION=relu: how much of a tile's time the GEMM1 epilogue's activation takes.
     activation = os.environ.get("QUICK_ACTIVATION", "gelu")
     # QUICK_SHAPES="T/H/I/E/k,...": shapes besides docs/design.md §12's (e.g. to separate per-tile from per-slab cost).
@@ -90,17 +85,10 @@ def main():
         for variant in wanted:
             for split in splits:
                 for setting in small:
-                    for mib in prefetch:
-                        cuda_backend.debug.small_tile_epilogue = setting == "on"
-                        cuda_backend.debug.l2_prefetch_mb = None if mib == "auto" else int(mib)
-                        time_one(sets, T, H, I, E, k, activation, variant, split)
+                    cuda_backend.debug.small_tile_epilogue = setting == "on"
+                    time_one(sets, T, H, I, E, k, activation, variant, split)
         del sets, x, r, w1, w2  # before the next shape's inputs (DeepSeek-V3's are 22 GB a set)
         torch.cuda.empty_cache()
-
-
-def _prefetch() -> str:
-    mib = cuda_backend.debug.l2_prefetch_mb
-    return "auto" if mib is None else f"{mib}MiB"
 
 
 def time_one(sets, T, H, I, E, k, activation, variant, split):
@@ -160,11 +148,10 @@ def time_one(sets, T, H, I, E, k, activation, variant, split):
     for tensor in (y, routing.expert, routing.weight, routing.row):
         digest.update(tensor.contiguous().view(torch.uint8).cpu().numpy().tobytes())
     print(f"digest {variant} {T}/{H}/{I}/{E}/{k}/{activation} gate_split={split} "
-          f"small_epilogue={cuda_backend.debug.small_tile_epilogue} l2_prefetch={_prefetch()}: {digest.hexdigest()[:16]}")
+          f"small_epilogue={cuda_backend.debug.small_tile_epilogue}: {digest.hexdigest()[:16]}")
     print(f"{variant:>16} {T:>6} {H:>5} {I:>5} {E:>4} {k:>2} {ms:>8.3f} {flops / ms / 1e9:>7.1f}  kernel {kernel_ms:.3f} ms"
           f" ({flops / kernel_ms / 1e9:.0f} TF/s)  host {host_us:.0f} us/call  phases(ms) {phases}"
           f"  {activation} gate_split={split} small_epilogue={cuda_backend.debug.small_tile_epilogue}"
-          f" l2_prefetch={_prefetch()}"
           f" floor {bytes_floor_ms(T, H, I, E, k, activation):.3f} ms")
 
 

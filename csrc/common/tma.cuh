@@ -43,10 +43,4 @@ __device__ __forceinline__ void load_3d(uint32_t dst, const CUtensorMap* map, ui
       ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2) : "memory");
 }
 
-// Asks L2 for a box of the tensor (no shared memory, no barrier): a hint that nothing waits for.
-__device__ __forceinline__ void prefetch_l2_3d(const CUtensorMap* map, int c0, int c1, int c2) {
-  asm volatile("cp.async.bulk.prefetch.tensor.3d.L2.global.tile [%0, {%1, %2, %3}];\n"
-               ::"l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2) : "memory");
-}
-
 }  // namespace flashdmoe::tma

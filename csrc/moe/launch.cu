@@ -90,7 +90,6 @@ static void prepare_rank(const ForwardArgs& a, const RankArgs& r, PreparedRank& 
   p.gate_tiles = ws.gate_tiles;
   p.gate_splits = 1;  // set once the grid is known
   p.small_tile_epilogue = a.small_tile_epilogue;
-  p.l2_prefetch_bytes = static_cast<uint32_t>(l2_prefetch_mib(a.l2_prefetch_mb, r.tokens)) << 20;
   p.max_row_tiles = ws.max_row_tiles;
   p.timeout_ns = a.timeout_ns;
   p.debug_withhold_phase = a.debug_withhold_phase;

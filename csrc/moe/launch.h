@@ -42,7 +42,6 @@ struct ForwardArgs {
   int max_blocks;      // 0: the whole resident grid; else at most this many blocks
   bool gate_split;     // small batches split gate tiles over blocks (false: one block per tile)
   bool small_tile_epilogue;  // GEMM1 tiles of <= 16 rows spread their epilogue over every warp
-  int l2_prefetch_mb;  // GEMM1 weights asked of L2 before the expert phase, MiB; < 0: by the batch (weight_prefetch.cuh)
   int grid_percent;    // 1..100: this share of the resident grid (ranks sharing one GPU under MPS)
   int num_ranks;       // ranks in this launch: P for an emulated team, else 1
   RankArgs ranks[kMaxRanks];

@@ -7,7 +7,6 @@
 #include "moe/combine.cuh"
 #include "moe/expert_pipeline.cuh"
 #include "moe/gate.cuh"
-#include "moe/weight_prefetch.cuh"
 
 namespace flashdmoe {
 
@@ -33,7 +32,6 @@ __device__ __forceinline__ void forward_block(const MoEParams& p, char* smem) {
 
   // ---- 2. per-expert offsets over gate tiles (capacity in token order); counts to the owners ----
   if (worker) scan_tile_counts(p);
-  else if constexpr (Variant::kUseTma) prefetch_gemm1_weights<Element, Variant>(p);  // the idle producer warp
   if (!grid_barrier(p, kPhaseOffsetsDone, 2)) return;
   if (worker) Transport::template publish_counts<Element>(p);
   stamp_phase(p, 2);

@@ -179,7 +179,6 @@ struct MoEParams {
   int gate_tiles;
   int gate_splits;           // K ranges per gate tile (1: a tile on one block)
   bool small_tile_epilogue;  // GEMM1 tiles of <= 16 rows: activation spread over every warp (epilogue.cuh)
-  uint32_t l2_prefetch_bytes;  // GEMM1 weight bytes asked of L2 before the expert phase (moe/weight_prefetch.cuh)
   int max_row_tiles;
   uint64_t timeout_ns;
   int debug_withhold_phase;  // > 0: block 0 never arrives at that barrier (tests the watchdog)

@@ -62,12 +62,6 @@ static_assert(gate_splits_for(1, 1, 2048, 128, 132) == 32 && gate_splits_for(8, 
                   gate_splits_for(128, 4, 4096, 64, 132) == 8 && gate_splits_for(32, 1, 7168, 256, 132) == 8 &&
                   gate_splits_for(4096, 128, 2048, 64, 132) == 1 && gate_splits_for(1, 1, 2048, 512, 132) == 32,
               "gate split counts of the decode rows (and Qwen3-Next's 512-expert router at T = 1)");
-// Batches of at most kL2PrefetchMaxTokens tokens ask L2 for the first kL2PrefetchMib MiB of GEMM1's weight
-// slabs while the offsets and the dispatch run (moe/weight_prefetch.cuh); mib >= 0 sets the budget (0: off).
-constexpr int kL2PrefetchMaxTokens = 256, kL2PrefetchMib = 32;
-__host__ __device__ constexpr int l2_prefetch_mib(int mib, int tokens) {
-  return mib >= 0 ? mib : tokens <= kL2PrefetchMaxTokens ? kL2PrefetchMib : 0;
-}
 __host__ __device__ constexpr int gate_pipeline_bytes(int stages) { return stages * (kGateTileM + kGateTileN) * 64 * 2; }
 
 // Expert FFN GEMMs: 128-row tiles, 128 or 256 columns (per variant), K slabs of 64.

@@ -53,10 +53,6 @@ class DebugKnobs:
     # GEMM1 tiles of at most 16 rows spread their activation over every warp of the block (decode and small
     # batches); off (FLASHDMOE_SMALL_TILE_EPILOGUE=0) leaves it to the warp holding the rows, for measurement.
     small_tile_epilogue: bool = os.environ.get("FLASHDMOE_SMALL_TILE_EPILOGUE", "1") != "0"
-    # MiB of GEMM1's first weight slabs a small batch asks L2 for before its expert phase
-    # (csrc/moe/weight_prefetch.cuh). None: the kernel's rule by the batch (l2_prefetch_mib); a number
-    # (FLASHDMOE_L2_PREFETCH_MB, 0 = off) forces it for measurement.
-    l2_prefetch_mb: int | None = _env_int("FLASHDMOE_L2_PREFETCH_MB", None, 0)
     # An NVSHMEM team's backward: "auto" (the device exchange where every peer has a load/store pointer,
     # flashdmoe.backward.ep_backward) or "torch" (flashdmoe.parallel.ep_peer's torch ops, forced for measurement:
     # FLASHDMOE_TEAM_BACKWARD=torch).
