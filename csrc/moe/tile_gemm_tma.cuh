@@ -131,4 +131,70 @@ struct TmaTileGemm {
   }
 };
 
+// The same 128 x BN tile computed by one consumer warpgroup alone (the ping-pong schedule: the two
+// warpgroups take alternate tasks of one stage ring, so that one's epilogue runs under the other's
+// wgmma). Per K step it issues two m64 wgmma against the stage's B, rows 0-63 into `lo` and 64-127 into
+// `hi` (skipped for a tile of at most 64 rows); A K-major, B MN-major as the forward loads them. Stages
+// are released by the warpgroup's four warps.
+template <typename Element, int BN, int STAGES, int ROW_BOX>
+struct TmaWarpgroupTileGemm {
+  using Tile = TmaTileGemm<Element, BN, STAGES, ROW_BOX>;
+  using Pipeline = typename Tile::Pipeline;
+  using State = typename Tile::State;
+  static constexpr int kPanels = Tile::kPanels;
+  static constexpr int kAccumulators = BN / 2;
+  static constexpr int kConsumerWarps = 4;
+  float lo[kAccumulators];  // tile rows 0-63, in the wgmma fragment layout (TmaTileGemm::acc)
+  float hi[kAccumulators];  // tile rows 64-127
+
+  template <bool kUpper>
+  __device__ void issue_stage(uint32_t a_base, uint32_t b_base) {
+    wgmma::fence_operands(lo);
+    if constexpr (kUpper) wgmma::fence_operands(hi);
+    wgmma::fence();
+#pragma unroll
+    for (int kk = 0; kk < Tile::kBlockK / 16; ++kk) {
+      const uint64_t desc_b = wgmma::smem_descriptor(b_base + kk * 16 * 128, Tile::kPanelBytes, Tile::kAtomBytes);
+      wgmma::Mma<BN, Element, false, true>::run(lo, wgmma::smem_descriptor(a_base + kk * 32, 16, Tile::kAtomBytes), desc_b);
+      if constexpr (kUpper)
+        wgmma::Mma<BN, Element, false, true>::run(
+            hi, wgmma::smem_descriptor(a_base + 64 * 128 + kk * 32, 16, Tile::kAtomBytes), desc_b);
+    }
+    wgmma::commit_group();
+  }
+
+  // The tile's k_tiles slabs from ring position `at` on (advanced past them), as TmaTileGemm::consume.
+  template <typename Params>
+  __device__ bool consume(char* smem, Pipeline& pipe, State& at, int k_tiles, const Params& p, bool upper) {
+#pragma unroll
+    for (int i = 0; i < kAccumulators; ++i) lo[i] = hi[i] = 0.f;
+    return upper ? consume_slabs<true>(smem, pipe, at, k_tiles, p) : consume_slabs<false>(smem, pipe, at, k_tiles, p);
+  }
+
+ private:
+  template <bool kUpper, typename Params>
+  __device__ bool consume_slabs(char* smem, Pipeline& pipe, State& at, int k_tiles, const Params& p) {
+    const uint32_t base = ptx::smem_addr(smem);
+    const bool lane0 = (threadIdx.x & 31) == 0;
+    bool ok = true;
+    State retiring = at;
+    for (int kt = 0; kt < k_tiles; ++kt, at.advance()) {
+      ok = ok && pipe.consumer_wait(at, p);
+      issue_stage<kUpper>(Tile::a_stage(base, at.index()), Tile::b_stage(base, at.index()));
+      wgmma::wait_group<1>();
+      __syncwarp();
+      if (kt > 0) {
+        if (lane0) pipe.consumer_release(retiring);
+        retiring.advance();
+      }
+    }
+    wgmma::wait_group<0>();
+    wgmma::fence_operands(lo);
+    if constexpr (kUpper) wgmma::fence_operands(hi);
+    __syncwarp();
+    if (k_tiles > 0 && lane0) pipe.consumer_release(retiring);
+    return ok;
+  }
+};
+
 }  // namespace flashdmoe
