@@ -83,26 +83,22 @@ struct StagePipeline {
 constexpr int kTaskEnd = -1, kTaskAbort = -2;  // task ring entries that are not tasks
 
 // Tasks handed from the producer to the consumers in order, one slot each; a slot's barrier completes
-// with the producer's arrival after it wrote the task id and where the task's first slab is in the stage
-// ring (consumers that skip other consumers' tasks start there). No "empty" barriers: the producer runs
-// at most STAGES slabs (>= 1 per task) ahead of the consumers, so it never laps a slot still to be read.
+// with the producer's arrival after it wrote the task id. No "empty" barriers: the producer runs at most
+// STAGES slabs (>= 1 per task) ahead of the consumers, so it never laps a slot still to be read.
 template <int STAGES>
 struct TaskRing {
   static constexpr int kSlots = STAGES + 2;
   using State = PipelineState<kSlots>;
   int task[kSlots];
-  uint32_t first_slab[kSlots];  // stages passed before the task's first slab
   uint64_t full[kSlots];
 
   // Thread 0, once per launch (with the stage pipeline's init: a fence and a block barrier follow).
   __device__ void init() {
     for (int s = 0; s < kSlots; ++s) tma::mbarrier_init(ptx::smem_addr(&full[s]), 1);
   }
-  // Producer: task id `id` (or kTaskEnd / kTaskAbort) into slot `at`, its first slab at stage position
-  // `first`; the arrival releases it to the waiters.
-  __device__ __forceinline__ void hand_over(const State& at, int id, uint32_t first = 0) {
+  // Producer: task id `id` (or kTaskEnd / kTaskAbort) into slot `at`; the arrival releases it to the waiters.
+  __device__ __forceinline__ void hand_over(const State& at, int id) {
     task[at.index()] = id;
-    first_slab[at.index()] = first;
     tma::arrive(ptx::smem_addr(&full[at.index()]));
   }
   // Consumers: the id handed in slot `at` (kTaskAbort when the wait failed).

@@ -30,12 +30,6 @@ __device__ __forceinline__ int warp_tile_row0() {
   return (warp >> 2) * 64 + (warp & 3) * 16;
 }
 
-// A 64-row half of a tile's accumulators (TmaWarpgroupTileGemm's lo / hi) where the epilogues read `acc`.
-template <int N>
-struct AccumulatorHalf {
-  const float (&acc)[N];
-};
-
 // Stores the warp's 16 rows of kGroups x 8 columns: pair(j, half) gives the lane's pair of columns
 // 8j + 2 (lane % 4) + {0, 1} in row lane / 4 + 8 half (the wgmma fragment layout), packed; it is asked
 // for one 64-column chunk at a time. out points at the warp's first row, column 0 (row stride ld
@@ -89,7 +83,8 @@ __device__ __forceinline__ void store_warp_rows(char* staging, const uint32_t (&
 // tile's gate groups at out_col0, its up groups at I + out_col0), for a backward that then needs no GEMM1.
 template <typename Element, int BN, typename Gemm>
 __device__ __forceinline__ void save_pre_warp(const MoEParams& p, const Gemm& gemm, char* staging, int packed_row0,
-                                              int rows, int out_col0, int row0) {
+                                              int rows, int out_col0) {
+  const int row0 = warp_tile_row0();
   const bool gated = p.activation == Activation::Swiglu;
   const size_t ld = gated ? 2 * static_cast<size_t>(p.ffn) : p.ffn;
   Element* out = static_cast<Element*>(p.saved_pre) + static_cast<size_t>(packed_row0 + row0) * ld + out_col0;
@@ -115,12 +110,12 @@ __device__ __forceinline__ void save_pre_warp(const MoEParams& p, const Gemm& ge
 
 // GEMM1 epilogue: activation of the accumulators (swiglu: gate column group j times up group j + BN/16,
 // both held by the same lane), into the intermediate rows; first the pre-activations in a training
-// instance (kSavePre). row0: the warp's first tile row (its 16 rows' accumulators are gemm.acc).
+// instance (kSavePre).
 template <typename Element, int BN, bool kSavePre, typename Gemm>
 __device__ __forceinline__ void gemm1_epilogue_warp(const MoEParams& p, const Gemm& gemm, char* staging,
-                                                    int packed_row0, int rows, int out_col0,
-                                                    int row0 = warp_tile_row0()) {
-  if constexpr (kSavePre) save_pre_warp<Element, BN>(p, gemm, staging, packed_row0, rows, out_col0, row0);
+                                                    int packed_row0, int rows, int out_col0) {
+  if constexpr (kSavePre) save_pre_warp<Element, BN>(p, gemm, staging, packed_row0, rows, out_col0);
+  const int row0 = warp_tile_row0();
   Element* out = static_cast<Element*>(p.intermediate) + static_cast<size_t>(packed_row0 + row0) * p.ffn + out_col0;
   const int cols = p.ffn - out_col0;
   auto pack = [&](auto&& f, auto& packed, int groups) {
@@ -157,7 +152,7 @@ template <typename Element, int BN, bool kSavePre, typename Gemm>
 __device__ __forceinline__ void gemm1_epilogue_small(const MoEParams& p, const Gemm& gemm, char* own_staging,
                                                      char* block_staging, int packed_row0, int rows, int out_col0) {
   static_assert(16 * BN * 4 <= (kThreads / 32) * kWarpStagingBytes, "16 rows of fp32 fit the warps' buffers");
-  if constexpr (kSavePre) save_pre_warp<Element, BN>(p, gemm, own_staging, packed_row0, rows, out_col0, warp_tile_row0());
+  if constexpr (kSavePre) save_pre_warp<Element, BN>(p, gemm, own_staging, packed_row0, rows, out_col0);
   float2* staged = reinterpret_cast<float2*>(block_staging);
   constexpr int kPairsPerRow = BN / 2;
   auto at = [](int row, int pair) { return row * kPairsPerRow + (pair ^ ((row & 7) << 2)); };
@@ -208,7 +203,8 @@ __device__ __forceinline__ void gemm1_epilogue_small(const MoEParams& p, const G
 // GEMM2 epilogue: the accumulators as they are, into `out` (the tile's first result row, column col0).
 template <typename Element, int BN, typename Gemm>
 __device__ __forceinline__ void gemm2_epilogue_warp(const Gemm& gemm, char* staging, Element* out, int H, int rows,
-                                                    int col0, int row0 = warp_tile_row0()) {
+                                                    int col0) {
+  const int row0 = warp_tile_row0();
   uint32_t packed[BN / 4];
 #pragma unroll
   for (int j = 0; j < BN / 8; ++j)

@@ -88,18 +88,10 @@ __device__ bool produce_tasks(const MoEParams& p, const DestTables& tables, char
   typename Gemm::State stage{};
   typename TaskRing<Variant::kStages>::State slot{};
   uint32_t ready_seen = 0;
-  // The end, or an abort, reaches every consumer: each ping-pong warpgroup reads every other slot.
-  auto hand_over_last = [&](int id) {
-    ring.hand_over(slot, id);
-    if constexpr (Variant::kPingPong) {
-      slot.advance();
-      ring.hand_over(slot, id);
-    }
-  };
   for (;; slot.advance()) {
     const int task = static_cast<int>(atomicAdd(p.task_counter, 1u));
     if (task >= counts.total) {
-      hand_over_last(kTaskEnd);
+      ring.hand_over(slot, kTaskEnd);
       return true;
     }
     const ExpertTask job = decode_task(task, counts);
@@ -108,11 +100,8 @@ __device__ bool produce_tasks(const MoEParams& p, const DestTables& tables, char
         ? wait_at_least(p.row_tile_done + job.row_tile, counts.tiles1, p, kPhaseIntermediate, p.rank)
         : wait_rows_ready(p, tile.src, ready_seen);
     tma::fence_proxy_async_global();
-    if (!ready) {
-      hand_over_last(kTaskAbort);
-      return false;
-    }
-    ring.hand_over(slot, task, stage.passed);
+    ring.hand_over(slot, ready ? task : kTaskAbort);
+    if (!ready) return false;
     const int k_tiles = task_k_tiles(p, job.gemm);
     const int a_row = a_first_row(p, tile, job.gemm);
     const int a_boxes = expert_row_boxes(tile.rows, Variant::kRowBoxRows);
@@ -146,63 +135,6 @@ __device__ bool consume_tasks(const MoEParams& p, const DestTables& tables, char
   }
 }
 
-// Ping-pong: one warpgroup's share of a whole tile's epilogue (both 64-row halves from its lo / hi
-// accumulators, 16 rows per warp each), then what the tile completes, as finish_tile_tma.
-template <typename Element, typename Variant, typename Gemm>
-__device__ __forceinline__ void finish_tile_warpgroup(const MoEParams& p, const DestTables& tables, const Gemm& gemm,
-                                                      char* smem, FfnGemm which, const RowTile& tile, int row_tile,
-                                                      int col_tile) {
-  constexpr int kTileN = Variant::kTileN;
-  using Half = AccumulatorHalf<Gemm::kAccumulators>;
-  const int row0 = ((threadIdx.x >> 5) & 3) * 16;
-  const bool upper = tile.rows > 64;
-  char* staging = warp_staging<Variant>(smem);
-  const bool leader = (threadIdx.x & 127) == 0;
-  if (which == FfnGemm::Gemm1) {
-    const int out_col0 = col_tile * gemm1_output_columns<Variant>(p);
-    gemm1_epilogue_warp<Element, kTileN, Variant::kSavePre>(p, Half{gemm.lo}, staging, tile.packed_row0, tile.rows,
-                                                            out_col0, row0);
-    if (upper)
-      gemm1_epilogue_warp<Element, kTileN, Variant::kSavePre>(p, Half{gemm.hi}, staging, tile.packed_row0, tile.rows,
-                                                              out_col0, 64 + row0);
-    tma::fence_proxy_async_global();  // GEMM2's TMA loads (async proxy) read these rows
-    sync_warpgroup();
-    if (leader) {
-      __threadfence();
-      ptx::red_release_add_gpu(p.row_tile_done + row_tile, 1);
-    }
-  } else {
-    const int col0 = col_tile * kTileN;
-    Element* out = comb_row<Element>(p, tile.src, tile.stream_row0);
-    gemm2_epilogue_warp<Element, kTileN>(Half{gemm.lo}, staging, out, p.hidden, tile.rows, col0, row0);
-    if (upper) gemm2_epilogue_warp<Element, kTileN>(Half{gemm.hi}, staging, out, p.hidden, tile.rows, col0, 64 + row0);
-    sync_warpgroup();
-    if (leader) account_results<Element, Variant>(p, tables, tile.src, tile.rows, min(kTileN, p.hidden - col0));
-  }
-}
-
-// Ping-pong consumers: warpgroup w takes the tasks of slots w, w + 2, ... and computes each whole tile;
-// its stage position jumps to the task's first slab (the other warpgroup's tasks lie between).
-template <typename Element, typename Variant>
-__device__ bool consume_tasks_pingpong(const MoEParams& p, const DestTables& tables, char* smem,
-                                       StagePipeline<Variant::kStages>& stages, TaskRing<Variant::kStages>& ring,
-                                       const TaskCounts& counts) {
-  using Gemm = TmaWarpgroupTileGemm<Element, Variant::kTileN, Variant::kStages, Variant::kRowBoxRows>;
-  typename TaskRing<Variant::kStages>::State slot{};
-  if (threadIdx.x >= 128) slot.advance();
-  for (;; slot.advance(), slot.advance()) {
-    const int task = ring.take(slot, p);
-    if (task < 0) return task == kTaskEnd;
-    typename Gemm::State stage{ring.first_slab[slot.index()]};
-    const ExpertTask job = decode_task(task, counts);
-    const RowTile tile = row_tile_of(p, tables, job.row_tile);
-    Gemm gemm;
-    const bool ok = gemm.consume(smem, stages, stage, task_k_tiles(p, job.gemm), p, tile.rows > 64);
-    if (!sync_warpgroup_and(ok)) return false;
-    finish_tile_warpgroup<Element, Variant>(p, tables, gemm, smem, job.gemm, tile, job.row_tile, job.col_tile);
-  }
-}
-
 template <typename Element, typename Variant>
 __device__ bool run_expert_tasks_prefetch(const MoEParams& p, const DestTables& tables, char* smem) {
   __shared__ StagePipeline<Variant::kStages> stages;
@@ -210,16 +142,12 @@ __device__ bool run_expert_tasks_prefetch(const MoEParams& p, const DestTables& 
   const TaskCounts counts = task_counts<Variant>(p, tables.tile_start[p.world_size * p.local_experts]);
   if (threadIdx.x == 0) {
     ring.init();
-    stages.init(Variant::kPingPong ? 4 : kThreads / 32);  // released by every warp that consumes the stage
+    stages.init(kThreads / 32);  // released by every consumer warp
   }
   __syncthreads();
   bool ok = true;
-  if (threadIdx.x < kThreads) {
-    if constexpr (Variant::kPingPong)
-      ok = consume_tasks_pingpong<Element, Variant>(p, tables, smem, stages, ring, counts);
-    else
-      ok = consume_tasks<Element, Variant>(p, tables, smem, stages, ring, counts);
-  }
+  if (threadIdx.x < kThreads)
+    ok = consume_tasks<Element, Variant>(p, tables, smem, stages, ring, counts);
   else if (threadIdx.x == kThreads)
     ok = produce_tasks<Element, Variant>(p, tables, smem, stages, ring, counts);
   return __syncthreads_and(ok);  // a uniform answer: the whole block leaves together

@@ -80,20 +80,13 @@ constexpr int kWarpStagingBytes = 16 * 128;
 enum class ExpertMma : int { MmaSync = 0, WgmmaTmaPrefetch = 1 };
 // kRowBoxRowsArg: rows of the TMA box A is loaded in (TMA variants; a tile loads the boxes holding its
 // rows): 64 (one warpgroup's) for full tiles at two requests per slab, 16 for decode tiles of a row or two.
-// kPingPongArg (TMA variants): the two consumer warpgroups take alternate tasks, each computing the whole
-// 128-row tile, so that one's epilogue runs while the other's wgmma use the tensor cores
-// (moe/expert_pipeline.cuh); else both compute every tile, 64 rows each, and the epilogue leaves the
-// tensor cores idle.
-template <ExpertMma kMma, int kTileNArg, int kStagesArg, int kBlocksPerSm, int kRowBoxRowsArg, bool kPingPongArg = false>
+template <ExpertMma kMma, int kTileNArg, int kStagesArg, int kBlocksPerSm, int kRowBoxRowsArg>
 struct ExpertVariant {
   static constexpr ExpertMma kMmaFamily = kMma;
   static constexpr bool kUseTma = kMma == ExpertMma::WgmmaTmaPrefetch;
   static constexpr int kTileN = kTileNArg;
   static constexpr int kStages = kStagesArg;
   static constexpr int kRowBoxRows = kRowBoxRowsArg;
-  static constexpr bool kPingPong = kPingPongArg;
-  // A warpgroup's whole-tile accumulators (2 x BN / 2 per thread) fit its registers only for BN = 128.
-  static_assert(!kPingPong || (kUseTma && kTileNArg == 128), "ping-pong tiles: TMA variants, 128 columns");
   // Whole 8-row swizzle atoms per box (each box lands 1 KB-aligned), whole boxes per tile.
   static_assert(kRowBoxRows % 8 == 0 && kExpertTileM % kRowBoxRows == 0, "A row boxes must tile the 128 rows");
   static constexpr int kMinBlocksPerSm = kBlocksPerSm;

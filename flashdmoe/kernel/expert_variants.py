@@ -36,10 +36,8 @@ _ROW_BOX_DEFAULT = 64  # one m64 warpgroup's rows
 @dataclass(frozen=True)
 class ExpertVariant:
     """One expert-GEMM variant: the C++ ``ExpertVariant<ExpertMma::mma, tile_n, stages, blocks_per_sm,
-    row_box, pingpong>`` and the input dtypes it is compiled for. ``row_box``: rows of the TMA box A is
-    loaded in (a tile loads the boxes that hold its rows; TMA variants only). ``pingpong``: the two consumer
-    warpgroups take alternate tiles, each whole, so that one's epilogue overlaps the other's MMAs (TMA
-    variants with 128-column tiles only)."""
+    row_box>`` and the input dtypes it is compiled for. ``row_box``: rows of the TMA box A is loaded in
+    (a tile loads the boxes that hold its rows; TMA variants only)."""
 
     mma: str
     tile_n: int
@@ -47,7 +45,6 @@ class ExpertVariant:
     blocks_per_sm: int
     dtypes: tuple[str, ...]
     row_box: int = _ROW_BOX_DEFAULT
-    pingpong: bool = False
 
     def __post_init__(self):
         if self.mma not in _FAMILIES:
@@ -61,9 +58,6 @@ class ExpertVariant:
         # Whole 8-row swizzle atoms, whole boxes per 128-row tile.
         if self.row_box not in (8, 16, 32, 64, 128):
             raise ValueError(f"row_box={self.row_box}: expected one of 8, 16, 32, 64, 128")
-        if self.pingpong and (self.mma != "WgmmaTmaPrefetch" or self.tile_n != 128):
-            raise ValueError(f"pingpong=True needs mma='WgmmaTmaPrefetch' and tile_n=128 (a warpgroup holds the "
-                             f"whole tile's accumulators), not mma={self.mma!r}, tile_n={self.tile_n}")
         if self.mma != "WgmmaTmaPrefetch" and self.row_box != _ROW_BOX_DEFAULT:
             raise ValueError(f"row_box={self.row_box}: only TMA variants load A in boxes (leave it at "
                              f"{_ROW_BOX_DEFAULT})")
@@ -72,12 +66,12 @@ class ExpertVariant:
     def name(self) -> str:
         prefix, suffix = _FAMILIES[self.mma]
         boxes = "" if self.row_box == _ROW_BOX_DEFAULT else f"-abox{self.row_box}"
-        return f"{prefix}{_TILE_M}x{self.tile_n}-{self.stages}stage{suffix}{boxes}{'-pingpong' if self.pingpong else ''}"
+        return f"{prefix}{_TILE_M}x{self.tile_n}-{self.stages}stage{suffix}{boxes}"
 
     @property
     def cpp_type(self) -> str:
         return (f"ExpertVariant<ExpertMma::{self.mma}, {self.tile_n}, {self.stages}, {self.blocks_per_sm}, "
-                f"{self.row_box}{', true' if self.pingpong else ''}>")
+                f"{self.row_box}>")
 
 
 VARIANTS: tuple[ExpertVariant, ...] = (
@@ -89,10 +83,6 @@ VARIANTS: tuple[ExpertVariant, ...] = (
     # weight stream, and A comes in 16-row boxes, so that a tile of a token or two streams 2 KB of A per
     # K slab beside 16 KB of weights (choose_variant). Same shared memory as the default (6 x 32 KB stages).
     ExpertVariant("WgmmaTmaPrefetch", tile_n=128, stages=6, blocks_per_sm=1, dtypes=("bf16", "fp16"), row_box=16),
-    # Ping-pong: each consumer warpgroup computes whole 128 x 128 tiles, alternating with the other, so
-    # that a tile's epilogue runs while the other warpgroup's wgmma keep the tensor cores busy; a third
-    # more operand bytes per FLOP than the default's 128 x 256 tile. Taken only when forced, until measured.
-    ExpertVariant("WgmmaTmaPrefetch", tile_n=128, stages=6, blocks_per_sm=1, dtypes=("bf16", "fp16"), pingpong=True),
 )
 
 # name -> id, in id order.
@@ -164,7 +154,7 @@ def choose_variant(tokens: int, hidden: int, ffn: int, experts: int, top_k: int,
                                  top_k=top_k, activation=activation, blocks=blocks, world_size=world_size)
     best, best_time = default, estimate(default)
     for variant in VARIANTS[1:]:
-        if variant.mma != default.mma or variant.pingpong:  # the streaming model has no epilogue to hide
+        if variant.mma != default.mma:
             continue
         time = estimate(variant)
         if time < 0.9 * best_time:
