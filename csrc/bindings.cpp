@@ -81,6 +81,15 @@ std::unique_ptr<PreparedForward> prepare_forward(const py::dict& shared, const p
     r.rank = get<int>(d, "rank");
     r.silent = get<bool>(d, "silent");
     r.team_words = d.contains("team_words") ? as_ptr<TeamRankWords>(get<uintptr_t>(d, "team_words")) : nullptr;
+    r.relay = RelayParams{};
+    if (d.contains("relay")) {  // the hierarchical exchange: {ranks_per_node, max_rows, batch_bytes, rows_offset, buffer}
+      const py::dict relay = d["relay"].cast<py::dict>();
+      r.relay.ranks_per_node = get<int>(relay, "ranks_per_node");
+      r.relay.max_rows = get<int>(relay, "max_rows");
+      r.relay.batch_bytes = get<size_t>(relay, "batch_bytes");
+      r.relay.rows_offset = get<size_t>(relay, "rows_offset");
+      r.relay.buffer = as_ptr<char>(get<uintptr_t>(relay, "buffer"));
+    }
     const py::list recv = get<py::list>(d, "peer_recv"), comb = get<py::list>(d, "peer_comb"),
                    signals = get<py::list>(d, "peer_signals");
     const int peers = static_cast<int>(py::len(recv));

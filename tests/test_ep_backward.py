@@ -164,7 +164,7 @@ def test_backward_words_follow_the_forward_words_without_overlap(P, L, S):
     words += [plan.backward_word("place", q, local) for q in range(P) for local in range(L)]
     words += [plan.backward_word("row_word", q, row) for q in range(P) for row in range(S)]
     assert len(set(words)) == len(words) == plan.backward_words
-    assert min(words) == plan.forward_signal_words == P * L + 3 * P
+    assert min(words) == plan.forward_signal_words == P * L + 5 * P
     assert max(words) == plan.signal_words - 1
     with pytest.raises(ValueError, match="what="):
         plan.backward_word("flags", 0, 0)

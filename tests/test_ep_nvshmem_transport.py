@@ -24,7 +24,7 @@ import torch
 from flashdmoe import numerics
 from flashdmoe.ranks import launcher
 from flashdmoe.ranks.launcher import RunResult, run_ranks
-from flashdmoe.ranks.problem import Problem, expected_traffic, reference_results
+from flashdmoe.ranks.problem import Problem, expected_relay_traffic, expected_traffic, reference_results
 from mps_checks import started_daemon
 
 RUN_TIMEOUT_S = 300  # the first NVSHMEM-build run of a machine may also wait for that build's lock
@@ -38,6 +38,9 @@ PROBLEMS = {
 CAPACITY_FP16 = Problem((190, 256, 1, 77), 192, 256, 16, 3, "gelu", True, 1.0, dtype="float16", seed=46,
                         router_skew=((0, 3.0), (9, 3.0)))
 GRADS = ("y", "dx", "d_router", "dw1", "dw2")
+# The hierarchical exchange: k = 4 of 16 experts over 2 nodes of 2 ranks, so that most tokens have several
+# choices on the other node; a one-token rank.
+HIERARCHICAL = Problem((150, 64, 1, 97), 128, 128, 16, 4, "gelu", seed=49)
 
 
 @pytest.fixture(scope="module")
@@ -62,14 +65,16 @@ _RUNS: dict[tuple, RunResult] = {}
 
 
 def _run(mps_daemon, world_size: int, peer_transport: str, ranks_per_node: int | None = None,
-         problem: Problem | None = None) -> RunResult:
+         problem: Problem | None = None, exchange: str = "direct") -> RunResult:
     problem = PROBLEMS[world_size] if problem is None else problem
-    key = (repr(problem), peer_transport, ranks_per_node)
+    key = (repr(problem), peer_transport, ranks_per_node, exchange)
     if key not in _RUNS:
         env = NVSHMEM_ENV if peer_transport == "nvshmem" or ranks_per_node else {}
         team = {**problem.team_kwargs(), "peer_transport": peer_transport}
         if ranks_per_node:
             team["ranks_per_node"] = ranks_per_node
+        if exchange != "direct":
+            team["exchange"] = exchange
         _RUNS[key] = run_ranks(SCENARIO, world_size, mps=mps_daemon, env=env, timeout_s=RUN_TIMEOUT_S,
                                params={"problem": problem.to_dict(), "iterations": 2}, team=team)
     result = _RUNS[key]
@@ -223,3 +228,43 @@ def test_graph_replays_over_nvshmem_puts_equal_eager_calls(mps_daemon, seed):
         where = f"rank {outcome.rank}: {outcome.info}"
         assert outcome.info["replays_identical"] == [True] * 3, where
         assert outcome.info["team_failed"] is False, where
+
+
+@pytest.mark.gpu
+def test_hierarchical_exchange_is_bitwise_the_direct_one_and_sends_each_row_once_per_node(mps_daemon):
+    """4 ranks as 2 nodes of 2 with ``exchange="hierarchical"``: a token's row crosses to the other node once,
+    to the rank with the sender's index there, which stores it into that node's owners. Outputs and
+    gradients (two forwards and a backward) bitwise those of the direct exchange; the forward's bytes
+    exactly the batches (one row, k records per token and other node hit, a header per node) plus the
+    stores within each node, fewer NVSHMEM bytes than the direct puts; results as before."""
+    relayed = _run(mps_daemon, 4, "auto", ranks_per_node=2, problem=HIERARCHICAL, exchange="hierarchical")
+    direct = _run(mps_daemon, 4, "auto", ranks_per_node=2, problem=HIERARCHICAL)
+    relay_traffic = expected_relay_traffic(HIERARCHICAL, ranks_per_node=2)
+    flat_traffic = expected_traffic(HIERARCHICAL, ranks_per_node=2)
+    for got, want, traffic, flat in zip(relayed.ranks, direct.ranks, relay_traffic, flat_traffic):
+        where = f"rank {got.rank}"
+        assert got.info["kernel_build"] == "nvshmem", where
+        for name in GRADS:
+            assert torch.equal(got.tensors[name], want.tensors[name]), f"{where}: {name} differs from the direct exchange"
+        assert got.info["repeat_identical"], f"{where}: y differs between back-to-back forwards"
+        (counted,) = got.info["traffic"]
+        assert counted["nvshmem_dispatch_bytes"] == traffic["nvshmem_dispatch_bytes"], (where, counted, traffic)
+        assert counted["dispatch_bytes"] == traffic["dispatch_bytes"], (where, counted, traffic)
+        assert counted["combine_bytes"] == flat["combine_bytes"], (where, counted, flat)
+        assert counted["nvshmem_combine_bytes"] == flat["nvshmem_combine_bytes"], (where, counted, flat)
+    row_bytes = HIERARCHICAL.hidden * 2
+    assert sum(t["batch_rows"] for t in relay_traffic) * row_bytes < sum(t["nvshmem_dispatch_bytes"] for t in flat_traffic)
+
+
+@pytest.mark.gpu
+def test_silent_rank_times_out_every_rank_over_the_hierarchical_exchange(mps_daemon):
+    problem = Problem((64, 64, 64, 64), 128, 128, 16, 4, "gelu", seed=50)
+    result = run_ranks("silent_rank_timeout", 4, mps=mps_daemon, env=NVSHMEM_ENV, timeout_s=RUN_TIMEOUT_S,
+                       params={"problem": problem.to_dict(), "silent_rank": 2, "timeout_ms": 2000},
+                       team={**problem.team_kwargs(), "ranks_per_node": 2, "exchange": "hierarchical"})
+    assert not result.hung_ranks, f"ranks {result.hung_ranks} hung: the watchdog must end every kernel"
+    result.check()
+    for outcome in result.ranks:
+        info = outcome.info
+        assert info["error"]["type"] == "KernelTimeout", f"rank {outcome.rank}: {info}"
+        assert info["team_failed"] is True and info["second_call_error"]["type"] == "TeamFailed", info

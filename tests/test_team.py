@@ -25,22 +25,32 @@ def plan(**changes) -> BufferPlan:
 # BufferPlan
 
 
+def test_relay_batch_regions_by_hand():
+    """A batch region of the hierarchical exchange: 16-byte header, k records of 8 bytes per row, the rows
+    from a 128-byte boundary (csrc/moe/params.cuh RelayParams); one region per node each way."""
+    p = plan()  # max_tokens 100, k 2, H 64, bf16
+    rows_offset, batch = p.relay_batch_layout()
+    assert rows_offset == 1664 == -(-(16 + 8 * 100 * 2) // 128) * 128
+    assert batch == 1664 + 100 * 64 * 2 == 14_464
+    assert p.relay_bytes(2) == 4 * 14_464 and p.relay_bytes(4) == 8 * 14_464
+
+
 def test_plan_sizes_by_hand():
     p = plan()
     assert p.stream_rows == 200  # max_tokens * min(k=2, L=3)
     assert p.element_bytes == 2
     assert p.data_bytes == 4 * 200 * 64 * 2 == 102_400  # P regions of [stream_rows, H] bf16
-    assert p.forward_signal_words == 4 * 3 + 3 * 4 == 24  # P*L counts + 3P flags
+    assert p.forward_signal_words == 4 * 3 + 5 * 4 == 32  # P*L counts + 3P flags + 2P relay flags
     # the backward's: 6P flags, 3 abort words, P*L place words, a word per staged row
     assert p.backward_words == 6 * 4 + 3 + 4 * 3 + 4 * 200 == 839
-    assert p.signal_words == 24 + 839
-    assert p.bytes_per_rank == 2 * 102_400 + 4 * 863 == 208_252  # recv + comb + int32 signals
+    assert p.signal_words == 32 + 839
+    assert p.bytes_per_rank == 2 * 102_400 + 4 * 871 == 208_284  # recv + comb + int32 signals
     # k > L: a token sends at most L rows to one rank (one per local expert)
     wide = plan(top_k=5, local_experts=2, world_size=2, max_tokens=7, hidden=128, dtype=torch.float16)
     assert wide.stream_rows == 14
     assert wide.data_bytes == 2 * 14 * 128 * 2
-    assert wide.forward_signal_words == 2 * 2 + 6
-    assert wide.signal_words == 2 * 2 + 6 + 6 * 2 + 3 + 2 * 2 + 2 * 14
+    assert wide.forward_signal_words == 2 * 2 + 10
+    assert wide.signal_words == 2 * 2 + 10 + 6 * 2 + 3 + 2 * 2 + 2 * 14
     assert wide.bytes_per_rank == 2 * wide.data_bytes + 4 * wide.signal_words
 
 
@@ -97,7 +107,7 @@ def test_single_team():
     assert team.buffer_bytes == 0 and not team.failed
     assert team.describe() == {"transport": "single", "rank": 0, "world_size": 1, "buffer_bytes_per_rank": 0,
                                "stream_rows": None, "max_tokens": None, "peer_transports": ["p2p"],
-                               "ranks_per_node": None}
+                               "ranks_per_node": None, "exchange": "direct"}
     team.require_usable()
     team.barrier()  # a no-op for one rank
     assert "ok" in repr(team)
@@ -167,6 +177,12 @@ SIZES = dict(max_tokens=16, hidden=64, top_k=2, local_experts=2)
     ((UID, 0, 2), {"max_tokens": 0}, "max_tokens=0"),
     ((UID, 0, 2), {"dtype": torch.float32}, "dtype=torch.float32"),
     ((UID, 0, 2), {"device": "cpu"}, "device=cpu: expected a CUDA device"),
+    ((UID, 0, 4), {"exchange": "relay"}, r"exchange='relay': expected one of \('direct', 'hierarchical'\)"),
+    ((UID, 0, 4), {"exchange": "hierarchical"}, "needs ranks_per_node dividing world_size=4 into at least two nodes"),
+    ((UID, 0, 4), {"exchange": "hierarchical", "ranks_per_node": 4}, "at least two nodes, got ranks_per_node=4"),
+    ((UID, 0, 4), {"exchange": "hierarchical", "ranks_per_node": 3}, "at least two nodes, got ranks_per_node=3"),
+    ((UID, 0, 4), {"exchange": "hierarchical", "ranks_per_node": 2, "peer_transport": "nvshmem"},
+     "needs peer_transport='auto'"),
 ])
 def test_nvshmem_team_validates_before_touching_nvshmem(no_nvshmem_or_cuda, args, changes, message):
     with pytest.raises(ValueError, match=message):

@@ -14,6 +14,8 @@
 namespace flashdmoe {
 
 struct P2PTransport {
+  // Whether the transport can relay rows through another node's rank (MoEParams::relay).
+  static constexpr bool kRelays = false;
   // Grid barriers a transport adds after the dispatch barrier and after the experts barrier.
   static constexpr int kRowsBarriers = 0;
   static constexpr int kResultsBarriers = 0;

@@ -28,10 +28,25 @@ __device__ inline void publish_counts(const MoEParams& p) {
   }
 }
 
+// The hierarchical exchange's batch regions in this rank's relay buffer (RelayParams): the one it sends
+// node `node`, and the one it receives from node `node`; a region's row count, records and rows.
+__device__ __forceinline__ char* relay_outgoing(const MoEParams& p, int node) {
+  return p.relay.buffer + static_cast<size_t>(node) * p.relay.batch_bytes;
+}
+__device__ __forceinline__ char* relay_incoming(const MoEParams& p, int node) {
+  return p.relay.buffer + static_cast<size_t>(p.world_size / p.relay.ranks_per_node + node) * p.relay.batch_bytes;
+}
+__device__ __forceinline__ uint32_t* batch_count(char* region) { return reinterpret_cast<uint32_t*>(region); }
+__device__ __forceinline__ RelayRecord* batch_records(char* region) { return reinterpret_cast<RelayRecord*>(region + 16); }
+__device__ __forceinline__ char* batch_rows(const MoEParams& p, char* region) { return region + p.relay.rows_offset; }
+
 // One warp per token: its k rows. The row is read once, 8 x 16 bytes per lane at a time (4 KB in flight
 // per warp), and each piece is written to every destination before the next is read. Bytes written to
-// peers are counted. Worker threads only.
-template <typename Element>
+// peers are counted. With the hierarchical exchange, a row for owners on another node goes once into
+// that node's outgoing batch instead (a slot taken by atomic: the batch's order does not matter, each
+// row lands where its records say), with the token's k records for that node (kRelays: the NVSHMEM
+// build's instances). Worker threads only.
+template <typename Element, bool kRelays = false>
 __device__ inline void dispatch_rows(const MoEParams& p, const int* stream_offset) {
   constexpr int kUnroll = 8;
   const int lane = threadIdx.x & 31, H = p.hidden, k = p.top_k, L = p.local_experts;
@@ -58,8 +73,24 @@ __device__ inline void dispatch_rows(const MoEParams& p, const int* stream_offse
     }
     // Lane j's choice is copied unless dropped (counted on the host from expert_counts).
     const bool copy_mine = my_row >= 0;
-    const uint32_t copies = __ballot_sync(0xffffffffu, copy_mine);
-    if (copies == 0) continue;
+    uint32_t copies = __ballot_sync(0xffffffffu, copy_mine);
+    uint32_t relay_nodes = 0;  // other nodes this token's row goes to as a batch row
+    int node_slot = 0;         // lane b: the row's slot in node b's batch
+    if (kRelays && p.relay.ranks_per_node > 0) {
+      const int G = p.relay.ranks_per_node, node = my_expert / L / G;
+      const bool relayed = copy_mine && node != p.rank / G;
+      copies &= ~__ballot_sync(0xffffffffu, relayed);
+      relay_nodes = __reduce_or_sync(0xffffffffu, relayed ? 1u << node : 0u);
+      if ((relay_nodes >> lane) & 1u) node_slot = static_cast<int>(atomicAdd(batch_count(relay_outgoing(p, lane)), 1u));
+      for (uint32_t rest = relay_nodes; rest != 0; rest &= rest - 1) {
+        const int b = __ffs(rest) - 1;
+        const int slot = __shfl_sync(0xffffffffu, node_slot, b);
+        if (lane < k)
+          batch_records(relay_outgoing(p, b))[static_cast<size_t>(slot) * k + lane] =
+              relayed && node == b ? RelayRecord{my_expert / L, my_row} : RelayRecord{-1, -1};
+      }
+    }
+    if (copies == 0 && relay_nodes == 0) continue;
     for (int c0 = 0; c0 < row_chunks; c0 += 32 * kUnroll) {
       if (c0 > 0) {
 #pragma unroll
@@ -80,6 +111,17 @@ __device__ inline void dispatch_rows(const MoEParams& p, const int* stream_offse
           if (c < row_chunks) dst[c] = piece[u];
         }
         if (c0 == 0 && owner != p.rank) sent += static_cast<unsigned long long>(H) * sizeof(Element);
+      }
+      for (uint32_t rest = relay_nodes; rest != 0; rest &= rest - 1) {
+        const int b = __ffs(rest) - 1;
+        const int slot = __shfl_sync(0xffffffffu, node_slot, b);
+        char* region = relay_outgoing(p, b);
+        int4* dst = reinterpret_cast<int4*>(batch_rows(p, region) + static_cast<size_t>(slot) * H * sizeof(Element));
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          const int c = c0 + u * 32 + lane;
+          if (c < row_chunks) dst[c] = piece[u];
+        }
       }
     }
   }

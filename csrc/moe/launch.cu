@@ -80,6 +80,17 @@ static void prepare_rank(const ForwardArgs& a, const RankArgs& r, PreparedRank& 
   p.stream_rows = a.stream_rows;
   p.silent = r.silent;
   p.team_words = r.team_words;
+  if (r.relay.ranks_per_node > 0) {
+    const int G = r.relay.ranks_per_node;
+    if (a.world_size % G != 0 || a.world_size / G < 2 || r.relay.buffer == nullptr || r.relay.max_rows < r.tokens ||
+        r.relay.rows_offset < 16 + static_cast<size_t>(r.relay.max_rows) * a.top_k * sizeof(RelayRecord) ||
+        r.relay.batch_bytes < r.relay.rows_offset + static_cast<size_t>(r.relay.max_rows) * a.hidden * (a.dtype == DType::Float32 ? 4 : 2))
+      throw std::invalid_argument("relay: ranks_per_node=" + std::to_string(G) + " with " +
+                                  std::to_string(a.world_size) + " ranks, max_rows=" + std::to_string(r.relay.max_rows) +
+                                  " for " + std::to_string(r.tokens) + " tokens: expected >= 2 nodes, a buffer and "
+                                  "batch regions holding every token's row and records");
+  }
+  p.relay = r.relay;
   if (a.world_size > 1) {
     for (int q = 0; q < a.world_size; ++q) {
       if (!r.peer_recv[q] || !r.peer_comb[q] || !r.peer_signals[q])

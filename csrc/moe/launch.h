@@ -27,6 +27,7 @@ struct RankArgs {
   void* peer_recv[kMaxRanks];
   void* peer_comb[kMaxRanks];
   uint32_t* peer_signals[kMaxRanks];
+  RelayParams relay;  // the hierarchical exchange (moe/params.cuh); zero: direct
 };
 
 struct ForwardArgs {

@@ -40,7 +40,7 @@ __device__ __forceinline__ void forward_block(const MoEParams& p, char* smem) {
   if (worker) {
     int* stream_offset = reinterpret_cast<int*>(smem);  // [E], in the scratch area (free until the experts)
     build_stream_offsets(p, stream_offset);
-    dispatch_rows<Element>(p, stream_offset);
+    dispatch_rows<Element, Transport::kRelays>(p, stream_offset);
   }
   if (!grid_barrier(p, kPhaseDispatchDone, 3)) return;
   if (!Transport::template publish_rows_ready<Element>(p, 4)) return;

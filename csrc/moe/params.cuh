@@ -22,6 +22,10 @@ enum Phase : uint32_t {
   kPhasePeerRows = 7,      // an expert GEMM1 tile waiting for a peer's dispatched rows
   kPhasePeerResults = 8,   // the combine waiting for a peer's expert results
   kPhaseTilePipeline = 9,  // an expert tile's TMA pipeline (a stage that never filled or drained)
+  // 10-22: the backward (backward/fused_params.cuh, backward/ep_rows.cuh)
+  kPhaseRelayFree = 23,       // a source waiting for its relay to free the region of its previous batch
+  kPhaseRelayIn = 24,         // a relay waiting for a source's batch of rows
+  kPhaseRelayForwarded = 25,  // grid barrier after a relay stored its batches' rows into the owners' buffers
 };
 
 // Most ranks in one team (and virtual ranks in one emulated launch): the size of the peer table.
@@ -31,7 +35,8 @@ constexpr int kMaxRanks = 8;
 // virtual ranks' buffers in an emulated launch).
 //   recv    [P][stream_rows][H]  rows sources dispatched to the peer, one region per source
 //   comb    [P][stream_rows][H]  results for the peer's tokens, one region per rank that computed them
-//   signals [P*L + 3P] u32       counts from each source, then counts / rows-ready / results-done flags
+//   signals [P*L + 5P] u32       counts from each source, then counts / rows-ready / results-done flags,
+//                                and the relays' batch-in / batch-free flags (hierarchical exchange)
 struct PeerBuffers {
   void* recv;
   void* comb;
@@ -52,8 +57,16 @@ __host__ __device__ __forceinline__ int signal_rows_ready(int world, int local_e
 __host__ __device__ __forceinline__ int signal_results_done(int world, int local_experts, int dst) {
   return world * local_experts + 2 * world + dst;
 }
+// The hierarchical exchange (RelayParams): at a relay, source src's batch has landed; at a source, its
+// relay `relay` has forwarded the source's last batch (the relay's incoming region is free again).
+__host__ __device__ __forceinline__ int signal_relay_in(int world, int local_experts, int src) {
+  return world * local_experts + 3 * world + src;
+}
+__host__ __device__ __forceinline__ int signal_relay_free(int world, int local_experts, int relay) {
+  return world * local_experts + 4 * world + relay;
+}
 __host__ __device__ __forceinline__ int signal_words(int world, int local_experts) {
-  return world * local_experts + 3 * world;
+  return world * local_experts + 5 * world;
 }
 
 // Error word (uint64): bits 0-7 kind, 8-15 phase, 16-31 peer rank, 32-63 block id.
@@ -120,6 +133,25 @@ struct ExpertTensorMaps {
   CUtensorMap w1, w2, recv, intermediate, gate_x, router;
 };
 
+// The hierarchical cross-node exchange of an NVSHMEM team (docs/design.md §8; NvshmemTransport only):
+// ranks are node-major, ranks_per_node G to a node, and rank (node a, index i) sends each of its token
+// rows once to every other node b that holds one of the token's kept choices, to its relay there
+// (b, i), which stores the row into those owners' receive buffers as the source would have. `buffer`:
+// this rank's symmetric relay buffer, N = P / G batch regions for the batches it sends (by destination
+// node), then N for those it receives (by source node), each `batch_bytes`: a 16-byte header (the
+// batch's row count), k records per row (RelayRecord), then from `rows_offset` the rows.
+struct RelayRecord {
+  int owner;  // the choice's owner rank on the batch's node, or -1 (the choice is elsewhere or dropped)
+  int row;    // its row in the owner's receive region [source]
+};
+struct RelayParams {
+  int ranks_per_node;  // G; 0: every row is put straight to its owner (direct)
+  int max_rows;        // rows a batch region holds (the team's max_tokens)
+  size_t batch_bytes;
+  size_t rows_offset;
+  char* buffer;
+};
+
 // Everything the kernel reads is a runtime value; templates choose only dtype and tile shape.
 struct MoEParams {
   ExpertTensorMaps maps;
@@ -138,6 +170,7 @@ struct MoEParams {
   TeamRankWords* team_words;  // a team rank's words on the device; null for one rank
   bool silent;              // debug: publish no signals (peers must time out, not hang)
   PeerBuffers peers[kMaxRanks];
+  RelayParams relay;        // the hierarchical exchange (zero: direct)
 
   // Inputs (row-major, contiguous): x [T,H], router [E,H], w1 [L,H,w1_cols], w2 [L,I,H] (this rank's
   // experts).

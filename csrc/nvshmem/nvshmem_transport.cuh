@@ -107,23 +107,164 @@ struct NvshmemTransport {
     return grid_barrier(p, phase, ordinal);
   }
 
-  // The grid barriers the NVSHMEM puts add after the dispatch barrier and after the experts barrier.
-  static constexpr int kRowsBarriers = 1;
+  // The grid barriers the NVSHMEM puts add after the dispatch barrier and after the experts barrier; the
+  // second after the dispatch is the relays' (run without relays too: the barriers' ordinals are fixed).
+  static constexpr int kRowsBarriers = 2;
+  static constexpr bool kRelays = true;
   static constexpr int kResultsBarriers = 1;
 
-  // Every thread of every block, after the rank's dispatch barrier (the staged rows are complete).
+  // ---- the hierarchical exchange (MoEParams::relay) ----
+  __device__ __forceinline__ static int nodes(const MoEParams& p) { return p.world_size / p.relay.ranks_per_node; }
+  __device__ __forceinline__ static int node_of(const MoEParams& p, int rank) { return rank / p.relay.ranks_per_node; }
+  // This rank's relay on node b (the rank with its index there), and the source on node a a relay serves.
+  __device__ __forceinline__ static int same_index_on(const MoEParams& p, int node) {
+    return node * p.relay.ranks_per_node + p.rank % p.relay.ranks_per_node;
+  }
+  // Rows for `owner` travel in a batch through a relay (another node), not by the owner's own put.
+  __device__ __forceinline__ static bool relayed(const MoEParams& p, int owner) {
+    return p.relay.ranks_per_node > 0 && node_of(p, owner) != node_of(p, p.rank);
+  }
+  __device__ __forceinline__ static size_t batch_put_bytes(const MoEParams& p, uint32_t rows, size_t row_bytes,
+                                                           size_t& record_bytes) {
+    record_bytes = 16 + static_cast<size_t>(rows) * p.top_k * sizeof(RelayRecord);
+    return record_bytes + rows * row_bytes;
+  }
+
+  // Thread 0 of each block: bounded waits, each node's relay (or source) in turn; block-uniform answer.
+  template <typename Wait>
+  __device__ static bool each_other_node(const MoEParams& p, Wait&& wait) {
+    __shared__ int all_ok;
+    if (threadIdx.x == 0) {
+      bool ok = true;
+      for (int b = 0; b < nodes(p) && ok; ++b)
+        if (b != node_of(p, p.rank)) ok = wait(b);
+      all_ok = ok;
+    }
+    __syncthreads();
+    return all_ok != 0;
+  }
+
+  // Every thread of every block: this rank's batch for each other node (count, records, rows) into its
+  // relay's incoming region [this node], this block's slices of the two contiguous ranges.
+  template <typename Element>
+  __device__ static void put_batches(const MoEParams& p) {
+    const size_t row_bytes = static_cast<size_t>(p.hidden) * sizeof(Element);
+    for (int b = 0; b < nodes(p); ++b) {
+      if (b == node_of(p, p.rank)) continue;
+      char* out = relay_outgoing(p, b);
+      char* in = relay_incoming(p, node_of(p, p.rank));  // the same offsets in the relay's buffer
+      const uint32_t rows = __ldcg(batch_count(out));
+      size_t record_bytes;
+      const size_t total = batch_put_bytes(p, rows, row_bytes, record_bytes);
+      size_t begin, end;
+      block_slice(p, record_bytes, begin, end);
+      const int relay = same_index_on(p, b);
+      if (end > begin) nvshmemx_putmem_nbi_block(in + begin, out + begin, end - begin, relay);
+      block_slice(p, rows * row_bytes, begin, end);
+      if (end > begin)
+        nvshmemx_putmem_nbi_block(batch_rows(p, in) + begin, batch_rows(p, out) + begin, end - begin, relay);
+      if (block_in_rank(p) == 0 && threadIdx.x == 0) {
+        atomicAdd(p.traffic + kTrafficDispatch, static_cast<unsigned long long>(total));
+        atomicAdd(p.traffic + kTrafficNvshmemDispatch, static_cast<unsigned long long>(total));
+      }
+    }
+  }
+
+  // Every worker of every block, at a relay: each other node's source batch (its sources with this rank's
+  // index there) stored row by row into the owners on this node, region [source], at each record's row;
+  // a warp per batch row. The rows then sit where the source's own stores would have put them.
+  template <typename Element>
+  __device__ static void forward_batches(const MoEParams& p) {
+    const int H = p.hidden, k = p.top_k, lane = threadIdx.x & 31;
+    const int row_chunks = H / kChunkElements<Element>;
+    const int warps = p.blocks * (kThreads / 32);
+    unsigned long long sent = 0;
+    for (int a = 0; a < nodes(p); ++a) {
+      if (a == node_of(p, p.rank)) continue;
+      const int src = same_index_on(p, a);
+      char* in = relay_incoming(p, a);
+      const int rows = static_cast<int>(*reinterpret_cast<volatile uint32_t*>(batch_count(in)));
+      const RelayRecord* records = batch_records(in);
+      for (int slot = block_in_rank(p) * (kThreads / 32) + (threadIdx.x >> 5); slot < rows; slot += warps) {
+        RelayRecord mine{-1, -1};
+        if (lane < k) {
+          const int2 raw = __ldcv(reinterpret_cast<const int2*>(records) + static_cast<size_t>(slot) * k + lane);
+          mine = RelayRecord{raw.x, raw.y};
+        }
+        const uint32_t targets = __ballot_sync(0xffffffffu, mine.owner >= 0);
+        const int4* from = reinterpret_cast<const int4*>(batch_rows(p, in) + static_cast<size_t>(slot) * H * sizeof(Element));
+        for (uint32_t rest = targets; rest != 0; rest &= rest - 1) {
+          const int j = __ffs(rest) - 1;
+          const int owner = __shfl_sync(0xffffffffu, mine.owner, j);
+          const int row = __shfl_sync(0xffffffffu, mine.row, j);
+          int4* to = reinterpret_cast<int4*>(static_cast<Element*>(p.peers[owner].recv) +
+                                             (static_cast<size_t>(src) * p.stream_rows + row) * H);
+          for (int c = lane; c < row_chunks; c += 32) to[c] = __ldcv(from + c);
+          if (owner != p.rank) sent += static_cast<unsigned long long>(H) * sizeof(Element);
+        }
+      }
+    }
+    if (lane == 0 && sent) atomicAdd(p.traffic + kTrafficDispatch, sent);
+    tma::fence_proxy_async_global();  // the owners' expert tiles read these rows with TMA
+    __threadfence_system();
+  }
+
+  // Every thread of every block, after the rank's dispatch barrier (the staged rows and batches are
+  // complete). Direct: each NVSHMEM owner's staged rows (own comb region [q]) into its recv region
+  // [rank], then its rows-ready flag. Hierarchical: an owner on another node gets this rank's rows from
+  // this rank's relay there instead: the batches go out, and then this rank, as a relay, stores the
+  // batches it received and raises the rows-ready flags of their sources at the owners on its node.
   template <typename Element>
   __device__ static bool publish_rows_ready(const MoEParams& p, uint32_t ordinal) {
-    // Staged rows for q (own comb region [q]) into q's recv region [rank].
-    auto rows_of = [&](int owner) { return rows_to(p, owner); };
+    const int P = p.world_size, L = p.local_experts;
+    const bool relays = p.relay.ranks_per_node > 0;
+    const uint32_t sequence = forward_sequence(p);
+    // A relay's region for this rank is free once it stored the previous batch (sequence - 1).
+    if (relays && !p.silent && !each_other_node(p, [&](int b) {
+          const int relay = same_index_on(p, b);
+          return wait_at_least<Scope::System>(own_signal(p, signal_relay_free(P, L, relay)), sequence - 1, p,
+                                              kPhaseRelayFree, relay);
+        }))
+      return false;
+    if (relays && !p.silent) put_batches<Element>(p);
+    auto rows_of = [&](int owner) { return relayed(p, owner) ? 0 : rows_to(p, owner); };
     if (!put_regions<Element>(p, p.peers[p.rank].recv, p.peers[p.rank].comb, rows_of, kTrafficNvshmemDispatch,
                               kPhaseDispatchDone, ordinal))
       return false;
-    if (block_in_rank(p) != 0 || threadIdx.x != 0 || p.silent) return true;
-    const int P = p.world_size, L = p.local_experts;
+    if (block_in_rank(p) == 0 && threadIdx.x == 0 && !p.silent) {
+      __threadfence_system();
+      for (int owner = 0; owner < P; ++owner)
+        if (owner != p.rank && !relayed(p, owner)) peer_words::raise(p, owner, signal_rows_ready(P, L, p.rank), sequence);
+      if (relays)
+        for (int b = 0; b < nodes(p); ++b)
+          if (b != node_of(p, p.rank)) {
+            *batch_count(relay_outgoing(p, b)) = 0;  // put and delivered (quiet, barrier): the next forward's count
+            peer_words::raise(p, same_index_on(p, b), signal_relay_in(P, L, p.rank), sequence);
+          }
+    }
+    // As a relay: every other node's batch for this rank, stored into the owners here.
+    if (relays && !each_other_node(p, [&](int a) {
+          const int src = same_index_on(p, a);
+          return wait_at_least<Scope::System>(own_signal(p, signal_relay_in(P, L, src)), sequence, p,
+                                              kPhaseRelayIn, src);
+        }))
+      return false;
+    if (relays && threadIdx.x < kThreads) forward_batches<Element>(p);
+    if (!grid_barrier(p, kPhaseRelayForwarded, ordinal + 1)) return false;
+    if (!relays || block_in_rank(p) != 0 || threadIdx.x != 0 || p.silent) return true;
     __threadfence_system();
-    for (int owner = 0; owner < P; ++owner)
-      if (owner != p.rank) peer_words::raise(p, owner, signal_rows_ready(P, L, p.rank), forward_sequence(p));
+    for (int a = 0; a < nodes(p); ++a) {
+      if (a == node_of(p, p.rank)) continue;
+      const int src = same_index_on(p, a);
+      for (int owner = node_of(p, p.rank) * p.relay.ranks_per_node, last = owner + p.relay.ranks_per_node;
+           owner < last; ++owner) {
+        if (owner == p.rank)
+          ptx::store_release_sys(own_signal(p, signal_rows_ready(P, L, src)), sequence);
+        else
+          peer_words::raise(p, owner, signal_rows_ready(P, L, src), sequence);
+      }
+      peer_words::raise(p, src, signal_relay_free(P, L, p.rank), sequence);
+    }
     return true;
   }
 

@@ -67,6 +67,9 @@ PHASE_NAMES = {
     20: "backward exchange: waiting for a peer to free its staging for this rank's share of the router's gradient",
     21: "backward exchange: grid barrier after this rank's share of the router's gradient was written",
     22: "backward exchange: waiting for a peer's share of the router's gradient",
+    23: "hierarchical exchange: waiting for a relay on another node to free this rank's batch region",
+    24: "hierarchical exchange: a relay waiting for a source's batch of rows",
+    25: "hierarchical exchange: grid barrier after the relayed rows were stored",
 }
 
 # Intervals between consecutive phase clock slots (slot 0 start, 1..4 after the grid barriers, 5 exit).

@@ -7,9 +7,9 @@ buffers (same size on every rank, so a peer can address them):
   region per source rank;
 * ``comb  [P, stream_rows, H]`` (input dtype): expert results for this rank's tokens, one region per
   rank that computed them;
-* ``signals`` int32: the forward's ``P * L + 3 * P`` words (per-source counts and the counts / rows-ready /
-  results-done flags, each holding the sequence number of the forward that wrote it, never cleared by the
-  host), then the backward's (:attr:`BufferPlan.backward_words`: its flags, abort words, each owner's
+* ``signals`` int32: the forward's ``P * L + 5 * P`` words (per-source counts, the counts / rows-ready /
+  results-done flags and the hierarchical exchange's batch-in / batch-free flags, each flag holding the
+  sequence number of the forward that wrote it, never cleared by the host), then the backward's (:attr:`BufferPlan.backward_words`: its flags, abort words, each owner's
   place table and one word per staged row, ``csrc/backward/ep_rows.cuh``).
 
 ``stream_rows = max_tokens * min(top_k, L)``: the most rows one rank can send to one other rank, so a
@@ -52,12 +52,14 @@ import torch
 
 from flashdmoe.errors import TeamFailed
 
-__all__ = ["BufferPlan", "RankBuffers", "Team", "TeamFailed", "MAX_RANKS"]
+__all__ = ["BufferPlan", "EXCHANGES", "RankBuffers", "Team", "TeamFailed", "MAX_RANKS"]
 
 #: Most ranks one team (or one emulated launch) holds: the kernel's peer table (csrc/moe/params.cuh).
 MAX_RANKS = 8
 #: Size of an NVSHMEM unique id in bytes.
 UNIQUE_ID_BYTES = 128
+# How a team's forward rows reach owners on other nodes (Team.nvshmem's ``exchange``).
+EXCHANGES = ("direct", "hierarchical")
 
 
 def _positive_int(name: str, value) -> int:
@@ -108,8 +110,22 @@ class BufferPlan:
 
     @property
     def forward_signal_words(self) -> int:
-        """The forward kernel's signal words (``csrc/moe/params.cuh`` ``signal_words``)."""
-        return self.world_size * self.local_experts + 3 * self.world_size
+        """The forward kernel's signal words (``csrc/moe/params.cuh`` ``signal_words``): counts, three flags
+        per peer, and the hierarchical exchange's two."""
+        return self.world_size * self.local_experts + 5 * self.world_size
+
+    def relay_batch_layout(self) -> tuple[int, int]:
+        """(rows offset, bytes) of one batch region of the hierarchical exchange (``csrc/moe/params.cuh``
+        ``RelayParams``): a 16-byte header, ``top_k`` 8-byte records per row, then ``max_tokens`` rows at a
+        128-byte aligned offset; the region rounded up to 128 bytes."""
+        rows_offset = -(-(16 + 8 * self.max_tokens * self.top_k) // 128) * 128
+        total = rows_offset + self.max_tokens * self.hidden * self.element_bytes
+        return rows_offset, -(-total // 128) * 128
+
+    def relay_bytes(self, nodes: int) -> int:
+        """The hierarchical exchange's symmetric buffer of one rank: a batch region per node out, one per
+        node in."""
+        return 2 * nodes * self.relay_batch_layout()[1]
 
     @property
     def backward_words(self) -> int:
@@ -188,6 +204,7 @@ class RankBuffers:
     comb: torch.Tensor
     signals: torch.Tensor
     stage: torch.Tensor | None = None  # the backward's staging for NVSHMEM peers (BufferPlan.stage_bytes)
+    relay: torch.Tensor | None = None  # the hierarchical exchange's batches (BufferPlan.relay_bytes)
     peer_recv: list[int] = field(default_factory=list)
     peer_comb: list[int] = field(default_factory=list)
     peer_signals: list[int] = field(default_factory=list)
@@ -250,6 +267,9 @@ class Team:
         self.peer_transports: list[str] = ["p2p"] * world_size
         self.unique_id: bytes = b""  # NVSHMEM teams: the id the team was bootstrapped with
         self.ranks_per_node: int | None = None  # NVSHMEM teams: an emulated node layout (Team.nvshmem)
+        self.exchange = "direct"  # NVSHMEM teams: how rows cross nodes ("direct" or "hierarchical")
+        # The kernel's RelayParams of this rank for the hierarchical exchange (None: direct).
+        self.relay_args: dict | None = None
         # NVSHMEM teams: the launch reports of the last backward exchange
         # (flashdmoe.backward.ep_backward.exchange_traffic).
         self.backward_reports: tuple = ()
@@ -301,7 +321,8 @@ class Team:
     @classmethod
     def nvshmem(cls, uid_bytes: bytes, rank: int, world_size: int, *, max_tokens: int, hidden: int, top_k: int,
                 local_experts: int, dtype: torch.dtype = torch.bfloat16, device=None,
-                peer_transport: str = "auto", ranks_per_node: int | None = None) -> "Team":
+                peer_transport: str = "auto", ranks_per_node: int | None = None,
+                exchange: str = "direct") -> "Team":
         """Join an NVSHMEM team as ``rank`` of ``world_size`` (collective: every rank must call it).
 
         ``uid_bytes``: the 128 bytes of :meth:`make_unique_id` from rank 0. Sizing arguments as in
@@ -316,6 +337,13 @@ class Team:
         node is treated as having no load/store path although one exists (no mapping of its buffers; "auto"
         reaches it by NVSHMEM puts, "p2p" is refused), as across real nodes. Default ``None``: the topology
         decides.
+        ``exchange``: how a forward's rows reach owners on other nodes. ``"direct"``: each kept choice's row
+        is put to its owner. ``"hierarchical"`` (docs/design.md §8): a token's row crosses to each other node
+        its kept choices reach once, to the rank with this rank's index there (its relay), which stores it
+        into the owners on its node; results still come back by each owner's put, so outputs are bitwise
+        those of ``"direct"``. It needs ``ranks_per_node`` (at least two nodes), every peer on this rank's
+        node reached by stores and every other by NVSHMEM puts (``peer_transport="auto"``), and one more
+        symmetric buffer (:meth:`BufferPlan.relay_bytes`).
         """
         from flashdmoe.parallel import nvshmem_transport
 
@@ -329,6 +357,15 @@ class Team:
             raise ValueError(f"rank={rank!r}: expected an integer in [0, {world_size})")
         if ranks_per_node is not None:
             _positive_int("ranks_per_node", ranks_per_node)
+        if exchange not in EXCHANGES:
+            raise ValueError(f"exchange={exchange!r}: expected one of {EXCHANGES}")
+        if exchange == "hierarchical":
+            if ranks_per_node is None or world_size % ranks_per_node or world_size // ranks_per_node < 2:
+                raise ValueError(f"exchange='hierarchical': needs ranks_per_node dividing world_size={world_size} into "
+                                 f"at least two nodes, got ranks_per_node={ranks_per_node!r}")
+            if peer_transport != "auto":
+                raise ValueError(f"exchange='hierarchical': needs peer_transport='auto' (stores within a node, puts "
+                                 f"across), got {peer_transport!r}")
         plan = BufferPlan(world_size, max_tokens, hidden, top_k, local_experts, dtype)
         device = _torch_device(device)
         torch.cuda.set_device(device)
@@ -337,7 +374,9 @@ class Team:
 
         # The symmetric heap must hold this team's buffers (NVSHMEM's default is 1 GiB); an explicit
         # NVSHMEM_SYMMETRIC_SIZE in the environment wins.
-        held = plan.bytes_per_rank + (0 if peer_transport == "p2p" else plan.stage_bytes)
+        nodes = world_size // ranks_per_node if exchange == "hierarchical" else 0
+        held = (plan.bytes_per_rank + (0 if peer_transport == "p2p" else plan.stage_bytes)
+                + (plan.relay_bytes(nodes) if nodes else 0))
         os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(max(1 << 30, held * 5 // 4 + (64 << 20))))
         cuda_device = _cuda_core_device(device.index)
         cuda_device.set_current()
@@ -373,6 +412,13 @@ class Team:
                 # The backward's staging for those peers (collective: every rank of a team with NVSHMEM
                 # peers allocates it, as reachability is symmetric).
                 own.stage = nvshmem.tensor((plan.stage_bytes,), dtype=torch.uint8)
+            if nodes:
+                expected = ["p2p" if same_node(rank, q, ranks_per_node) else "nvshmem" for q in range(world_size)]
+                if transports != expected:
+                    raise ValueError(f"exchange='hierarchical': rank {rank} reaches its peers by {transports}; it needs "
+                                     f"stores within its node and NVSHMEM puts across ({expected})")
+                own.relay = nvshmem.tensor((plan.relay_bytes(nodes),), dtype=torch.uint8)
+                own.relay.zero_()  # every batch count starts at zero
 
             # Everyone's signal words are zero before anyone's first kernel can write into them.
             torch.cuda.synchronize(device)
@@ -384,6 +430,12 @@ class Team:
         team = cls("nvshmem", rank, world_size, plan, [own], device)
         team.peer_transports = transports
         team.ranks_per_node = ranks_per_node
+        team.exchange = exchange
+        if nodes:
+            rows_offset, batch_bytes = plan.relay_batch_layout()
+            team.relay_args = {"ranks_per_node": ranks_per_node, "max_rows": plan.max_tokens,
+                               "batch_bytes": batch_bytes, "rows_offset": rows_offset,
+                               "buffer": own.relay.data_ptr()}
         team.unique_id = bytes(uid_bytes)  # binding the transport module re-initialises NVSHMEM with it
         if nvshmem_transport.kernel_build_problem() is None:
             try:
@@ -404,7 +456,8 @@ class Team:
         if self.plan is None:
             return 0
         staged = any(own.stage is not None for own in self.buffers)
-        return self.plan.bytes_per_rank + (self.plan.stage_bytes if staged else 0)
+        relay = sum(own.relay.numel() for own in self.buffers if own.relay is not None) // len(self.buffers)
+        return self.plan.bytes_per_rank + (self.plan.stage_bytes if staged else 0) + relay
 
     def require_usable(self) -> None:
         if self._closed:
@@ -433,6 +486,7 @@ class Team:
             "max_tokens": None if plan is None else plan.max_tokens,
             # how this rank reaches each peer ("p2p" stores or "nvshmem" puts), and an emulated node layout
             "peer_transports": list(self.peer_transports), "ranks_per_node": self.ranks_per_node,
+            "exchange": self.exchange,
         }
 
     def barrier(self) -> None:

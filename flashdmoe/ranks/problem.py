@@ -28,6 +28,7 @@ __all__ = [
     "DTYPES",
     "Problem",
     "RankInputs",
+    "expected_relay_traffic",
     "expected_traffic",
     "near_tie_rows",
     "reference_results",
@@ -363,4 +364,41 @@ def expected_traffic(problem: Problem, ranks_per_node: int | None = None) -> lis
             entry["nvshmem_combine_bytes"] = row_bytes * sum(
                 owner_rows[src][rank] for src in range(problem.world_size) if src // ranks_per_node != node)
         out.append(entry)
+    return out
+
+
+def expected_relay_traffic(problem: Problem, ranks_per_node: int) -> list[dict[str, int]]:
+    """Per rank, the forward's dispatch bytes under the hierarchical exchange (``Team.nvshmem(...,
+    exchange="hierarchical")``, node-major ranks): ``batch_rows`` (its tokens' rows sent to other nodes:
+    one per token and other node its kept choices reach), ``nvshmem_dispatch_bytes`` (those batches: a
+    16-byte header, ``top_k`` 8-byte records and the row per batch row) and ``dispatch_bytes`` (the batches,
+    its rows stored to the other owners on its node, and the rows it stored there as a relay)."""
+    inputs = problem.all_inputs()
+    router = inputs[0].router_weight.float()
+    row_bytes = problem.hidden * torch.empty((), dtype=problem.torch_dtype).element_size()
+    P, G = problem.world_size, ranks_per_node
+    batch_rows = [0] * P
+    batch_bytes = [0] * P
+    stored = [0] * P  # rows a rank stores into other ranks' buffers on its own node
+    for src, i in enumerate(inputs):
+        routing = reference.route(i.x.float(), router, problem.top_k, problem.normalize_topk)
+        capacity = reference.expert_capacity(i.x.shape[0], problem.top_k, problem.experts, problem.capacity_factor)
+        keep = reference.keep_mask(routing.experts, problem.experts, capacity)
+        owners = torch.where(keep, routing.experts // problem.local_experts, -1)
+        node = src // G
+        for t in range(owners.shape[0]):
+            kept = [int(q) for q in owners[t] if q >= 0]
+            stored[src] += sum(1 for q in kept if q // G == node and q != src)
+            for b in sorted({q // G for q in kept} - {node}):
+                relay = b * G + src % G
+                batch_rows[src] += 1
+                batch_bytes[src] += problem.top_k * 8 + row_bytes
+                stored[relay] += sum(1 for q in kept if q // G == b and q != relay)
+    out = []
+    nodes = P // G
+    for rank in range(P):
+        headers = 16 * (nodes - 1)  # one per other node, an empty batch's too
+        nvshmem = batch_bytes[rank] + headers
+        out.append({"rank": rank, "batch_rows": batch_rows[rank], "nvshmem_dispatch_bytes": nvshmem,
+                    "dispatch_bytes": nvshmem + stored[rank] * row_bytes})
     return out
