@@ -245,8 +245,8 @@ def test_emulated_team_buffers_and_peer_tables():
     p = team.plan
     assert (team.transport, team.rank, team.world_size) == ("emulated", 0, P)
     assert p == BufferPlan(P, 50, 128, 2, 4, torch.bfloat16)
-    # signals: the forward's P*L + 3P words, then the backward's 6P + 3 + P*L + P*stream_rows
-    assert team.buffer_bytes == p.bytes_per_rank == 2 * (P * 100 * 128 * 2) + 4 * (P * 4 + 3 * P + 6 * P + 3 + P * 4 + P * 100)
+    # signals: the forward's P*L + 5P words, then the backward's 6P + 3 + P*L + P*stream_rows
+    assert team.buffer_bytes == p.bytes_per_rank == 2 * (P * 100 * 128 * 2) + 4 * (P * 4 + 5 * P + 6 * P + 3 + P * 4 + P * 100)
     assert team.describe()["stream_rows"] == 100 and team.device.type == "cuda"
     assert len(team.buffers) == P
     for own in team.buffers:
