@@ -564,7 +564,7 @@ def test_quick_run_on_gpu(tmp_path):
 
 EP_ARGS = ["--suite", "expert-parallel", "--device", "cpu", "--quick", "--repeats", "2", "--warmup", "0"]
 EP_ENTRIES = ["single", "emulated-1", "emulated-2", "emulated-4", "emulated-8", "mps-2", "mps-2-nvshmem", "mps-4",
-              "mps-4-nvshmem", "mps-4-2nodes", "reference"]
+              "mps-4-nvshmem", "mps-4-2nodes", "mps-4-2nodes-hierarchical", "reference"]
 
 
 def test_suites_are_listed_in_one_registry():
@@ -606,10 +606,12 @@ def test_expert_parallel_quick_run_on_cpu(ep_quick_run):
         assert list(entries) == EP_ENTRIES
         for name in EP_ENTRIES[:-1]:  # everything but the reference needs the GPU
             assert entries[name]["status"] == "unavailable" and "CUDA" in entries[name]["reason"], entries[name]
-        assert [entries[n]["details"]["world_size"] for n in EP_ENTRIES] == [1, 1, 2, 4, 8, 2, 2, 4, 4, 4, 1]
+        assert [entries[n]["details"]["world_size"] for n in EP_ENTRIES] == [1, 1, 2, 4, 8, 2, 2, 4, 4, 4, 4, 1]
         assert [entries[n]["details"].get("peer_transport") for n in EP_ENTRIES if n.startswith("mps")] == [
-            "p2p", "nvshmem", "p2p", "nvshmem", "auto"]
+            "p2p", "nvshmem", "p2p", "nvshmem", "auto", "auto"]
         assert entries["mps-4-2nodes"]["details"]["ranks_per_node"] == 2
+        assert "exchange" not in entries["mps-4-2nodes"]["details"]
+        assert entries["mps-4-2nodes-hierarchical"]["details"]["exchange"] == "hierarchical"
         ref = entries["reference"]
         assert ref["status"] == "ok" and ref["max_relative_error"] == 0.0 and ref["correct"] is True
         assert len(ref["samples_ms"]) == 2 and ref["tflops"] > 0
@@ -703,6 +705,10 @@ def test_mps_entries_per_transport():
     assert (nodes.world_size, nodes.peer_transport, nodes.ranks_per_node) == (4, "auto", 2)
     assert expert_parallel.mps_run_kwargs(nodes, problem) == {
         "team": sizes | {"peer_transport": "auto", "ranks_per_node": 2}, "env": {"FLASHDMOE_KERNEL_BUILD": "nvshmem"}}
+    relayed = expert_parallel.entry_spec("mps-4-2nodes-hierarchical")
+    assert expert_parallel.mps_run_kwargs(relayed, problem) == {
+        "team": sizes | {"peer_transport": "auto", "ranks_per_node": 2, "exchange": "hierarchical"},
+        "env": {"FLASHDMOE_KERNEL_BUILD": "nvshmem"}}
     with pytest.raises(ValueError, match="entry 'mps-2-2nodes'"):
         expert_parallel.entry_spec("mps-2-2nodes")
 

@@ -14,6 +14,9 @@ Every entry computes the same total problem: ``T`` tokens (split as evenly as po
 * ``mps-P-nvshmem`` -- the same processes on the NVSHMEM build (``FLASHDMOE_KERNEL_BUILD=nvshmem``) with
   ``peer_transport="nvshmem"``: every peer is reached through NVSHMEM puts, so beside ``mps-P`` it is the
   forward's latency per transport; its rows also report the bytes that went through NVSHMEM;
+* ``mps-4-2nodes`` -- 4 processes as 2 nodes of 2 (stores within a node, puts across), and
+  ``mps-4-2nodes-hierarchical`` the same with ``exchange="hierarchical"`` (a token's row crosses to the
+  other node once, to a relay there; docs/design.md §8): the forward per cross-node exchange;
 * ``reference`` -- ``flashdmoe.reference.moe`` on all tokens (the oracle; the one entry a CPU runs).
 
 Inputs come from :class:`flashdmoe.ranks.Problem` (seeded piece by piece), so the rank processes
@@ -55,7 +58,8 @@ MPS_TRANSPORTS = ("p2p", "nvshmem")
 TWO_NODES = "2nodes"
 ENTRY_NAMES = ("single", *(f"emulated-{p}" for p in EMULATED_RANKS),
                *(f"mps-{p}" if transport == "p2p" else f"mps-{p}-{transport}"
-                 for p in MPS_RANKS for transport in MPS_TRANSPORTS), f"mps-4-{TWO_NODES}", "reference")
+                 for p in MPS_RANKS for transport in MPS_TRANSPORTS), f"mps-4-{TWO_NODES}",
+               f"mps-4-{TWO_NODES}-hierarchical", "reference")
 # The environment of an NVSHMEM-transport rank process: it imports flashdmoe_cuda from the NVSHMEM build.
 NVSHMEM_BUILD_ENV = {"FLASHDMOE_KERNEL_BUILD": "nvshmem"}
 # The FlashDMoE paper's per-GPU problem as the total, and a smaller one (E = 32: every P up to 8 divides it).
@@ -69,7 +73,7 @@ KERNEL_DTYPES = ("bfloat16", "float16")
 class EntrySpec:
     """name: as in --entries; kind: single | emulated | mps | reference; world_size: P; peer_transport:
     the team's transport to its peers (mps entries only: "p2p", "nvshmem" or "auto"); ranks_per_node: the
-    team's emulated node layout (Team.nvshmem), or None."""
+    team's emulated node layout (Team.nvshmem), or None; exchange: how rows cross nodes (Team.nvshmem)."""
 
     name: str
     kind: str
@@ -77,6 +81,7 @@ class EntrySpec:
     label: str
     peer_transport: str | None = None
     ranks_per_node: int | None = None
+    exchange: str = "direct"
 
     @property
     def needs_nvshmem_build(self) -> bool:
@@ -98,6 +103,9 @@ def entry_spec(name: str) -> EntrySpec:
         return EntrySpec(name, "mps", int(count), f"{count} processes (MPS), {transport}", transport)
     if name == f"mps-4-{TWO_NODES}":
         return EntrySpec(name, "mps", 4, "4 processes (MPS) as 2 nodes of 2: p2p within, nvshmem across", "auto", 2)
+    if name == f"mps-4-{TWO_NODES}-hierarchical":
+        return EntrySpec(name, "mps", 4, "4 processes (MPS) as 2 nodes of 2, hierarchical exchange", "auto", 2,
+                         "hierarchical")
     raise ValueError(f"entry {name!r}: expected one of {list(ENTRY_NAMES)}")
 
 
@@ -130,6 +138,8 @@ def _entry_details(spec: EntrySpec) -> dict:
         details["peer_transport"] = spec.peer_transport
     if spec.ranks_per_node is not None:
         details["ranks_per_node"] = spec.ranks_per_node
+    if spec.exchange != "direct":
+        details["exchange"] = spec.exchange
     return details
 
 
@@ -215,6 +225,8 @@ def mps_run_kwargs(spec: EntrySpec, problem: Problem) -> dict:
     kwargs = {"team": {**problem.team_kwargs(), "peer_transport": spec.peer_transport or "p2p"}}
     if spec.ranks_per_node is not None:
         kwargs["team"]["ranks_per_node"] = spec.ranks_per_node
+    if spec.exchange != "direct":
+        kwargs["team"]["exchange"] = spec.exchange
     if spec.needs_nvshmem_build:
         kwargs["env"] = dict(NVSHMEM_BUILD_ENV)
     return kwargs
