@@ -124,6 +124,10 @@ class MoEConfig:
             distinct nodes runs ``world_size // nodes`` ranks (one per GPU), rank ``r`` on node
             ``r // ranks_per_node`` (node-major); 1 keeps every rank on one node. Ignored by runs whose
             ranks share one process (``--in-process``).
+        exchange: how a GPU team's forward rows reach owners on other nodes (``Team.nvshmem``):
+            ``direct`` (each kept choice's row put to its owner) or ``hierarchical`` (a token's row once to
+            each other node its choices reach, stored into the owners there by the rank with the sender's
+            index on that node; docs/design.md §8); ``hierarchical`` needs ``nodes >= 2``.
     """
 
     hidden: int
@@ -140,6 +144,7 @@ class MoEConfig:
     steps: int = 1
     step_timeout_s: float | None = None
     nodes: int = 1
+    exchange: str = "direct"
 
     def __post_init__(self) -> None:
         minimums = {"hidden": 1, "ffn": 1, "experts": 1, "top_k": 1, "tokens_per_rank": 0,
@@ -175,6 +180,10 @@ class MoEConfig:
             raise ValueError(f"dtype={self.dtype!r}: expected one of {', '.join(CONFIG_DTYPES)}")
         if self.step_timeout_s is not None:
             object.__setattr__(self, "step_timeout_s", _positive_seconds("step_timeout_s", self.step_timeout_s))
+        if self.exchange not in ("direct", "hierarchical"):
+            raise ValueError(f"exchange={self.exchange!r}: expected direct or hierarchical")
+        if self.exchange == "hierarchical" and self.nodes < 2:
+            raise ValueError(f"exchange='hierarchical': expected nodes >= 2 (rows cross nodes), got nodes={self.nodes}")
 
     # -- loading -------------------------------------------------------------------------------
 

@@ -304,10 +304,13 @@ class MoEWorker:
                 max_tokens = rendezvous.get("max_tokens", max(1, config.tokens_per_rank))
                 if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
                     raise ValueError(f"rendezvous['max_tokens']={max_tokens!r}: expected an integer >= 1")
+                # the hierarchical exchange needs the node layout (ranks node-major, as placed)
+                layout = ({"ranks_per_node": config.ranks_per_node, "exchange": "hierarchical"}
+                          if config.exchange == "hierarchical" else {})
                 self.team = Team.nvshmem(
                     rendezvous["unique_id"], rank, world_size, max_tokens=max_tokens, hidden=config.hidden,
                     top_k=config.top_k, local_experts=config.local_experts, dtype=config.torch_dtype,
-                    device=self.device)
+                    device=self.device, **layout)
         else:
             raise ValueError(f"rendezvous['backend']={backend!r}: expected 'gloo' or 'cuda'")
         self.rank, self.world_size, self.config, self.backend = rank, world_size, config, backend

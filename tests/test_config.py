@@ -75,6 +75,8 @@ def test_defaults_and_derived_sizes():
         ("nodes", 0, ">= 1"),
         ("nodes", 1.0, "integer"),
         ("nodes", 3, "divisor of world_size=2"),
+        ("exchange", "relay", "direct or hierarchical"),
+        ("exchange", "hierarchical", "nodes >= 2"),
     ],
 )
 def test_invalid_field_names_field_value_and_range(field, value, expected_text):
@@ -95,6 +97,8 @@ def test_valid_edge_values_are_accepted():
     assert config_with(world_size=8, experts=8).local_experts == 1
     assert (config_with().nodes, config_with().ranks_per_node) == (1, 2)
     assert config_with(world_size=8, experts=8, nodes=4).ranks_per_node == 2
+    assert config_with().exchange == "direct"
+    assert config_with(nodes=2, exchange="hierarchical").exchange == "hierarchical"
 
 
 def test_config_is_immutable_and_replace_revalidates():
