@@ -150,9 +150,15 @@ def test_p2p_transport_reports_no_nvshmem_bytes(mps_daemon, world_size):
 @pytest.mark.gpu
 def test_silent_rank_times_out_every_rank_over_nvshmem(mps_daemon):
     problem = Problem((128, 128), 128, 128, 8, 2, "gelu", seed=47)
-    result = run_ranks("silent_rank_timeout", 2, mps=mps_daemon, env=NVSHMEM_ENV, timeout_s=RUN_TIMEOUT_S,
-                       params={"problem": problem.to_dict(), "silent_rank": 1, "timeout_ms": 2000},
-                       team={**problem.team_kwargs(), "peer_transport": "nvshmem"})
+    _every_rank_timed_out(run_ranks(
+        "silent_rank_timeout", 2, mps=mps_daemon, env=NVSHMEM_ENV, timeout_s=RUN_TIMEOUT_S,
+        params={"problem": problem.to_dict(), "silent_rank": 1, "timeout_ms": 2000},
+        team={**problem.team_kwargs(), "peer_transport": "nvshmem"}))
+
+
+def _every_rank_timed_out(result: RunResult) -> None:
+    """Every rank of a run with a silent rank raised KernelTimeout at its forward, its team was marked
+    failed and its next call raised TeamFailed; no rank hung."""
     assert not result.hung_ranks, f"ranks {result.hung_ranks} hung: the watchdog must end every kernel"
     result.check()
     for outcome in result.ranks:
@@ -259,12 +265,7 @@ def test_hierarchical_exchange_is_bitwise_the_direct_one_and_sends_each_row_once
 @pytest.mark.gpu
 def test_silent_rank_times_out_every_rank_over_the_hierarchical_exchange(mps_daemon):
     problem = Problem((64, 64, 64, 64), 128, 128, 16, 4, "gelu", seed=50)
-    result = run_ranks("silent_rank_timeout", 4, mps=mps_daemon, env=NVSHMEM_ENV, timeout_s=RUN_TIMEOUT_S,
-                       params={"problem": problem.to_dict(), "silent_rank": 2, "timeout_ms": 2000},
-                       team={**problem.team_kwargs(), "ranks_per_node": 2, "exchange": "hierarchical"})
-    assert not result.hung_ranks, f"ranks {result.hung_ranks} hung: the watchdog must end every kernel"
-    result.check()
-    for outcome in result.ranks:
-        info = outcome.info
-        assert info["error"]["type"] == "KernelTimeout", f"rank {outcome.rank}: {info}"
-        assert info["team_failed"] is True and info["second_call_error"]["type"] == "TeamFailed", info
+    _every_rank_timed_out(run_ranks(
+        "silent_rank_timeout", 4, mps=mps_daemon, env=NVSHMEM_ENV, timeout_s=RUN_TIMEOUT_S,
+        params={"problem": problem.to_dict(), "silent_rank": 2, "timeout_ms": 2000},
+        team={**problem.team_kwargs(), "ranks_per_node": 2, "exchange": "hierarchical"}))
