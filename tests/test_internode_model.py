@@ -50,6 +50,15 @@ def test_comm_time_is_the_slower_link_both_ways():
     assert p2.bounds("direct")[0] == pytest.approx(ib_ms)  # communication-bound
 
 
+@pytest.mark.parametrize("experts,top_k,nodes", [(128, 2, 2), (256, 8, 2), (256, 8, 8)])
+def test_relayed_rows_cost_half_way_between_direct_and_hierarchical(experts, top_k, nodes):
+    """The built hierarchical exchange relays the rows and returns results directly: one direction each."""
+    p = model.predict(8192, 2048, experts, top_k, nodes, compute_ms=0.5)
+    assert p.relayed_comm_ms == pytest.approx((p.direct_comm_ms + p.hierarchical_comm_ms) / 2)
+    assert p.hierarchical_comm_ms <= p.relayed_comm_ms <= p.direct_comm_ms
+    assert p.bounds("relayed") == (pytest.approx(max(0.5, p.relayed_comm_ms)), pytest.approx(0.5 + p.relayed_comm_ms))
+
+
 def test_unplaceable_experts_are_refused():
     with pytest.raises(ValueError, match="experts=32 must be a multiple of the 64 ranks"):
         model.rank_traffic(8192, 32, 2, 8)

@@ -5,7 +5,7 @@ Not a measurement: no multi-node machine has run the kernel. The model takes the
 token picks a uniformly random set of ``k`` distinct experts; E experts spread evenly, ``E / P`` per rank,
 ranks node-major) and counts, per rank and per direction (dispatch out, results back: the same bytes):
 
-* **direct puts** (what the kernel does today, docs/design.md §8): one row of ``H`` elements per kept
+* **direct puts** (the kernel's ``exchange="direct"``, docs/design.md §8): one row of ``H`` elements per kept
   choice whose expert is on another rank, straight to that rank. Of a token's ``k`` choices,
   ``k (G - 1) / P`` land on another rank of its node (NVLink) and ``k (N - 1) / N`` on another node
   (InfiniBand, one NIC per GPU, rail-optimised).
@@ -13,6 +13,8 @@ ranks node-major) and counts, per rank and per direction (dispatch out, results 
   choices hit, to the rank with the same local index there, which forwards it over NVLink to the ranks
   that own the chosen experts; results come back the same way, summed per node first. A remote node is
   hit with probability ``1 - C(E - E/N, k) / C(E, k)``.
+* **relayed rows** (the kernel's ``exchange="hierarchical"`` as built): the hierarchical dispatch, then
+  the direct puts' way back (one result row per remote choice).
 
 Time per direction is the slower of the two links, ``max(NVLink bytes / NVLink bandwidth, IB bytes / IB
 bandwidth)`` (a rank drives both at once); a forward pays it twice (dispatch, combine). The compute is an
@@ -64,9 +66,16 @@ class Prediction:
     hierarchical_comm_ms: float
     compute_ms: float
 
+    @property
+    def relayed_comm_ms(self) -> float:
+        """The built hierarchical exchange: relayed rows out, direct results back."""
+        return (self.direct_comm_ms + self.hierarchical_comm_ms) / 2
+
     def bounds(self, layout: str) -> tuple[float, float]:
-        """(all overlapped, nothing overlapped) forward ms for ``layout`` "direct" or "hierarchical"."""
-        comm = self.direct_comm_ms if layout == "direct" else self.hierarchical_comm_ms
+        """(all overlapped, nothing overlapped) forward ms for ``layout`` "direct", "hierarchical" or
+        "relayed"."""
+        comm = {"direct": self.direct_comm_ms, "hierarchical": self.hierarchical_comm_ms,
+                "relayed": self.relayed_comm_ms}[layout]
         return max(self.compute_ms, comm), self.compute_ms + comm
 
 
@@ -164,18 +173,21 @@ def main(argv: list[str] | None = None) -> None:
         _print_steps(args)
         return
     print("| config | nodes | ranks | rows out per rank: NVLink / IB, direct | hierarchical | comm ms direct | "
-          "comm ms hierarchical | forward ms direct (overlapped .. serial) | hierarchical |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "comm ms hierarchical | forward ms direct (overlapped .. serial) | hierarchical | relayed rows, "
+          "direct results (built) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name, tokens, hidden, experts, top_k, compute_ms in _layers(args):
         for nodes in (int(n) for n in args.nodes.split(",")):
             if experts % (nodes * args.gpus_per_node):
-                print(f"| {name} | {nodes} | {nodes * args.gpus_per_node} | E = {experts}: not placeable | | | | | |")
+                print(f"| {name} | {nodes} | {nodes * args.gpus_per_node} | E = {experts}: not placeable | | | | | | |")
                 continue
             p = predict(tokens, hidden, experts, top_k, nodes, compute_ms, gpus_per_node=args.gpus_per_node)
             (low, high), (hier_low, hier_high) = p.bounds("direct"), p.bounds("hierarchical")
+            relay_low, relay_high = p.bounds("relayed")
             print(f"| {name} | {nodes} | {p.ranks} | {p.direct.nvlink_rows:,.0f} / {p.direct.ib_rows:,.0f} | "
                   f"{p.hierarchical.nvlink_rows:,.0f} / {p.hierarchical.ib_rows:,.0f} | {p.direct_comm_ms:.3f} | "
-                  f"{p.hierarchical_comm_ms:.3f} | {low:.2f} .. {high:.2f} | {hier_low:.2f} .. {hier_high:.2f} |")
+                  f"{p.hierarchical_comm_ms:.3f} | {low:.2f} .. {high:.2f} | {hier_low:.2f} .. {hier_high:.2f} | "
+                  f"{relay_low:.2f} .. {relay_high:.2f} |")
 
 def _layers(args) -> list[tuple]:
     from flashdmoe.config import MoEConfig
