@@ -249,8 +249,9 @@ def _make_plan(ext, kind, team, tokens, H, I, E, top_k, dtype, activation, norma
         })
         if kind != "single":  # the rank's forwards are counted on the device (Team.device_words)
             rank_args[-1]["team_words"] = team.device_words.data_ptr() + 8 * i
-        if kind == "nvshmem" and team.relay_args is not None:  # the hierarchical exchange's batches
-            rank_args[-1]["relay"] = dict(team.relay_args)
+        relay = team.relay_args if kind == "nvshmem" else None
+        if relay is not None:  # the hierarchical exchange's batches
+            rank_args[-1]["relay"] = relay
     prepared = ext.prepare_forward(shared, rank_args)
     shape = LaunchShape(ranks=ranks, tokens=tokens, local_experts=L,
                         row_bytes=H * torch.empty((), dtype=dtype).element_size(), timeout_ms=timeout)

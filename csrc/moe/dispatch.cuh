@@ -37,7 +37,7 @@ __device__ __forceinline__ char* relay_incoming(const MoEParams& p, int node) {
   return p.relay.buffer + static_cast<size_t>(p.world_size / p.relay.ranks_per_node + node) * p.relay.batch_bytes;
 }
 __device__ __forceinline__ uint32_t* batch_count(char* region) { return reinterpret_cast<uint32_t*>(region); }
-__device__ __forceinline__ RelayRecord* batch_records(char* region) { return reinterpret_cast<RelayRecord*>(region + 16); }
+__device__ __forceinline__ RelayRecord* batch_records(char* region) { return reinterpret_cast<RelayRecord*>(region + kRelayHeaderBytes); }
 __device__ __forceinline__ char* batch_rows(const MoEParams& p, char* region) { return region + p.relay.rows_offset; }
 
 // One warp per token: its k rows. The row is read once, 8 x 16 bytes per lane at a time (4 KB in flight

@@ -83,7 +83,7 @@ static void prepare_rank(const ForwardArgs& a, const RankArgs& r, PreparedRank& 
   if (r.relay.ranks_per_node > 0) {
     const int G = r.relay.ranks_per_node;
     if (a.world_size % G != 0 || a.world_size / G < 2 || r.relay.buffer == nullptr || r.relay.max_rows < r.tokens ||
-        r.relay.rows_offset < 16 + static_cast<size_t>(r.relay.max_rows) * a.top_k * sizeof(RelayRecord) ||
+        r.relay.rows_offset < relay_record_bytes(r.relay.max_rows, a.top_k) ||
         r.relay.batch_bytes < r.relay.rows_offset + static_cast<size_t>(r.relay.max_rows) * a.hidden * (a.dtype == DType::Float32 ? 4 : 2))
       throw std::invalid_argument("relay: ranks_per_node=" + std::to_string(G) + " with " +
                                   std::to_string(a.world_size) + " ranks, max_rows=" + std::to_string(r.relay.max_rows) +

@@ -144,6 +144,11 @@ struct RelayRecord {
   int owner;  // the choice's owner rank on the batch's node, or -1 (the choice is elsewhere or dropped)
   int row;    // its row in the owner's receive region [source]
 };
+// A batch region's header (the row count, padded), and the bytes of its header and `rows` rows' records.
+constexpr size_t kRelayHeaderBytes = 16;
+__host__ __device__ __forceinline__ size_t relay_record_bytes(int rows, int top_k) {
+  return kRelayHeaderBytes + static_cast<size_t>(rows) * top_k * sizeof(RelayRecord);
+}
 struct RelayParams {
   int ranks_per_node;  // G; 0: every row is put straight to its owner (direct)
   int max_rows;        // rows a batch region holds (the team's max_tokens)

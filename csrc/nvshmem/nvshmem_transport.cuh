@@ -124,11 +124,6 @@ struct NvshmemTransport {
   __device__ __forceinline__ static bool relayed(const MoEParams& p, int owner) {
     return p.relay.ranks_per_node > 0 && node_of(p, owner) != node_of(p, p.rank);
   }
-  __device__ __forceinline__ static size_t batch_put_bytes(const MoEParams& p, uint32_t rows, size_t row_bytes,
-                                                           size_t& record_bytes) {
-    record_bytes = 16 + static_cast<size_t>(rows) * p.top_k * sizeof(RelayRecord);
-    return record_bytes + rows * row_bytes;
-  }
 
   // Thread 0 of each block: bounded waits, each node's relay (or source) in turn; block-uniform answer.
   template <typename Wait>
@@ -154,8 +149,8 @@ struct NvshmemTransport {
       char* out = relay_outgoing(p, b);
       char* in = relay_incoming(p, node_of(p, p.rank));  // the same offsets in the relay's buffer
       const uint32_t rows = __ldcg(batch_count(out));
-      size_t record_bytes;
-      const size_t total = batch_put_bytes(p, rows, row_bytes, record_bytes);
+      const size_t record_bytes = relay_record_bytes(static_cast<int>(rows), p.top_k);
+      const size_t total = record_bytes + rows * row_bytes;
       size_t begin, end;
       block_slice(p, record_bytes, begin, end);
       const int relay = same_index_on(p, b);

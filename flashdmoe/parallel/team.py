@@ -268,8 +268,6 @@ class Team:
         self.unique_id: bytes = b""  # NVSHMEM teams: the id the team was bootstrapped with
         self.ranks_per_node: int | None = None  # NVSHMEM teams: an emulated node layout (Team.nvshmem)
         self.exchange = "direct"  # NVSHMEM teams: how rows cross nodes ("direct" or "hierarchical")
-        # The kernel's RelayParams of this rank for the hierarchical exchange (None: direct).
-        self.relay_args: dict | None = None
         # NVSHMEM teams: the launch reports of the last backward exchange
         # (flashdmoe.backward.ep_backward.exchange_traffic).
         self.backward_reports: tuple = ()
@@ -431,11 +429,6 @@ class Team:
         team.peer_transports = transports
         team.ranks_per_node = ranks_per_node
         team.exchange = exchange
-        if nodes:
-            rows_offset, batch_bytes = plan.relay_batch_layout()
-            team.relay_args = {"ranks_per_node": ranks_per_node, "max_rows": plan.max_tokens,
-                               "batch_bytes": batch_bytes, "rows_offset": rows_offset,
-                               "buffer": own.relay.data_ptr()}
         team.unique_id = bytes(uid_bytes)  # binding the transport module re-initialises NVSHMEM with it
         if nvshmem_transport.kernel_build_problem() is None:
             try:
@@ -456,8 +449,19 @@ class Team:
         if self.plan is None:
             return 0
         staged = any(own.stage is not None for own in self.buffers)
-        relay = sum(own.relay.numel() for own in self.buffers if own.relay is not None) // len(self.buffers)
+        relay = max((own.relay.numel() for own in self.buffers if own.relay is not None), default=0)
         return self.plan.bytes_per_rank + (self.plan.stage_bytes if staged else 0) + relay
+
+    @property
+    def relay_args(self) -> dict | None:
+        """The kernel's RelayParams of this rank for the hierarchical exchange (``csrc/moe/params.cuh``), or
+        ``None`` (direct)."""
+        relay = self.buffers[0].relay if self.buffers else None
+        if relay is None:
+            return None
+        rows_offset, batch_bytes = self.plan.relay_batch_layout()
+        return {"ranks_per_node": self.ranks_per_node, "max_rows": self.plan.max_tokens,
+                "batch_bytes": batch_bytes, "rows_offset": rows_offset, "buffer": relay.data_ptr()}
 
     def require_usable(self) -> None:
         if self._closed:

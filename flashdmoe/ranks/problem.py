@@ -333,22 +333,33 @@ def reference_results(problem: Problem) -> list[dict[str, torch.Tensor]]:
     return out
 
 
+def _kept_owners(problem: Problem) -> list[torch.Tensor]:
+    """Per source rank, from the reference routing: ``[T, k]`` the owner rank of each choice, -1 where
+    capacity dropped it."""
+    inputs = problem.all_inputs()
+    router = inputs[0].router_weight.float()
+    owners = []
+    for i in inputs:
+        routing = reference.route(i.x.float(), router, problem.top_k, problem.normalize_topk)
+        capacity = reference.expert_capacity(i.x.shape[0], problem.top_k, problem.experts, problem.capacity_factor)
+        keep = reference.keep_mask(routing.experts, problem.experts, capacity)
+        owners.append(torch.where(keep, routing.experts // problem.local_experts, -1))
+    return owners
+
+
+def _row_bytes(problem: Problem) -> int:
+    return problem.hidden * torch.empty((), dtype=problem.torch_dtype).element_size()
+
+
 def expected_traffic(problem: Problem, ranks_per_node: int | None = None) -> list[dict[str, int]]:
     """Per rank, from the reference routing: ``rows_routed_remote`` (this rank's kept choices whose expert
     lives on another rank), ``rows_computed_remote`` (kept choices of other ranks' tokens computed by this
     rank's experts) and the byte counts those rows make in the problem's dtype (``dispatch_bytes``,
     ``combine_bytes``) when only routed rows travel. With ``ranks_per_node`` (node-major ranks), also
     ``nvshmem_dispatch_bytes`` / ``nvshmem_combine_bytes``: the part of those to or from other nodes."""
-    inputs = problem.all_inputs()
-    router = inputs[0].router_weight.float()
-    element = torch.empty((), dtype=problem.torch_dtype).element_size()
-    row_bytes = problem.hidden * element
+    row_bytes = _row_bytes(problem)
     owner_rows = [[0] * problem.world_size for _ in range(problem.world_size)]  # [src][dst]
-    for src, i in enumerate(inputs):
-        routing = reference.route(i.x.float(), router, problem.top_k, problem.normalize_topk)
-        capacity = reference.expert_capacity(i.x.shape[0], problem.top_k, problem.experts, problem.capacity_factor)
-        keep = reference.keep_mask(routing.experts, problem.experts, capacity)
-        owners = routing.experts[keep] // problem.local_experts
+    for src, owners in enumerate(_kept_owners(problem)):
         for dst in range(problem.world_size):
             owner_rows[src][dst] = int((owners == dst).sum())
     out = []
@@ -373,18 +384,12 @@ def expected_relay_traffic(problem: Problem, ranks_per_node: int) -> list[dict[s
     one per token and other node its kept choices reach), ``nvshmem_dispatch_bytes`` (those batches: a
     16-byte header, ``top_k`` 8-byte records and the row per batch row) and ``dispatch_bytes`` (the batches,
     its rows stored to the other owners on its node, and the rows it stored there as a relay)."""
-    inputs = problem.all_inputs()
-    router = inputs[0].router_weight.float()
-    row_bytes = problem.hidden * torch.empty((), dtype=problem.torch_dtype).element_size()
+    row_bytes = _row_bytes(problem)
     P, G = problem.world_size, ranks_per_node
     batch_rows = [0] * P
     batch_bytes = [0] * P
     stored = [0] * P  # rows a rank stores into other ranks' buffers on its own node
-    for src, i in enumerate(inputs):
-        routing = reference.route(i.x.float(), router, problem.top_k, problem.normalize_topk)
-        capacity = reference.expert_capacity(i.x.shape[0], problem.top_k, problem.experts, problem.capacity_factor)
-        keep = reference.keep_mask(routing.experts, problem.experts, capacity)
-        owners = torch.where(keep, routing.experts // problem.local_experts, -1)
+    for src, owners in enumerate(_kept_owners(problem)):
         node = src // G
         for t in range(owners.shape[0]):
             kept = [int(q) for q in owners[t] if q >= 0]
