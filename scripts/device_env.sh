@@ -7,8 +7,9 @@ export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAS
 export FLASHDMOE_CACHE_DIR=${FLASHDMOE_CACHE_DIR:-/tmp/flashdmoe-cache}
 # Ray's wheel is over the transfer limit: it travels as a tarball without its Java jars and libraries
 # (rllib, serve, tune, train, data) that the project does not use.
-# Unpacked and installed once per machine (the probe scripts source this file again).
-if [ ! -e /tmp/site/.installed ]; then
+# Unpacked and installed once per machine (the probe scripts source this file again); not for a check of
+# the probes' edits alone (PROBE_CHECK_ONLY, scripts/probe_build.sh), which runs anywhere.
+if [ -z "${PROBE_CHECK_ONLY:-}" ] && [ ! -e /tmp/site/.installed ]; then
   if ls .whl/ray-*.tar.xz >/dev/null 2>&1; then
     mkdir -p /tmp/site && tar xJf .whl/ray-*.tar.xz -C /tmp/site
   fi

@@ -4,24 +4,43 @@
 #   probe_build NAME "FILES" EDIT
 #
 # copies csrc/ to /tmp/probe_src_NAME, applies EDIT -- a Python expression over a file's text `s` (`re`
-# imported) -- to each of FILES (paths under csrc/), which must change one of them unless EDIT is `s`,
-# builds (build_tree below), and exports FLASHDMOE_SOURCE_DIR and FLASHDMOE_CACHE_DIR for the timing that
-# follows. Returns non-zero, saying why, when the edit matched nothing or the build failed (log:
-# /tmp/probe_NAME_build.log).
+# imported) -- to each of FILES (paths under csrc/), builds (build_tree below), and exports
+# FLASHDMOE_SOURCE_DIR and FLASHDMOE_CACHE_DIR for the timing that follows. Every `s.replace(old, ...)`
+# and `re.sub(pattern, ...)` of EDIT must match in at least one of FILES: a probe whose text moved in the
+# sources fails, naming what it did not find, instead of timing an unchanged kernel. Returns non-zero,
+# saying why, when an edit did not match or the build failed (log: /tmp/probe_NAME_build.log).
+# PROBE_CHECK_ONLY=1 applies the edits and stops there (no build, no GPU; non-zero so that the caller's
+# timing is skipped): `PROBE_CHECK_ONLY=1 bash scripts/decode_probe.sh` checks every probe of a script.
 probe_build() {
   local name=$1 files=$2 edit=$3 src=/tmp/probe_src_$1
   rm -rf "$src" && cp -r csrc "$src"
   PROBE_EDIT=$edit python3 - $(for f in $files; do echo "$src/$f"; done) <<'PY' || { echo "$name: the edit failed"; return 1; }
-import os, re, sys
-edit = os.environ["PROBE_EDIT"]
-changed = False
+import os, re as _re, sys
+
+found = {}  # each pattern of the edit: whether it matched in any file
+
+
+class Text(str):
+    def replace(self, old, new, count=-1):
+        found[old] = found.get(old, False) or old in self
+        return Text(str.replace(self, old, new, count))
+
+
+class Re:
+    def sub(self, pattern, repl, string, count=0, flags=0):
+        out, n = _re.subn(pattern, repl, string, count=count, flags=flags)
+        found[pattern] = found.get(pattern, False) or n > 0
+        return Text(out)
+
+
+edit, re = os.environ["PROBE_EDIT"], Re()
 for path in sys.argv[1:]:
-    s = open(path).read()
-    t = eval(edit)
-    changed |= t != s
-    open(path, "w").write(t)
-assert edit == "s" or changed, "the edit matched nothing"
+    s = Text(open(path).read())
+    open(path, "w").write(eval(edit))
+missing = [pattern for pattern, hit in found.items() if not hit]
+assert not missing, "not found in " + " ".join(sys.argv[1:]) + ": " + "; ".join(map(repr, missing))
 PY
+  if [ -n "${PROBE_CHECK_ONLY:-}" ]; then echo "$name: every edit applies (not built: PROBE_CHECK_ONLY)"; return 1; fi
   build_tree "probe_$name" "$src"
 }
 

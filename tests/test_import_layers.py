@@ -9,15 +9,20 @@
   imports only itself and the base modules (errors, numerics, the reference, validation); ``parallel/``
   (teams) adds ``kernel/``; ``backward/`` adds ``parallel/``. Nothing there imports ``cuda_backend``,
   the API or anything above it. Checked statically with the same scan.
-* The device scripts (scripts/, run only on a GPU machine) import only modules and names the package has.
+* The device scripts (scripts/, run only on a GPU machine) import only modules and names the package has,
+  and the probe scripts' edits of csrc/ (kernels built with a part changed) still find their text.
 """
 
 from __future__ import annotations
 
 import ast
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "flashdmoe"
 BENCH = "flashdmoe.bench"
@@ -235,3 +240,19 @@ def test_the_device_scripts_import_what_the_package_has():
                 except ImportError:
                     missing.append(f"{where}: {module} has no {name}")
     assert not missing, "scripts import what the package does not have:\n" + "\n".join(missing)
+
+
+@pytest.mark.parametrize("script", ["decode_probe.sh", "expert_phase_probe.sh", "backward_probe.sh"])
+def test_the_probe_scripts_edits_apply_to_the_sources(script, tmp_path):
+    """The probe scripts build the kernel from csrc/ with text replaced (scripts/probe_build.sh); a probe
+    whose text moved in the sources would time an unchanged kernel, or fail on the GPU machine. Each
+    probe's edits, applied without building (PROBE_CHECK_ONLY), must all match."""
+    root = PACKAGE.parent
+    env = {**os.environ, "PROBE_CHECK_ONLY": "1", "OUT": str(tmp_path)}
+    run = subprocess.run(["bash", str(root / "scripts" / script)], cwd=root, env=env, capture_output=True, text=True,
+                         timeout=120)
+    probes = re.findall(r"^\s*\[(\w+)\]=", (root / "scripts" / script).read_text(), flags=re.M)
+    assert probes, f"{script}: no probes found"
+    for probe in probes:
+        assert re.search(rf"^\w*_{probe}: every edit applies", run.stdout, flags=re.M), \
+            f"{script}, probe {probe}:\n{run.stdout}\n{run.stderr}"
