@@ -2,7 +2,8 @@
 after warm-up, 3 rotated input sets). A development probe; the benchmark of record is `flashdmoe bench`.
 
 Environment knobs:
-  QUICK_SHAPES="T/H/I/E/k[/activation],..." shapes to time; "decode" = the decode rows of issue 15's table.
+  QUICK_SHAPES="T/H/I/E/k[/activation],..." shapes to time; "decode" (alone or as an item) = the decode rows
+  of issue 15's table.
   QUICK_ACTIVATION=relu  activation of shapes that name none (gelu by default).
   QUICK_VARIANTS=a,b     expert variants to force; "auto" = what the public call picks (printed).
   QUICK_GATE_SPLIT=auto,on,off  split-gate settings to compare (auto by default).
@@ -36,10 +37,11 @@ GATE_SPLIT = {"auto": None, "on": True, "off": False}
 
 
 def parse_shapes(text: str, activation: str):
-    if text == "decode":
-        return DECODE_SHAPES
     shapes = []
     for item in (s for s in text.split(",") if s):
+        if item == "decode":
+            shapes.extend(DECODE_SHAPES)
+            continue
         fields = item.split("/")
         shapes.append(tuple(int(v) for v in fields[:5]) + (fields[5] if len(fields) > 5 else activation,))
     return shapes
