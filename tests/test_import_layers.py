@@ -242,7 +242,16 @@ def test_the_device_scripts_import_what_the_package_has():
     assert not missing, "scripts import what the package does not have:\n" + "\n".join(missing)
 
 
-@pytest.mark.parametrize("script", ["decode_probe.sh", "expert_phase_probe.sh", "backward_probe.sh"])
+# The scripts that build probe kernels (they call probe_build from scripts/probe_build.sh).
+PROBE_SCRIPTS = sorted(path.name for path in (PACKAGE.parent / "scripts").glob("*.sh")
+                       if re.search(r"^\s*probe_build ", path.read_text(), flags=re.M))
+
+
+def test_there_are_probe_scripts():
+    assert PROBE_SCRIPTS, "no script under scripts/ calls probe_build"
+
+
+@pytest.mark.parametrize("script", PROBE_SCRIPTS)
 def test_the_probe_scripts_edits_apply_to_the_sources(script, tmp_path):
     """The probe scripts build the kernel from csrc/ with text replaced (scripts/probe_build.sh); a probe
     whose text moved in the sources would time an unchanged kernel, or fail on the GPU machine. Each
