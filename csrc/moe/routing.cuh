@@ -40,6 +40,21 @@ __device__ inline void scan_tile_counts(const MoEParams& p) {
 
 // ---- source side ----
 
+// A gate tile that its block routes (gate.cuh routes_in_gate), in the gate's pipeline stages once the
+// tile's loads are consumed: the tile's per-expert counts (then, scanned, each expert's stream offset),
+// and per choice (token-major, as topk_expert) its expert and its rank among that expert's choices.
+struct RoutedTile {
+  int* count;   // [E]
+  int* expert;  // [tokens * k]
+  int* slot;    // [tokens * k]
+};
+__device__ __forceinline__ RoutedTile routed_tile(char* smem, int experts, int top_k) {
+  static_assert(4 * (kMaxExperts + 2 * (kThreads / 32) * kMaxTopK) <= gate_pipeline_bytes(kGateStagesShallow),
+                "a routed tile fits the gate's stages");
+  int* base = reinterpret_cast<int*>(smem);
+  return {base, base + experts, base + experts + (kThreads / 32) * top_k};
+}
+
 // stream_offset[e] (shared, [E]): where expert e's rows start in the stream to its owner e / L, whose
 // rows are ordered by local expert then token. Warp 0 first copies every kept count into place (eight
 // loads per lane in flight: one round trip to L2 for up to 256 experts, where a load per 32 experts
