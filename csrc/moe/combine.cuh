@@ -105,7 +105,7 @@ __device__ __forceinline__ void combine_token_chunks(const MoEParams& p) {
   const int step_tokens = warps / chunks, step_chunks = warps % chunks;
   const int first = block_in_rank(p) * (kThreads / 32) + (threadIdx.x >> 5);
   int token = first / chunks, chunk = first % chunks;
-  auto item_at = [&]() {
+  auto take_item = [&]() {  // the next of this warp's items; advances (token, chunk)
     CombineItem it{token, chunk * kChunkColumns, -1, 0, 0.f};
     const size_t at = static_cast<size_t>(token) * k;
     if (token < p.tokens && lane < k) {
@@ -125,8 +125,8 @@ __device__ __forceinline__ void combine_token_chunks(const MoEParams& p) {
   auto comb_row = [&](const CombineItem& it) {
     return it.row >= 0 ? it.row + (it.expert / p.local_experts) * p.stream_rows : -1;
   };
-  CombineItem mine = item_at();
-  CombineItem next = item_at();
+  CombineItem mine = take_item();
+  CombineItem next = take_item();
   while (mine.token < p.tokens) {
     if (kPrefetchNext && next.token < p.tokens) {
       const int row = comb_row(next);
@@ -137,7 +137,7 @@ __device__ __forceinline__ void combine_token_chunks(const MoEParams& p) {
     CombineItem later;
     combine_chunk<Element, kParts, kGroup>(p, comb, y, mine.token, mine.c0, comb_row(mine), mine.weight, [&] {
       asm volatile("" ::: "memory");  // issued after this item's rows: a wait for either then waits for both
-      later = item_at();
+      later = take_item();
     });
     mine = next;
     next = later;
