@@ -18,18 +18,28 @@ __device__ __forceinline__ int warp_inclusive_scan(int v) {
 }
 
 // One warp per expert across the rank's blocks: exclusive prefix of the expert's count over gate tiles.
+// Up to 8 x 32 tiles' counts are loaded before any is scanned: one round trip to memory per 256 tiles,
+// where a load per 32 tiles scanned was one each (16 in a row at 16384 tokens).
 __device__ inline void scan_tile_counts(const MoEParams& p) {
+  constexpr int kLoads = 8;
   const int lane = threadIdx.x & 31;
   const int warps = p.blocks * (kThreads / 32);
   for (int expert = block_in_rank(p) * (kThreads / 32) + (threadIdx.x >> 5); expert < p.experts; expert += warps) {
     int carry = 0;
-    for (int base = 0; base < p.gate_tiles; base += 32) {
-      const int tile = base + lane;
-      const size_t at = static_cast<size_t>(tile) * p.experts + expert;
-      const int count = tile < p.gate_tiles ? __ldcg(p.tile_expert_count + at) : 0;
-      const int inclusive = warp_inclusive_scan(count);
-      if (tile < p.gate_tiles) p.tile_expert_offset[at] = carry + inclusive - count;
-      carry += __shfl_sync(0xffffffffu, inclusive, 31);
+    for (int first = 0; first < p.gate_tiles; first += 32 * kLoads) {
+      int count[kLoads];
+#pragma unroll
+      for (int u = 0; u < kLoads; ++u) {
+        const int tile = first + u * 32 + lane;
+        count[u] = tile < p.gate_tiles ? __ldcg(p.tile_expert_count + static_cast<size_t>(tile) * p.experts + expert) : 0;
+      }
+#pragma unroll
+      for (int u = 0; u < kLoads; ++u) {
+        const int tile = first + u * 32 + lane;
+        const int inclusive = warp_inclusive_scan(count[u]);
+        if (tile < p.gate_tiles) p.tile_expert_offset[static_cast<size_t>(tile) * p.experts + expert] = carry + inclusive - count[u];
+        carry += __shfl_sync(0xffffffffu, inclusive, 31);
+      }
     }
     if (lane == 0) {
       p.expert_counts[expert] = carry;
