@@ -45,7 +45,7 @@ def backend():
     cuda_backend.debug.poison_outputs = False
 
 
-def make_inputs(T, H, I, E, k, activation, dtype, *, seed=None, one_expert=False):
+def make_inputs(T, H, I, E, k, activation, dtype, *, seed=None, one_expert=False, hot=4.0):
     g = torch.Generator(device="cuda")
     g.manual_seed(seed if seed is not None else next_seed())
     dev = "cuda"
@@ -56,7 +56,7 @@ def make_inputs(T, H, I, E, k, activation, dtype, *, seed=None, one_expert=False
     w2 = (torch.randn(E, I, H, device=dev, generator=g) / math.sqrt(I)).to(dtype)
     if one_expert:
         x = x.abs()
-        router[E // 2] = (torch.ones(H, device=dev) * (4.0 / math.sqrt(H))).to(dtype)
+        router[E // 2] = (torch.ones(H, device=dev) * (hot / math.sqrt(H))).to(dtype)
     return x, router, w1, w2
 
 
@@ -234,7 +234,10 @@ def test_decode_batches_routed_in_the_gate(backend, T, capacity_factor, one_expe
     1 or 2 with every token on one hot expert drops most of its choices), and bitwise repeatable."""
     backend.debug.gate_split = split
     try:
-        x, router, w1, w2 = make_inputs(T, 2048, 256, 128, 8, "swiglu", torch.bfloat16, one_expert=one_expert)
+        # The hot expert's logit ~0.4 sqrt(H) (~18) above the rest: at 4 / sqrt(H) it would be ~145 above, and
+        # every other expert's float32 probability would underflow to an exact 0, a tie that the float64
+        # reference breaks otherwise for every token.
+        x, router, w1, w2 = make_inputs(T, 2048, 256, 128, 8, "swiglu", torch.bfloat16, one_expert=one_expert, hot=0.5)
         y, routing = check_against_reference(backend, x, router, w1, w2, top_k=8, activation="swiglu",
                                              normalize=True, capacity_factor=capacity_factor)
         if one_expert and T >= 2 and capacity_factor is not None:  # capacity 1 or 2 < T choices of one expert
