@@ -50,11 +50,13 @@ PY
 # the default cache; FLASHDMOE_BUILD_JOBS defaults to 16. Non-zero, saying why, when a build failed.
 # The sides to time, in order: ab_sides (base, AB_MORE's names, new); a side's environment for what it
 # times: ab_env SIDE (prints the assignments, one per line).
+# AB_MORE's "name=path" pairs, one per word; none where it is unset (the scripts run under set -u).
+ab_more() { local more=${AB_MORE:-}; echo "${more//,/ }"; }
 ab_builds() {
   export FLASHDMOE_BUILD_JOBS=${FLASHDMOE_BUILD_JOBS:-16}
   ( build_tree ab_base "$1" ) || return 1
   local pair
-  for pair in ${AB_MORE//,/ }; do
+  for pair in $(ab_more); do
     ( build_tree "ab_${pair%%=*}" "${pair#*=}" ) || return 1
   done
   timeout 300 python3 -m flashdmoe build > /tmp/ab_new_build.log 2>&1 \
@@ -63,7 +65,7 @@ ab_builds() {
 ab_sides() {
   local pair
   echo base
-  for pair in ${AB_MORE//,/ }; do echo "${pair%%=*}"; done
+  for pair in $(ab_more); do echo "${pair%%=*}"; done
   echo new
 }
 ab_env() {
@@ -71,8 +73,10 @@ ab_env() {
   case $1 in
     new) ;;
     base) printf '%s\n' "FLASHDMOE_SOURCE_DIR=$AB_BASE" "FLASHDMOE_CACHE_DIR=/tmp/ab_base_cache" ;;
-    *) for pair in ${AB_MORE//,/ }; do
-         [ "${pair%%=*}" = "$1" ] && printf '%s\n' "FLASHDMOE_SOURCE_DIR=${pair#*=}" "FLASHDMOE_CACHE_DIR=/tmp/ab_$1_cache"
+    *) for pair in $(ab_more); do
+         if [ "${pair%%=*}" = "$1" ]; then
+           printf '%s\n' "FLASHDMOE_SOURCE_DIR=${pair#*=}" "FLASHDMOE_CACHE_DIR=/tmp/ab_$1_cache"
+         fi
        done ;;
   esac
 }

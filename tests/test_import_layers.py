@@ -265,3 +265,20 @@ def test_the_probe_scripts_edits_apply_to_the_sources(script, tmp_path):
     for probe in probes:
         assert re.search(rf"^\w*_{probe}: every edit applies", run.stdout, flags=re.M), \
             f"{script}, probe {probe}:\n{run.stdout}\n{run.stderr}"
+
+
+@pytest.mark.parametrize("more, sides", [(None, ["base", "new"]), ("", ["base", "new"]),
+                                         ("a=/x,b=/y", ["base", "a", "b", "new"])])
+def test_the_ab_sides_with_and_without_more_trees(more, sides):
+    """forward_ab.sh and backward_ab.sh run under ``set -u``: the sides of an A/B must come out whether or
+    not AB_MORE names further trees, and each further side's environment must name its tree."""
+    root = PACKAGE.parent
+    env = {k: v for k, v in os.environ.items() if k != "AB_MORE"}
+    if more is not None:
+        env["AB_MORE"] = more
+    script = f"set -u; source {root / 'scripts' / 'probe_build.sh'}; ab_sides; ab_env a"
+    run = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=30)
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.split()
+    assert lines[:len(sides)] == sides, run.stdout
+    assert lines[len(sides):] == (["FLASHDMOE_SOURCE_DIR=/x", "FLASHDMOE_CACHE_DIR=/tmp/ab_a_cache"] if more else [])
