@@ -3,7 +3,9 @@
 // times the same bytes read (1) by plain 16-byte loads, U in flight per thread, (2) by 1D bulk copies
 // (cp.async.bulk) of contiguous chunks into a shared-memory ring, (3) by the kernel's 3D weight-panel boxes
 // ([E, H, 2I] bf16, 64 columns x 64 rows, 128-byte swizzle) into a ring. Each repetition reads another
-// region of a 2 GB buffer (L2 cold). Prints GB/s in all and per block. A development probe.
+// region of a large buffer (L2 cold). Prints GB/s in all and per block. Then the floor of the one-token
+// forward: an empty kernel timed the same way (what the events and the launch cost) and plain loads of
+// the sizes that forward streams (w2 alone, w1 alone, both: 25, 50 and 75 MB) on every SM. A development probe.
 // Build: nvcc -std=c++17 -arch=sm_90a -O3 -I csrc -o /tmp/stream_probe scripts/stream_probe.cu
 #include <cuda.h>
 #include <cuda_runtime.h>
@@ -17,7 +19,12 @@
 #define CHECK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("%s: %s\n", #x, cudaGetErrorString(e)); exit(1); } } while (0)
 
 constexpr size_t kRegion = 48ull << 20;  // Qwen3-30B-A3B's GEMM1 weights of 8 experts: 8 x 2048 x 1536 x 2
+constexpr size_t kStride = 80ull << 20;  // regions this far apart: room for the 75 MB read of both weights
 constexpr int kRegions = 40;
+
+__global__ void empty_kernel(unsigned* sink) {
+  if (threadIdx.x == 1024) *sink = 0;
+}
 
 template <int U>
 __global__ void __launch_bounds__(256, 1) ldg_stream(const uint4* base, size_t bytes, unsigned* sink) {
@@ -110,7 +117,7 @@ static CUtensorMap weight_map(const void* base, int experts, int rows, int cols)
 }
 
 template <typename Launch>
-static void time_it(const char* name, int blocks, Launch&& launch) {
+static void time_it(const char* name, int blocks, Launch&& launch, size_t bytes = kRegion) {
   cudaEvent_t a, b;
   CHECK(cudaEventCreate(&a));
   CHECK(cudaEventCreate(&b));
@@ -127,36 +134,44 @@ static void time_it(const char* name, int blocks, Launch&& launch) {
   CHECK(cudaGetLastError());
   std::sort(ms.begin(), ms.end());
   const double t = ms[ms.size() / 2];
-  printf("%-34s blocks %3d  %7.1f us  %6.2f TB/s  %5.1f GB/s per block\n", name, blocks, t * 1e3, kRegion / t / 1e9,
-         kRegion / t / 1e6 / blocks);
+  printf("%-34s blocks %3d  %7.1f us  %6.2f TB/s  %5.1f GB/s per block\n", name, blocks, t * 1e3, bytes / t / 1e9,
+         bytes / t / 1e6 / blocks);
 }
 
 int main() {
   char* buf;
   unsigned* sink;
-  CHECK(cudaMalloc(&buf, kRegion * kRegions));
-  CHECK(cudaMemset(buf, 1, kRegion * kRegions));
+  CHECK(cudaMalloc(&buf, kStride * kRegions));
+  CHECK(cudaMemset(buf, 1, kStride * kRegions));
   CHECK(cudaMalloc(&sink, 4));
   const int E = 8, H = 2048, C2 = 1536;  // Qwen3-30B-A3B's w1 of 8 hit experts
   std::vector<CUtensorMap> maps;
-  for (int r = 0; r < kRegions; ++r) maps.push_back(weight_map(buf + r * kRegion, E, H, C2));
+  for (int r = 0; r < kRegions; ++r) maps.push_back(weight_map(buf + r * kStride, E, H, C2));
   int sms;
   CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   for (int blocks : {96, sms}) {
     time_it("ldg 16 B, 8 in flight per thread", blocks, [&](int r) {
-      ldg_stream<8><<<blocks, 256>>>(reinterpret_cast<const uint4*>(buf + r * kRegion), kRegion, sink); });
+      ldg_stream<8><<<blocks, 256>>>(reinterpret_cast<const uint4*>(buf + r * kStride), kRegion, sink); });
     time_it("ldg 16 B, 16 in flight per thread", blocks, [&](int r) {
-      ldg_stream<16><<<blocks, 256>>>(reinterpret_cast<const uint4*>(buf + r * kRegion), kRegion, sink); });
+      ldg_stream<16><<<blocks, 256>>>(reinterpret_cast<const uint4*>(buf + r * kStride), kRegion, sink); });
     auto ring = [&](const char* name, auto kernel, int bytes) {
       CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes + 1024));
       time_it(name, blocks, [&](int r) {
-        kernel<<<blocks, 288, bytes + 1024>>>(buf + r * kRegion, kRegion, maps[r], E, H, C2, sink); });
+        kernel<<<blocks, 288, bytes + 1024>>>(buf + r * kStride, kRegion, maps[r], E, H, C2, sink); });
     };
     ring("bulk 1D, 6 x 16 KB", ring_stream<6, 16384, false>, 6 * 16384);
     ring("bulk 1D, 4 x 32 KB", ring_stream<4, 32768, false>, 4 * 32768);
     ring("bulk 1D, 12 x 16 KB", ring_stream<12, 16384, false>, 12 * 16384);
     ring("TMA 64x64 boxes, 6 x 16 KB", ring_stream<6, 16384, true>, 6 * 16384);
     ring("TMA 64x64 boxes, 12 x 16 KB", ring_stream<12, 16384, true>, 12 * 16384);
+  }
+  // The one-token forward of that layer reads w1 (50 MB) and w2 (25 MB) of its 8 experts.
+  time_it("empty kernel (events, launch)", sms, [&](int) { empty_kernel<<<sms, 256>>>(sink); }, 0);
+  for (size_t bytes : {size_t{25165824}, size_t{50331648}, size_t{75497472}}) {
+    char name[64];
+    snprintf(name, sizeof name, "ldg 16 B x 8, %.1f MB", bytes / 1e6);
+    time_it(name, sms, [&](int r) {
+      ldg_stream<8><<<sms, 256>>>(reinterpret_cast<const uint4*>(buf + r * kStride), bytes, sink); }, bytes);
   }
   return 0;
 }
