@@ -4,8 +4,8 @@
 // (cp.async.bulk) of contiguous chunks into a shared-memory ring, (3) by the kernel's 3D weight-panel boxes
 // ([E, H, 2I] bf16, 64 columns x 64 rows, 128-byte swizzle) into a ring. Each repetition reads another
 // region of a large buffer (L2 cold). Prints GB/s in all and per block. Then the floor of the one-token
-// forward: an empty kernel timed the same way (what the events and the launch cost) and plain loads of
-// the sizes that forward streams (w2 alone, w1 alone, both: 25, 50 and 75 MB) on every SM. A development probe.
+// forward: an empty kernel timed the same way (what the events and the launch cost) and plain loads on
+// every SM of the other sizes that forward streams (w2 alone, w1 and w2: 25 and 75 MB). A development probe.
 // Build: nvcc -std=c++17 -arch=sm_90a -O3 -I csrc -o /tmp/stream_probe scripts/stream_probe.cu
 #include <cuda.h>
 #include <cuda_runtime.h>
@@ -19,7 +19,7 @@
 #define CHECK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("%s: %s\n", #x, cudaGetErrorString(e)); exit(1); } } while (0)
 
 constexpr size_t kRegion = 48ull << 20;  // Qwen3-30B-A3B's GEMM1 weights of 8 experts: 8 x 2048 x 1536 x 2
-constexpr size_t kStride = 80ull << 20;  // regions this far apart: room for the 75 MB read of both weights
+constexpr size_t kStride = 80ull << 20;  // regions this far apart: room for the 75 MB read of w1 and w2
 constexpr int kRegions = 40;
 
 __global__ void empty_kernel(unsigned* sink) {
@@ -165,9 +165,10 @@ int main() {
     ring("TMA 64x64 boxes, 6 x 16 KB", ring_stream<6, 16384, true>, 6 * 16384);
     ring("TMA 64x64 boxes, 12 x 16 KB", ring_stream<12, 16384, true>, 12 * 16384);
   }
-  // The one-token forward of that layer reads w1 (50 MB) and w2 (25 MB) of its 8 experts.
+  // The one-token forward of that layer reads w1 (kRegion, timed above) and w2 of its 8 experts.
+  const size_t w2_bytes = size_t{E} * 768 * H * 2;
   time_it("empty kernel (events, launch)", sms, [&](int) { empty_kernel<<<sms, 256>>>(sink); }, 0);
-  for (size_t bytes : {size_t{25165824}, size_t{50331648}, size_t{75497472}}) {
+  for (size_t bytes : {w2_bytes, kRegion + w2_bytes}) {
     char name[64];
     snprintf(name, sizeof name, "ldg 16 B x 8, %.1f MB", bytes / 1e6);
     time_it(name, sms, [&](int r) {
