@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Everything of record on one H200 in one call (< 600 s): build (the kernel, then the host module), every GPU test (one process; then the
-# multi-process tests under MPS; then Ray), the single-GPU and training benchmarks, the host-overhead
+# multi-process tests under MPS; the NVSHMEM transport's; then Ray), the single-GPU and training benchmarks, the host-overhead
 # script, optionally Nsight Compute. Each step has its own timeout; logs under $OUT (at most eight files
-# come back), a summary table last. Skip steps with SKIP="standin mp ray bench training host" (any subset);
+# come back), a summary table last. Skip steps with SKIP="standin mp nvshmem ray bench training host" (any subset);
 # GPU_TESTS overrides the one-process test files, BENCH_CONFIGS the single-gpu bench shapes; NCU=1 adds Nsight Compute on the expert-bound shape; PROFILE=1 the backward's per-kernel profile
 # (PROFILE_ARGS passes options to scripts/backward_profile.py); ONE_PROCESS_LIMIT the one-process tests' limit (300 s);
 # PHASES=1 the fused backward's time per kind of task; SOAK=1 ~500 fused backward launches of the Mixtral
@@ -56,6 +56,7 @@ run_tests one-process ${ONE_PROCESS_LIMIT:-300} ${GPU_TESTS:-tests/test_fused_gp
   $(ls tests/test_async_status*.py tests/test_custom_op.py tests/test_hf_integration.py tests/test_bench.py tests/test_bench_training.py \
        tests/test_training_gpu.py tests/test_training.py tests/test_weight_checks.py 2>/dev/null)}
 skip mp || run_tests multi-process 200 tests/test_ep_multiprocess.py
+skip nvshmem || run_tests nvshmem 240 tests/test_ep_nvshmem_transport.py  # builds the NVSHMEM kernel itself (~45 s)
 skip ray || run_tests ray 200 tests/test_ray.py tests/test_cli.py
 grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -30
 

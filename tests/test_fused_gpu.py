@@ -45,7 +45,7 @@ def backend():
     cuda_backend.debug.poison_outputs = False
 
 
-def make_inputs(T, H, I, E, k, activation, dtype, *, seed=None, one_expert=False):
+def make_inputs(T, H, I, E, k, activation, dtype, *, seed=None, one_expert=False, hot=4.0):
     g = torch.Generator(device="cuda")
     g.manual_seed(seed if seed is not None else next_seed())
     dev = "cuda"
@@ -56,7 +56,7 @@ def make_inputs(T, H, I, E, k, activation, dtype, *, seed=None, one_expert=False
     w2 = (torch.randn(E, I, H, device=dev, generator=g) / math.sqrt(I)).to(dtype)
     if one_expert:
         x = x.abs()
-        router[E // 2] = (torch.ones(H, device=dev) * (4.0 / math.sqrt(H))).to(dtype)
+        router[E // 2] = (torch.ones(H, device=dev) * (hot / math.sqrt(H))).to(dtype)
     return x, router, w1, w2
 
 
@@ -221,6 +221,55 @@ def test_small_batches_split_the_gate(backend, T, H, E, k, split):
             assert torch.equal(routing.weight, again_routing.weight)
     finally:
         backend.debug.gate_split = None
+
+
+@pytest.mark.parametrize("T", [1, 3, 8, 9])
+@pytest.mark.parametrize("capacity_factor", [None, 1.0, 0.25])
+@pytest.mark.parametrize("one_expert", [False, True])
+@pytest.mark.parametrize("split", [True, False])
+def test_decode_batches_routed_in_the_gate(backend, T, capacity_factor, one_expert, split):
+    """One rank, T <= 8: the block that finishes the gate tile (the split tile's last block, or block 0
+    unsplit) also does the offsets pass and the dispatch (csrc/moe/dispatch.cuh route_gate_tile); T = 9
+    takes the three phases. Routing, counts, dropped choices and y against the reference (a capacity of
+    1 or 2 with every token on one hot expert drops most of its choices), and bitwise repeatable."""
+    backend.debug.gate_split = split
+    try:
+        # The hot expert's logit ~0.4 sqrt(H) (~18) above the rest: at 4 / sqrt(H) it would be ~145 above, and
+        # every other expert's float32 probability would underflow to an exact 0, a tie that the float64
+        # reference breaks otherwise for every token.
+        x, router, w1, w2 = make_inputs(T, 2048, 256, 128, 8, "swiglu", torch.bfloat16, one_expert=one_expert, hot=0.5)
+        y, routing = check_against_reference(backend, x, router, w1, w2, top_k=8, activation="swiglu",
+                                             normalize=True, capacity_factor=capacity_factor)
+        if one_expert and T >= 2 and capacity_factor is not None:  # capacity 1 or 2 < T choices of one expert
+            assert (routing.row < 0).any(), "the capacity drops choices"
+        again, again_routing = backend.fused_forward(x, router, w1, w2, top_k=8, activation="swiglu",
+                                                     normalize_topk=True, capacity_factor=capacity_factor)
+        assert torch.equal(y, again) and torch.equal(routing.row, again_routing.row)
+    finally:
+        backend.debug.gate_split = None
+
+
+@pytest.mark.parametrize("variant,dtype_name", INSTANCES)
+def test_routed_decode_runs_no_offsets_or_dispatch_barrier(backend, monkeypatch, variant, dtype_name):
+    """With the offsets or the dispatch barrier withheld (block 0 never arrives), a routed batch (T = 5)
+    still finishes, correct, on every kernel instance: it runs neither barrier. T = 9 runs them and times
+    out there."""
+    monkeypatch.setattr(backend.debug, "expert_variant", variant)
+    dtype = DTYPES[dtype_name]
+    for phase in (2, 3):
+        x, router, w1, w2 = make_inputs(5, 256, 128, 16, 4, "gelu", dtype)
+        monkeypatch.setattr(backend.debug, "withhold_phase", phase)
+        monkeypatch.setattr(backend.debug, "timeout_ms", 300)
+        check_against_reference(backend, x, router, w1, w2, top_k=4, activation="gelu", normalize=True,
+                                capacity_factor=None)
+        x, router, w1, w2 = make_inputs(9, 256, 128, 16, 4, "gelu", dtype)
+        flashdmoe.moe(x, router, w1, w2, top_k=4, activation="gelu", backend="cuda")
+        report = flashdmoe.last_report()
+        with pytest.raises(flashdmoe.KernelTimeout):
+            flashdmoe.synchronize()
+        assert report.error.timed_out and report.error.phase == phase
+        monkeypatch.setattr(backend.debug, "withhold_phase", 0)
+        monkeypatch.setattr(backend.debug, "timeout_ms", None)
 
 
 def test_bitwise_deterministic(backend):

@@ -16,9 +16,10 @@ namespace flashdmoe {
 struct P2PTransport {
   // Whether the transport can relay rows through another node's rank (MoEParams::relay).
   static constexpr bool kRelays = false;
-  // Grid barriers a transport adds after the dispatch barrier and after the experts barrier.
-  static constexpr int kRowsBarriers = 0;
-  static constexpr int kResultsBarriers = 0;
+  // Grid barriers publish_rows_ready runs after the dispatch barrier (publish_results runs none).
+  __device__ __forceinline__ static uint32_t rows_barriers(const MoEParams&) { return 0; }
+  // A one-rank decode batch is routed by its gate (gate.cuh routes_in_gate).
+  static constexpr bool kRoutesInGate = true;
   template <typename Element>
   __device__ __forceinline__ static void publish_counts(const MoEParams& p) { flashdmoe::publish_counts(p); }
   // Every thread of every block; false when the launch failed (block-uniform).

@@ -46,15 +46,16 @@ __device__ __forceinline__ char* batch_rows(const MoEParams& p, char* region) { 
 // that node's outgoing batch instead (a slot taken by atomic: the batch's order does not matter, each
 // row lands where its records say), with the token's k records for that node (kRelays: the NVSHMEM
 // build's instances). Worker threads only.
-template <typename Element, bool kRelays = false>
-__device__ inline void dispatch_rows(const MoEParams& p, const int* stream_offset) {
+// `route(pair, expert, row)` gives a choice's expert and stream row (lanes < k, one pair each); tokens go
+// to warps `first_warp`, `first_warp + warps`, ...
+template <typename Element, bool kRelays, typename Route>
+__device__ inline void dispatch_rows(const MoEParams& p, int first_warp, int warps, Route&& route) {
   constexpr int kUnroll = 8;
   const int lane = threadIdx.x & 31, H = p.hidden, k = p.top_k, L = p.local_experts;
-  const int warps = p.blocks * (kThreads / 32);
   const int row_chunks = H / kChunkElements<Element>;
   const Element* x = static_cast<const Element*>(p.x);
   unsigned long long sent = 0;
-  for (int token = block_in_rank(p) * (kThreads / 32) + (threadIdx.x >> 5); token < p.tokens; token += warps) {
+  for (int token = first_warp; token < p.tokens; token += warps) {
     const size_t first = static_cast<size_t>(token) * k;
     const int4* src = reinterpret_cast<const int4*>(x + static_cast<size_t>(token) * H);
     // The row's first piece is loaded before the routing it does not depend on (at one token a copy is a
@@ -67,8 +68,7 @@ __device__ inline void dispatch_rows(const MoEParams& p, const int* stream_offse
     }
     int my_expert = 0, my_row = -1;
     if (lane < k) {
-      my_expert = __ldcg(p.topk_expert + first + lane);
-      my_row = stream_row_of(p, stream_offset, first + lane, my_expert);
+      route(first + lane, my_expert, my_row);
       p.topk_row[first + lane] = my_row;
     }
     // Lane j's choice is copied unless dropped (counted on the host from expert_counts).
@@ -128,6 +128,50 @@ __device__ inline void dispatch_rows(const MoEParams& p, const int* stream_offse
   if (lane == 0 && sent) atomicAdd(p.traffic, sent);
   tma::fence_proxy_async_global();                // the expert tiles may read these rows with TMA
   if (p.world_size > 1) __threadfence_system();  // rows reach peers before the rows-ready flag
+}
+
+// The rank's dispatch, a warp per token over all its blocks, from the routing in global memory.
+template <typename Element, bool kRelays>
+__device__ inline void dispatch_rows(const MoEParams& p, const int* stream_offset) {
+  dispatch_rows<Element, kRelays>(p, block_in_rank(p) * (kThreads / 32) + (threadIdx.x >> 5),
+                                  p.blocks * (kThreads / 32), [&](size_t pair, int& expert, int& row) {
+                                    expert = __ldcg(p.topk_expert + pair);
+                                    row = stream_row_of(p, stream_offset, pair, expert);
+                                  });
+}
+
+// The offsets pass and the dispatch of a tile routed in the gate (routes_in_gate: one rank, a token per
+// worker warp at most), by the block that finished the tile, from what the gate left in shared memory.
+// One tile: an expert's offset over tiles is 0, its kept rows the first `capacity` in token order, and
+// its stream offset (one owner) the kept rows of the experts before it. Worker threads.
+template <typename Element>
+__device__ inline void route_gate_tile(const MoEParams& p, char* smem) {
+  const RoutedTile tile = routed_tile(smem, p.experts, p.top_k);
+  const int E = p.experts;
+  for (int expert = threadIdx.x; expert < E; expert += kThreads) {
+    const int count = tile.count[expert], kept = min(count, p.capacity);
+    p.tile_expert_offset[expert] = 0;
+    p.expert_counts[expert] = count;
+    p.expert_kept[expert] = kept;
+    tile.count[expert] = kept;
+  }
+  sync_workers();
+  if (threadIdx.x < 32) {
+    int before = 0;
+    for (int base = 0; base < E; base += 32) {
+      const int e = base + static_cast<int>(threadIdx.x);
+      const int kept = e < E ? tile.count[e] : 0;
+      const int inclusive = warp_inclusive_scan(kept);
+      if (e < E) tile.count[e] = before + inclusive - kept;
+      before += __shfl_sync(0xffffffffu, inclusive, 31);
+    }
+  }
+  sync_workers();
+  dispatch_rows<Element, false>(p, threadIdx.x >> 5, kThreads / 32, [&](size_t pair, int& expert, int& row) {
+    expert = tile.expert[pair];
+    const int slot = tile.slot[pair];
+    row = slot < p.capacity ? tile.count[expert] + slot : -1;
+  });
 }
 
 // Rank-block 0, after the rank's dispatch barrier: tell every peer its rows from this rank are in place.

@@ -9,6 +9,7 @@
 #include <climits>
 #include "common/pipeline.cuh"
 #include "common/sync.cuh"
+#include "moe/routing.cuh"
 #include "moe/smem_layout.cuh"
 #include "moe/tile_gemm.cuh"
 #include "moe/tma_boxes.cuh"
@@ -17,6 +18,14 @@ namespace flashdmoe {
 
 template <typename Element, int STAGES>
 using GateGemm = TileGemm<Element, kGateTileM, kGateTileN, 1, 8, STAGES, /*B_K_CONTIGUOUS=*/true>;
+
+// Decode on one rank: a batch of at most one token per worker warp is routed and dispatched by the block
+// that finishes its gate tile (dispatch.cuh route_gate_tile), so the gate's grid barrier is the last before
+// the experts. At one token the offsets pass and the dispatch were two more barriers and a chain of round
+// trips to memory for a few rows.
+__device__ __forceinline__ bool routes_in_gate(const MoEParams& p) {
+  return p.world_size == 1 && p.tokens >= 1 && p.tokens <= kThreads / 32;
+}
 
 // K slabs of a whole gate tile, and the first slab of split `split` of a tile.
 template <typename Element>
@@ -124,7 +133,8 @@ __device__ __forceinline__ float* gate_logits(char* smem) {
   return reinterpret_cast<float*>(smem + gate_pipeline_bytes(STAGES));
 }
 
-// Softmax, top-k and the tile's counts from the tile's full logits in shared memory.
+// Softmax, top-k and the tile's counts from the tile's full logits in shared memory; a tile the gate routes
+// (routes_in_gate) also leaves its counts, choices and their ranks in shared memory (RoutedTile).
 template <int STAGES>
 __device__ void finish_gate_tile(const MoEParams& p, int tile, char* smem) {
   const int E = p.experts, k = p.top_k;
@@ -190,17 +200,24 @@ __device__ void finish_gate_tile(const MoEParams& p, int tile, char* smem) {
 
   // ---- per-expert counts of this tile, and each choice's rank among them (token order) ----
   const int pairs = tile_tokens * k;
+  // Routed: the gate's stages are done with (one tile, one item per block: gate_splits_for).
+  const RoutedTile routed = routes_in_gate(p) ? routed_tile(smem, E, k) : RoutedTile{};
   for (int pair = threadIdx.x; pair < pairs; pair += kThreads) {
     const int expert = choice[pair];
     const int token_row = pair / k;
     int rank = 0;
     for (int q = 0; q < token_row * k; ++q) rank += choice[q] == expert;
     p.slot_in_tile[static_cast<size_t>(first_token) * k + pair] = rank;
+    if (routed.count != nullptr) {
+      routed.expert[pair] = expert;
+      routed.slot[pair] = rank;
+    }
   }
   for (int expert = threadIdx.x; expert < E; expert += kThreads) {
     int count = 0;
     for (int q = 0; q < pairs; ++q) count += choice[q] == expert;
     p.tile_expert_count[static_cast<size_t>(tile) * E + expert] = count;
+    if (routed.count != nullptr) routed.count[expert] = count;
   }
   sync_workers();  // smem is reused by the next tile
 }
@@ -261,12 +278,13 @@ static __device__ __noinline__ void sum_gate_partials(const float* first, int sp
 }
 
 // One K range of a split tile: partial logits to the workspace; the tile's last block to arrive sums
-// the partials in split order (the same sum whichever block is last) and finishes the tile.
+// the partials in split order (the same sum whichever block is last) and finishes the tile. Returns
+// whether this block finished it.
 // Only the tile's token rows are written and summed: a decode tile of one token over 32 splits would
 // otherwise have its last block alone read 32 x 32 padding-row partials (512 KB with E = 128), which
 // cost more than the split saved.
 template <typename Element, int STAGES, bool kTma>
-__device__ void gate_split_item(const MoEParams& p, int item, char* smem, const SmemLayout& layout,
+__device__ bool gate_split_item(const MoEParams& p, int item, char* smem, const SmemLayout& layout,
                                 GateFeed<STAGES>& feed) {
   __shared__ int last_to_arrive;
   const int E = p.experts, splits = p.gate_splits;
@@ -283,18 +301,20 @@ __device__ void gate_split_item(const MoEParams& p, int item, char* smem, const 
   sync_workers();
   if (threadIdx.x == 0) last_to_arrive = atomicAdd(p.gate_arrivals + tile, 1u) == static_cast<uint32_t>(splits - 1);
   sync_workers();
-  if (!last_to_arrive) return;
+  if (!last_to_arrive) return false;
   __threadfence();
   sum_gate_partials(p.gate_partial + static_cast<size_t>(tile) * splits * kGateTileM * E, splits, tile_tokens, E,
                     gate_logits<STAGES>(smem), gate_logits_stride(E));
   sync_workers();
   finish_gate_tile<STAGES>(p, tile, smem);
+  return true;
 }
 
 // The block's gate work: whole tiles, or (tile, K range) items when the tiles are split. With TMA the
-// producer warp walks the same list issuing the loads; the workers compute.
+// producer warp walks the same list issuing the loads; the workers compute. Returns whether this block
+// finished a tile (workers; false for the producer warp).
 template <typename Element, int STAGES, bool kTma>
-__device__ void gate_all_tiles(const MoEParams& p, char* smem, const SmemLayout& layout) {
+__device__ bool gate_all_tiles(const MoEParams& p, char* smem, const SmemLayout& layout) {
   __shared__ StagePipeline<STAGES> pipe;
   const bool producer = threadIdx.x >= kThreads;
   GateFeed<STAGES> feed{kTma ? &pipe : nullptr, {}};
@@ -302,39 +322,43 @@ __device__ void gate_all_tiles(const MoEParams& p, char* smem, const SmemLayout&
     if (threadIdx.x == 0) pipe.init(kThreads / 32);  // released by every worker warp
     __syncthreads();
     if (producer) {
-      if (threadIdx.x != kThreads) return;
+      if (threadIdx.x != kThreads) return false;
       if (p.gate_splits > 1) {
         for (int item = block_in_rank(p); item < p.gate_tiles * p.gate_splits; item += p.blocks) {
           const int split = item % p.gate_splits;
           const int first = split_begin<Element>(p, split), end = split_begin<Element>(p, split + 1);
           if (!router_loads<Element, STAGES>(p, item / p.gate_splits, first, end, smem, feed))
-            return;
+            return false;
         }
       } else {
         for (int tile = block_in_rank(p); tile < p.gate_tiles; tile += p.blocks)
-          if (!router_loads<Element, STAGES>(p, tile, 0, gate_slabs<Element>(p), smem, feed)) return;
+          if (!router_loads<Element, STAGES>(p, tile, 0, gate_slabs<Element>(p), smem, feed)) return false;
       }
-      return;
+      return false;
     }
   }
+  bool finished = false;
   if (p.gate_splits > 1) {
     for (int item = block_in_rank(p); item < p.gate_tiles * p.gate_splits; item += p.blocks)
-      gate_split_item<Element, STAGES, kTma>(p, item, smem, layout, feed);
+      finished |= gate_split_item<Element, STAGES, kTma>(p, item, smem, layout, feed);
   } else {
-    for (int tile = block_in_rank(p); tile < p.gate_tiles; tile += p.blocks)
+    for (int tile = block_in_rank(p); tile < p.gate_tiles; tile += p.blocks) {
       gate_tile<Element, STAGES, kTma>(p, tile, smem, layout, feed);
+      finished = true;
+    }
   }
+  return finished;
 }
 
 // The rank's gate tiles with the pipeline depth that fits the experts' logits. Every thread of the
-// block calls it; without TMA only the workers take part.
+// block calls it; without TMA only the workers take part. Returns whether this block finished a tile
+// (its workers).
 template <typename Element, bool kTma>
-__device__ void gate_tiles(const MoEParams& p, char* smem, const SmemLayout& layout) {
-  if (!kTma && threadIdx.x >= kThreads) return;
+__device__ bool gate_tiles(const MoEParams& p, char* smem, const SmemLayout& layout) {
+  if (!kTma && threadIdx.x >= kThreads) return false;
   if (gate_stages(p.experts) == kGateStagesDeep)
-    gate_all_tiles<Element, kGateStagesDeep, kTma>(p, smem, layout);
-  else
-    gate_all_tiles<Element, kGateStagesShallow, kTma>(p, smem, layout);
+    return gate_all_tiles<Element, kGateStagesDeep, kTma>(p, smem, layout);
+  return gate_all_tiles<Element, kGateStagesShallow, kTma>(p, smem, layout);
 }
 
 }  // namespace flashdmoe

@@ -25,25 +25,36 @@ __device__ __forceinline__ void forward_block(const MoEParams& p, char* smem) {
   using Transport = peer_transport_t<Variant>;  // how counts, rows and results are published to peers
   stamp_phase(p, 0);
 
-  // ---- 1. gate: logits, softmax, top-k, per-tile counts ----
-  gate_tiles<Element, Variant::kUseTma>(p, smem, layout);
+  // ---- 1. gate: logits, softmax, top-k, per-tile counts (a decode batch on one rank: routed too) ----
+  const bool finished_tile = gate_tiles<Element, Variant::kUseTma>(p, smem, layout);
+  const bool routed = Transport::kRoutesInGate && routes_in_gate(p);
+  // Only after a clean gate: a stage wait that gave up may leave TMA writes landing over the routed tile.
+  if (routed && finished_tile && worker && sync_workers_and(ptx::load_relaxed_u64(p.error_word) == 0))
+    route_gate_tile<Element>(p, smem);
   if (!grid_barrier(p, kPhaseGateDone, 1)) return;
   stamp_phase(p, 1);
 
-  // ---- 2. per-expert offsets over gate tiles (capacity in token order); counts to the owners ----
-  if (worker) scan_tile_counts(p);
-  if (!grid_barrier(p, kPhaseOffsetsDone, 2)) return;
-  if (worker) Transport::template publish_counts<Element>(p);
-  stamp_phase(p, 2);
+  if (!routed) {
+    // ---- 2. per-expert offsets over gate tiles (capacity in token order); counts to the owners ----
+    if (worker) scan_tile_counts(p);
+    if (!grid_barrier(p, kPhaseOffsetsDone, 2)) return;
+    if (worker) Transport::template publish_counts<Element>(p);
+    stamp_phase(p, 2);
 
-  // ---- 3. dispatch: rows into the owners' receive buffers ----
-  if (worker) {
-    int* stream_offset = reinterpret_cast<int*>(smem);  // [E], in the scratch area (free until the experts)
-    build_stream_offsets(p, stream_offset);
-    dispatch_rows<Element, Transport::kRelays>(p, stream_offset);
+    // ---- 3. dispatch: rows into the owners' receive buffers ----
+    if (worker) {
+      int* stream_offset = reinterpret_cast<int*>(smem);  // [E], in the scratch area (free until the experts)
+      build_stream_offsets(p, stream_offset);
+      dispatch_rows<Element, Transport::kRelays>(p, stream_offset);
+    }
+    if (!grid_barrier(p, kPhaseDispatchDone, 3)) return;
+  } else {
+    stamp_phase(p, 2);
   }
-  if (!grid_barrier(p, kPhaseDispatchDone, 3)) return;
-  if (!Transport::template publish_rows_ready<Element>(p, 4)) return;
+  // The grid barriers' ordinals (the n-th of a rank waits for n * blocks arrivals) from here on: the
+  // routed gate ran one barrier where the offsets and the dispatch run three; then the transport's.
+  const uint32_t rows_ordinal = routed ? 2 : 4;
+  if (!Transport::template publish_rows_ready<Element>(p, rows_ordinal)) return;
   stamp_phase(p, 3);
 
   // ---- 4. expert FFN tiles from the task queue, rows from every source ----
@@ -56,9 +67,9 @@ __device__ __forceinline__ void forward_block(const MoEParams& p, char* smem) {
   } else {
     if (!run_expert_tasks<Element, Variant>(p, tables, smem, a_rows)) return;
   }
-  constexpr uint32_t kExpertsOrdinal = 4 + Transport::kRowsBarriers;
-  if (!grid_barrier(p, kPhaseExpertsDone, kExpertsOrdinal)) return;
-  if (!Transport::template publish_results<Element>(p, kExpertsOrdinal + 1)) return;
+  const uint32_t experts_ordinal = (Transport::kRoutesInGate && routes_in_gate(p) ? 2 : 4) + Transport::rows_barriers(p);
+  if (!grid_barrier(p, kPhaseExpertsDone, experts_ordinal)) return;
+  if (!Transport::template publish_results<Element>(p, experts_ordinal + 1)) return;
   stamp_phase(p, 4);
 
   // ---- 5. combine, once every peer returned its results ----

@@ -107,11 +107,13 @@ struct NvshmemTransport {
     return grid_barrier(p, phase, ordinal);
   }
 
-  // The grid barriers the NVSHMEM puts add after the dispatch barrier and after the experts barrier; the
-  // second after the dispatch is the relays' (run without relays too: the barriers' ordinals are fixed).
-  static constexpr int kRowsBarriers = 2;
+  // The grid barriers publish_rows_ready runs: the puts', and with relays the forwarded batches'.
+  __device__ __forceinline__ static uint32_t rows_barriers(const MoEParams& p) {
+    return p.relay.ranks_per_node > 0 ? 2 : 1;
+  }
   static constexpr bool kRelays = true;
-  static constexpr int kResultsBarriers = 1;
+  // Its instances serve teams: the one-rank decode routing (gate.cuh routes_in_gate) is not compiled in.
+  static constexpr bool kRoutesInGate = false;
 
   // ---- the hierarchical exchange (MoEParams::relay) ----
   __device__ __forceinline__ static int nodes(const MoEParams& p) { return p.world_size / p.relay.ranks_per_node; }
@@ -244,9 +246,10 @@ struct NvshmemTransport {
                                               kPhaseRelayIn, src);
         }))
       return false;
-    if (relays && threadIdx.x < kThreads) forward_batches<Element>(p);
+    if (!relays) return true;
+    if (threadIdx.x < kThreads) forward_batches<Element>(p);
     if (!grid_barrier(p, kPhaseRelayForwarded, ordinal + 1)) return false;
-    if (!relays || block_in_rank(p) != 0 || threadIdx.x != 0 || p.silent) return true;
+    if (block_in_rank(p) != 0 || threadIdx.x != 0 || p.silent) return true;
     __threadfence_system();
     for (int a = 0; a < nodes(p); ++a) {
       if (a == node_of(p, p.rank)) continue;
