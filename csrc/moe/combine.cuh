@@ -154,15 +154,16 @@ __device__ void combine_tokens(const MoEParams& p) {
   const int warps = p.blocks * (kThreads / 32);
   const long long wide_items = static_cast<long long>(p.tokens) * ((p.hidden + kParts * 256 - 1) / (kParts * 256));
   constexpr int kSmallGroup = sizeof(Element) == 4 ? 4 : 8;  // 16 or 32 bytes per choice in flight per lane
-  // The L2 prefetch of the next item's rows only where an item is one group (k <= 2): with k = 8 an item
+  constexpr int kWideGroup = 2;                               // choices in flight per lane, large batches
+  // The L2 prefetch of the next item's rows only where an item is one group (k <= kWideGroup): with k = 8 an item
   // already chains four groups of loads, and the prefetch's 8 rows per item made the phase slower
   // (0.146 -> 0.176 ms on 8192/2048/768/128/8, docs/perf-notes.md).
   if (wide_items < warps)
     combine_token_chunks<Element, 1, kSmallGroup, false>(p);
-  else if (p.top_k <= 2)
-    combine_token_chunks<Element, kParts, 2, true>(p);
+  else if (p.top_k <= kWideGroup)
+    combine_token_chunks<Element, kParts, kWideGroup, true>(p);
   else
-    combine_token_chunks<Element, kParts, 2, false>(p);
+    combine_token_chunks<Element, kParts, kWideGroup, false>(p);
 }
 
 }  // namespace flashdmoe
