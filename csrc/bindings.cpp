@@ -200,10 +200,11 @@ py::dict attributes(int dtype, int expert_variant) {
 }
 
 void activation_grad(int dtype, int activation, uintptr_t pre, uintptr_t g, uintptr_t weight, uintptr_t hw,
-                     uintptr_t dpre, uintptr_t dweight, int64_t rows, int ffn, uintptr_t stream) {
+                     uintptr_t dpre, uintptr_t dweight, int64_t rows, int ffn, uintptr_t stream, uintptr_t live_rows) {
   launch_activation_grad(static_cast<DType>(dtype), static_cast<Activation>(activation), as_ptr<const void>(pre),
                          as_ptr<const void>(g), as_ptr<const float>(weight), as_ptr<void>(hw), as_ptr<void>(dpre),
-                         as_ptr<float>(dweight), rows, ffn, reinterpret_cast<cudaStream_t>(stream));
+                         as_ptr<float>(dweight), rows, ffn, as_ptr<const int>(live_rows),
+                         reinterpret_cast<cudaStream_t>(stream));
 }
 
 void combine_grad(int dtype, uintptr_t dx_rows, uintptr_t row, uintptr_t extra, uintptr_t dx, int64_t tokens, int top_k,
@@ -286,7 +287,6 @@ EpRowsArgs ep_rows_args(const py::dict& args) {
   a.stream_rows = get<int>(args, "stream_rows");
   a.hidden = get<int>(args, "hidden");
   a.element_bytes = get<int>(args, "element_bytes");
-  a.sequence = get<uint32_t>(args, "sequence");
   a.silent = get<bool>(args, "silent");
   a.peer_recv = get<std::vector<uintptr_t>>(args, "peer_recv");
   a.peer_comb = get<std::vector<uintptr_t>>(args, "peer_comb");
@@ -371,9 +371,11 @@ PYBIND11_MODULE(flashdmoe_cuda, m) {
         py::arg("prepared"), py::arg("addresses"), py::arg("sequence"), py::arg("stream"), py::arg("status_host"));
   m.def("activation_grad", &activation_grad,
         "Backward between the row GEMMs (backward/expert_grad.h): per packed row dweight = <g, act(pre)>, "
-        "hw = w act(pre), dpre = w g act'(pre); asynchronous on `stream`.",
+        "hw = w act(pre), dpre = w g act'(pre); asynchronous on `stream`. live_rows: an int32 on the device, "
+        "rows at or past it left alone (0: every row).",
         py::arg("dtype"), py::arg("activation"), py::arg("pre"), py::arg("g"), py::arg("weight"), py::arg("hw"),
-        py::arg("dpre"), py::arg("dweight"), py::arg("rows"), py::arg("ffn"), py::arg("stream"));
+        py::arg("dpre"), py::arg("dweight"), py::arg("rows"), py::arg("ffn"), py::arg("stream"),
+        py::arg("live_rows") = 0);
   m.def("combine_grad", &combine_grad,
         "dx[t] = sum of the token's kept dx rows in choice order + extra[t] (float32, 0: none), rounded to dtype; "
         "asynchronous on `stream`.",

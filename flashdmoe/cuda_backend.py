@@ -633,7 +633,10 @@ def _before_team_backward(ctx) -> None:
     on another stream than the backward's (the current one of the team's device): on the same stream the
     device stops the backward's exchange after a failed launch (status_checks.before_backward)."""
     team = ctx.team
-    status_checks.before_backward(team, ctx.forward_report, _current_stream_handle(team.device_words.device.index))
+    if torch.cuda.is_current_stream_capturing():
+        status_checks.before_backward(team, ctx.forward_report, None, capturing=True)
+    else:
+        status_checks.before_backward(team, ctx.forward_report, _current_stream_handle(team.device_words.device.index))
 
 
 def _aux(x, router_weight, top_k, counts, row) -> reference.MoEAux:

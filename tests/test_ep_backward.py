@@ -21,8 +21,8 @@ def test_owner_layout_takes_each_expert_from_every_source_in_rank_order():
     # 3 sources, 2 local experts; stream_rows 5: source q's rows for expert 0, then expert 1, in its stream
     counts = torch.tensor([[2, 1], [0, 3], [1, 0]])
     layout = owner_layout(counts, 5)
-    assert layout.per_expert == [3, 4]
-    assert layout.index.tolist() == [0, 1, 10, 2, 5, 6, 7]
+    assert layout.offs.dtype == torch.int32 and layout.offs.tolist() == [3, 7]
+    assert layout.received.dtype == torch.int32 and layout.received.tolist() == [0, 1, 10, 2, 5, 6, 7]
     assert layout.place.dtype == torch.int32
     assert layout.place.tolist() == [[0, 1], [2, 4], [2, 6]]
     assert layout.from_rows.dtype == torch.int32 and layout.from_rows.tolist() == [3, 3, 1]
@@ -46,8 +46,8 @@ def test_owner_layout_matches_a_row_by_row_walk(seed, draw):
     counts = torch.randint(0, 4, (P, L), generator=generator)
     layout = owner_layout(counts, S)
     walk = _walk(counts, S)
-    assert layout.index.tolist() == [staged for staged, _, _ in walk]
-    assert layout.per_expert == counts.sum(dim=0).tolist()
+    assert layout.received.tolist() == [staged for staged, _, _ in walk]
+    assert layout.offs.tolist() == torch.cumsum(counts.sum(dim=0), 0).tolist()
     # a source that writes its stream row r of local expert l to place[q, l] + r lands on the walk's row
     for packed, (_, source, r) in enumerate(walk):
         local = int((torch.cumsum(counts[source], 0) <= r).sum())
@@ -58,12 +58,13 @@ def test_owner_layout_stays_inside_each_stream_whatever_the_counts_say():
     # a failed forward may leave any value in the count words
     counts = torch.tensor([[7, 9], [-3, 2]])
     layout = owner_layout(counts, 5)
-    index, per_expert = layout.index, layout.per_expert
+    index = layout.received
     assert all(0 <= int(i) < 10 for i in index)
     for source in range(2):
         mine = [int(i) for i in index if int(i) // 5 == source]
         assert len(mine) == len(set(mine)) and len(mine) <= 5
-    assert sum(per_expert) == index.numel()
+    assert int(layout.offs[-1]) == index.numel() == int(layout.from_rows.sum())
+    assert torch.equal(layout.offs, owner_layout(counts, 5, rows=10).offs)
 
 
 @pytest.mark.parametrize("draw", range(4))
@@ -149,7 +150,25 @@ def test_a_put_peer_needs_the_nvshmem_build_and_a_stage():
 
 def test_owner_layout_of_nothing():
     layout = owner_layout(torch.zeros(2, 3, dtype=torch.int32), 4)
-    assert layout.index.numel() == 0 and layout.per_expert == [0, 0, 0]
+    assert layout.received.numel() == 0 and layout.offs.tolist() == [0, 0, 0]
+    assert owner_layout(torch.zeros(2, 3, dtype=torch.int32), 4, rows=8).received.tolist() == [-1] * 8
+
+
+@pytest.mark.parametrize("draw", range(4))
+def test_owner_layout_over_a_bound_is_the_exact_table_then_nothing(seed, draw):
+    """A captured backward sizes the table for the team's bound (P * stream_rows rows, the counts unread):
+    the rows received first, exactly as the eager table, then -1 (the exchange sends nothing for them)."""
+    generator = torch.Generator().manual_seed(seed + draw)
+    P, L, S = 3, 4, 10
+    counts = torch.stack([torch.multinomial(torch.ones(L), L, generator=generator) for _ in range(P)])
+    counts = torch.minimum(counts, torch.full_like(counts, 3)).to(torch.int32)  # at most 12 rows per source
+    counts[:, -1] = 0
+    exact, bound = owner_layout(counts, S), owner_layout(counts, S, rows=P * S)
+    n = exact.received.numel()
+    assert bound.received.shape == (P * S,) and torch.equal(bound.received[:n], exact.received)
+    assert (bound.received[n:] == -1).all()
+    for a, b in ((exact.offs, bound.offs), (exact.place, bound.place), (exact.from_rows, bound.from_rows)):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("P, L, S", [(1, 1, 1), (2, 4, 7), (8, 32, 100)])
@@ -160,7 +179,7 @@ def test_backward_words_follow_the_forward_words_without_overlap(P, L, S):
     for direction in (0, 1, 2):
         for peer in range(P):
             words += [plan.backward_word("free", direction, peer), plan.backward_word("ready", direction, peer)]
-    words += [plan.backward_word("abort", i, 0) for i in range(3)]
+    words += [plan.backward_word("abort", i, 0) for i in range(3)] + [plan.backward_word("sequence", 0, 0)]
     words += [plan.backward_word("place", q, local) for q in range(P) for local in range(L)]
     words += [plan.backward_word("row_word", q, row) for q in range(P) for row in range(S)]
     assert len(set(words)) == len(words) == plan.backward_words
@@ -191,7 +210,7 @@ def test_backward_words_agree_with_the_kernel():
         plan = BufferPlan(P, max_tokens=S, hidden=64, top_k=1, local_experts=L, dtype=torch.bfloat16)
         assert ext.ep_signal_words(P, L, S) == plan.signal_words
         for what, a, b in [("free", 1, P - 1), ("ready", 0, P - 1), ("free", 2, 0), ("ready", 2, P - 1),
-                           ("abort", 2, 0), ("place", P - 1, L - 1), ("row_word", P - 1, S - 1)]:
+                           ("abort", 2, 0), ("sequence", 0, 0), ("place", P - 1, L - 1), ("row_word", P - 1, S - 1)]:
             assert ext.ep_signal_offset(what, P, L, S, a, b) == plan.backward_word(what, a, b), (what, P, L, S)
         kernel_stage = ext.ep_stage_bytes(P, S, plan.stage_rows, plan.hidden * plan.element_bytes)
         assert kernel_stage <= plan.stage_bytes < kernel_stage + 16, (P, L, S)
@@ -238,6 +257,27 @@ def test_packed_row_grads_match_float64_autograd(activation, dtype, seed):
         tolerance = reorder + (numerics.rounding_tolerance(torch.float32, 1) if what == "dweight" else 0.0)
         assert numerics.normwise_error(got.double(), want) < tolerance, what
     assert dw1[1].abs().max() == 0 and dw2[1].abs().max() == 0  # the expert without rows
+
+
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+def test_packed_row_grads_over_a_bound_leave_the_rows_past_the_end_row_alone(activation, seed):
+    """A captured backward's rows are a bound, the experts' end rows only on the device (``offs``): the rows in
+    use give the bits of the host-count path, whatever the rows past the last end row hold."""
+    generator = torch.Generator().manual_seed(seed)
+    E, H, I = 4, 32, 16
+    counts, spare = [3, 0, 5, 1], 7
+    R = sum(counts)
+    cols = 2 * I if activation == "swiglu" else I
+    x, dy = torch.randn(R + spare, H, generator=generator), torch.randn(R + spare, H, generator=generator)
+    x[R:], dy[R:] = float("nan"), float("inf")  # what a bound's unused rows may hold
+    w = torch.rand(R + spare, generator=generator)
+    w1 = torch.randn(E, H, cols, generator=generator) / H ** 0.5
+    w2 = torch.randn(E, I, H, generator=generator) / I ** 0.5
+    want = packed_row_grads(x[:R], dy[:R], w[:R], counts, w1, w2, activation=activation)
+    offs = torch.cumsum(torch.tensor(counts), 0).to(torch.int32)
+    got = packed_row_grads(x, dy, w, None, w1, w2, activation=activation, offs=offs)
+    for what, a, b in zip(("dweight_row", "dx_rows", "dw1", "dw2"), want, got):
+        assert torch.equal(a, b if what in ("dw1", "dw2") else b[:R]), what
 
 
 def test_packed_row_grads_with_no_rows():

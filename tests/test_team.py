@@ -41,16 +41,16 @@ def test_plan_sizes_by_hand():
     assert p.element_bytes == 2
     assert p.data_bytes == 4 * 200 * 64 * 2 == 102_400  # P regions of [stream_rows, H] bf16
     assert p.forward_signal_words == 4 * 3 + 5 * 4 == 32  # P*L counts + 3P flags + 2P relay flags
-    # the backward's: 6P flags, 3 abort words, P*L place words, a word per staged row
-    assert p.backward_words == 6 * 4 + 3 + 4 * 3 + 4 * 200 == 839
-    assert p.signal_words == 32 + 839
-    assert p.bytes_per_rank == 2 * 102_400 + 4 * 871 == 208_284  # recv + comb + int32 signals
+    # the backward's: 6P flags, 3 abort words, the count, P*L place words, a word per staged row
+    assert p.backward_words == 6 * 4 + 3 + 1 + 4 * 3 + 4 * 200 == 840
+    assert p.signal_words == 32 + 840
+    assert p.bytes_per_rank == 2 * 102_400 + 4 * 872 == 208_288  # recv + comb + int32 signals
     # k > L: a token sends at most L rows to one rank (one per local expert)
     wide = plan(top_k=5, local_experts=2, world_size=2, max_tokens=7, hidden=128, dtype=torch.float16)
     assert wide.stream_rows == 14
     assert wide.data_bytes == 2 * 14 * 128 * 2
     assert wide.forward_signal_words == 2 * 2 + 10
-    assert wide.signal_words == 2 * 2 + 10 + 6 * 2 + 3 + 2 * 2 + 2 * 14
+    assert wide.signal_words == 2 * 2 + 10 + 6 * 2 + 3 + 1 + 2 * 2 + 2 * 14
     assert wide.bytes_per_rank == 2 * wide.data_bytes + 4 * wide.signal_words
 
 
@@ -113,14 +113,25 @@ def test_single_team():
     assert "ok" in repr(team)
 
 
-def test_backward_sequence_numbers_count_up_and_run_out():
+def test_a_single_team_counts_no_backward_exchanges():
     team = Team.single()
-    assert [team.next_backward_sequence() for _ in range(3)] == [1, 2, 3]
-    team._backward_sequence = 2**31 - 2
-    assert team.next_backward_sequence() == 2**31 - 1
-    with pytest.raises(TeamFailed, match="backward sequence numbers exhausted"):
-        team.next_backward_sequence()
+    assert team.backward_count() == 0, "one rank runs no exchange"
     assert team.device_words is None, "one rank has no forward count"
+
+
+def test_backward_words_follow_each_other_without_gaps():
+    """The backward's words, in EpSignalLayout's order: flags, abort words, the count, places, row words."""
+    plan = BufferPlan(3, max_tokens=5, hidden=64, top_k=2, local_experts=4, dtype=torch.bfloat16)
+    P, L, S = 3, 4, plan.stream_rows
+    base = plan.forward_signal_words
+    assert plan.backward_word("free", 0, 0) == base and plan.backward_word("ready", 2, P - 1) == base + 6 * P - 1
+    assert plan.backward_word("abort", 0, 0) == base + 6 * P
+    assert plan.backward_word("sequence", 0, 0) == plan.backward_word("abort", 2, 0) + 1
+    assert plan.backward_word("place", 0, 0) == plan.backward_word("sequence", 0, 0) + 1
+    assert plan.backward_word("row_word", 0, 0) == plan.backward_word("place", P - 1, L - 1) + 1
+    assert plan.signal_words == plan.backward_word("row_word", P - 1, S - 1) + 1
+    with pytest.raises(ValueError, match="'sequence'"):
+        plan.backward_word("count", 0, 0)
 
 
 def test_failed_team_cannot_be_used():
@@ -245,8 +256,8 @@ def test_emulated_team_buffers_and_peer_tables():
     p = team.plan
     assert (team.transport, team.rank, team.world_size) == ("emulated", 0, P)
     assert p == BufferPlan(P, 50, 128, 2, 4, torch.bfloat16)
-    # signals: the forward's P*L + 5P words, then the backward's 6P + 3 + P*L + P*stream_rows
-    assert team.buffer_bytes == p.bytes_per_rank == 2 * (P * 100 * 128 * 2) + 4 * (P * 4 + 5 * P + 6 * P + 3 + P * 4 + P * 100)
+    # signals: the forward's P*L + 5P words, then the backward's 6P + 4 + P*L + P*stream_rows
+    assert team.buffer_bytes == p.bytes_per_rank == 2 * (P * 100 * 128 * 2) + 4 * (P * 4 + 5 * P + 6 * P + 4 + P * 4 + P * 100)
     assert team.describe()["stream_rows"] == 100 and team.device.type == "cuda"
     assert len(team.buffers) == P
     for own in team.buffers:

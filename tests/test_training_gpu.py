@@ -411,7 +411,7 @@ def test_a_forward_queued_behind_a_failed_emulated_backward_runs_nothing(fused, 
     for rank in range(P):
         assert f"rank {rank} timed out" in str(errors[0]), str(errors[0])
     assert isinstance(errors[-1], TeamFailed) and f"[launch {stopped.launch_id} on" in str(errors[-1]), errors
-    number = team._backward_sequence
+    number = team.backward_count()
     for rank in range(P):
         assert f"rank {rank} ran nothing: its team's backward number {number} failed earlier" in str(errors[-1])
     assert team.device_words[:, 1].tolist() == [number - (1 << 31)] * P
@@ -488,3 +488,93 @@ def drain_launch_errors(limit: int = 16) -> None:
         except (flashdmoe.KernelTimeout, RuntimeError):
             continue
     raise AssertionError(f"more than {limit} unchecked launch errors")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+def test_emulated_team_training_step_graph_replays_equal_eager_steps_bitwise(fused, activation):
+    """A whole training step of a 4-rank emulated team (forward, loss, backward on the device exchange)
+    captured in one CUDA graph: each replay, with new tokens and output gradients copied in, gives every
+    output and gradient of an eager step on the same inputs, bit for bit. The captured backward lays out the
+    owners' rows for the team's bound on the device (no host counts), where the eager one sizes them exactly."""
+    P, tokens = 4, (96, 130, 0, 64)
+    _, xs, router_weight, w1s, w2s, dys = emulated_problem(P, tokens, 128, 128, 2, 2, activation, True, None, 0.0,
+                                                           torch.bfloat16)
+    team = Team.emulated(P, max_tokens=max(tokens), hidden=128, top_k=2, local_experts=2, dtype=torch.bfloat16)
+    weights = [t.detach().clone().requires_grad_() for t in (router_weight, *w1s, *w2s)]
+    static_xs = [x.detach().clone().requires_grad_() for x in xs]
+    static_dys = [dy.clone() for dy in dys]
+    leaves = [weights[0], *static_xs, *weights[1:]]
+
+    def step(xs_, dys_, leaves_):
+        ys = flashdmoe.moe_expert_parallel(xs_, leaves_[0], leaves_[1 + P:1 + 2 * P], leaves_[1 + 2 * P:], top_k=2,
+                                           activation=activation, team=team)
+        sum((y.float() * dy.float()).sum() for y, dy in zip(ys, dys_)).backward()
+        return ys
+
+    fused.debug.poison_outputs = False  # a fill in the graph would only hide what the replay writes
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                step(static_xs, static_dys, leaves)
+        torch.cuda.current_stream().wait_stream(side)
+        flashdmoe.synchronize()
+        for leaf in leaves:
+            leaf.grad = None  # the captured backward's gradients come from the graph's pool
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_ys = step(static_xs, static_dys, leaves)
+        grads = [leaf.grad for leaf in leaves]
+        count = team.backward_count()
+        for replay in range(3):
+            g = torch.Generator(device="cuda").manual_seed(next_seed())
+            new_xs = [torch.randn(x.shape, device="cuda", generator=g).to(x.dtype) for x in xs]
+            new_dys = [torch.randn(dy.shape, device="cuda", generator=g).to(dy.dtype) for dy in dys]
+            with torch.no_grad():
+                for static, new in zip(static_xs + static_dys, new_xs + new_dys):
+                    static.copy_(new)
+                for out in static_ys + grads:
+                    out.fill_(float("nan"))
+            graph.replay()
+            flashdmoe.synchronize()
+            assert team.backward_count() == count + 1 + replay, "each replay counts one backward on the device"
+            fresh = [t.detach().clone().requires_grad_() for t in (weights[0], *new_xs, *weights[1:])]
+            ys = step(fresh[1:1 + P], new_dys, fresh)
+            flashdmoe.synchronize()
+            for rank in range(P):
+                assert torch.equal(static_ys[rank], ys[rank]), f"replay {replay}: rank {rank}'s y"
+            for i, (got, leaf) in enumerate(zip(grads, fresh)):
+                assert torch.equal(got, leaf.grad), f"replay {replay}: gradient of leaf {i}"
+    finally:
+        fused.debug.poison_outputs = True
+
+
+@pytest.mark.gpu
+def test_used_up_backward_numbers_fail_the_team(fused):
+    """The kernel counts a rank's backward exchanges; at 2^31 - 1 the next backward runs nothing, every rank
+    reports it (a sequence error naming the backward exchanges) and the team fails."""
+    P = 2
+    _, xs, router_weight, w1s, w2s, dys, team, leaves = small_emulated(P, (64, 64))
+    ys = flashdmoe.moe_expert_parallel(leaves[1:1 + P], leaves[0], leaves[1 + P:1 + 2 * P], leaves[1 + 2 * P:],
+                                       top_k=2, team=team)
+    sum((y.float() * dy.float()).sum() for y, dy in zip(ys, dys)).backward()
+    flashdmoe.synchronize()
+    assert team.backward_count() == 1 and team.backward_count(P - 1) == 1
+    word = team.plan.backward_word("sequence", 0, 0)
+    for own in team.buffers:
+        own.signals[word] = 2 ** 31 - 1
+    leaves = [t.detach().clone().requires_grad_() for t in leaves]
+    ys = flashdmoe.moe_expert_parallel(leaves[1:1 + P], leaves[0], leaves[1 + P:1 + 2 * P], leaves[1 + 2 * P:],
+                                       top_k=2, team=team)
+    with pytest.raises(RuntimeError) as caught:  # at loss.backward() if its first launch was checked by then
+        sum((y.float() * dy.float()).sum() for y, dy in zip(ys, dys)).backward()
+        flashdmoe.synchronize()
+    for rank in range(P):
+        assert f"rank {rank}: the team's backward exchanges used up" in str(caught.value), str(caught.value)
+    assert team.failed
+    assert team.backward_count() == 2 ** 31 - 1, "a used-up count stays"
+    drain_launch_errors()
+    with pytest.raises(TeamFailed):
+        flashdmoe.moe_expert_parallel(xs, router_weight, w1s, w2s, top_k=2, team=team)

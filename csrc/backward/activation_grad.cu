@@ -16,10 +16,10 @@ template <typename Element, Activation kKind>
 __global__ void __launch_bounds__(32 * kRowsPerBlock, 4)
     activation_grad_kernel(const Element* __restrict__ pre, const Element* __restrict__ g,
                            const float* __restrict__ weight, Element* __restrict__ hw, Element* __restrict__ dpre,
-                           float* __restrict__ dweight, int64_t rows, int ffn) {
+                           float* __restrict__ dweight, int64_t rows, int ffn, const int* __restrict__ live_rows) {
   constexpr bool kGated = kKind == Activation::Swiglu;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + (threadIdx.x >> 5);
-  if (row >= rows) return;
+  if (row >= rows || (live_rows != nullptr && row >= __ldg(live_rows))) return;
   const int lane = threadIdx.x & 31;
   const int64_t pre_ld = kGated ? 2 * ffn : ffn;
   const Element* pre_row = pre + row * pre_ld;
@@ -67,7 +67,8 @@ __global__ void __launch_bounds__(32 * kRowsPerBlock, 4)
 }  // namespace
 
 void launch_activation_grad(DType dtype, Activation activation, const void* pre, const void* g, const float* weight,
-                            void* hw, void* dpre, float* dweight, int64_t rows, int ffn, cudaStream_t stream) {
+                            void* hw, void* dpre, float* dweight, int64_t rows, int ffn, const int* live_rows,
+                            cudaStream_t stream) {
   if (ffn <= 0 || ffn % 8 != 0) throw std::invalid_argument("ffn I=" + std::to_string(ffn) + " must be a positive multiple of 8");
   if (rows <= 0) return;
   const int64_t blocks = (rows + kRowsPerBlock - 1) / kRowsPerBlock;
@@ -77,7 +78,7 @@ void launch_activation_grad(DType dtype, Activation activation, const void* pre,
     backward::visit_activation(activation, [&](auto kind) {
       activation_grad_kernel<Element, decltype(kind)::value><<<static_cast<int>(blocks), 32 * kRowsPerBlock, 0, stream>>>(
           static_cast<const Element*>(pre), static_cast<const Element*>(g), weight, static_cast<Element*>(hw),
-          static_cast<Element*>(dpre), dweight, rows, ffn);
+          static_cast<Element*>(dpre), dweight, rows, ffn, live_rows);
     });
   });
   backward::check_launch("activation_grad launch");

@@ -34,6 +34,7 @@ int64_t ep_signal_offset(const char* what, int world, int local_experts, int str
   if (!std::strcmp(what, "free")) return l.free_flag(static_cast<EpDirection>(a), b);
   if (!std::strcmp(what, "ready")) return l.ready_flag(static_cast<EpDirection>(a), b);
   if (!std::strcmp(what, "abort")) return l.abort_word(a);
+  if (!std::strcmp(what, "sequence")) return l.sequence_word();
   if (!std::strcmp(what, "place")) return l.place(a, b);
   if (!std::strcmp(what, "row_word")) return l.row_word(a, b);
   throw std::invalid_argument(std::string("ep_signal_offset: unknown word '") + what + "'");
@@ -72,7 +73,6 @@ void fill_params(const EpRowsArgs& a, EpRowsParams& p) {
   p.direction = static_cast<EpDirection>(a.direction);
   p.rank = a.rank, p.world_size = a.world_size, p.local_experts = a.local_experts, p.stream_rows = a.stream_rows;
   p.row_bytes = static_cast<int>(row_bytes);
-  p.sequence = a.sequence;
   p.silent = a.silent;
   bool any_put = false;
   for (int q = 0; q < a.world_size; ++q) {
@@ -163,13 +163,13 @@ LaunchInfo launch_ep_rows(const std::vector<EpRowsArgs>& ranks, cudaStream_t str
     throw std::invalid_argument("ep_rows: expected 1.." + std::to_string(kMaxRanks) + " ranks per launch, got " +
                                 std::to_string(count));
   if (count > 1) {
-    // Every rank of one team in one launch (an emulated team): the same direction, sequence and team,
+    // Every rank of one team in one launch (an emulated team): the same direction and team,
     // ranks in order, every peer a load/store pointer (the ranks wait for each other inside the launch).
     for (int i = 0; i < count; ++i) {
       const EpRowsArgs& a = ranks[i];
-      if (a.rank != i || a.world_size != count || a.direction != ranks[0].direction || a.sequence != ranks[0].sequence)
+      if (a.rank != i || a.world_size != count || a.direction != ranks[0].direction)
         throw std::invalid_argument("ep_rows: a launch of several ranks takes every rank of the team in order, one "
-                                    "direction and sequence (rank " + std::to_string(i) + " is rank " +
+                                    "direction (rank " + std::to_string(i) + " is rank " +
                                     std::to_string(a.rank) + " of " + std::to_string(a.world_size) + ")");
       if (a.stage != nullptr)
         throw std::invalid_argument("ep_rows: a launch of several ranks has no NVSHMEM peers (no stage buffer)");

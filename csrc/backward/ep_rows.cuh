@@ -50,6 +50,9 @@ constexpr int kEpDirections = 3;
 // The backward's words in a rank's signal buffer, after the forward's signal_words(P, L):
 //   free[dir][peer], ready[dir][peer]   6P flags (three directions; sequence numbers, never cleared)
 //   abort[3]                            sequence, low and high half of the error word of a failed launch
+//   count                               the rank's backward exchanges so far: the launch to the owners takes
+//                                       count + 1 as its sequence number and stores it back, the two later
+//                                       directions read it, so a CUDA graph's replays number as eager calls
 //   place[owner][local]                 written by the owner: this rank's rows for that local expert go to
 //                                       the owner's packed row (place + stream row), a signed int32
 //   row_word[P * stream_rows]           one 32-bit word per row: the combine weight on the way to the owner
@@ -66,8 +69,9 @@ struct EpSignalLayout {
     return base() + (2 * static_cast<int>(dir) + 1) * world + peer;
   }
   __host__ __device__ int abort_word(int i) const { return base() + 2 * kEpDirections * world + i; }
+  __host__ __device__ int sequence_word() const { return abort_word(kAbortWords); }
   __host__ __device__ int place(int owner, int local) const {
-    return abort_word(kAbortWords) + owner * local_experts + local;
+    return sequence_word() + 1 + owner * local_experts + local;
   }
   __host__ __device__ int64_t row_word(int src, int row) const {
     return place(world, 0) + static_cast<int64_t>(src) * stream_rows + row;
@@ -103,7 +107,6 @@ struct EpRowsParams {
   EpDirection direction;
   int rank, world_size, local_experts, stream_rows;
   int row_bytes;  // H * element size, a multiple of 16
-  uint32_t sequence;
   bool silent;    // debug: publish no flag (peers must time out, not hang)
   PeerBuffers peers[kMaxRanks];
 
@@ -177,6 +180,13 @@ struct EpStores {
 
 namespace ep_rows {
 
+// This launch's sequence number, set by begin (every block reads the rank's count before its last block
+// stores the new one back), read through here by every step.
+__device__ __forceinline__ uint32_t& sequence() {
+  __shared__ uint32_t number;
+  return number;
+}
+
 __device__ __forceinline__ uint32_t phase(const EpRowsParams& p, uint32_t to_owners, uint32_t back, uint32_t sum) {
   return p.direction == EpDirection::ToOwners ? to_owners : p.direction == EpDirection::BackToSources ? back : sum;
 }
@@ -192,7 +202,7 @@ __device__ inline bool wait_for_free(const EpRowsParams& p, const EpSignalLayout
   const int peer = threadIdx.x;
   if (peer < p.world_size) {
     const uint32_t* flag = p.peers[p.rank].signals + layout.free_flag(p.direction, peer);
-    ok = wait_at_least<Scope::System>(flag, p.sequence, p,
+    ok = wait_at_least<Scope::System>(flag, sequence(), p,
                                       phase(p, kPhaseEpFreeToOwners, kPhaseEpFreeToSources, kPhaseEpFreeToSum), peer);
   }
   return __syncthreads_and(ok) != 0;
@@ -345,7 +355,7 @@ __device__ inline void sum_shares(const EpRowsParams& p, const EpSignalLayout& l
   bool ok = true;
   const int peer = threadIdx.x;
   if (peer < p.world_size && peer != p.rank)
-    ok = wait_at_least<Scope::System>(p.peers[p.rank].signals + layout.ready_flag(p.direction, peer), p.sequence, p,
+    ok = wait_at_least<Scope::System>(p.peers[p.rank].signals + layout.ready_flag(p.direction, peer), sequence(), p,
                                       kPhaseEpSharesIn, peer);
   if (!__syncthreads_and(ok)) return;
   const int64_t pieces = p.n / 4;
@@ -363,10 +373,30 @@ __device__ inline void sum_shares(const EpRowsParams& p, const EpSignalLayout& l
   }
 }
 
+// The launch's number (sequence()): the rank's count + 1 going to the owners, the count itself in the two
+// directions queued after that launch. False, with the error word set, when the numbers are used up (the
+// flags would wrap; every rank of the team stops at the same backward).
+__device__ inline bool begin(const EpRowsParams& p, const EpSignalLayout& layout) {
+  __shared__ bool run;
+  if (threadIdx.x == 0) {
+    const uint32_t count = reinterpret_cast<volatile const uint32_t*>(p.peers[p.rank].signals)[layout.sequence_word()];
+    const uint32_t number = count + (p.direction == EpDirection::ToOwners ? 1u : 0u);
+    run = number < (1u << 31);
+    if (!run && block_in_rank(p) == 0)
+      atomicCAS(p.error_word, 0ull,
+                static_cast<unsigned long long>(kErrorSequence) |
+                    (static_cast<unsigned long long>(phase(p, kPhaseEpFreeToOwners, kPhaseEpFreeToSources,
+                                                           kPhaseEpFreeToSum)) << 8));
+    sequence() = number;
+  }
+  __syncthreads();
+  return run;
+}
+
 // True when an earlier launch of this backward failed: its error becomes this launch's, and nothing runs.
 __device__ inline bool aborted(const EpRowsParams& p, const EpSignalLayout& layout) {
   const uint32_t* own = p.peers[p.rank].signals;
-  if (ptx::load_acquire_gpu(own + layout.abort_word(0)) != p.sequence) return false;
+  if (ptx::load_acquire_gpu(own + layout.abort_word(0)) != sequence()) return false;
   if (block_in_rank(p) == 0 && threadIdx.x == 0) {
     const unsigned long long word = static_cast<unsigned long long>(own[layout.abort_word(1)]) |
                                     (static_cast<unsigned long long>(own[layout.abort_word(2)]) << 32);
@@ -394,7 +424,13 @@ __device__ inline void mark_failed(const EpRowsParams& p) {
   volatile TeamRankWords* words = p.team_words;
   if (words == nullptr) return;
   if (*reinterpret_cast<volatile const unsigned long long*>(p.error_word) != 0 && words->failed == 0)
-    words->failed = kTeamFailedInBackward | p.sequence;
+    words->failed = kTeamFailedInBackward | min(sequence(), kTeamFailedInBackward - 1u);
+}
+
+// The rank's last block of a launch to the owners: the count this backward's later launches read.
+__device__ inline void store_count(const EpRowsParams& p, const EpSignalLayout& layout) {
+  if (p.direction == EpDirection::ToOwners && sequence() < (1u << 31))
+    reinterpret_cast<volatile uint32_t*>(p.peers[p.rank].signals)[layout.sequence_word()] = sequence();
 }
 
 // This launch failed: leave its error for the backward's later launches (see aborted).
@@ -407,7 +443,7 @@ __device__ inline void leave_abort(const EpRowsParams& p, const EpSignalLayout& 
   own[layout.abort_word(1)] = static_cast<uint32_t>(word);
   own[layout.abort_word(2)] = static_cast<uint32_t>(word >> 32);
   __threadfence();
-  ptx::store_release_sys(own + layout.abort_word(0), p.sequence);
+  ptx::store_release_sys(own + layout.abort_word(0), sequence());
 }
 
 }  // namespace ep_rows
@@ -424,8 +460,11 @@ struct EpRowsLaunch {
 template <typename Publish>
 __device__ void ep_rows_block(const EpRowsParams& p) {
   const EpSignalLayout layout{p.world_size, p.local_experts, p.stream_rows};
-  const auto last = [&p] { ep_rows::mark_failed(p); };
-  if (ep_rows::aborted(p, layout) || ep_rows::team_failed(p)) {
+  const auto last = [&p, &layout] {
+    ep_rows::store_count(p, layout);
+    ep_rows::mark_failed(p);
+  };
+  if (!ep_rows::begin(p, layout) || ep_rows::aborted(p, layout) || ep_rows::team_failed(p)) {
     finish_launch(p, last);
     return;
   }
@@ -438,7 +477,8 @@ __device__ void ep_rows_block(const EpRowsParams& p) {
     if (threadIdx.x == 0) {
       __threadfence_system();
       for (int peer = 0; peer < p.world_size; ++peer)
-        if (peer == p.rank || !p.silent) Publish::set_flag(p, peer, layout.free_flag(p.direction, p.rank), p.sequence);
+        if (peer == p.rank || !p.silent)
+          Publish::set_flag(p, peer, layout.free_flag(p.direction, p.rank), ep_rows::sequence());
     }
   }
   const bool summing = p.direction == EpDirection::SumOverRanks;
@@ -464,7 +504,7 @@ __device__ void ep_rows_block(const EpRowsParams& p) {
       if (block_in_rank(p) == 0 && threadIdx.x == 0 && !p.silent) {
         __threadfence_system();
         for (int peer = 0; peer < p.world_size; ++peer)
-          if (peer != p.rank) Publish::set_flag(p, peer, layout.ready_flag(p.direction, p.rank), p.sequence);
+          if (peer != p.rank) Publish::set_flag(p, peer, layout.ready_flag(p.direction, p.rank), ep_rows::sequence());
       }
       if (summing) {
         ep_rows::sum_shares(p, layout);
@@ -472,7 +512,8 @@ __device__ void ep_rows_block(const EpRowsParams& p) {
         // The launch ends once every peer's rows are here: the work after it on the stream reads them.
         const int peer = threadIdx.x;
         if (peer < p.world_size && peer != p.rank)
-          wait_at_least<Scope::System>(p.peers[p.rank].signals + layout.ready_flag(p.direction, peer), p.sequence, p,
+          wait_at_least<Scope::System>(p.peers[p.rank].signals + layout.ready_flag(p.direction, peer),
+                                       ep_rows::sequence(), p,
                                        ep_rows::phase(p, kPhaseEpRowsIn, kPhaseEpGradsIn, kPhaseEpSharesIn), peer);
       }
     }

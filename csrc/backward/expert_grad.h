@@ -14,8 +14,11 @@ namespace flashdmoe {
 // g [rows, I] is dy's row times W2^T (unscaled), w [rows] float32 the combine weight. Half-precision
 // storage (dtype BFloat16 / Float16), float32 arithmetic; ffn must be a multiple of 8. dweight's sum
 // runs in a fixed order (deterministic). Asynchronous on `stream`.
+// live_rows (device, may be null): rows at or past *live_rows are left alone (a captured backward sized for
+// a bound, whose rows in use are known on the device only).
 void launch_activation_grad(DType dtype, Activation activation, const void* pre, const void* g, const float* weight,
-                            void* hw, void* dpre, float* dweight, int64_t rows, int ffn, cudaStream_t stream);
+                            void* hw, void* dpre, float* dweight, int64_t rows, int ffn, const int* live_rows,
+                            cudaStream_t stream);
 
 // dx[t] = sum over j < k with row[t, j] >= 0 of dx_rows[row[t, j]] (in j order, float32), plus extra[t]
 // (float32, may be null), rounded to dtype. hidden must be a multiple of 8.
@@ -106,7 +109,6 @@ namespace flashdmoe {
 struct EpRowsArgs {
   int direction;  // 0: to the owners, 1: back to the sources, 2: sum over the ranks
   int rank, world_size, local_experts, stream_rows, hidden, element_bytes;
-  uint32_t sequence;
   bool silent;
   std::vector<uintptr_t> peer_recv, peer_comb, peer_signals;  // world_size each (an NVSHMEM peer: own addresses)
   void* stage;                                                // own symmetric staging (EpStage), NVSHMEM peers only

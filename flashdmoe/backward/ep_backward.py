@@ -57,19 +57,18 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-import numpy as np
 import torch
 
 from flashdmoe.kernel import status_checks
 from flashdmoe.parallel.ep_peer import PeerExchange
-from flashdmoe.backward.expert_backward import packed_row_grads, to_device_without_waiting
+from flashdmoe.backward.expert_backward import grouped_mm_supported, packed_row_grads
 from flashdmoe.kernel.kernel_codes import DTYPE_CODES
 from flashdmoe.kernel.launch_knobs import debug, timeout_ms
 from flashdmoe.kernel.launch_report import LaunchReport, LaunchShape, status_layout
 from flashdmoe.kernel.workspace_pool import WorkspacePool
 
-__all__ = ["ForwardCounts", "OwnerLayout", "emulated_backward", "exchange_traffic", "forward_count_words",
-           "owner_layout", "team_backward", "unsupported"]
+__all__ = ["ForwardCounts", "OwnerLayout", "clipped_counts", "emulated_backward", "exchange_traffic",
+           "forward_count_words", "owner_layout", "team_backward", "unsupported"]
 
 _pool = WorkspacePool()
 TO_OWNERS, BACK_TO_SOURCES, SUM_OVER_RANKS = 0, 1, 2
@@ -130,51 +129,56 @@ def _exchange_peers(team, local: int = 0) -> dict:
 
 
 class OwnerLayout(NamedTuple):
-    """Where an owner's received rows lie and where they came from.
+    """Where an owner's received rows lie and where they came from, all int32 on the counts' device.
 
-    index ``[rows]`` int64 (on the device asked for): each packed row's staging row in its source's stream,
-    ``source * stream_rows + stream row``; per_expert: each local expert's row count (host ints); place
-    ``[P, L]`` int32 (same device): source ``q``'s rows for local expert ``l`` go to packed row
-    ``place[q, l] +`` their stream row; from_rows ``[P]`` int32 (same device): rows each source sent."""
+    received ``[rows]``: each packed row's staging row in its source's stream, ``source * stream_rows +
+    stream row``, or -1 past the rows received; offs ``[L]``: each local expert's end row in the packed
+    order (the grouped GEMMs' offsets); place ``[P, L]``: source ``q``'s rows for local expert ``l`` go to
+    packed row ``place[q, l] +`` their stream row; from_rows ``[P]``: rows each source sent."""
 
-    index: torch.Tensor
-    per_expert: list[int]
+    received: torch.Tensor
+    offs: torch.Tensor
     place: torch.Tensor
     from_rows: torch.Tensor
 
 
-def owner_layout(counts: torch.Tensor, stream_rows: int, device: torch.device | None = None) -> OwnerLayout:
+def clipped_counts(counts: torch.Tensor, stream_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(counts, within)`` int64 ``[P, L]``: the counts kept inside each source's stream (a failed forward may
+    leave any value in the count words: never index past a stream) and where each (source, local expert)
+    run starts in its source's stream (the source orders its rows by local expert)."""
+    counts = counts.to(torch.int64).clamp(0, stream_rows)
+    within = torch.cumsum(counts, 1) - counts
+    return torch.minimum(counts, (stream_rows - within).clamp(min=0)), within
+
+
+def owner_layout(counts: torch.Tensor, stream_rows: int, rows: int | None = None) -> OwnerLayout:
     """An owner's packed order from its counts: local expert 0's rows of every source in rank order, then
     expert 1's, ...; within a source its stream order.
 
-    counts: ``[P, L]`` int (CPU): rows source ``q`` sent for local expert ``l``; in its stream to this owner,
-    source ``q``'s rows are ordered by local expert from stream row 0 (the forward's numbering). The
-    ``P * L`` spans are laid out on the host and ``index`` expanded on ``device`` (default CPU) from one
-    asynchronous copy (its size is known here: no synchronisation); ``place`` is returned on ``device`` too.
-    """
+    counts: ``[P, L]`` int: rows source ``q`` sent for local expert ``l`` (in its stream to this owner, source
+    ``q``'s rows are ordered by local expert from stream row 0, the forward's numbering). Torch ops on the
+    counts' device, nothing read back: ``rows`` sizes the received-row table (the rows received, or a
+    bound such as ``P * stream_rows``: rows past those received are -1); ``None`` counts them (a read of
+    the counts, for CPU counts)."""
     P, L = counts.shape
-    # P * L numbers: numpy on the host (a torch op on a tensor this small costs more than its work).
-    counts = np.clip(counts.numpy().astype(np.int64), 0, stream_rows)
-    # Counts of a failed forward may hold any value: never index past a stream.
-    within = np.cumsum(counts, axis=1) - counts                       # start of (q, l) in q's stream
-    overflow = (within + counts) > stream_rows
-    counts = np.where(overflow, np.clip(stream_rows - within, 0, None), counts)
-    per_expert = counts.sum(axis=0)
-    expert_start = np.cumsum(per_expert) - per_expert
-    before = np.cumsum(counts, axis=0) - counts                       # rows of sources < q for expert l
-    place = expert_start[None, :] + before - within
-    starts = (np.arange(P, dtype=np.int64)[:, None] * stream_rows + within).T.reshape(-1)  # (l, q) order
-    sizes = counts.T.reshape(-1)
-    total = int(sizes.sum())
-    offsets = np.cumsum(sizes) - sizes
-    device = torch.device("cpu") if device is None else device
-    # One copy for all three, without waiting for the stream.
-    table = to_device_without_waiting(
-        torch.from_numpy(np.concatenate([starts - offsets, sizes, place.reshape(-1), counts.sum(axis=1)])), device)
-    shift, sizes = table[:P * L], table[P * L:2 * P * L]
-    place, from_rows = table[2 * P * L:3 * P * L].view(P, L).to(torch.int32), table[3 * P * L:].to(torch.int32)
-    index = torch.repeat_interleave(shift, sizes, output_size=total) + torch.arange(total, device=device)
-    return OwnerLayout(index, [int(c) for c in per_expert], place, from_rows)
+    counts, within = clipped_counts(counts, stream_rows)
+    per_expert = counts.sum(0)
+    offs = torch.cumsum(per_expert, 0)
+    before = torch.cumsum(counts, 0) - counts                           # rows of sources < q for expert l
+    place = (offs - per_expert)[None, :] + before - within
+    # the P * L runs in packed order ((l, q): expert-major), each a span of consecutive stream rows
+    sizes = counts.t().reshape(-1)
+    span_end = torch.cumsum(sizes, 0)
+    stream_start = (torch.arange(P, device=counts.device)[:, None] * stream_rows + within).t().reshape(-1)
+    if rows is None:
+        rows = int(span_end[-1])
+    packed = torch.arange(rows, device=counts.device)
+    span = torch.searchsorted(span_end, packed, right=True)            # the first run ending past the row
+    live = span < P * L
+    span = span.clamp(max=P * L - 1)
+    received = torch.where(live, stream_start[span] + packed - (span_end[span] - sizes[span]), -1)
+    return OwnerLayout(received.to(torch.int32), offs.to(torch.int32), place.to(torch.int32),
+                       counts.sum(1).to(torch.int32))
 
 
 def sent_runs(expert: torch.Tensor, row: torch.Tensor, world_size: int, local_experts: int) -> torch.Tensor:
@@ -223,33 +227,45 @@ def forward_count_words(team, routing, local: int = 0) -> torch.Tensor:
 
 
 class ForwardCounts:
-    """One forward's counts as an owner, on their way to the host: ``[P, L]`` int32, rows source ``q`` sent
-    this rank for local expert ``l``. The forward kernel leaves them in the rank's count words (every
-    source's, its own included); the copy is queued behind it, and :meth:`get` waits only for that copy,
-    so a backward that runs after the forward has finished (every layer's but the last) does not wait."""
+    """One forward's counts as an owner, ``[P, L]`` int32, rows source ``q`` sent this rank for local expert
+    ``l``: ``device``, a copy on the device of the count words the forward kernel leaves (every source's, its
+    own included; the next forward on the team overwrites them), and, for a forward run eagerly, a copy on
+    its way to the host, queued behind it (:meth:`host` waits only for that copy, so a backward that runs
+    after the forward has finished, every layer's but the last, does not wait). A forward captured in a
+    CUDA graph has no host copy: its backward lays out the owner's rows for the team's bound on the device."""
 
     def __init__(self, team, routing, local: int = 0) -> None:
-        words = forward_count_words(team, routing, local)
-        self._host = torch.empty(words.shape, dtype=torch.int32, pin_memory=True)
-        self._host.copy_(words, non_blocking=True)
-        self._done = torch.cuda.Event()
-        self._done.record()
+        self.device = forward_count_words(team, routing, local).clone()
+        self._host = self._done = None
+        if not torch.cuda.is_current_stream_capturing():
+            self._host = torch.empty(self.device.shape, dtype=torch.int32, pin_memory=True)
+            self._host.copy_(self.device, non_blocking=True)
+            self._done = torch.cuda.Event()
+            self._done.record()
 
-    def get(self) -> torch.Tensor:
+    def host(self) -> torch.Tensor | None:
+        """The counts on the host (waits for their copy), or None for a forward captured in a graph."""
+        if self._done is None:
+            return None
         self._done.synchronize()
         return self._host
 
 
-def _launch(ext, team, rank_args: list[dict], device: torch.device, what_tokens: tuple[int, ...]) -> LaunchReport:
+def _launch(ext, team, rank_args: list[dict], device: torch.device, what_tokens: tuple[int, ...],
+            capturing: bool = False) -> LaunchReport:
     """One launch of the row exchange on the current stream for the ranks this process drives (one, or an
     emulated team's every rank), recorded like a forward's (its error surfaces where a forward's does;
-    :func:`status_checks.settle` waits for it)."""
+    :func:`status_checks.settle` waits for it). ``capturing``: inside a CUDA-graph capture."""
     index = device.index
-    status_checks.before_launch(index, None, False)
+    status_checks.before_launch(index, None, capturing)
     stream = torch._C._cuda_getCurrentRawStream(index)
     sync_bytes = ext.ep_rows_sync_bytes()
     stride = -(-sync_bytes // 256) * 256
-    sync = _pool.address(device, index, stream, stride, sync_bytes, len(rank_args))
+    if capturing:  # the graph's own, zeroed inside the graph (see workspace_pool); held until launched
+        held = torch.zeros(stride * len(rank_args), dtype=torch.uint8, device=device)
+        sync = held.data_ptr()
+    else:
+        sync = _pool.address(device, index, stream, stride, sync_bytes, len(rank_args))
     status_bytes = status_layout().bytes
 
     def start(status: int):
@@ -261,8 +277,11 @@ def _launch(ext, team, rank_args: list[dict], device: torch.device, what_tokens:
     plan = team.plan
     shape = LaunchShape(tuple(args["rank"] for args in rank_args), what_tokens, plan.local_experts,
                         plan.hidden * plan.element_bytes, timeout_ms())
-    return status_checks.record_launch(status_checks.claim_slot(index, False, len(rank_args)), start, (), shape,
-                                       index, False, team=team, forward=False, stream=stream)
+    report = status_checks.record_launch(status_checks.claim_slot(index, capturing, len(rank_args)), start, (), shape,
+                                         index, capturing, team=team, forward=False, stream=stream)
+    if capturing:
+        del held
+    return report
 
 
 class _Local(NamedTuple):
@@ -331,16 +350,17 @@ def _backward(team, locals_: list[_Local], router_weight: torch.Tensor, *, activ
     device, dtype = locals_[0].x.device, locals_[0].x.dtype
     need_dx, need_router, need_dw1, need_dw2 = needs
     staged = P * S
-    sequence = team.next_backward_sequence()
+    capturing = torch.cuda.is_current_stream_capturing()
+    # (the sequence number is the kernel's: each rank counts its backward exchanges in its signal words)
     common_all = {"world_size": P, "local_experts": L, "stream_rows": S, "hidden": H,
                   "element_bytes": plan.element_bytes, "timeout_ns": timeout_ms() * 1_000_000,
-                  "debug_withhold_phase": int(debug.withhold_phase), "grid_percent": _grid_percent(),
-                  "sequence": sequence}
+                  "debug_withhold_phase": int(debug.withhold_phase), "grid_percent": _grid_percent()}
     ranks = []
     for loc in locals_:
         own = team.buffers[loc.local]
         peers = _exchange_peers(team, loc.local)
         tokens, top_k = loc.expert.shape
+        rows, per_expert = _received_rows(loc.counts, S, staged, capturing, dtype, device, H, loc.w2.shape[1])
         ranks.append({
             "loc": loc, "tokens": tokens, "top_k": top_k, "puts": "stage" in peers,
             "common": {**common_all, "rank": loc.rank, "silent": loc.rank == debug.silent_rank,
@@ -348,8 +368,8 @@ def _backward(team, locals_: list[_Local], router_weight: torch.Tensor, *, activ
             "recv": own.recv[:staged * H * plan.element_bytes].view(dtype).view(staged, H),
             "comb": own.comb[:staged * H * plan.element_bytes].view(dtype).view(staged, H),
             "row_words": own.signals[plan.backward_word("row_word", 0, 0):plan.backward_word("row_word", P, 0)],
-            # the host knows each rank's packed order from the forward's counts: no wait for the launches
-            "layout": owner_layout(loc.counts.get(), S, device),
+            # each rank's packed order from its forward's counts, on the device: no wait for the launches
+            "layout": owner_layout(loc.counts.device, S, rows), "rows": rows, "per_expert": per_expert,
             "expert32": loc.expert.to(torch.int32).contiguous(), "row32": loc.row.to(torch.int32).contiguous(),
             "dy16": loc.dy.to(dtype).contiguous(), "xc": loc.x.contiguous(),
             "weight32": loc.weight.to(torch.float32).contiguous(),
@@ -366,26 +386,25 @@ def _backward(team, locals_: list[_Local], router_weight: torch.Tensor, *, activ
             r["sent"] = sent_runs(r["expert32"], r["row32"], P, L)
             args["sent"] = r["sent"].data_ptr()
         out_args.append(args)
-    reports = [_launch(ext, team, out_args, device, tuple(r["tokens"] for r in ranks))]
+    reports = [_launch(ext, team, out_args, device, tuple(r["tokens"] for r in ranks), capturing)]
 
     # 2. each rank's experts on the rows it received, as they lie
     for r in ranks:
-        n = int(r["layout"].index.numel())
-        r["rows"] = n
+        n = r["rows"]
         r["dweight_row"], r["dx_rows"], r["dw1"], r["dw2"] = packed_row_grads(
-            r["recv"][:n], r["comb"][:n], r["row_words"][:n].view(torch.float32), r["layout"].per_expert,
-            r["loc"].w1, r["loc"].w2, activation=activation, need_dw1=need_dw1, need_dw2=need_dw2)
+            r["recv"][:n], r["comb"][:n], r["row_words"][:n].view(torch.float32), r["per_expert"],
+            r["loc"].w1, r["loc"].w2, activation=activation, need_dw1=need_dw1, need_dw2=need_dw2,
+            offs=r["layout"].offs)
 
     # 3. each received row's dx share and weight gradient back to its source
     back_args = []
     for r in ranks:
-        r["received32"] = r["layout"].index.to(torch.int32)
         back_args.append({**r["common"], **_UNUSED, "direction": BACK_TO_SOURCES, "top_k": r["top_k"],
-                          "rows": r["rows"], "received": r["received32"].data_ptr(),
+                          "rows": r["rows"], "received": r["layout"].received.data_ptr(),
                           "dx_rows": r["dx_rows"].data_ptr() if r["dx_rows"].numel() else 0,
                           "dweight_row": r["dweight_row"].data_ptr() if r["dweight_row"].numel() else 0,
                           "from_rows": r["layout"].from_rows.data_ptr()})
-    back = _launch(ext, team, back_args, device, tuple(r["rows"] for r in ranks))
+    back = _launch(ext, team, back_args, device, tuple(r["rows"] for r in ranks), capturing)
     reports.append(back)
 
     # 4. each rank's tokens: the router's gradient and dx (stream-ordered after step 3's launch, which ends
@@ -396,7 +415,7 @@ def _backward(team, locals_: list[_Local], router_weight: torch.Tensor, *, activ
         dxs.append(dx)
         shares.append(share)
     # 5. d_router summed over the ranks; every rank joins, whatever it needs itself
-    d_router = _sum_over_ranks(ext, team, ranks, shares, back, device, reports)
+    d_router = _sum_over_ranks(ext, team, ranks, shares, back, device, reports, capturing)
     team.backward_reports = tuple(reports)
     return (dxs, d_router.to(router_weight.dtype) if need_router else None,
             [r["dw1"] if need_dw1 else None for r in ranks], [r["dw2"] if need_dw2 else None for r in ranks])
@@ -428,7 +447,7 @@ def _tokens_grads(ext, r: dict, router_weight, P, L, S, E, H, dtype, device, nor
 
 
 def _sum_over_ranks(ext, team, ranks: list[dict], shares: list[torch.Tensor], back: LaunchReport,
-                    device: torch.device, reports: list) -> torch.Tensor:
+                    device: torch.device, reports: list, capturing: bool) -> torch.Tensor:
     """The sum over the team's ranks of each rank's float32 share in rank order (the same bits on every
     rank): the exchange's third direction, staged in the peers' ``comb`` regions, where it fits one region.
     Else an emulated team (every share here) adds them in rank order, and a process of a team uses
@@ -443,7 +462,7 @@ def _sum_over_ranks(ext, team, ranks: list[dict], shares: list[torch.Tensor], ba
         args = [{**r["common"], **_UNUSED, "direction": SUM_OVER_RANKS, "top_k": 1, "n": n,
                  "share": share.data_ptr(), "sum": total.data_ptr()}
                 for r, share, total in zip(ranks, shares, totals)]
-        reports.append(_launch(ext, team, args, device, tuple(0 for _ in ranks)))
+        reports.append(_launch(ext, team, args, device, tuple(0 for _ in ranks), capturing))
         return totals[0]
     if len(ranks) == team.world_size:  # every rank here: the sum in rank order
         total = shares[0].clone()
@@ -455,8 +474,29 @@ def _sum_over_ranks(ext, team, ranks: list[dict], shares: list[torch.Tensor], ba
             f"d_router: {n} floats do not fit one comb region ({plan.stream_rows * plan.hidden * plan.element_bytes} "
             "bytes, or n is not a multiple of 4), and a team with NVSHMEM peers has no other way to sum them; "
             "make the team with a larger max_tokens")
+    if capturing:
+        raise RuntimeError(
+            f"d_router: {n} floats do not fit one comb region, and the host-launched sum that takes them instead "
+            "cannot be captured in a CUDA graph; make the team with a larger max_tokens")
     status_checks.settle(back)
     return PeerExchange.from_team(team).all_reduce_sum(shares[0])
+
+
+def _received_rows(counts: ForwardCounts, stream_rows: int, bound: int, capturing: bool, dtype: torch.dtype,
+                   device: torch.device, hidden: int, intermediate: int) -> tuple[int, list[int] | None]:
+    """``(rows, per_expert)``: the rows an owner's backward covers and, where the host knows them, each local
+    expert's count. Eagerly, the rows received (the forward's counts on the host: :meth:`ForwardCounts.host`).
+    Inside a capture, or for a forward that was captured, the team's bound ``P * stream_rows`` with no host
+    counts: the grouped GEMMs and the element-wise kernel then stop at the device's end rows."""
+    host = None if capturing else counts.host()
+    if host is None:
+        why = grouped_mm_supported(dtype, device, hidden, intermediate)
+        if why:
+            raise RuntimeError(f"a team's backward inside a CUDA-graph capture needs grouped GEMMs that read their "
+                               f"offsets on the device, and {why}")
+        return bound, None
+    per_expert = clipped_counts(host, stream_rows)[0].sum(0).tolist()
+    return sum(per_expert), per_expert
 
 
 def _grid_percent() -> int:

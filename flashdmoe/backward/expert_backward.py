@@ -298,13 +298,26 @@ def to_device_without_waiting(table: torch.Tensor, device: torch.device) -> torc
 
 
 class PackedRows:
-    """Rows already packed by expert whose per-expert counts the host knows (``counts``: one int per expert;
-    :mod:`flashdmoe.backward.ep_backward` reads them once per backward). The grouped GEMMs run as
-    ``torch._grouped_mm`` where it runs without a host synchronisation (:func:`grouped_mm_supported`), else
-    one ``torch.mm`` per expert with rows (the counts are on the host, so slicing costs no synchronisation)."""
+    """Rows already packed by expert. Either the host knows each expert's count (``counts``: one int per
+    expert; :mod:`flashdmoe.backward.ep_backward` reads them once per eager backward), and the grouped
+    GEMMs run as ``torch._grouped_mm`` where it runs without a host synchronisation
+    (:func:`grouped_mm_supported`), else as one ``torch.mm`` per expert with rows (slicing by host counts
+    costs no synchronisation). Or only the device knows them (``counts`` None, ``offs``: each expert's end
+    row, int32 on the device; a backward captured in a CUDA graph, over ``rows`` rows sized for a bound):
+    then ``torch._grouped_mm`` must run, and the rows past ``offs[-1]`` are left alone
+    (``live_rows``, the element-wise kernel's bound), their outputs unspecified."""
 
-    def __init__(self, counts: Sequence[int], dtype: torch.dtype, device: torch.device, hidden: int,
-                 intermediate: int) -> None:
+    def __init__(self, counts: Sequence[int] | None, dtype: torch.dtype, device: torch.device, hidden: int,
+                 intermediate: int, *, offs: torch.Tensor | None = None, rows: int | None = None) -> None:
+        self.padded_rows = None
+        if counts is None:
+            why = grouped_mm_supported(dtype, device, hidden, intermediate)
+            if offs is None or rows is None or why:
+                raise ValueError("PackedRows without host counts needs offs and rows, and torch._grouped_mm: "
+                                 + (why or "offs or rows is missing"))
+            self.counts, self.experts, self.rows, self.grouped = None, offs.numel(), rows, True
+            self.offs, self.live_rows = offs, offs[-1:]
+            return
         self.counts = [int(c) for c in counts]
         if any(c < 0 for c in self.counts):
             raise ValueError(f"counts={self.counts}: expected non-negative row counts")
@@ -314,7 +327,7 @@ class PackedRows:
             self.starts.append(at)
             at += c
         self.rows = at
-        self.padded_rows = None
+        self.live_rows = None
         self.grouped = not grouped_mm_supported(dtype, device, hidden, intermediate)
         self.offs = to_device_without_waiting(
             torch.tensor([s + c for s, c in zip(self.starts, self.counts)], dtype=torch.int32), device)
@@ -342,23 +355,27 @@ class PackedRows:
         return out
 
 
-def packed_row_grads(x_rows: torch.Tensor, dy_rows: torch.Tensor, w_row: torch.Tensor, counts: Sequence[int],
-                     w1: torch.Tensor, w2: torch.Tensor, *, activation: str, need_dw1: bool = True,
-                     need_dw2: bool = True, elementwise: str = "auto"):
+def packed_row_grads(x_rows: torch.Tensor, dy_rows: torch.Tensor, w_row: torch.Tensor,
+                     counts: Sequence[int] | None, w1: torch.Tensor, w2: torch.Tensor, *, activation: str,
+                     need_dw1: bool = True, need_dw2: bool = True, elementwise: str = "auto",
+                     offs: torch.Tensor | None = None):
     """The expert half of the backward on rows already packed by expert (an expert owner's rows of a team):
     ``pre`` recomputed, then :func:`expert_backward`'s steps up to (not including) the router and the
     per-token sums.
 
     x_rows, dy_rows: ``[rows, H]`` (16-bit or float32), expert ``e``'s rows at ``[sum(counts[:e]),
     sum(counts[:e+1]))``; w_row: ``[rows]`` float32, each row's combine weight; counts: each expert's row
-    count (host ints, ``len(counts) = E``); w1 ``[E, H, I or 2I]``, w2 ``[E, I, H]``.
+    count (host ints, ``len(counts) = E``), or None with ``offs`` ``[E]`` int32 on the device, each expert's
+    end row (:class:`PackedRows`: the rows past ``offs[-1]`` are left alone and their outputs unspecified);
+    w1 ``[E, H, I or 2I]``, w2 ``[E, I, H]``.
 
     Returns ``(dweight_row [rows] float32, dx_rows [rows, H] x's dtype, dw1 like w1 or None, dw2 like w2 or
     None)``: each row's combine-weight gradient ``<g, act(pre)>`` and dx share ``(w g act'(pre)) W1^T``.
     """
     dtype, device = x_rows.dtype, x_rows.device
     hidden, intermediate = x_rows.shape[1], w2.shape[1]
-    layout = PackedRows(counts, dtype, device, hidden, intermediate)
+    layout = PackedRows(counts, dtype, device, hidden, intermediate,
+                        offs=None if counts is not None else offs, rows=x_rows.shape[0])
     if layout.experts != w1.shape[0] or x_rows.shape[0] != layout.rows or dy_rows.shape != x_rows.shape \
             or w_row.shape != (layout.rows,):
         raise ValueError(f"packed_row_grads: x_rows {list(x_rows.shape)}, dy_rows {list(dy_rows.shape)}, "
@@ -557,9 +574,10 @@ def _row_step(layout, x_rows, dy_rows, w_row, pre, w1, w2, activation, kernels, 
         g = layout.rows_times(dy_rows, w2.transpose(1, 2))
         hw, dpre = torch.empty(layout.rows, intermediate, dtype=dtype, device=device), torch.empty_like(pre)
         dweight_row = torch.empty(layout.rows, dtype=torch.float32, device=device)
+        live = getattr(layout, "live_rows", None)  # a bound's rows: the device's end row
         kernels.activation_grad(DTYPE_CODES[dtype], ACTIVATION_CODES[activation], pre.data_ptr(), g.data_ptr(),
                                 w_row.data_ptr(), hw.data_ptr(), dpre.data_ptr(), dweight_row.data_ptr(),
-                                layout.rows, intermediate, stream)
+                                layout.rows, intermediate, stream, 0 if live is None else live.data_ptr())
         del g, pre
         if need_dw2:
             dw2 = layout.per_expert_outer(hw, dy_rows)

@@ -33,7 +33,7 @@ class ErrorKind(enum.IntEnum):
 
     NONE = 0
     TIMEOUT = 1
-    SEQUENCE = 2  # a team rank's forwards used up the 31-bit sequence numbers
+    SEQUENCE = 2  # a team rank's forwards (or, with a backward phase, backward exchanges) used up 2^31 - 1 numbers
     TEAM_FAILED = 3  # the rank ran nothing: an earlier launch of its team failed (bits 32-63: FAILED_IN_BACKWARD
     # plus a backward's sequence number, or a forward's number)
 
@@ -71,6 +71,8 @@ PHASE_NAMES = {
     24: "hierarchical exchange: a relay waiting for a source's batch of rows",
     25: "hierarchical exchange: grid barrier after the relayed rows were stored",
 }
+#: The backward exchange's phases (csrc/backward/ep_rows.cuh, EpBackwardPhase).
+BACKWARD_EXCHANGE_PHASES = range(14, 23)
 
 # Intervals between consecutive phase clock slots (slot 0 start, 1..4 after the grid barriers, 5 exit).
 PHASE_CLOCK_NAMES = ("gate", "offsets", "dispatch", "experts", "combine")
@@ -136,7 +138,8 @@ class KernelError:
             return (f"rank {self.rank} timed out in the {self.phase_name} (waiting on rank {self.peer}; first seen "
                     f"by block {self.block})")
         if self.kind == ErrorKind.SEQUENCE:
-            return (f"rank {self.rank}: the team's forwards used up their 2^31 - 1 sequence numbers (the kernel ran "
+            what = "backward exchanges" if self.phase in BACKWARD_EXCHANGE_PHASES else "forwards"
+            return (f"rank {self.rank}: the team's {what} used up their 2^31 - 1 sequence numbers (the kernel ran "
                     "nothing); make a new team")
         if self.kind == ErrorKind.TEAM_FAILED:
             which = (f"backward number {self.block - FAILED_IN_BACKWARD}" if self.block & FAILED_IN_BACKWARD

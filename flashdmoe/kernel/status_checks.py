@@ -382,12 +382,20 @@ def before_launch(device: int, team: Any, capturing: bool, stream: int | None = 
         _poll(launching=True)
 
 
-def before_backward(team: Any, forward: Any, stream: int | None) -> None:
+def before_backward(team: Any, forward: Any, stream: int | None, capturing: bool = False) -> None:
     """Before a team's backward on ``stream``: check ``forward`` (the report of the forward it
     differentiates, whose routing it reads; waits for it and for what was queued before it, oldest first,
     unless checked), and settle the team's last launch only if it ran on another stream. On the same stream
     the device stops the backward's exchange after a failed launch of the team (csrc/backward/ep_rows.cuh),
-    so a model's backward queues each layer's behind the previous one's without waiting."""
+    so a model's backward queues each layer's behind the previous one's without waiting. Inside a capture
+    nothing can be waited for: an eager launch not checked yet is refused (captured ones are the graph's)."""
+    if capturing:
+        for report in (forward, getattr(team, "unchecked_launch", None)):
+            if report is not None and not report.captured and not report.checked:
+                raise RuntimeError(
+                    f"team {team!r}: launch {report.launch_id} ran eagerly and was not checked yet, and CUDA forbids "
+                    "waiting for it inside a graph capture; call flashdmoe.synchronize() before capturing")
+        return
     if forward is not None and not forward.checked:
         settle_through(forward)
     settle_team(team, stream)

@@ -130,10 +130,10 @@ class BufferPlan:
     @property
     def backward_words(self) -> int:
         """The backward exchange's words after the forward's (``EpSignalLayout``): 6P flags (free and ready,
-        three directions), 3 abort words, P*L place words (one per owner and local expert) and one word per
-        staged row (``P * stream_rows``)."""
+        three directions), 3 abort words, the rank's count of backward exchanges, P*L place words (one per
+        owner and local expert) and one word per staged row (``P * stream_rows``)."""
         P = self.world_size
-        return 6 * P + 3 + P * self.local_experts + P * self.stream_rows
+        return 6 * P + 4 + P * self.local_experts + P * self.stream_rows
 
     @property
     def signal_words(self) -> int:
@@ -141,8 +141,9 @@ class BufferPlan:
 
     def backward_word(self, what: str, a: int, b: int) -> int:
         """Index of a backward word in a rank's signals (mirrors ``EpSignalLayout``): ``("free" | "ready",
-        direction, peer)``, ``("abort", i, 0)`` (i < 3), ``("place", owner, local expert)``, ``("row_word",
-        source, stream row)`` (word ``("row_word", 0, r)`` is also staged row ``r``)."""
+        direction, peer)``, ``("abort", i, 0)`` (i < 3), ``("sequence", 0, 0)`` (the rank's backward exchanges
+        so far), ``("place", owner, local expert)``, ``("row_word", source, stream row)`` (word ``("row_word",
+        0, r)`` is also staged row ``r``)."""
         P, L, base = self.world_size, self.local_experts, self.forward_signal_words
         if what == "free":
             return base + 2 * a * P + b
@@ -150,11 +151,13 @@ class BufferPlan:
             return base + (2 * a + 1) * P + b
         if what == "abort":
             return base + 6 * P + a
+        if what == "sequence":
+            return base + 6 * P + 3
         if what == "place":
-            return base + 6 * P + 3 + a * L + b
+            return base + 6 * P + 4 + a * L + b
         if what == "row_word":
-            return base + 6 * P + 3 + P * L + a * self.stream_rows + b
-        raise ValueError(f"what={what!r}: expected 'free', 'ready', 'abort', 'place' or 'row_word'")
+            return base + 6 * P + 4 + P * L + a * self.stream_rows + b
+        raise ValueError(f"what={what!r}: expected 'free', 'ready', 'abort', 'sequence', 'place' or 'row_word'")
 
     @property
     def stage_rows(self) -> int:
@@ -254,7 +257,6 @@ class Team:
         # forward's flags carry count + 1, and a launch after a failed one runs nothing.
         self.device_words = (None if transport == "single"
                              else torch.zeros((len(buffers), 2), dtype=torch.int32, device=device))
-        self._backward_sequence = 0
         self._failure: str | None = None
         self._closed = False
         # The backend's state for this team: its last launch not checked yet (a LaunchReport), and the
@@ -473,13 +475,14 @@ class Team:
         if self._failure is None:
             self._failure = reason
 
-    def next_backward_sequence(self) -> int:
-        """Sequence number of the next backward exchange (its own count: every rank runs the same backwards
-        in the same order, and the backward's flags are other words than the forward's)."""
-        self._backward_sequence += 1
-        if self._backward_sequence >= 2**31:
-            raise TeamFailed("backward sequence numbers exhausted (2^31 backwards); make a new team")
-        return self._backward_sequence
+    def backward_count(self, local: int = 0) -> int:
+        """Backward exchanges run so far by the rank held in ``buffers[local]``: the count its kernel keeps in
+        its signal words (each backward's launch to the owners takes count + 1 as its sequence number and
+        stores it back, so a CUDA graph's replays count as eager backwards do). Reads the device (waits for
+        the stream)."""
+        if self.plan is None:
+            return 0
+        return int(self.buffers[local].signals[self.plan.backward_word("sequence", 0, 0)].item())
 
     def describe(self) -> dict:
         plan = self.plan
