@@ -560,6 +560,21 @@ def test_silent_rank_makes_every_rank_time_out_then_a_new_team_works(mps_daemon)
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name, problem", [CONFIGS[0], CONFIGS[3]], ids=[CONFIGS[0][0], CONFIGS[3][0]])
+def test_graph_replays_of_a_team_training_step_equal_eager_steps(mps_daemon, name, problem, seed):
+    """Each rank captures a whole training step (forward and the device-exchange backward) in a CUDA graph
+    and replays it on new tokens and output gradients between eager steps: y and every gradient bitwise the
+    eager step's, on every rank (the backward's sequence numbers counted on the device)."""
+    result = _run(mps_daemon, "training_graph_replay", problem.world_size,
+                  {"problem": problem.to_dict(), "replays": 3, "seed": seed}, f"training graph replay {name}").check()
+    for outcome in result.ranks:
+        where = f"{name} rank {outcome.rank}: {outcome.info}"
+        assert outcome.info["backward_path"] == "device", where
+        assert outcome.info["replays_identical"] == [True] * 3, where
+        assert outcome.info["team_failed"] is False, where
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name, problem", [CONFIGS[0], CONFIGS[3]], ids=[CONFIGS[0][0], CONFIGS[3][0]])
 def test_graph_replays_of_a_team_forward_equal_eager_calls(mps_daemon, name, problem, seed):
     """Each rank captures its forward in a CUDA graph and replays it on new inputs, interleaved with eager
     calls: the device-counted sequence numbers keep replays and eager forwards in step on every rank."""

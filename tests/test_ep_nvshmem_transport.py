@@ -237,6 +237,22 @@ def test_graph_replays_over_nvshmem_puts_equal_eager_calls(mps_daemon, seed):
 
 
 @pytest.mark.gpu
+def test_training_step_graph_replays_over_nvshmem_puts_equal_eager_steps(mps_daemon, seed):
+    """A training step whose every peer is reached by NVSHMEM puts (the backward staged and put too),
+    captured and replayed on new inputs between eager steps: y and every gradient bitwise the eager step's."""
+    problem = PROBLEMS[2]
+    result = run_ranks("training_graph_replay", 2, mps=mps_daemon, env=NVSHMEM_ENV, timeout_s=RUN_TIMEOUT_S,
+                       params={"problem": problem.to_dict(), "replays": 3, "seed": seed},
+                       team={**problem.team_kwargs(), "peer_transport": "nvshmem"})
+    assert result.ok, result.summary()
+    for outcome in result.ranks:
+        where = f"rank {outcome.rank}: {outcome.info}"
+        assert outcome.info["backward_path"] == "device", where
+        assert outcome.info["replays_identical"] == [True] * 3, where
+        assert outcome.info["team_failed"] is False, where
+
+
+@pytest.mark.gpu
 def test_hierarchical_exchange_is_bitwise_the_direct_one_and_sends_each_row_once_per_node(mps_daemon):
     """4 ranks as 2 nodes of 2 with ``exchange="hierarchical"``: a token's row crosses to the other node once,
     to the rank with the sender's index there, which stores it into that node's owners. Outputs and

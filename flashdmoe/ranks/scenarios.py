@@ -8,6 +8,9 @@
   exception each rank saw, whether the team is marked failed, and what a further call raised.
 * ``graph_replay``: the team's forward captured in a CUDA graph, replayed on new inputs copied in and
   interleaved with eager calls on the same inputs; returns whether every replay equalled its eager call.
+* ``training_graph_replay``: a training step (forward and backward) captured in a CUDA graph, replayed on
+  new inputs between eager steps on the same inputs; returns whether every replay's y and gradients
+  equalled the eager step's.
 * ``selftest``: no NVSHMEM and no GPU; exercises the harness itself (unique-id hand-over, errors, hangs,
   crashes) so it is tested on a CPU machine.
 
@@ -30,7 +33,7 @@ from flashdmoe.ranks.child import RankContext, ScenarioOutput, error_info, synch
 from flashdmoe.ranks.problem import Problem
 
 __all__ = ["SCENARIOS", "backward_path", "forward_backward", "forward_backward_transports", "graph_replay", "last_traffic",
-           "selftest", "silent_rank_timeout", "team_moe"]
+           "selftest", "silent_rank_timeout", "team_moe", "training_graph_replay"]
 
 
 def team_moe(problem: Problem, context: RankContext, x, router_weight, w1, w2) -> torch.Tensor:
@@ -232,6 +235,67 @@ def graph_replay(context: RankContext) -> ScenarioOutput:
                           {"replays_identical": identical, "team_failed": bool(context.team.failed)})
 
 
+def training_graph_replay(context: RankContext) -> ScenarioOutput:
+    """params: ``problem``, ``replays`` (default 3), ``seed`` (default 0: the new inputs' seed).
+
+    A training step (forward, ``<y, dy>``, backward) run eagerly twice (the warm-up), then captured in a
+    CUDA graph on static ``x`` and ``dy``; for each replay new ``x`` and ``dy`` (seeded per rank and replay)
+    are copied in, the graph is replayed, and an eager step runs on the same inputs. Every rank makes the
+    same calls in the same order (forward and backward are collectives, replayed or not). Returns tensors
+    y, dx, d_router, dw1, dw2 (the last replay's) and info ``replays_identical`` (per replay: y and every
+    gradient equal to the eager step's bit for bit), ``backward_path``, ``team_failed``.
+    """
+    problem = Problem.from_dict(context.params["problem"])
+    replays = int(context.params.get("replays", 3))
+    seed = int(context.params.get("seed", 0))
+    inputs = problem.rank_inputs(context.rank).to(context.device)
+    scale = float(inputs.x.float().std()) if inputs.x.numel() > 1 else 1.0
+    weights = [t.detach().clone().requires_grad_() for t in (inputs.router_weight, inputs.w1, inputs.w2)]
+    static_x = inputs.x.detach().clone().requires_grad_()
+    static_dy = inputs.dy.clone()
+
+    def step(x, dy, router_weight, w1, w2):
+        y = team_moe(problem, context, x, router_weight, w1, w2)
+        (y.float() * dy.float()).sum().backward()
+        return y
+
+    context.enter_phase("training_graph_replay: warm-up")
+    for _ in range(2):
+        step(static_x, static_dy, *weights)
+    synchronize(context.device)  # a team's last launch is checked before a capture may use the team
+    leaves = [static_x, *weights]
+    for leaf in leaves:
+        leaf.grad = None  # the captured backward's gradients come from the graph's pool
+    graph = torch.cuda.CUDAGraph()
+    context.enter_phase("training_graph_replay: capture")
+    with torch.cuda.graph(graph):
+        static_y = step(static_x, static_dy, *weights)
+    grads = [leaf.grad for leaf in leaves]
+    generator = torch.Generator(device="cpu")
+    identical = []
+    for replay in range(replays):
+        generator.manual_seed(seed * 1_000_003 + 1_000 * context.rank + replay)
+        x = (torch.randn(static_x.shape, generator=generator) * scale).to(static_x.dtype).to(context.device)
+        dy = torch.randn(static_dy.shape, generator=generator).to(static_dy.dtype).to(context.device)
+        with torch.no_grad():
+            static_x.copy_(x)
+            static_dy.copy_(dy)
+        context.enter_phase(f"training_graph_replay: replay {replay}")
+        graph.replay()
+        context.enter_phase(f"training_graph_replay: eager {replay}")
+        fresh = [t.detach().clone().requires_grad_() for t in (x, *weights)]
+        y = step(fresh[0], dy, *fresh[1:])
+        synchronize(context.device)
+        identical.append(bool(torch.equal(static_y, y))
+                         and all(got is not None and leaf.grad is not None and torch.equal(got, leaf.grad)
+                                 for got, leaf in zip(grads, fresh)))
+    names = ("dx", "d_router", "dw1", "dw2")
+    tensors = {"y": static_y.detach().clone()} | {name: (g.clone() if g is not None else torch.zeros(0))
+                                                   for name, g in zip(names, grads)}
+    return ScenarioOutput(tensors, {"replays_identical": identical, "backward_path": backward_path(context, inputs.x),
+                                    "team_failed": bool(context.team.failed)})
+
+
 def selftest(context: RankContext) -> ScenarioOutput:
     """The harness itself, without NVSHMEM or a GPU. params: ``actions`` {rank: "ok" | "raise" | "hang" |
     "exit"} (default "ok"); "hang" sleeps ``hang_s`` (default 3600). Returns tensor ``rank`` and info
@@ -264,6 +328,7 @@ SCENARIOS: dict[str, Callable[[RankContext], Any]] = {
     "forward_backward": forward_backward,
     "forward_backward_transports": forward_backward_transports,
     "graph_replay": graph_replay,
+    "training_graph_replay": training_graph_replay,
     "silent_rank_timeout": silent_rank_timeout,
     "selftest": selftest,
 }
