@@ -13,10 +13,11 @@ symmetric memory (the team's ``stage`` buffer, :attr:`BufferPlan.stage_bytes
    and its combine weight into the owner's row words, at the row's place in the owner's *packed* order
    (local expert 0's rows of every source in rank order, then expert 1's, ...). The owner knows how many
    rows each source sends for each of its experts from the forward (:class:`ForwardCounts`: the forward
-   kernel leaves them in its count words and a copy to the host is queued behind it), so it lays out
-   the packed order on the host (:func:`owner_layout`) and its launch first writes each source's part of
-   it into the source's place words, then lets the sources write. Each destination gets a flag with the
-   backward's sequence number; the launch ends when every source's flag arrived.
+   kernel leaves them in its count words, copied on the device behind it and, eagerly, to the host), so
+   it lays out the packed order by torch ops on the device (:func:`owner_layout`) and its launch first
+   writes each source's part of it into the source's place words, then lets the sources write. Each
+   destination gets a flag with the backward's sequence number (the rank's count of backward exchanges,
+   kept by the kernel in its signal words); the launch ends when every source's flag arrived.
 2. **The owner's experts** on the rows as they lie: recompute ``pre`` and run
    :func:`flashdmoe.backward.expert_backward.packed_row_grads` (grouped GEMMs, the element-wise kernel): ``dw1``,
    ``dw2`` of ``r``'s experts, and per received row ``dx_row`` and the combine weight's gradient. The
@@ -42,15 +43,20 @@ with the team marked failed, at the next check (a later forward's poll of finish
 :func:`flashdmoe.check_errors`, :func:`flashdmoe.synchronize`, ``Team.barrier``, a launch on another
 stream); nothing waits forever.
 
-Host waits: for the forward this backward differentiates (its check, and its counts:
-:meth:`ForwardCounts.get`), which in a model's backward finished long before; not for the team's last
-launch (the previous layer's exchange: :func:`flashdmoe.kernel.status_checks.before_backward`), and
-none inside the backward.
+Host waits (eager): for the forward this backward differentiates (its check, and its counts:
+:meth:`ForwardCounts.host`, which size step 2 exactly), which in a model's backward finished long before;
+not for the team's last launch (the previous layer's exchange:
+:func:`flashdmoe.kernel.status_checks.before_backward`), and none inside the backward.
+
+CUDA graphs: inside a capture nothing is read on the host. Step 2 covers the team's bound, ``P *
+stream_rows`` rows per owner (the received-row table is -1 past the rows received), its grouped GEMMs
+take their end rows on the device and the element-wise kernel stops at the last one; the exchange's
+sequence numbers are the kernel's, so replays and eager steps interleave. bfloat16 only (float16's
+grouped GEMMs loop over host counts).
 
 Memory held per rank: nothing between forward and backward beyond what autograd saves (``x``, the
-weights, the routing) and the forward's ``P * L`` counts in pinned host memory; the backward's staging is the team's ``recv`` / ``comb`` buffers and signal words.
-Not capturable in a CUDA graph (the sizes of step 2 come from the forward's counts on the host), like
-every NVSHMEM team's step.
+weights, the routing) and the forward's ``P * L`` counts (on the device, and in pinned host memory for an
+eager forward); the backward's staging is the team's ``recv`` / ``comb`` buffers and signal words.
 """
 
 from __future__ import annotations

@@ -38,8 +38,10 @@ The team's last launch is checked (waiting for it if needed) before a use on ano
 Sequence numbers and CUDA graphs: each rank counts its forwards on the device (:attr:`Team.device_words`);
 a launch publishes count + 1 and its last block stores it back, so a CUDA graph's replays advance the count
 exactly as eager forwards do, and an emulated or NVSHMEM team's forward can be captured and replayed
-(every rank replays, in the same order as its peers, as with eager calls). After 2^31 - 1 forwards the
-kernel refuses to run (the flags would wrap) and the team fails.
+(every rank replays, in the same order as its peers, as with eager calls). A backward's exchange is
+counted the same way, in a word of the rank's signals (:meth:`Team.backward_count`), so a whole training
+step can be captured too. After 2^31 - 1 forwards (or backwards) the kernel refuses to run (the flags would
+wrap) and the team fails.
 """
 
 from __future__ import annotations
