@@ -67,7 +67,7 @@ import torch
 
 from flashdmoe.kernel import status_checks
 from flashdmoe.parallel.ep_peer import PeerExchange
-from flashdmoe.backward.expert_backward import grouped_mm_supported, packed_row_grads
+from flashdmoe.backward.expert_backward import grouped_mm_supported, packed_row_grads, to_device_without_waiting
 from flashdmoe.kernel.kernel_codes import DTYPE_CODES
 from flashdmoe.kernel.launch_knobs import debug, timeout_ms
 from flashdmoe.kernel.launch_report import LaunchReport, LaunchShape, status_layout
@@ -157,15 +157,18 @@ def clipped_counts(counts: torch.Tensor, stream_rows: int) -> tuple[torch.Tensor
     return torch.minimum(counts, (stream_rows - within).clamp(min=0)), within
 
 
-def owner_layout(counts: torch.Tensor, stream_rows: int, rows: int | None = None) -> OwnerLayout:
+def owner_layout(counts: torch.Tensor, stream_rows: int, rows: int | None = None,
+                 device: torch.device | None = None) -> OwnerLayout:
     """An owner's packed order from its counts: local expert 0's rows of every source in rank order, then
     expert 1's, ...; within a source its stream order.
 
     counts: ``[P, L]`` int: rows source ``q`` sent for local expert ``l`` (in its stream to this owner, source
-    ``q``'s rows are ordered by local expert from stream row 0, the forward's numbering). Torch ops on the
-    counts' device, nothing read back: ``rows`` sizes the received-row table (the rows received, or a
-    bound such as ``P * stream_rows``: rows past those received are -1); ``None`` counts them (a read of
-    the counts, for CPU counts)."""
+    ``q``'s rows are ordered by local expert from stream row 0, the forward's numbering). The small tables
+    are computed where the counts are, and moved to ``device`` (default: the counts') in one copy that does
+    not wait for the stream; the received-row table is expanded there. ``rows`` sizes that table: the rows
+    received, or a bound such as ``P * stream_rows`` (rows past those received are -1); ``None`` counts them
+    (a read of the counts: host counts only). Nothing else is read back, so device counts give a layout
+    inside a CUDA-graph capture."""
     P, L = counts.shape
     counts, within = clipped_counts(counts, stream_rows)
     per_expert = counts.sum(0)
@@ -178,13 +181,16 @@ def owner_layout(counts: torch.Tensor, stream_rows: int, rows: int | None = None
     stream_start = (torch.arange(P, device=counts.device)[:, None] * stream_rows + within).t().reshape(-1)
     if rows is None:
         rows = int(span_end[-1])
-    packed = torch.arange(rows, device=counts.device)
+    table = torch.cat([offs, place.reshape(-1), counts.sum(1), span_end, stream_start - (span_end - sizes)])
+    device = counts.device if device is None else device
+    if device != counts.device:
+        table = to_device_without_waiting(table, device)
+    offs, place, from_rows, span_end, shift = table.split([L, P * L, P, P * L, P * L])
+    packed = torch.arange(rows, device=device)
     span = torch.searchsorted(span_end, packed, right=True)            # the first run ending past the row
-    live = span < P * L
-    span = span.clamp(max=P * L - 1)
-    received = torch.where(live, stream_start[span] + packed - (span_end[span] - sizes[span]), -1)
-    return OwnerLayout(received.to(torch.int32), offs.to(torch.int32), place.to(torch.int32),
-                       counts.sum(1).to(torch.int32))
+    received = torch.where(span < P * L, shift[span.clamp(max=P * L - 1)] + packed, -1)
+    return OwnerLayout(received.to(torch.int32), offs.to(torch.int32), place.view(P, L).to(torch.int32),
+                       from_rows.to(torch.int32))
 
 
 def sent_runs(expert: torch.Tensor, row: torch.Tensor, world_size: int, local_experts: int) -> torch.Tensor:
@@ -366,7 +372,8 @@ def _backward(team, locals_: list[_Local], router_weight: torch.Tensor, *, activ
         own = team.buffers[loc.local]
         peers = _exchange_peers(team, loc.local)
         tokens, top_k = loc.expert.shape
-        rows, per_expert = _received_rows(loc.counts, S, staged, capturing, dtype, device, H, loc.w2.shape[1])
+        host = None if capturing else loc.counts.host()
+        rows, per_expert = _received_rows(host, S, staged, dtype, device, H, loc.w2.shape[1])
         ranks.append({
             "loc": loc, "tokens": tokens, "top_k": top_k, "puts": "stage" in peers,
             "common": {**common_all, "rank": loc.rank, "silent": loc.rank == debug.silent_rank,
@@ -374,8 +381,10 @@ def _backward(team, locals_: list[_Local], router_weight: torch.Tensor, *, activ
             "recv": own.recv[:staged * H * plan.element_bytes].view(dtype).view(staged, H),
             "comb": own.comb[:staged * H * plan.element_bytes].view(dtype).view(staged, H),
             "row_words": own.signals[plan.backward_word("row_word", 0, 0):plan.backward_word("row_word", P, 0)],
-            # each rank's packed order from its forward's counts, on the device: no wait for the launches
-            "layout": owner_layout(loc.counts.device, S, rows), "rows": rows, "per_expert": per_expert,
+            # each rank's packed order from its forward's counts (on the host eagerly, else on the device):
+            # no wait for the launches
+            "layout": owner_layout(loc.counts.device if host is None else host, S, rows, device),
+            "rows": rows, "per_expert": per_expert,
             "expert32": loc.expert.to(torch.int32).contiguous(), "row32": loc.row.to(torch.int32).contiguous(),
             "dy16": loc.dy.to(dtype).contiguous(), "xc": loc.x.contiguous(),
             "weight32": loc.weight.to(torch.float32).contiguous(),
@@ -488,13 +497,13 @@ def _sum_over_ranks(ext, team, ranks: list[dict], shares: list[torch.Tensor], ba
     return PeerExchange.from_team(team).all_reduce_sum(shares[0])
 
 
-def _received_rows(counts: ForwardCounts, stream_rows: int, bound: int, capturing: bool, dtype: torch.dtype,
+def _received_rows(host: torch.Tensor | None, stream_rows: int, bound: int, dtype: torch.dtype,
                    device: torch.device, hidden: int, intermediate: int) -> tuple[int, list[int] | None]:
     """``(rows, per_expert)``: the rows an owner's backward covers and, where the host knows them, each local
-    expert's count. Eagerly, the rows received (the forward's counts on the host: :meth:`ForwardCounts.host`).
-    Inside a capture, or for a forward that was captured, the team's bound ``P * stream_rows`` with no host
-    counts: the grouped GEMMs and the element-wise kernel then stop at the device's end rows."""
-    host = None if capturing else counts.host()
+    expert's count. Eagerly (``host``: the forward's counts, :meth:`ForwardCounts.host`), the rows received.
+    Inside a capture, or for a forward that was captured (``host`` None), the team's bound ``P *
+    stream_rows`` with no host counts: the grouped GEMMs and the element-wise kernel then stop at the
+    device's end rows."""
     if host is None:
         why = grouped_mm_supported(dtype, device, hidden, intermediate)
         if why:
