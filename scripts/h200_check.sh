@@ -10,7 +10,8 @@
 # fused backward built with parts changed (scripts/backward_probe.sh); TEAMBENCH=1 an NVSHMEM team's training
 # steps, the device-exchange backward beside the torch-ops one (scripts/team_backward_bench.py; TEAMBENCH_TRANSPORTS
 # "p2p nvshmem" runs it once per peer transport, TEAMBENCH_ARGS adds its options, e.g. --device-only); EMUBENCH=1 an
-# emulated team's training steps, the exchange backward beside the torch-ops one (scripts/emulated_backward_bench.py);
+# emulated team's training steps, the exchange backward beside the torch-ops one (scripts/emulated_backward_bench.py;
+# EMUBENCH_ARGS adds its options, e.g. --graph --no-torch --ranks 4);
 # BACKWARD_AB_BASE=<csrc tree> the fused backward launch against that tree's, in alternation (scripts/backward_ab.sh,
 # where the working tree has it); FORWARD_AB_BASE=<csrc tree> the forward kernel against that tree's and AB_MORE's
 # (scripts/forward_ab.sh: times in alternation, bitwise comparison of the outputs); QUICK_SHAPES=<T/H/I/E/k/act,...>
@@ -108,7 +109,7 @@ if [ "${TEAMBENCH:-0}" = "1" ] && [ "$(left)" -gt 100 ]; then
   done
 fi
 if [ "${EMUBENCH:-0}" = "1" ] && [ "$(left)" -gt 40 ]; then
-  timeout $(( $(left) - 20 )) python3 scripts/emulated_backward_bench.py > /tmp/emubench.log 2>&1
+  timeout $(( $(left) - 20 )) python3 scripts/emulated_backward_bench.py ${EMUBENCH_ARGS:-} > /tmp/emubench.log 2>&1
   note "emulated team backward bench rc=$?"; grep -E "^\|" /tmp/emubench.log || tail -30 /tmp/emubench.log
 fi
 if [ -n "${BACKWARD_AB_BASE:-}" ] && [ -f scripts/backward_ab.sh ] && [ "$(left)" -gt 150 ]; then
