@@ -10,7 +10,8 @@ import torch
 
 from flashdmoe import numerics, reference
 from flashdmoe.backward import ep_backward
-from flashdmoe.backward.ep_backward import forward_count_words, owner_layout, sent_runs, unsupported
+from flashdmoe.backward.ep_backward import (OwnerLayout, forward_count_words, host_owner_layout, owner_layout,
+                                            sent_runs, unsupported)
 from flashdmoe.backward.expert_backward import packed_row_grads
 from flashdmoe.parallel.team import BufferPlan, RankBuffers, Team
 
@@ -152,6 +153,21 @@ def test_owner_layout_of_nothing():
     layout = owner_layout(torch.zeros(2, 3, dtype=torch.int32), 4)
     assert layout.received.numel() == 0 and layout.offs.tolist() == [0, 0, 0]
     assert owner_layout(torch.zeros(2, 3, dtype=torch.int32), 4, rows=8).received.tolist() == [-1] * 8
+
+
+@pytest.mark.parametrize("draw", range(6))
+def test_the_host_layout_is_the_device_layout(seed, draw):
+    """An eager backward lays out its rows from host counts in numpy (host_owner_layout), a captured one by
+    torch ops on the device (owner_layout): the same tables, counts out of range included."""
+    generator = torch.Generator().manual_seed(seed + draw)
+    P, L, S = 1 + draw % 4, 1 + draw, 7
+    counts = torch.randint(-2, 6, (P, L), generator=generator, dtype=torch.int32)
+    host, per_expert = host_owner_layout(counts, S)
+    device = owner_layout(counts, S)
+    for name in OwnerLayout._fields:
+        got, want = getattr(host, name), getattr(device, name)
+        assert got.dtype == want.dtype == torch.int32 and torch.equal(got, want), name
+    assert per_expert == torch.diff(device.offs, prepend=torch.zeros(1, dtype=torch.int32)).tolist()
 
 
 @pytest.mark.parametrize("draw", range(4))

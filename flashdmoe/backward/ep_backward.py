@@ -63,6 +63,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from flashdmoe.kernel import status_checks
@@ -74,7 +75,7 @@ from flashdmoe.kernel.launch_report import LaunchReport, LaunchShape, status_lay
 from flashdmoe.kernel.workspace_pool import WorkspacePool
 
 __all__ = ["ForwardCounts", "OwnerLayout", "clipped_counts", "emulated_backward", "exchange_traffic",
-           "forward_count_words", "owner_layout", "team_backward", "unsupported"]
+           "forward_count_words", "host_owner_layout", "owner_layout", "team_backward", "unsupported"]
 
 _pool = WorkspacePool()
 TO_OWNERS, BACK_TO_SOURCES, SUM_OVER_RANKS = 0, 1, 2
@@ -157,18 +158,16 @@ def clipped_counts(counts: torch.Tensor, stream_rows: int) -> tuple[torch.Tensor
     return torch.minimum(counts, (stream_rows - within).clamp(min=0)), within
 
 
-def owner_layout(counts: torch.Tensor, stream_rows: int, rows: int | None = None,
-                 device: torch.device | None = None) -> OwnerLayout:
+def owner_layout(counts: torch.Tensor, stream_rows: int, rows: int | None = None) -> OwnerLayout:
     """An owner's packed order from its counts: local expert 0's rows of every source in rank order, then
     expert 1's, ...; within a source its stream order.
 
     counts: ``[P, L]`` int: rows source ``q`` sent for local expert ``l`` (in its stream to this owner, source
-    ``q``'s rows are ordered by local expert from stream row 0, the forward's numbering). The small tables
-    are computed where the counts are, and moved to ``device`` (default: the counts') in one copy that does
-    not wait for the stream; the received-row table is expanded there. ``rows`` sizes that table: the rows
-    received, or a bound such as ``P * stream_rows`` (rows past those received are -1); ``None`` counts them
-    (a read of the counts: host counts only). Nothing else is read back, so device counts give a layout
-    inside a CUDA-graph capture."""
+    ``q``'s rows are ordered by local expert from stream row 0, the forward's numbering). Torch ops where
+    the counts are, nothing read back (so device counts give a layout inside a CUDA-graph capture): ``rows``
+    sizes the received-row table, the rows received or a bound such as ``P * stream_rows`` (rows past those
+    received are -1); ``None`` counts them (a read of the counts). An eager backward, whose counts are on
+    the host, takes :func:`host_owner_layout` instead (the same tables, fewer launches)."""
     P, L = counts.shape
     counts, within = clipped_counts(counts, stream_rows)
     per_expert = counts.sum(0)
@@ -181,16 +180,39 @@ def owner_layout(counts: torch.Tensor, stream_rows: int, rows: int | None = None
     stream_start = (torch.arange(P, device=counts.device)[:, None] * stream_rows + within).t().reshape(-1)
     if rows is None:
         rows = int(span_end[-1])
-    table = torch.cat([offs, place.reshape(-1), counts.sum(1), span_end, stream_start - (span_end - sizes)])
-    device = counts.device if device is None else device
-    if device != counts.device:
-        table = to_device_without_waiting(table, device)
-    offs, place, from_rows, span_end, shift = table.split([L, P * L, P, P * L, P * L])
-    packed = torch.arange(rows, device=device)
+    packed = torch.arange(rows, device=counts.device)
     span = torch.searchsorted(span_end, packed, right=True)            # the first run ending past the row
+    shift = stream_start - (span_end - sizes)
     received = torch.where(span < P * L, shift[span.clamp(max=P * L - 1)] + packed, -1)
-    return OwnerLayout(received.to(torch.int32), offs.to(torch.int32), place.view(P, L).to(torch.int32),
-                       from_rows.to(torch.int32))
+    return OwnerLayout(received.to(torch.int32), offs.to(torch.int32), place.to(torch.int32),
+                       counts.sum(1).to(torch.int32))
+
+
+def host_owner_layout(counts: torch.Tensor, stream_rows: int,
+                      device: torch.device | None = None) -> tuple[OwnerLayout, list[int]]:
+    """:func:`owner_layout` of counts on the host (CPU ``[P, L]``), over the rows received, with each local
+    expert's count as host ints: the ``P * L`` numbers laid out in numpy (a torch op on a tensor this small
+    costs more than its work, and an eager backward is often host-bound), then one copy to ``device``
+    (default CPU) that does not wait for the stream, and the received-row table expanded there."""
+    P, L = counts.shape
+    counts = np.clip(counts.numpy().astype(np.int64), 0, stream_rows)
+    within = np.cumsum(counts, axis=1) - counts                       # start of (q, l) in q's stream
+    counts = np.minimum(counts, np.clip(stream_rows - within, 0, None))
+    per_expert = counts.sum(axis=0)
+    offs = np.cumsum(per_expert)
+    before = np.cumsum(counts, axis=0) - counts                       # rows of sources < q for expert l
+    place = (offs - per_expert)[None, :] + before - within
+    sizes = counts.T.reshape(-1)                                      # (l, q) order
+    starts = (np.arange(P, dtype=np.int64)[:, None] * stream_rows + within).T.reshape(-1)
+    total = int(sizes.sum())
+    device = torch.device("cpu") if device is None else device
+    table = to_device_without_waiting(torch.from_numpy(np.concatenate(
+        [starts - (np.cumsum(sizes) - sizes), sizes, offs, place.reshape(-1), counts.sum(axis=1)])), device)
+    shift, sizes_, small = table.split([P * L, P * L, L + P * L + P])
+    small = small.to(torch.int32)
+    received = (torch.repeat_interleave(shift, sizes_, output_size=total) + torch.arange(total, device=device))
+    layout = OwnerLayout(received.to(torch.int32), small[:L], small[L:L + P * L].view(P, L), small[L + P * L:])
+    return layout, [int(c) for c in per_expert]
 
 
 def sent_runs(expert: torch.Tensor, row: torch.Tensor, world_size: int, local_experts: int) -> torch.Tensor:
@@ -240,18 +262,20 @@ def forward_count_words(team, routing, local: int = 0) -> torch.Tensor:
 
 class ForwardCounts:
     """One forward's counts as an owner, ``[P, L]`` int32, rows source ``q`` sent this rank for local expert
-    ``l``: ``device``, a copy on the device of the count words the forward kernel leaves (every source's, its
-    own included; the next forward on the team overwrites them), and, for a forward run eagerly, a copy on
-    its way to the host, queued behind it (:meth:`host` waits only for that copy, so a backward that runs
-    after the forward has finished, every layer's but the last, does not wait). A forward captured in a
-    CUDA graph has no host copy: its backward lays out the owner's rows for the team's bound on the device."""
+    ``l``, copied from the count words the forward kernel leaves (every source's, its own included; the next
+    forward on the team overwrites them). For a forward run eagerly, a copy on its way to the host, queued
+    behind it (:meth:`host` waits only for that copy, so a backward that runs after the forward has finished,
+    every layer's but the last, does not wait). For a forward captured in a CUDA graph, ``device``: a copy
+    on the device, from which its backward lays out the owner's rows for the team's bound."""
 
     def __init__(self, team, routing, local: int = 0) -> None:
-        self.device = forward_count_words(team, routing, local).clone()
-        self._host = self._done = None
-        if not torch.cuda.is_current_stream_capturing():
-            self._host = torch.empty(self.device.shape, dtype=torch.int32, pin_memory=True)
-            self._host.copy_(self.device, non_blocking=True)
+        words = forward_count_words(team, routing, local)
+        self.device = self._host = self._done = None
+        if torch.cuda.is_current_stream_capturing():
+            self.device = words.clone()
+        else:
+            self._host = torch.empty(words.shape, dtype=torch.int32, pin_memory=True)
+            self._host.copy_(words, non_blocking=True)
             self._done = torch.cuda.Event()
             self._done.record()
 
@@ -373,7 +397,13 @@ def _backward(team, locals_: list[_Local], router_weight: torch.Tensor, *, activ
         peers = _exchange_peers(team, loc.local)
         tokens, top_k = loc.expert.shape
         host = None if capturing else loc.counts.host()
-        rows, per_expert = _received_rows(host, S, staged, dtype, device, H, loc.w2.shape[1])
+        if host is not None:  # eager: the rows received, laid out from the host counts
+            layout, per_expert = host_owner_layout(host, S, device)
+            rows = int(layout.received.numel())
+        else:  # captured: the team's bound, laid out on the device
+            _check_device_layout(loc.counts, dtype, device, H, loc.w2.shape[1])
+            rows, per_expert = staged, None
+            layout = owner_layout(loc.counts.device, S, rows)
         ranks.append({
             "loc": loc, "tokens": tokens, "top_k": top_k, "puts": "stage" in peers,
             "common": {**common_all, "rank": loc.rank, "silent": loc.rank == debug.silent_rank,
@@ -381,10 +411,8 @@ def _backward(team, locals_: list[_Local], router_weight: torch.Tensor, *, activ
             "recv": own.recv[:staged * H * plan.element_bytes].view(dtype).view(staged, H),
             "comb": own.comb[:staged * H * plan.element_bytes].view(dtype).view(staged, H),
             "row_words": own.signals[plan.backward_word("row_word", 0, 0):plan.backward_word("row_word", P, 0)],
-            # each rank's packed order from its forward's counts (on the host eagerly, else on the device):
-            # no wait for the launches
-            "layout": owner_layout(loc.counts.device if host is None else host, S, rows, device),
-            "rows": rows, "per_expert": per_expert,
+            # each rank's packed order from its forward's counts: no wait for the launches
+            "layout": layout, "rows": rows, "per_expert": per_expert,
             "expert32": loc.expert.to(torch.int32).contiguous(), "row32": loc.row.to(torch.int32).contiguous(),
             "dy16": loc.dy.to(dtype).contiguous(), "xc": loc.x.contiguous(),
             "weight32": loc.weight.to(torch.float32).contiguous(),
@@ -497,21 +525,17 @@ def _sum_over_ranks(ext, team, ranks: list[dict], shares: list[torch.Tensor], ba
     return PeerExchange.from_team(team).all_reduce_sum(shares[0])
 
 
-def _received_rows(host: torch.Tensor | None, stream_rows: int, bound: int, dtype: torch.dtype,
-                   device: torch.device, hidden: int, intermediate: int) -> tuple[int, list[int] | None]:
-    """``(rows, per_expert)``: the rows an owner's backward covers and, where the host knows them, each local
-    expert's count. Eagerly (``host``: the forward's counts, :meth:`ForwardCounts.host`), the rows received.
-    Inside a capture, or for a forward that was captured (``host`` None), the team's bound ``P *
-    stream_rows`` with no host counts: the grouped GEMMs and the element-wise kernel then stop at the
-    device's end rows."""
-    if host is None:
-        why = grouped_mm_supported(dtype, device, hidden, intermediate)
-        if why:
-            raise RuntimeError(f"a team's backward inside a CUDA-graph capture needs grouped GEMMs that read their "
-                               f"offsets on the device, and {why}")
-        return bound, None
-    per_expert = clipped_counts(host, stream_rows)[0].sum(0).tolist()
-    return sum(per_expert), per_expert
+def _check_device_layout(counts: ForwardCounts, dtype: torch.dtype, device: torch.device, hidden: int,
+                         intermediate: int) -> None:
+    """Raise unless a backward can lay out its rows for the team's bound on the device (inside a capture):
+    the forward's counts copied on the device, and grouped GEMMs that read their offsets there."""
+    if counts.device is None:
+        raise RuntimeError("a team's backward inside a CUDA-graph capture needs its forward's counts on the device: "
+                           "capture the forward together with its backward")
+    why = grouped_mm_supported(dtype, device, hidden, intermediate)
+    if why:
+        raise RuntimeError(f"a team's backward inside a CUDA-graph capture needs grouped GEMMs that read their "
+                           f"offsets on the device, and {why}")
 
 
 def _grid_percent() -> int:
