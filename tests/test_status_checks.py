@@ -12,6 +12,7 @@ import re
 import struct
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -852,6 +853,28 @@ def test_a_teams_backward_waits_for_its_forward_not_for_the_teams_last_launch(ex
     assert synchronized == [None] and not previous.checked
     status_checks.before_backward(team, forward, 8)
     assert synchronized == [None, None] and previous.checked
+    flashdmoe.synchronize()
+
+
+def test_a_captured_teams_backward_refuses_an_unchecked_eager_launch_instead_of_waiting(exchange_ext):
+    """Inside a CUDA-graph capture nothing can be waited for: a backward whose forward, or whose team's last
+    launch, ran eagerly and is unchecked raises (saying to synchronize first) without waiting; launches the
+    graph captured, or eager ones already checked, pass."""
+    backward_ext, synchronized = exchange_ext
+    team = emulated_team()
+    emulated_forward(team)
+    forward = flashdmoe.last_report()
+    with pytest.raises(RuntimeError, match=rf"launch {forward.launch_id} ran eagerly and was not checked yet.*"
+                                           r"flashdmoe.synchronize\(\) before capturing"):
+        status_checks.before_backward(team, forward, None, capturing=True)
+    assert synchronized == [] and not forward.checked
+    flashdmoe.synchronize()
+    previous = _exchange(backward_ext, team, sequence=1)  # the team's last launch: eager, unchecked
+    with pytest.raises(RuntimeError, match=rf"launch {previous.launch_id} ran eagerly"):
+        status_checks.before_backward(team, forward, None, capturing=True)
+    flashdmoe.synchronize()
+    captured = SimpleNamespace(captured=True, checked=False, launch_id=99)
+    status_checks.before_backward(team, captured, None, capturing=True)  # the graph's own: nothing to check
     flashdmoe.synchronize()
 
 
