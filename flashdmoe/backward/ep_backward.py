@@ -13,11 +13,12 @@ symmetric memory (the team's ``stage`` buffer, :attr:`BufferPlan.stage_bytes
    and its combine weight into the owner's row words, at the row's place in the owner's *packed* order
    (local expert 0's rows of every source in rank order, then expert 1's, ...). The owner knows how many
    rows each source sends for each of its experts from the forward (:class:`ForwardCounts`: the forward
-   kernel leaves them in its count words, copied on the device behind it and, eagerly, to the host), so
-   it lays out the packed order by torch ops on the device (:func:`owner_layout`) and its launch first
-   writes each source's part of it into the source's place words, then lets the sources write. Each
-   destination gets a flag with the backward's sequence number (the rank's count of backward exchanges,
-   kept by the kernel in its signal words); the launch ends when every source's flag arrived.
+   kernel leaves them in its count words, copied behind it to the host, or on the device in a capture), so
+   it lays out the packed order (:func:`host_owner_layout`; :func:`owner_layout` on the device in a
+   capture) and its launch first writes each source's part of it into the source's place words, then lets
+   the sources write. Each destination gets a flag with the backward's sequence number (the rank's count
+   of backward exchanges, kept by the kernel in its signal words); the launch ends when every source's
+   flag arrived.
 2. **The owner's experts** on the rows as they lie: recompute ``pre`` and run
    :func:`flashdmoe.backward.expert_backward.packed_row_grads` (grouped GEMMs, the element-wise kernel): ``dw1``,
    ``dw2`` of ``r``'s experts, and per received row ``dx_row`` and the combine weight's gradient. The
@@ -136,7 +137,7 @@ def _exchange_peers(team, local: int = 0) -> dict:
 
 
 class OwnerLayout(NamedTuple):
-    """Where an owner's received rows lie and where they came from, all int32 on the counts' device.
+    """Where an owner's received rows lie and where they came from, all int32 on one device.
 
     received ``[rows]``: each packed row's staging row in its source's stream, ``source * stream_rows +
     stream row``, or -1 past the rows received; offs ``[L]``: each local expert's end row in the packed
