@@ -75,8 +75,8 @@ from flashdmoe.kernel.launch_knobs import debug, timeout_ms
 from flashdmoe.kernel.launch_report import LaunchReport, LaunchShape, status_layout
 from flashdmoe.kernel.workspace_pool import WorkspacePool
 
-__all__ = ["ForwardCounts", "OwnerLayout", "clipped_counts", "emulated_backward", "exchange_traffic",
-           "forward_count_words", "host_owner_layout", "owner_layout", "team_backward", "unsupported"]
+__all__ = ["ForwardCounts", "OwnerLayout", "emulated_backward", "exchange_traffic", "forward_count_words",
+           "host_owner_layout", "owner_layout", "team_backward", "unsupported"]
 
 _pool = WorkspacePool()
 TO_OWNERS, BACK_TO_SOURCES, SUM_OVER_RANKS = 0, 1, 2
@@ -150,7 +150,7 @@ class OwnerLayout(NamedTuple):
     from_rows: torch.Tensor
 
 
-def clipped_counts(counts: torch.Tensor, stream_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _clipped_counts(counts: torch.Tensor, stream_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(counts, within)`` int64 ``[P, L]``: the counts kept inside each source's stream (a failed forward may
     leave any value in the count words: never index past a stream) and where each (source, local expert)
     run starts in its source's stream (the source orders its rows by local expert)."""
@@ -170,7 +170,7 @@ def owner_layout(counts: torch.Tensor, stream_rows: int, rows: int | None = None
     received are -1); ``None`` counts them (a read of the counts). An eager backward, whose counts are on
     the host, takes :func:`host_owner_layout` instead (the same tables, fewer launches)."""
     P, L = counts.shape
-    counts, within = clipped_counts(counts, stream_rows)
+    counts, within = _clipped_counts(counts, stream_rows)
     per_expert = counts.sum(0)
     offs = torch.cumsum(per_expert, 0)
     before = torch.cumsum(counts, 0) - counts                           # rows of sources < q for expert l
@@ -209,9 +209,9 @@ def host_owner_layout(counts: torch.Tensor, stream_rows: int,
     device = torch.device("cpu") if device is None else device
     table = to_device_without_waiting(torch.from_numpy(np.concatenate(
         [starts - (np.cumsum(sizes) - sizes), sizes, offs, place.reshape(-1), counts.sum(axis=1)])), device)
-    shift, sizes_, small = table.split([P * L, P * L, L + P * L + P])
+    shift, run_sizes, small = table.split([P * L, P * L, L + P * L + P])
     small = small.to(torch.int32)
-    received = (torch.repeat_interleave(shift, sizes_, output_size=total) + torch.arange(total, device=device))
+    received = torch.repeat_interleave(shift, run_sizes, output_size=total) + torch.arange(total, device=device)
     layout = OwnerLayout(received.to(torch.int32), small[:L], small[L:L + P * L].view(P, L), small[L + P * L:])
     return layout, [int(c) for c in per_expert]
 
@@ -298,7 +298,8 @@ def _launch(ext, team, rank_args: list[dict], device: torch.device, what_tokens:
     stream = torch._C._cuda_getCurrentRawStream(index)
     sync_bytes = ext.ep_rows_sync_bytes()
     stride = -(-sync_bytes // 256) * 256
-    if capturing:  # the graph's own, zeroed inside the graph (see workspace_pool); held until launched
+    held = None  # a captured launch's own sync words, alive until it is launched
+    if capturing:  # the graph's own, zeroed inside the graph (see workspace_pool)
         held = torch.zeros(stride * len(rank_args), dtype=torch.uint8, device=device)
         sync = held.data_ptr()
     else:
@@ -314,11 +315,8 @@ def _launch(ext, team, rank_args: list[dict], device: torch.device, what_tokens:
     plan = team.plan
     shape = LaunchShape(tuple(args["rank"] for args in rank_args), what_tokens, plan.local_experts,
                         plan.hidden * plan.element_bytes, timeout_ms())
-    report = status_checks.record_launch(status_checks.claim_slot(index, capturing, len(rank_args)), start, (), shape,
-                                         index, capturing, team=team, forward=False, stream=stream)
-    if capturing:
-        del held
-    return report
+    return status_checks.record_launch(status_checks.claim_slot(index, capturing, len(rank_args)), start, (), shape,
+                                       index, capturing, team=team, forward=False, stream=stream)
 
 
 class _Local(NamedTuple):

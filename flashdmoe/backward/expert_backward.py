@@ -216,6 +216,8 @@ class _Rows:
     reading ``expert32`` (``expert`` as contiguous int32); both None without the kernels.
     """
 
+    live_rows = None  # every row is this step's (PackedRows over a bound has a device end row instead)
+
     def __init__(self, expert, row, weight, experts, padded_rows, kernels, cdtype, expert32, stream):
         tokens, top_k = expert.shape
         choices = tokens * top_k
@@ -374,8 +376,7 @@ def packed_row_grads(x_rows: torch.Tensor, dy_rows: torch.Tensor, w_row: torch.T
     """
     dtype, device = x_rows.dtype, x_rows.device
     hidden, intermediate = x_rows.shape[1], w2.shape[1]
-    layout = PackedRows(counts, dtype, device, hidden, intermediate,
-                        offs=None if counts is not None else offs, rows=x_rows.shape[0])
+    layout = PackedRows(counts, dtype, device, hidden, intermediate, offs=offs, rows=x_rows.shape[0])
     if layout.experts != w1.shape[0] or x_rows.shape[0] != layout.rows or dy_rows.shape != x_rows.shape \
             or w_row.shape != (layout.rows,):
         raise ValueError(f"packed_row_grads: x_rows {list(x_rows.shape)}, dy_rows {list(dy_rows.shape)}, "
@@ -574,7 +575,7 @@ def _row_step(layout, x_rows, dy_rows, w_row, pre, w1, w2, activation, kernels, 
         g = layout.rows_times(dy_rows, w2.transpose(1, 2))
         hw, dpre = torch.empty(layout.rows, intermediate, dtype=dtype, device=device), torch.empty_like(pre)
         dweight_row = torch.empty(layout.rows, dtype=torch.float32, device=device)
-        live = getattr(layout, "live_rows", None)  # a bound's rows: the device's end row
+        live = layout.live_rows  # rows sized for a bound: the device's end row
         kernels.activation_grad(DTYPE_CODES[dtype], ACTIVATION_CODES[activation], pre.data_ptr(), g.data_ptr(),
                                 w_row.data_ptr(), hw.data_ptr(), dpre.data_ptr(), dweight_row.data_ptr(),
                                 layout.rows, intermediate, stream, 0 if live is None else live.data_ptr())
