@@ -8,6 +8,8 @@ Environment knobs:
   QUICK_VARIANTS=a,b     expert variants to force; "auto" = what the public call picks (printed).
   QUICK_GATE_SPLIT=auto,on,off  split-gate settings to compare (auto by default).
   QUICK_SMALL_EPILOGUE=on,off  the small-tile GEMM1 epilogue settings to compare (on by default).
+  QUICK_SAVE_PRE=on      time the training forward instead: the kernel that also saves GEMM1's pre-activations
+                         for the backward (what a forward under autograd runs); they join the digest.
   QUICK_SEED=n           seed of each shape's inputs (0 by default): two builds timed with the same seed
                          get the same inputs, so their digests show whether they compute the same bits.
 Each row prints the graph-free event time, the kernel time from the profiler, the kernel's phase split and
@@ -100,8 +102,10 @@ def time_one(sets, T, H, I, E, k, activation, variant, split):
     if variant == "auto":
         blocks = torch.cuda.get_device_properties(0).multi_processor_count
         variant = f"auto:{choose_variant(T, H, I, E, k, activation, blocks)}"
+    saving = os.environ.get("QUICK_SAVE_PRE", "off") == "on"
+    saved = torch.empty(T * k, cols, dtype=torch.bfloat16, device="cuda") if saving else None
     run = lambda s: cuda_backend.fused_forward(*s, top_k=k, activation=activation, normalize_topk=True,
-                                               capacity_factor=None)
+                                               capacity_factor=None, saved_pre=saved)
     # Events around each forward, no synchronisation in between (a forward never waits): the host runs
     # ahead, so "ms" is the GPU's time per forward (memset + kernel + status copy), not the host's too.
     for i in range(5):
@@ -144,16 +148,18 @@ def time_one(sets, T, H, I, E, k, activation, variant, split):
         profiler.disable()
         flashdmoe.synchronize()
         pstats.Stats(profiler).sort_stats("tottime").print_stats(12)
+    if saving:
+        saved.fill_(0)  # rows past the kept ones are never written: the digest sees only what the kernel wrote
     y, routing = run(sets[0])
     flashdmoe.synchronize()
     digest = hashlib.sha256()
-    for tensor in (y, routing.expert, routing.weight, routing.row):
+    for tensor in (y, routing.expert, routing.weight, routing.row) + ((saved,) if saving else ()):
         digest.update(tensor.contiguous().view(torch.uint8).cpu().numpy().tobytes())
-    print(f"digest {variant} {T}/{H}/{I}/{E}/{k}/{activation} gate_split={split} "
+    print(f"digest {variant} {T}/{H}/{I}/{E}/{k}/{activation}{' saving' if saving else ''} gate_split={split} "
           f"small_epilogue={cuda_backend.debug.small_tile_epilogue}: {digest.hexdigest()[:16]}")
     print(f"{variant:>16} {T:>6} {H:>5} {I:>5} {E:>4} {k:>2} {ms:>8.3f} {flops / ms / 1e9:>7.1f}  kernel {kernel_ms:.3f} ms"
           f" ({flops / kernel_ms / 1e9:.0f} TF/s)  host {host_us:.0f} us/call  phases(ms) {phases}"
-          f"  {activation} gate_split={split} small_epilogue={cuda_backend.debug.small_tile_epilogue}"
+          f"  {activation}{' saving' if saving else ''} gate_split={split} small_epilogue={cuda_backend.debug.small_tile_epilogue}"
           f" floor {bytes_floor_ms(T, H, I, E, k, activation):.3f} ms")
 
 

@@ -81,30 +81,28 @@ __device__ __forceinline__ void store_warp_rows(char* staging, const uint32_t (&
 
 // The accumulators as they are into the saved pre-activations ([rows, I], or [rows, 2I] for swiglu: the
 // tile's gate groups at out_col0, its up groups at I + out_col0), for a backward that then needs no GEMM1.
+// Each lane stores its pairs where the fragment holds them (4 bytes per row and group): unlike the staged
+// 16-byte stores this needs no registers beyond the accumulators, which stay live for the activation
+// after it; through the staging buffer ptxas spilled them under the 168-register cap.
 template <typename Element, int BN, typename Gemm>
-__device__ __forceinline__ void save_pre_warp(const MoEParams& p, const Gemm& gemm, char* staging, int packed_row0,
-                                              int rows, int out_col0) {
-  const int row0 = warp_tile_row0();
+__device__ __forceinline__ void save_pre_warp(const MoEParams& p, const Gemm& gemm, int packed_row0, int rows,
+                                              int out_col0) {
+  const int lane = threadIdx.x & 31;
+  const int row = warp_tile_row0() + (lane >> 2);  // and row + 8
   const bool gated = p.activation == Activation::Swiglu;
-  const size_t ld = gated ? 2 * static_cast<size_t>(p.ffn) : p.ffn;
-  Element* out = static_cast<Element*>(p.saved_pre) + static_cast<size_t>(packed_row0 + row0) * ld + out_col0;
-  const int cols = p.ffn - out_col0;
-  // Packed a chunk at a time, straight from the accumulators (they stay live for the activation).
-  // (The first group is a constant: register arrays take compile-time indices only.)
-  auto groups_from = [&](auto first) {
-    return [&gemm](int j, int h) {
-      constexpr int kFirst = decltype(first)::value;
-      return pack_pair<Element>(gemm.acc[(kFirst + j) * 4 + h * 2], gemm.acc[(kFirst + j) * 4 + h * 2 + 1]);
-    };
-  };
-  if (gated) {
-    store_warp_rows_of<Element, BN / 16>(staging, groups_from(std::integral_constant<int, 0>{}), out, ld,
-                                         rows - row0, cols);
-    store_warp_rows_of<Element, BN / 16>(staging, groups_from(std::integral_constant<int, BN / 16>{}), out + p.ffn,
-                                         ld, rows - row0, cols);
-  } else {
-    store_warp_rows_of<Element, BN / 8>(staging, groups_from(std::integral_constant<int, 0>{}), out, ld, rows - row0,
-                                        cols);
+  const int ffn = p.ffn;
+  const size_t ld = gated ? 2 * static_cast<size_t>(ffn) : ffn;
+  Element* out = static_cast<Element*>(p.saved_pre) + static_cast<size_t>(packed_row0 + row) * ld + out_col0 +
+                 2 * (lane & 3);
+  const int cols = ffn - out_col0;  // a multiple of 64: a group is stored whole or not at all
+  const bool row_lo = row < rows, row_hi = row + 8 < rows;
+#pragma unroll
+  for (int j = 0; j < BN / 8; ++j) {
+    const int group = j < BN / 16 || !gated ? j : j - BN / 16;  // its column group in the gate or up half
+    Element* at = out + (gated && j >= BN / 16 ? ffn : 0) + group * 8;
+    if (group * 8 >= cols) continue;
+    if (row_lo) *reinterpret_cast<uint32_t*>(at) = pack_pair<Element>(gemm.acc[j * 4], gemm.acc[j * 4 + 1]);
+    if (row_hi) *reinterpret_cast<uint32_t*>(at + 8 * ld) = pack_pair<Element>(gemm.acc[j * 4 + 2], gemm.acc[j * 4 + 3]);
   }
 }
 
@@ -114,7 +112,7 @@ __device__ __forceinline__ void save_pre_warp(const MoEParams& p, const Gemm& ge
 template <typename Element, int BN, bool kSavePre, typename Gemm>
 __device__ __forceinline__ void gemm1_epilogue_warp(const MoEParams& p, const Gemm& gemm, char* staging,
                                                     int packed_row0, int rows, int out_col0) {
-  if constexpr (kSavePre) save_pre_warp<Element, BN>(p, gemm, staging, packed_row0, rows, out_col0);
+  if constexpr (kSavePre) save_pre_warp<Element, BN>(p, gemm, packed_row0, rows, out_col0);
   const int row0 = warp_tile_row0();
   Element* out = static_cast<Element*>(p.intermediate) + static_cast<size_t>(packed_row0 + row0) * p.ffn + out_col0;
   const int cols = p.ffn - out_col0;
@@ -152,7 +150,7 @@ template <typename Element, int BN, bool kSavePre, typename Gemm>
 __device__ __forceinline__ void gemm1_epilogue_small(const MoEParams& p, const Gemm& gemm, char* own_staging,
                                                      char* block_staging, int packed_row0, int rows, int out_col0) {
   static_assert(16 * BN * 4 <= (kThreads / 32) * kWarpStagingBytes, "16 rows of fp32 fit the warps' buffers");
-  if constexpr (kSavePre) save_pre_warp<Element, BN>(p, gemm, own_staging, packed_row0, rows, out_col0);
+  if constexpr (kSavePre) save_pre_warp<Element, BN>(p, gemm, packed_row0, rows, out_col0);
   float2* staged = reinterpret_cast<float2*>(block_staging);
   constexpr int kPairsPerRow = BN / 2;
   auto at = [](int row, int pair) { return row * kPairsPerRow + (pair ^ ((row & 7) << 2)); };
