@@ -147,8 +147,8 @@ __device__ __forceinline__ void gemm1_epilogue_warp(const MoEParams& p, const Ge
 // while seven wait (decode and small batches, where experts get a few rows each). Float pairs are
 // XOR-swizzled by row in groups of four (conflict-light fragment writes, contiguous 32-byte reads).
 template <typename Element, int BN, bool kSavePre, typename Gemm>
-__device__ __forceinline__ void gemm1_epilogue_small(const MoEParams& p, const Gemm& gemm, char* own_staging,
-                                                     char* block_staging, int packed_row0, int rows, int out_col0) {
+__device__ __forceinline__ void gemm1_epilogue_small(const MoEParams& p, const Gemm& gemm, char* block_staging,
+                                                     int packed_row0, int rows, int out_col0) {
   static_assert(16 * BN * 4 <= (kThreads / 32) * kWarpStagingBytes, "16 rows of fp32 fit the warps' buffers");
   if constexpr (kSavePre) save_pre_warp<Element, BN>(p, gemm, packed_row0, rows, out_col0);
   float2* staged = reinterpret_cast<float2*>(block_staging);

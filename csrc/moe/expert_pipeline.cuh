@@ -30,9 +30,8 @@ __device__ __forceinline__ void finish_tile_tma(const MoEParams& p, const DestTa
   if (which == FfnGemm::Gemm1) {
     const int out_col0 = col_tile * gemm1_output_columns<Variant>(p);
     if (tile.rows <= 16 && p.small_tile_epilogue)
-      gemm1_epilogue_small<Element, kTileN, Variant::kSavePre>(p, gemm, warp_staging<Variant>(smem),
-                                                               smem + Variant::kWarpStagingOffset, tile.packed_row0,
-                                                               tile.rows, out_col0);
+      gemm1_epilogue_small<Element, kTileN, Variant::kSavePre>(p, gemm, smem + Variant::kWarpStagingOffset,
+                                                               tile.packed_row0, tile.rows, out_col0);
     else
       gemm1_epilogue_warp<Element, kTileN, Variant::kSavePre>(p, gemm, warp_staging<Variant>(smem), tile.packed_row0,
                                                               tile.rows, out_col0);
