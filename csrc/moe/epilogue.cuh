@@ -79,30 +79,49 @@ __device__ __forceinline__ void store_warp_rows(char* staging, const uint32_t (&
                                        cols);
 }
 
+// Stores the warp's 16 rows of kGroups x 8 columns straight from the fragment layout (pair(j, half): the
+// lane's columns 8j + 2 (lane % 4) + {0, 1} of row lane / 4 + 8 half), 4 bytes per lane and store: no
+// staging registers. out points at the warp's first row, column 0; rows from `rows` on and groups from
+// `cols` on are not stored.
+template <typename Element, int kGroups, typename Pair>
+__device__ __forceinline__ void store_warp_fragments(Pair&& pair, Element* out, size_t ld, int rows, int cols) {
+  const int lane = threadIdx.x & 31;
+  const int row = lane >> 2;
+  Element* at = out + row * ld + 2 * (lane & 3);
+  const bool lo = row < rows, hi = row + 8 < rows;
+#pragma unroll
+  for (int j = 0; j < kGroups; ++j) {
+    if (j * 8 >= cols) break;
+    const uint32_t a = pair(j, 0), b = pair(j, 1);
+    if (lo) *reinterpret_cast<uint32_t*>(at + j * 8) = a;
+    if (hi) *reinterpret_cast<uint32_t*>(at + 8 * ld + j * 8) = b;
+  }
+}
+
 // The accumulators as they are into the saved pre-activations ([rows, I], or [rows, 2I] for swiglu: the
 // tile's gate groups at out_col0, its up groups at I + out_col0), for a backward that then needs no GEMM1.
-// Each lane stores its pairs where the fragment holds them (4 bytes per row and group): unlike the staged
-// 16-byte stores this needs no registers beyond the accumulators, which stay live for the activation
-// after it; through the staging buffer ptxas spilled them under the 168-register cap.
+// Straight from the fragment: the accumulators stay live for the activation after it, and through the
+// staging buffer ptxas spilled them under the 168-register cap.
 template <typename Element, int BN, typename Gemm>
 __device__ __forceinline__ void save_pre_warp(const MoEParams& p, const Gemm& gemm, int packed_row0, int rows,
                                               int out_col0) {
-  const int lane = threadIdx.x & 31;
-  const int row = warp_tile_row0() + (lane >> 2);  // and row + 8
+  const int row0 = warp_tile_row0();
   const bool gated = p.activation == Activation::Swiglu;
-  const int ffn = p.ffn;
-  const size_t ld = gated ? 2 * static_cast<size_t>(ffn) : ffn;
-  Element* out = static_cast<Element*>(p.saved_pre) + static_cast<size_t>(packed_row0 + row) * ld + out_col0 +
-                 2 * (lane & 3);
-  const int cols = ffn - out_col0;  // a multiple of 64: a group is stored whole or not at all
-  const bool row_lo = row < rows, row_hi = row + 8 < rows;
-#pragma unroll
-  for (int j = 0; j < BN / 8; ++j) {
-    const int group = j < BN / 16 || !gated ? j : j - BN / 16;  // its column group in the gate or up half
-    Element* at = out + (gated && j >= BN / 16 ? ffn : 0) + group * 8;
-    if (group * 8 >= cols) continue;
-    if (row_lo) *reinterpret_cast<uint32_t*>(at) = pack_pair<Element>(gemm.acc[j * 4], gemm.acc[j * 4 + 1]);
-    if (row_hi) *reinterpret_cast<uint32_t*>(at + 8 * ld) = pack_pair<Element>(gemm.acc[j * 4 + 2], gemm.acc[j * 4 + 3]);
+  const size_t ld = gated ? 2 * static_cast<size_t>(p.ffn) : p.ffn;
+  Element* out = static_cast<Element*>(p.saved_pre) + static_cast<size_t>(packed_row0 + row0) * ld + out_col0;
+  const int cols = p.ffn - out_col0;
+  auto groups_from = [&](auto first) {  // (a constant first group: register arrays take constant indices only)
+    return [&gemm](int j, int h) {
+      constexpr int kFirst = decltype(first)::value;
+      return pack_pair<Element>(gemm.acc[(kFirst + j) * 4 + h * 2], gemm.acc[(kFirst + j) * 4 + h * 2 + 1]);
+    };
+  };
+  if (gated) {
+    store_warp_fragments<Element, BN / 16>(groups_from(std::integral_constant<int, 0>{}), out, ld, rows - row0, cols);
+    store_warp_fragments<Element, BN / 16>(groups_from(std::integral_constant<int, BN / 16>{}), out + p.ffn, ld,
+                                           rows - row0, cols);
+  } else {
+    store_warp_fragments<Element, BN / 8>(groups_from(std::integral_constant<int, 0>{}), out, ld, rows - row0, cols);
   }
 }
 
@@ -129,14 +148,22 @@ __device__ __forceinline__ void gemm1_epilogue_warp(const MoEParams& p, const Ge
     store_warp_rows<Element, BN / 16>(staging, packed, out, p.ffn, rows - row0, cols);
     return;
   }
-  uint32_t packed[BN / 4];
-  switch (p.activation) {
-    case Activation::Relu: pack([&](int j, int h, int v) { return fmaxf(acc(j, h, v), 0.f); }, packed, BN / 8); break;
-    case Activation::Gelu:
-      pack([&](int j, int h, int v) { return activate(Activation::Gelu, acc(j, h, v)); }, packed, BN / 8);
-      break;
-    default: pack([&](int j, int h, int v) { return silu(acc(j, h, v)); }, packed, BN / 8);
+  if (p.activation == Activation::Gelu) {
+    // Straight from the fragment, as the pre-activations are: 1-3% faster than the staged 16-byte stores
+    // (whose 64 packed values beside the accumulators spilled) on the gelu shapes measured, and 2% slower
+    // with relu and swiglu, whose activations take a few instructions (docs/perf-notes.md, "Direct
+    // fragment stores"); silu stays with the staged stores, unmeasured.
+    store_warp_fragments<Element, BN / 8>(
+        [&](int j, int h) { return pack_pair<Element>(activate(Activation::Gelu, acc(j, h, 0)),
+                                                      activate(Activation::Gelu, acc(j, h, 1))); },
+        out, p.ffn, rows - row0, cols);
+    return;
   }
+  uint32_t packed[BN / 4];
+  if (p.activation == Activation::Relu)
+    pack([&](int j, int h, int v) { return fmaxf(acc(j, h, v), 0.f); }, packed, BN / 8);
+  else
+    pack([&](int j, int h, int v) { return silu(acc(j, h, v)); }, packed, BN / 8);
   store_warp_rows<Element, BN / 8>(staging, packed, out, p.ffn, rows - row0, cols);
 }
 
