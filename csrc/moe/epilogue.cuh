@@ -1,8 +1,10 @@
-// Expert-tile epilogue straight from the wgmma accumulators, one warp at a time: a warp's 16 rows go
-// through a private 16 x 64 (2 KB) shared-memory buffer per 64 output columns, so that the global stores
-// are 16 bytes per lane and whole 128-byte rows, while no block-wide barrier is needed and the pipeline
-// stages stay free for the next tile's loads. The buffer's 16-byte chunks are XOR-swizzled by row:
-// the fragment writes (8 rows x 4 lanes) and the row reads (8 lanes per row) are both conflict-free.
+// Expert-tile epilogue straight from the wgmma accumulators, one warp at a time. Staged: a warp's 16 rows
+// go through a private 16 x 64 (2 KB) shared-memory buffer per 64 output columns, so that the global
+// stores are 16 bytes per lane and whole 128-byte rows, while no block-wide barrier is needed and the
+// pipeline stages stay free for the next tile's loads; the buffer's 16-byte chunks are XOR-swizzled by
+// row, so the fragment writes (8 rows x 4 lanes) and the row reads (8 lanes per row) are conflict-free.
+// Direct: each lane stores its 4-byte pairs where the fragment holds them, which needs no registers
+// beside the accumulators (the saved pre-activations, gelu's intermediate rows).
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
