@@ -229,8 +229,8 @@ def test_per_config_activation_options():
     with pytest.raises(ValueError, match=r"--configs 'nonsense': expected 'T,H,I,E,k\[,activation\];...' or a named "
                                          r"set of the single-gpu suite \(\['targets'"):
         _bench_options("--configs", "nonsense")
-    with pytest.raises(ValueError, match="--configs: the training suite takes no activation per entry"):
-        _bench_options("--suite", "training", "--configs", "24,32,64,4,2,swiglu")
+    with pytest.raises(ValueError, match="--configs: the expert-parallel suite takes no activation per entry"):
+        _bench_options("--suite", "expert-parallel", "--configs", "24,32,64,4,2,swiglu")
     with pytest.raises(ValueError, match="shape_activations has 1 entries: expected one per shape"):
         SuiteOptions(suite="single-gpu", device="cpu", dtype="float32", activation="gelu",
                      shapes=[BenchShape(8, 8, 8, 2, 1)] * 2, entries=["reference"], shape_activations=("gelu",))

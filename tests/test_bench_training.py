@@ -131,6 +131,15 @@ def test_activation_option_and_shapes_outside_the_table():
     assert training.activation_for(BenchShape(8192, 2048, 768, 128, 8), _options(activation="relu")) == "relu"
 
 
+def test_an_activation_per_configs_entry():
+    # 'T,H,I,E,k,act' entries: their own activation first, then --activation, then the suite's pairing
+    shapes = [BenchShape(8192, 2048, 2048, 32, 2), BenchShape(8192, 2048, 768, 128, 8), BenchShape(24, 64, 64, 4, 2)]
+    own = _options(shapes=shapes, shape_activations=("swiglu", None, None))
+    assert [training.activation_for(shape, own, i) for i, shape in enumerate(shapes)] == ["swiglu", "swiglu", "gelu"]
+    forced = _options(shapes=shapes, shape_activations=("swiglu", None, None), activation="relu")
+    assert [training.activation_for(shape, forced, i) for i, shape in enumerate(shapes)] == ["swiglu", "relu", "relu"]
+
+
 def test_wrong_gradients_and_a_failing_capture_are_reported_in_their_rows(monkeypatch):
     original = training.prepare_flashdmoe
 

@@ -63,7 +63,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     parser.add_argument(
         "--configs", default=None, metavar="'T,H,I,E,k[,act];...' or NAME",
         help="shapes to run instead of the suite's (e.g. '8192,2048,2048,32,2;1,2048,768,128,8,swiglu'; "
-             "single-gpu: an entry's own activation, when given, overrides --activation; expert-parallel: T is "
+             "single-gpu and training: an entry's own activation, when given, overrides --activation; expert-parallel: T is "
              "the total over all ranks), or a named set: single-gpu: targets (the 13 shapes of the forward "
              "targets, gelu and swiglu), targets-gelu, targets-swiglu",
     )

@@ -76,9 +76,11 @@ GRAPH_WARMUP_STEPS = 2
 PHASES = ("forward", "backward")
 
 
-def activation_for(shape: BenchShape, options: SuiteOptions) -> str:
-    """``--activation`` when given, else the activation this suite pairs the shape with."""
-    return options.activation or SHAPE_ACTIVATIONS.get(shape, FALLBACK_ACTIVATION)
+def activation_for(shape: BenchShape, options: SuiteOptions, index: int | None = None) -> str:
+    """The activation of ``options.shapes[index]``: its own from ``--configs`` when given, else
+    ``--activation``, else the one this suite pairs the shape with (gelu for a shape it does not list)."""
+    own = options.shape_activations[index] if index is not None and options.shape_activations else None
+    return own or options.activation or SHAPE_ACTIVATIONS.get(shape, FALLBACK_ACTIVATION)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -258,7 +260,7 @@ def run_training(options: SuiteOptions) -> SuiteResult:
     ceiling_tflops = hardware.suite_matmul_ceiling(device, console)
     configs = []
     for config_index, shape in enumerate(options.shapes):
-        activation = activation_for(shape, options)
+        activation = activation_for(shape, options, config_index)
         console.log(f"[{config_index + 1}/{len(options.shapes)}] {shape.label} {activation}")
         configs.append(_run_config(shape, activation, config_index, dtype, device, options, ceiling_tflops))
         free_device_memory(device)
@@ -509,4 +511,5 @@ SUITE = Suite(
     entry_names=ENTRY_NAMES,
     activation=None,
     layout=TRAINING_LAYOUT,
+    per_config_activation=True,
 )
