@@ -14,9 +14,9 @@ declare -A EDIT=(
   # no wgmma: the loads and the epilogue only
   [nomma]='s.replace("      wgmma::Mma<BN, Element, kMajorA", "      if (desc_a == 1) wgmma::Mma<BN, Element, kMajorA")'
   # no activation: the accumulators stored as they are
-  [noact]='s.replace("return activate(Activation::Gelu, acc(j, h, v));", "return acc(j, h, v);").replace("return silu(acc(j, h, v)) * acc(j + BN / 16, h, v);", "return acc(j, h, v) * acc(j + BN / 16, h, v);")'
-  # no global stores: the activation computed, nothing written
-  [nostore]='s.replace("if (4 * i + read_row < rows) *reinterpret_cast", "if (4 * i + read_row < rows - (1 << 30)) *reinterpret_cast")'
+  [noact]='s.replace("activate(Activation::Gelu, acc(j, h, 0))", "acc(j, h, 0)").replace("activate(Activation::Gelu, acc(j, h, 1))", "acc(j, h, 1)").replace("return silu(acc(j, h, v)) * acc(j + BN / 16, h, v);", "return acc(j, h, v) * acc(j + BN / 16, h, v);")'
+  # no global stores: the activation computed, nothing written (staged rows, and gelu's from the fragment)
+  [nostore]='s.replace("if (4 * i + read_row < rows) *reinterpret_cast", "if (4 * i + read_row < rows - (1 << 30)) *reinterpret_cast").replace("const bool lo = row < rows, hi = row + 8 < rows;", "const bool lo = row < rows - (1 << 30), hi = row + 8 < rows - (1 << 30);")'
 )
 export QUICK_VARIANTS=${QUICK_VARIANTS:-tma-wgmma-128x256-4stage-prefetch} FLASHDMOE_BUILD_JOBS=${FLASHDMOE_BUILD_JOBS:-16}
 for probe in ${PROBES:-base noepi nomma noact nostore}; do
