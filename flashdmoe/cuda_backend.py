@@ -633,10 +633,9 @@ def _before_team_backward(ctx) -> None:
     on another stream than the backward's (the current one of the team's device): on the same stream the
     device stops the backward's exchange after a failed launch (status_checks.before_backward)."""
     team = ctx.team
-    if torch.cuda.is_current_stream_capturing():
-        status_checks.before_backward(team, ctx.forward_report, None, capturing=True)
-    else:
-        status_checks.before_backward(team, ctx.forward_report, _current_stream_handle(team.device_words.device.index))
+    capturing = torch.cuda.is_current_stream_capturing()
+    stream = None if capturing else _current_stream_handle(team.device_words.device.index)
+    status_checks.before_backward(team, ctx.forward_report, stream, capturing=capturing)
 
 
 def _aux(x, router_weight, top_k, counts, row) -> reference.MoEAux:

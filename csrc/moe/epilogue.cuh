@@ -32,14 +32,14 @@ __device__ __forceinline__ int warp_tile_row0() {
   return (warp >> 2) * 64 + (warp & 3) * 16;
 }
 
-// Stores the warp's 16 rows of kGroups x 8 columns: pair(j, half) gives the lane's pair of columns
-// 8j + 2 (lane % 4) + {0, 1} in row lane / 4 + 8 half (the wgmma fragment layout), packed; it is asked
-// for one 64-column chunk at a time. out points at the warp's first row, column 0 (row stride ld
-// elements). Rows from `rows` on and 64-column chunks from `cols` on are not stored (cols is a multiple
-// of 64).
-template <typename Element, int kGroups, typename Pair>
-__device__ __forceinline__ void store_warp_rows_of(char* staging, Pair&& pair, Element* out, size_t ld, int rows,
-                                                   int cols) {
+// Stores the warp's 16 rows of kGroups x 8 columns through its staging buffer: packed[2j + half] is the
+// lane's pair of columns 8j + 2 (lane % 4) + {0, 1} in row lane / 4 + 8 half (the wgmma fragment layout),
+// packed beforehand so that the accumulators they came from die before the stores need registers. out
+// points at the warp's first row, column 0 (row stride ld elements). Rows from `rows` on and 64-column
+// chunks from `cols` on are not stored (cols is a multiple of 64).
+template <typename Element, int kGroups>
+__device__ __forceinline__ void store_warp_rows(char* staging, const uint32_t (&packed)[2 * kGroups], Element* out,
+                                                size_t ld, int rows, int cols) {
   static_assert(kGroups % 8 == 0, "whole 64-column chunks");
   if (rows <= 0) return;
   const int lane = threadIdx.x & 31;
@@ -59,7 +59,7 @@ __device__ __forceinline__ void store_warp_rows_of(char* staging, Pair&& pair, E
 #pragma unroll
       for (int half = 0; half < 2; ++half)
         *reinterpret_cast<uint32_t*>(staging + (((write_base + half * 8 * 128) ^ (jj << 4)) - buffer)) =
-            pair(c * 8 + jj, half);
+            packed[2 * (c * 8 + jj) + half];
     __syncwarp();
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
@@ -70,15 +70,6 @@ __device__ __forceinline__ void store_warp_rows_of(char* staging, Pair&& pair, E
     }
     __syncwarp();
   }
-}
-
-// store_warp_rows_of from values packed beforehand (packed[2 * j + half]), so that the accumulators they
-// came from die before the stores need registers.
-template <typename Element, int kGroups>
-__device__ __forceinline__ void store_warp_rows(char* staging, const uint32_t (&packed)[2 * kGroups], Element* out,
-                                                size_t ld, int rows, int cols) {
-  store_warp_rows_of<Element, kGroups>(staging, [&](int j, int half) { return packed[2 * j + half]; }, out, ld, rows,
-                                       cols);
 }
 
 // Stores the warp's 16 rows of kGroups x 8 columns straight from the fragment layout (pair(j, half): the

@@ -79,8 +79,8 @@ PHASES = ("forward", "backward")
 def activation_for(shape: BenchShape, options: SuiteOptions, index: int | None = None) -> str:
     """The activation of ``options.shapes[index]``: its own from ``--configs`` when given, else
     ``--activation``, else the one this suite pairs the shape with (gelu for a shape it does not list)."""
-    own = options.shape_activations[index] if index is not None and options.shape_activations else None
-    return own or options.activation or SHAPE_ACTIVATIONS.get(shape, FALLBACK_ACTIVATION)
+    given = options.activation if index is None else options.activation_of(index)
+    return given or SHAPE_ACTIVATIONS.get(shape, FALLBACK_ACTIVATION)
 
 
 # ---------------------------------------------------------------------------------------------------------
