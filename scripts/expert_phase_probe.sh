@@ -16,6 +16,11 @@ declare -A EDIT=(
   # no activation: the accumulators stored as they are
   [noact]='s.replace("activate(Activation::Gelu, acc(j, h, 0))", "acc(j, h, 0)").replace("activate(Activation::Gelu, acc(j, h, 1))", "acc(j, h, 1)").replace("return silu(acc(j, h, v)) * acc(j + BN / 16, h, v);", "return acc(j, h, v) * acc(j + BN / 16, h, v);")'
   # no global stores: the activation computed, nothing written (staged rows, and gelu's from the fragment)
+  # half the weight panels per block (the other half stale): what a two-block cluster sharing each weight
+  # slab by TMA multicast could save at most in operand traffic
+  [halfb]='s.replace("for (int panel = 0; panel < kPanels; ++panel) {", "for (int panel = (blockIdx.x & 1) * (kPanels / 2); panel < ((blockIdx.x & 1) + 1) * (kPanels / 2); ++panel) {").replace("return a_boxes * kRowBox.bytes() + kPanels * kWeightPanelBox.bytes();", "return a_boxes * kRowBox.bytes() + kPanels / 2 * kWeightPanelBox.bytes();")'
+  # half the row boxes per block: the same for a cluster sharing each row slab (column tiles paired)
+  [halfa]='s.replace("for (int box = 0; box < a_boxes; ++box)", "for (int box = 0; box < (a_boxes + 1) / 2; ++box)").replace("return a_boxes * kRowBox.bytes() + kPanels", "return (a_boxes + 1) / 2 * kRowBox.bytes() + kPanels")'
   [nostore]='s.replace("if (4 * i + read_row < rows) *reinterpret_cast", "if (4 * i + read_row < rows - (1 << 30)) *reinterpret_cast").replace("const bool lo = row < rows, hi = row + 8 < rows;", "const bool lo = row < rows - (1 << 30), hi = row + 8 < rows - (1 << 30);")'
 )
 export QUICK_VARIANTS=${QUICK_VARIANTS:-tma-wgmma-128x256-4stage-prefetch} FLASHDMOE_BUILD_JOBS=${FLASHDMOE_BUILD_JOBS:-16}
