@@ -36,10 +36,8 @@ _ROW_BOX_DEFAULT = 64  # one m64 warpgroup's rows
 @dataclass(frozen=True)
 class ExpertVariant:
     """One expert-GEMM variant: the C++ ``ExpertVariant<ExpertMma::mma, tile_n, stages, blocks_per_sm,
-    row_box, cluster>`` and the input dtypes it is compiled for. ``row_box``: rows of the TMA box A is loaded
-    in (a tile loads the boxes that hold its rows; TMA variants only). ``cluster``: blocks per cluster; with
-    2 a task is two row tiles of one expert, one per block, each weight slab loaded once for both
-    (multicast; TMA variants only)."""
+    row_box>`` and the input dtypes it is compiled for. ``row_box``: rows of the TMA box A is loaded in
+    (a tile loads the boxes that hold its rows; TMA variants only)."""
 
     mma: str
     tile_n: int
@@ -47,7 +45,6 @@ class ExpertVariant:
     blocks_per_sm: int
     dtypes: tuple[str, ...]
     row_box: int = _ROW_BOX_DEFAULT
-    cluster: int = 1
 
     def __post_init__(self):
         if self.mma not in _FAMILIES:
@@ -64,20 +61,17 @@ class ExpertVariant:
         if self.mma != "WgmmaTmaPrefetch" and self.row_box != _ROW_BOX_DEFAULT:
             raise ValueError(f"row_box={self.row_box}: only TMA variants load A in boxes (leave it at "
                              f"{_ROW_BOX_DEFAULT})")
-        if self.cluster not in (1, 2) or (self.cluster == 2 and self.mma != "WgmmaTmaPrefetch"):
-            raise ValueError(f"cluster={self.cluster}: expected 1, or 2 for a TMA variant (multicast loads)")
 
     @property
     def name(self) -> str:
         prefix, suffix = _FAMILIES[self.mma]
         boxes = "" if self.row_box == _ROW_BOX_DEFAULT else f"-abox{self.row_box}"
-        cluster = "" if self.cluster == 1 else f"-cluster{self.cluster}"
-        return f"{prefix}{_TILE_M}x{self.tile_n}-{self.stages}stage{suffix}{boxes}{cluster}"
+        return f"{prefix}{_TILE_M}x{self.tile_n}-{self.stages}stage{suffix}{boxes}"
 
     @property
     def cpp_type(self) -> str:
         return (f"ExpertVariant<ExpertMma::{self.mma}, {self.tile_n}, {self.stages}, {self.blocks_per_sm}, "
-                f"{self.row_box}, {self.cluster}>")
+                f"{self.row_box}>")
 
 
 VARIANTS: tuple[ExpertVariant, ...] = (
@@ -89,9 +83,6 @@ VARIANTS: tuple[ExpertVariant, ...] = (
     # weight stream, and A comes in 16-row boxes, so that a tile of a token or two streams 2 KB of A per
     # K slab beside 16 KB of weights (choose_variant). Same shared memory as the default (6 x 32 KB stages).
     ExpertVariant("WgmmaTmaPrefetch", tile_n=128, stages=6, blocks_per_sm=1, dtypes=("bf16", "fp16"), row_box=16),
-    # Large batches: the default's tiles in two-block clusters, each weight slab multicast to both blocks
-    # (a pair of row tiles of one expert), so each SM pulls a third fewer operand bytes per FLOP.
-    ExpertVariant("WgmmaTmaPrefetch", tile_n=256, stages=4, blocks_per_sm=1, dtypes=("bf16", "fp16"), cluster=2),
 )
 
 # name -> id, in id order.
@@ -127,9 +118,7 @@ def expert_phase_estimate(variant: ExpertVariant, tokens: int, hidden: int, ffn:
     the rank's TMA bytes spread over ``blocks`` SMs, one row tile's GEMM1 + GEMM2 chain on one SM (it
     cannot be split), and the distinct local experts' weights at HBM speed. ``tokens`` per source rank
     (``world_size`` of them, ``experts / world_size`` local experts each); expected row tiles from the
-    expected number of (source, local expert) segments hit. A two-block cluster variant pulls half of each
-    weight slab per block, and pads each hit expert's row tiles to an even count with an empty tile: about
-    one per expert where experts average at most 1.5 tiles, else every other expert."""
+    expected number of (source, local expert) segments hit."""
     if tokens <= 0:
         return 0.0
     hit = 1.0 - (1.0 - top_k / experts) ** tokens   # P(a given expert gets a token of one source)
@@ -138,9 +127,7 @@ def expert_phase_estimate(variant: ExpertVariant, tokens: int, hidden: int, ffn:
     local_hit = experts / world_size * (1.0 - (1.0 - top_k / experts) ** (tokens * world_size))
     a_boxes = -(-min(_TILE_M, rows / tiles) // variant.row_box)
     a_slab = a_boxes * variant.row_box * _SLAB_K * element_bytes
-    b_slab = variant.tile_n * _SLAB_K * element_bytes // variant.cluster
-    if variant.cluster > 1:
-        tiles += local_hit * (1.0 if tiles <= 1.5 * local_hit else 0.5)
+    b_slab = variant.tile_n * _SLAB_K * element_bytes
     out_cols = variant.tile_n // 2 if activation == "swiglu" else variant.tile_n
     task1 = hidden // _SLAB_K * (a_slab + b_slab)
     task2 = ffn // _SLAB_K * (a_slab + b_slab)
