@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import flashdmoe
+from flashdmoe.kernel.expert_variants import VARIANTS
 from conftest import next_seed
 from flashdmoe import numerics, reference
 from flashdmoe.parallel.team import Team, TeamFailed
@@ -147,6 +148,20 @@ def test_emulated_against_reference(backend, P, tokens, H, I, E, k, activation, 
                   capacity_factor=capacity_factor)
 
 
+CLUSTER_VARIANT = next(variant.name for variant in VARIANTS if variant.cluster == 2)
+
+
+@pytest.mark.parametrize("P,tokens,H,I,E,k,activation,dtype,normalize,capacity_factor,skew", ep_configs(9, seed=77))
+def test_emulated_on_the_cluster_variant(backend, monkeypatch, P, tokens, H, I, E, k, activation, dtype, normalize,
+                                         capacity_factor, skew):
+    """Two-block clusters inside each virtual rank's share of the grid (never split between ranks)."""
+    monkeypatch.setattr(backend.debug, "expert_variant", CLUSTER_VARIANT)
+    xs, router, w1s, w2s = make_inputs(list(tokens), H, I, E, P, activation, dtype, skew=skew)
+    team = Team.emulated(P, max_tokens=max(max(tokens), 1), hidden=H, top_k=k, local_experts=E // P, dtype=dtype)
+    run_and_check(backend, team, xs, router, w1s, w2s, top_k=k, activation=activation, normalize=normalize,
+                  capacity_factor=capacity_factor)
+
+
 def test_back_to_back_forwards_reuse_signals(backend):
     """Sequence numbers: the same team runs many forwards with no host-side clearing of its signals."""
     P, H, I, E, k = 4, 256, 128, 16, 2
@@ -188,10 +203,13 @@ def test_one_kernel_launch_per_forward(backend):
     assert len(kernels) == 1 and "moe_forward_kernel" in kernels[0], kernels
 
 
+@pytest.mark.parametrize("variant", [None, CLUSTER_VARIANT])
 @pytest.mark.parametrize("silent", [0, 2])
-def test_silent_rank_times_out_every_rank(backend, silent):
+def test_silent_rank_times_out_every_rank(backend, monkeypatch, variant, silent):
     """Debug mode (set_sync_checks): the forward itself raises. tests/test_async_status_gpu.py covers the
-    default, where the same error surfaces at the team's next use or at flashdmoe.synchronize()."""
+    default, where the same error surfaces at the team's next use or at flashdmoe.synchronize(). On the
+    cluster variant the other ranks' blocks give up inside the expert phase, in pairs."""
+    monkeypatch.setattr(backend.debug, "expert_variant", variant)
     P, H, I, E, k = 3 if silent == 2 else 2, 128, 128, 12, 2
     xs, router, w1s, w2s = make_inputs([256] * P, H, I, E, P, "gelu", torch.bfloat16)
     team = Team.emulated(P, max_tokens=256, hidden=H, top_k=k, local_experts=E // P, dtype=torch.bfloat16)

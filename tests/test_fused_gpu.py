@@ -296,10 +296,48 @@ def test_one_kernel_launch_per_forward(backend):
     assert len(kernels) == 1 and "moe_forward_kernel" in kernels[0], kernels
 
 
+# The two-block cluster variant (a task = two row tiles of one expert sharing each weight slab).
+CLUSTER_VARIANT = next(variant.name for variant in VARIANTS if variant.cluster == 2)
+CLUSTER_CASES = [case for case in random_configs(44) if case[6] != torch.float32][:18] + [
+    (8192, 2048, 2048, 32, 2, "gelu", torch.bfloat16, True, None),  # the paper's shape: even tiles per expert
+    (3000, 512, 512, 8, 2, "swiglu", torch.float16, False, 1.25),
+    (777, 256, 192, 16, 3, "relu", torch.bfloat16, True, None),
+]
+
+
+@pytest.mark.parametrize("T,H,I,E,k,activation,dtype,normalize,capacity_factor", CLUSTER_CASES)
+def test_cluster_variant_is_bitwise_the_default(backend, monkeypatch, T, H, I, E, k, activation, dtype, normalize,
+                                                capacity_factor):
+    """The same tiles, K order and epilogue as the default variant, two blocks to a task: the default's bits,
+    also where an expert's odd number of row tiles pairs its last with an empty tile (that block writes
+    nothing), and with the pre-activations saved."""
+    x, router, w1, w2 = make_inputs(T, H, I, E, k, activation, dtype)
+    options = dict(top_k=k, activation=activation, normalize_topk=normalize, capacity_factor=capacity_factor)
+    monkeypatch.setattr(backend.debug, "expert_variant", VARIANTS[0].name)
+    y_default, routing_default = backend.fused_forward(x, router, w1, w2, **options)
+    monkeypatch.setattr(backend.debug, "expert_variant", CLUSTER_VARIANT)
+    y, routing = check_against_reference(backend, x, router, w1, w2, top_k=k, activation=activation,
+                                         normalize=normalize, capacity_factor=capacity_factor)
+    assert torch.equal(y, y_default)
+    assert torch.equal(routing.row, routing_default.row) and torch.equal(routing.expert, routing_default.expert)
+    saved = torch.full((T * k, w1.shape[2]), float("nan"), dtype=dtype, device="cuda")
+    y_saving, _ = backend.fused_forward(x, router, w1, w2, saved_pre=saved, **options)
+    monkeypatch.setattr(backend.debug, "expert_variant", VARIANTS[0].name)
+    saved_default = torch.full_like(saved, float("nan"))
+    backend.fused_forward(x, router, w1, w2, saved_pre=saved_default, **options)
+    flashdmoe.synchronize()
+    assert torch.equal(y_saving, y_default)
+    assert torch.equal(saved.isnan(), saved_default.isnan())
+    assert torch.equal(saved.nan_to_num(), saved_default.nan_to_num())
+
+
+@pytest.mark.parametrize("variant", [None, CLUSTER_VARIANT])
 @pytest.mark.parametrize("phase,message", [(2, "per-expert offsets"), (5, "before the combine")])
-def test_watchdog_timeout_raises_and_gpu_recovers(backend, phase, message):
+def test_watchdog_timeout_raises_and_gpu_recovers(backend, monkeypatch, variant, phase, message):
     """Debug mode (set_sync_checks): the call raises. The default (raised later) is in
-    tests/test_async_status_gpu.py. A barrier before the expert phase, and the one after it."""
+    tests/test_async_status_gpu.py. A barrier before the expert phase and one after it (a cluster
+    variant's blocks leave the expert phase and meet again at the kernel's end)."""
+    monkeypatch.setattr(backend.debug, "expert_variant", variant)
     x, router, w1, w2 = make_inputs(4096, 256, 256, 16, 2, "gelu", torch.bfloat16)
     backend.debug.withhold_phase = phase
     backend.debug.timeout_ms = 300

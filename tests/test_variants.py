@@ -15,16 +15,16 @@ from flashdmoe.kernel.expert_variants import EXPERT_VARIANTS, VARIANTS, ExpertVa
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 ELEMENTS = {"__nv_bfloat16": "bf16", "__half": "fp16", "float": "fp32"}
 DTYPE_CODES = {"DType::BFloat16": "bf16", "DType::Float16": "fp16", "DType::Float32": "fp32"}
-CPP_VARIANT = r"ExpertVariant<ExpertMma::(\w+), (\d+), (\d+), (\d+), (\d+)>"
+CPP_VARIANT = r"ExpertVariant<ExpertMma::(\w+), (\d+), (\d+), (\d+), (\d+), (\d+)>"
 
 
 def _fields(variant: ExpertVariant):
-    return variant.mma, variant.tile_n, variant.stages, variant.blocks_per_sm, variant.row_box
+    return variant.mma, variant.tile_n, variant.stages, variant.blocks_per_sm, variant.row_box, variant.cluster
 
 
 def _cpp_fields(match):
-    mma, tile_n, stages, blocks, row_box = match
-    return mma, int(tile_n), int(stages), int(blocks), int(row_box)
+    mma, tile_n, stages, blocks, row_box, cluster = match
+    return mma, int(tile_n), int(stages), int(blocks), int(row_box), int(cluster)
 
 
 def test_generated_dispatch_reaches_exactly_the_table():
@@ -55,8 +55,8 @@ def test_one_generated_unit_per_variant_and_rank_capacity_instantiates_exactly_i
             text = units[expert_variants.instance_unit(variant, suffix)]
             found = re.findall(rf"template \w+ launch_forward_variant<(\w+), {CPP_VARIANT}, (\w+)>\(", text)
             assert [ELEMENTS[element] for element, *_ in found] == list(variant.dtypes), (variant.name, suffix)
-            assert {_cpp_fields(f[1:6]) for f in found} == {_fields(variant)}
-            assert {f[6] for f in found} == {capacity}
+            assert {_cpp_fields(f[1:7]) for f in found} == {_fields(variant)}
+            assert {f[7] for f in found} == {capacity}
             attributes = re.findall(rf"template \w+ kernel_attributes_variant<(\w+), {CPP_VARIANT}>", text)
             want = list(variant.dtypes) if capacity == "1" else []
             assert [ELEMENTS[element] for element, *_ in attributes] == want, (variant.name, suffix)
@@ -106,6 +106,10 @@ def test_the_table_refuses_variants_the_kernel_cannot_compile():
         dataclasses.replace(tma, mma="Wgmma")
     with pytest.raises(ValueError, match=r"dtypes=\('int8',\)"):
         dataclasses.replace(tma, dtypes=("int8",))
+    with pytest.raises(ValueError, match=r"cluster=2: expected 1, or 2 for a TMA variant"):
+        dataclasses.replace(VARIANTS[1], cluster=2)
+    with pytest.raises(ValueError, match=r"cluster=4: expected 1, or 2"):
+        dataclasses.replace(tma, cluster=4)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -115,7 +119,11 @@ NARROW = "tma-wgmma-128x128-6stage-prefetch-abox16"
 # (T, H, I, E, k, activation): decode rows of issue 15's table, and large-T rows.
 DECODE_ONE_TOKEN = [(1, 2048, 768, 128, 8, "swiglu"), (1, 4096, 1408, 64, 6, "gelu"), (1, 4096, 14336, 8, 2, "swiglu")]
 WIDE_ENOUGH = [(8, 2048, 768, 128, 8, "swiglu"), (128, 4096, 1408, 64, 6, "swiglu"), (128, 4096, 1408, 64, 6, "gelu"),
-               (32, 7168, 2048, 256, 8, "swiglu"), (8192, 2048, 2048, 32, 2, "gelu"), (4096, 4096, 14336, 8, 2, "swiglu")]
+               (32, 7168, 2048, 256, 8, "swiglu"), (8192, 2048, 2048, 32, 2, "gelu"), (16384, 2048, 2048, 64, 2, "gelu"),
+               (8192, 2048, 768, 128, 8, "swiglu")]
+# At least 8 row tiles per expert: Mixtral 8x7B's layer (1024 rows per expert), DeepSeek-V2-Lite's (1536).
+MANY_ROW_TILES = [(4096, 4096, 14336, 8, 2, "swiglu"), (16384, 2048, 1408, 64, 6, "swiglu")]
+CLUSTER = "tma-wgmma-128x256-4stage-prefetch-cluster2"
 
 
 def test_the_narrow_tile_is_in_the_table_for_16_bit_inputs():
@@ -143,6 +151,26 @@ def test_one_token_picks_the_narrow_tile(shape):
 @pytest.mark.parametrize("shape", WIDE_ENOUGH)
 def test_batches_that_fill_the_grid_keep_the_default(shape):
     assert expert_variants.choose_variant(*shape, blocks=132) == expert_variants.DEFAULT_EXPERT_VARIANT
+
+
+@pytest.mark.parametrize("shape", MANY_ROW_TILES)
+def test_experts_with_many_row_tiles_take_the_cluster_twin(shape):
+    """The default's tiles in two-block clusters where one rank's experts average >= 8 row tiles; a team's
+    rank keeps the default (not measured there), and the model itself sees no gain in the multicast."""
+    cluster = VARIANTS[EXPERT_VARIANTS[CLUSTER]]
+    assert dataclasses.replace(cluster, cluster=1) == VARIANTS[0]
+    assert expert_variants.choose_variant(*shape, blocks=132) == CLUSTER
+    assert expert_variants.choose_variant(*shape, blocks=66, world_size=2) == expert_variants.DEFAULT_EXPERT_VARIANT
+    assert expert_variants.expert_phase_estimate(cluster, *shape, blocks=132) >= \
+        expert_variants.expert_phase_estimate(VARIANTS[0], *shape, blocks=132)
+
+
+def test_a_cluster_pads_odd_row_tiles():
+    """One row tile per expert (T = 128, k = 6 over 64 experts): a cluster runs twice the tiles."""
+    cluster = VARIANTS[EXPERT_VARIANTS[CLUSTER]]
+    shape = (128, 4096, 1408, 64, 6, "gelu")
+    assert expert_variants.expert_phase_estimate(cluster, *shape, blocks=132) > \
+        1.5 * expert_variants.expert_phase_estimate(VARIANTS[0], *shape, blocks=132)
 
 
 def test_fewer_blocks_per_rank_take_longer_until_a_chain_binds():
@@ -210,6 +238,7 @@ def test_the_plan_launches_the_chosen_variant_unless_forced(monkeypatch):
         assert cuda_backend.debug.expert_variant is None and cuda_backend.debug.gate_split is None
         assert planned(1) == (EXPERT_VARIANTS[NARROW], True)
         assert planned(4096) == (EXPERT_VARIANTS[expert_variants.DEFAULT_EXPERT_VARIANT], True)
+        assert planned(16384) == (EXPERT_VARIANTS[CLUSTER], True)  # 1024 rows per expert
         monkeypatch.setattr(cuda_backend.debug, "expert_variant", expert_variants.DEFAULT_EXPERT_VARIANT)
         monkeypatch.setattr(cuda_backend.debug, "gate_split", False)
         assert planned(1) == (EXPERT_VARIANTS[expert_variants.DEFAULT_EXPERT_VARIANT], False)

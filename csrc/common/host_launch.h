@@ -4,6 +4,8 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 #include <cudaTypedefs.h>
+#include <algorithm>
+#include <atomic>
 #include <mutex>
 #include <stdexcept>
 #include <string>
@@ -106,22 +108,70 @@ inline CUtensorMap make_tensor_map(const void* base, const uint64_t* dims, const
   return map;
 }
 
+// Blocks of `kernel` that can be resident at once in clusters of cluster_blocks (a multiple of it, at most
+// `blocks`): clusters need their blocks on SMs of one GPC, which the per-SM occupancy does not count.
+inline int resident_cluster_blocks(const void* kernel, int blocks, int block_threads, int smem_bytes,
+                                   int cluster_blocks) {
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(blocks / cluster_blocks * cluster_blocks);
+  config.blockDim = dim3(block_threads);
+  config.dynamicSmemBytes = smem_bytes;
+  cudaLaunchAttribute cluster{};
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = cluster_blocks;
+  cluster.val.clusterDim.y = 1;
+  cluster.val.clusterDim.z = 1;
+  config.attrs = &cluster;
+  config.numAttrs = 1;
+  int clusters = 0;
+  throw_on_cuda_error(cudaOccupancyMaxActiveClusters(&clusters, kernel, &config), "cluster occupancy query");
+  if (clusters < 1)
+    throw std::runtime_error("the kernel cannot be resident in clusters of " + std::to_string(cluster_blocks) +
+                             " blocks on this GPU");
+  return std::min(blocks / cluster_blocks, clusters) * cluster_blocks;
+}
+
 // A cooperative launch of a persistent kernel: refused (an error, not a deadlock) if the grid cannot be
-// co-resident, which the grid barriers need.
+// co-resident, which the grid barriers need. cluster_blocks > 1 launches clusters of that many blocks
+// (the grid a multiple of it).
 template <typename Kernel, typename Argument>
 void launch_cooperative(Kernel kernel, int grid, int block_threads, int smem_bytes, cudaStream_t stream,
-                        const Argument& argument, const char* what) {
+                        const Argument& argument, const char* what, int cluster_blocks = 1) {
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(grid);
   config.blockDim = dim3(block_threads);
   config.dynamicSmemBytes = smem_bytes;
   config.stream = stream;
-  cudaLaunchAttribute cooperative{};
-  cooperative.id = cudaLaunchAttributeCooperative;
-  cooperative.val.cooperative = 1;
-  config.attrs = &cooperative;
-  config.numAttrs = 1;
-  throw_on_cuda_error(cudaLaunchKernelEx(&config, kernel, argument), what);
+  cudaLaunchAttribute attributes[2]{};
+  attributes[0].id = cudaLaunchAttributeCooperative;
+  attributes[0].val.cooperative = 1;
+  attributes[1].id = cudaLaunchAttributeClusterDimension;
+  attributes[1].val.clusterDim.x = cluster_blocks;
+  attributes[1].val.clusterDim.y = 1;
+  attributes[1].val.clusterDim.z = 1;
+  config.attrs = attributes;
+  config.numAttrs = cluster_blocks > 1 ? 2 : 1;
+  // A driver that refuses cooperative clusters gets the clusters alone: the grid was sized from the
+  // cluster occupancy (resident_cluster_blocks), so it is co-resident all the same. Asked once.
+  static std::atomic<int> cooperative_clusters{-1};
+  if (cluster_blocks > 1 && cooperative_clusters.load() == 0) {
+    config.attrs = attributes + 1;
+    config.numAttrs = 1;
+  }
+  cudaError_t status = cudaLaunchKernelEx(&config, kernel, argument);
+  if (cluster_blocks > 1 && cooperative_clusters.load() == -1) {
+    if (status == cudaErrorInvalidValue || status == cudaErrorNotSupported ||
+        status == cudaErrorInvalidConfiguration) {
+      (void)cudaGetLastError();
+      config.attrs = attributes + 1;
+      config.numAttrs = 1;
+      status = cudaLaunchKernelEx(&config, kernel, argument);
+      if (status == cudaSuccess) cooperative_clusters.store(0);
+    } else if (status == cudaSuccess) {
+      cooperative_clusters.store(1);
+    }
+  }
+  throw_on_cuda_error(status, what);
 }
 
 }  // namespace flashdmoe

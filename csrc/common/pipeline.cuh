@@ -5,6 +5,7 @@
 // anything but the barriers. Every wait is bounded (the watchdog covers the pipelines too).
 #pragma once
 #include <cstdint>
+#include "common/cluster.cuh"
 #include "common/ptx.cuh"
 #include "common/sync.cuh"
 #include "common/tma.cuh"
@@ -23,10 +24,13 @@ struct PipelineState {
   __device__ __forceinline__ void advance() { ++passed; }
 };
 
-// Bounded wait for the completion of the barrier's phase of this parity.
-template <typename Params>
+// Bounded wait for the completion of the barrier's phase of this parity. kClusterAcquire: what the
+// arrivals of another block of the cluster released (its remote stores) is acquired too.
+template <bool kClusterAcquire = false, typename Params>
 __device__ __forceinline__ bool wait_pipeline(uint32_t bar, uint32_t parity, const Params& p) {
-  auto ready = [&] { return tma::try_wait_parity(bar, parity); };
+  auto ready = [&] {
+    return kClusterAcquire ? cluster::try_wait_parity(bar, parity) : tma::try_wait_parity(bar, parity);
+  };
   if (ready()) return true;
   const uint64_t start = ptx::global_timer_ns();
   for (uint32_t spin = 1;; ++spin) {
@@ -42,18 +46,23 @@ __device__ __forceinline__ bool wait_pipeline(uint32_t bar, uint32_t parity, con
 }
 
 // A ring of kStages stages filled by TMA: "full" completes when the producer arrived and the stage's
-// bytes landed, "empty" when every consumer warp released the stage.
-template <int kStages>
+// bytes landed, "empty" when every consumer warp released the stage. With kCluster = 2 the two blocks of
+// a cluster fill each other's stages too (multicast loads: each block's producer loads half of what both
+// read), so a stage is empty only once the consumer warps of both blocks released it: each releases it
+// in its own block and in the peer's.
+template <int kStages, int kCluster = 1>
 struct StagePipeline {
+  static_assert(kCluster == 1 || kCluster == 2, "a stage ring is shared by at most two blocks");
   using State = PipelineState<kStages>;
   uint64_t full[kStages];
   uint64_t empty[kStages];
 
-  // Thread 0, once per launch, followed by a block-wide barrier before any use.
+  // Thread 0, once per launch, followed by a block-wide barrier before any use (and, in a cluster, by
+  // the handshake that tells the peer its loads may land here).
   __device__ void init(uint32_t consumer_warps) {
     for (int s = 0; s < kStages; ++s) {
       tma::mbarrier_init(ptx::smem_addr(&full[s]), 1);
-      tma::mbarrier_init(ptx::smem_addr(&empty[s]), consumer_warps);
+      tma::mbarrier_init(ptx::smem_addr(&empty[s]), consumer_warps * kCluster);
     }
     tma::fence_barrier_init();
   }
@@ -77,7 +86,11 @@ struct StagePipeline {
     return wait_pipeline(ptx::smem_addr(&full[at.index()]), at.phase(), p);
   }
   // One lane per consumer warp, once the warp is done reading the stage.
-  __device__ __forceinline__ void consumer_release(const State& at) { tma::arrive(ptx::smem_addr(&empty[at.index()])); }
+  __device__ __forceinline__ void consumer_release(const State& at) {
+    const uint32_t bar = ptx::smem_addr(&empty[at.index()]);
+    tma::arrive(bar);
+    if constexpr (kCluster == 2) cluster::arrive_remote(cluster::map_shared(bar, cluster::block_rank() ^ 1u));
+  }
 };
 
 constexpr int kTaskEnd = -1, kTaskAbort = -2;  // task ring entries that are not tasks
@@ -101,10 +114,17 @@ struct TaskRing {
     task[at.index()] = id;
     tma::arrive(ptx::smem_addr(&full[at.index()]));
   }
-  // Consumers: the id handed in slot `at` (kTaskAbort when the wait failed).
-  template <typename Params>
+  // The same into the ring of block `rank` of the cluster (the peer's producer takes its tasks from it).
+  __device__ __forceinline__ void hand_over_remote(const State& at, int id, uint32_t rank) {
+    cluster::store_remote(cluster::map_shared(ptx::smem_addr(&task[at.index()]), rank), id);
+    cluster::arrive_remote_release(cluster::map_shared(ptx::smem_addr(&full[at.index()]), rank));
+  }
+  // Consumers: the id handed in slot `at` (kTaskAbort when the wait failed). kFromCluster: handed by
+  // another block of the cluster (hand_over_remote).
+  template <bool kFromCluster = false, typename Params>
   __device__ __forceinline__ int take(const State& at, const Params& p) {
-    return wait_pipeline(ptx::smem_addr(&full[at.index()]), at.phase(), p) ? task[at.index()] : kTaskAbort;
+    return wait_pipeline<kFromCluster>(ptx::smem_addr(&full[at.index()]), at.phase(), p) ? task[at.index()]
+                                                                                          : kTaskAbort;
   }
 };
 

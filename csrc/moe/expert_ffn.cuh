@@ -62,32 +62,34 @@ struct ExpertTask {
   FfnGemm gemm;
   int row_tile, col_tile;
 };
-// The queue's shape for a number of row tiles.
+// The queue's shape for a number of row tiles. A task covers kClusterBlocks row tiles (one per block of
+// a cluster; row tiles come paired by expert then: build_dest_tables' pair_tiles).
 struct TaskCounts {
-  int row_tiles;
-  int tasks1;  // GEMM1 tasks (they come first)
-  int tiles1;  // GEMM1 column tiles per row tile (a GEMM2 tile waits for all of them)
-  int tiles2;  // GEMM2 column tiles per row tile
-  int total;   // all tasks
+  int row_units;  // row tiles / kClusterBlocks
+  int tasks1;     // GEMM1 tasks (they come first)
+  int tiles1;     // GEMM1 column tiles per row tile (a GEMM2 tile waits for all of them)
+  int tiles2;     // GEMM2 column tiles per row tile
+  int total;      // all tasks
 };
 template <typename Variant>
 __device__ __forceinline__ TaskCounts task_counts(const MoEParams& p, int row_tiles) {
   TaskCounts counts;
-  counts.row_tiles = row_tiles;
+  counts.row_units = row_tiles / Variant::kClusterBlocks;
   counts.tiles1 = gemm1_column_tiles<Variant>(p);
   counts.tiles2 = gemm2_column_tiles<Variant>(p);
-  counts.tasks1 = row_tiles * counts.tiles1;
-  counts.total = counts.tasks1 + row_tiles * counts.tiles2;
+  counts.tasks1 = counts.row_units * counts.tiles1;
+  counts.total = counts.tasks1 + counts.row_units * counts.tiles2;
   return counts;
 }
-// Within each GEMM the row tiles are taken in groups (common/tile_order.cuh).
-__device__ __forceinline__ ExpertTask decode_task(int task, const TaskCounts& counts) {
+// Within each GEMM the row tiles are taken in groups (common/tile_order.cuh); `member` of a cluster of
+// `cluster` blocks takes row tile member of the task's unit.
+__device__ __forceinline__ ExpertTask decode_task(int task, const TaskCounts& counts, int member = 0, int cluster = 1) {
   ExpertTask job;
   job.gemm = task >= counts.tasks1 ? FfnGemm::Gemm2 : FfnGemm::Gemm1;
   const int index = job.gemm == FfnGemm::Gemm2 ? task - counts.tasks1 : task;
   const int col_tiles = job.gemm == FfnGemm::Gemm2 ? counts.tiles2 : counts.tiles1;
-  const TileCoord tile = grouped_tile(index, counts.row_tiles, col_tiles);
-  job.row_tile = tile.row;
+  const TileCoord tile = grouped_tile(index, counts.row_units, col_tiles);
+  job.row_tile = tile.row * cluster + member;
   job.col_tile = tile.col;
   return job;
 }

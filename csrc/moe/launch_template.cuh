@@ -124,13 +124,19 @@ LaunchInfo launch_forward_variant(PreparedLaunch& prepared, const uintptr_t* add
       const SmemLayout smem = make_smem_layout(a.experts, a.top_k, expert_scratch_bytes<Variant>(), a.world_size);
       const ResidentGrid resident =
           resident_grid(reinterpret_cast<const void*>(kernel), device, smem.total_bytes, Variant::kBlockThreads);
+      // A cluster variant's blocks come in clusters, never split between two ranks.
+      constexpr int kCluster = Variant::kClusterBlocks;
       int grid = resident.blocks_per_sm * resident.sms;
-      if (a.grid_percent > 0 && a.grid_percent < 100) grid = std::max(1, grid * a.grid_percent / 100);
+      if constexpr (kCluster > 1)
+        grid = resident_cluster_blocks(reinterpret_cast<const void*>(kernel), grid, Variant::kBlockThreads,
+                                       smem.total_bytes, kCluster);
+      if (a.grid_percent > 0 && a.grid_percent < 100) grid = std::max(kCluster, grid * a.grid_percent / 100);
       if (a.max_blocks > 0 && a.max_blocks < grid) grid = a.max_blocks;
-      const int blocks_per_rank = grid / a.num_ranks;
+      const int blocks_per_rank = grid / a.num_ranks / kCluster * kCluster;
       if (blocks_per_rank < 1)
         throw std::invalid_argument("a grid of " + std::to_string(grid) + " blocks cannot hold " +
-                                    std::to_string(a.num_ranks) + " ranks");
+                                    std::to_string(a.num_ranks) + " ranks" +
+                                    (kCluster > 1 ? " in clusters of " + std::to_string(kCluster) + " blocks" : ""));
       for (int i = 0; i < a.num_ranks; ++i) {
         MoEParams& p = prepared.ranks[i].params;
         p.first_block = i * blocks_per_rank;
@@ -157,7 +163,7 @@ LaunchInfo launch_forward_variant(PreparedLaunch& prepared, const uintptr_t* add
 
   // No memset: the sync words are zero (the previous launch's exit reset them, finish_launch).
   launch_cooperative(kernel, info.grid, Variant::kBlockThreads, info.smem_bytes, stream, launch,
-                     "launching moe_forward_kernel");
+                     "launching moe_forward_kernel", Variant::kClusterBlocks);
   return info;
 }
 

@@ -59,7 +59,7 @@ __device__ __forceinline__ void forward_block(const MoEParams& p, char* smem) {
 
   // ---- 4. expert FFN tiles from the task queue, rows from every source ----
   const DestTables tables = dest_tables(smem, layout, p);
-  if (!build_dest_tables(p, tables)) return;
+  if (!build_dest_tables(p, tables, /*pair_tiles=*/Variant::kClusterBlocks == 2)) return;
   Transport::template publish_empty_results<Element>(p, tables);
   const Element** a_rows = reinterpret_cast<const Element**>(smem + layout.row_ptrs_offset);
   if constexpr (Variant::kUseTma) {
@@ -125,9 +125,11 @@ __global__ void __launch_bounds__(Variant::kBlockThreads, Variant::kMinBlocksPer
   // wgmma's 128-byte swizzle is computed from absolute shared addresses: align the base to its atom.
   char* smem = raw_smem + ((1024u - (ptx::smem_addr(raw_smem) & 1023u)) & 1023u);
   const MoEParams& p = kRankCapacity == 1 ? launch.rank[0] : launch.rank[blockIdx.x / launch.rank[0].blocks];
+  cluster_start<Variant>();
   if (begin_forward(p)) forward_block<Element, Variant>(p, smem);
   // Every early return above lands here: the exit count and the reset must see every block.
   finish_launch(p, [&p] { end_forward(p); });
+  cluster_end<Variant>();
 }
 
 }  // namespace flashdmoe

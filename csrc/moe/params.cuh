@@ -266,8 +266,10 @@ inline WorkspaceLayout make_workspace_layout(int tokens, int hidden, int ffn, in
   const int local_experts = experts / world_size;
   const size_t rows_in = world_size == 1 ? rows : static_cast<size_t>(world_size) * stream_rows;
   l.gate_tiles = (tokens + gate_tile_rows - 1) / gate_tile_rows;
-  // Each local expert's segment rounds up to whole row tiles: at most rows_in/tile + L tiles in all.
-  l.max_row_tiles = static_cast<int>((rows_in + row_tile_rows - 1) / row_tile_rows) + local_experts;
+  // Each (source, local expert) segment rounds up to whole row tiles, and a cluster variant pads each
+  // local expert's tiles to an even count: at most rows_in/tile + P*L + L tiles in all.
+  l.max_row_tiles = static_cast<int>((rows_in + row_tile_rows - 1) / row_tile_rows) + world_size * local_experts +
+                    local_experts;
   l.error_word = kStatusErrorWord;
   l.phase_clock = kStatusPhaseClock;
   l.traffic = kStatusTraffic;

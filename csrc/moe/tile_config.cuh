@@ -80,13 +80,18 @@ constexpr int kWarpStagingBytes = 16 * 128;
 enum class ExpertMma : int { MmaSync = 0, WgmmaTmaPrefetch = 1 };
 // kRowBoxRowsArg: rows of the TMA box A is loaded in (TMA variants; a tile loads the boxes holding its
 // rows): 64 (one warpgroup's) for full tiles at two requests per slab, 16 for decode tiles of a row or two.
-template <ExpertMma kMma, int kTileNArg, int kStagesArg, int kBlocksPerSm, int kRowBoxRowsArg>
+// kClusterArg = 2 (TMA variants): the kernel runs in two-block clusters, and a task is a pair of row tiles
+// of one expert, one per block, sharing each weight slab by multicast (moe/expert_pipeline.cuh).
+template <ExpertMma kMma, int kTileNArg, int kStagesArg, int kBlocksPerSm, int kRowBoxRowsArg, int kClusterArg = 1>
 struct ExpertVariant {
   static constexpr ExpertMma kMmaFamily = kMma;
   static constexpr bool kUseTma = kMma == ExpertMma::WgmmaTmaPrefetch;
   static constexpr int kTileN = kTileNArg;
   static constexpr int kStages = kStagesArg;
   static constexpr int kRowBoxRows = kRowBoxRowsArg;
+  static constexpr int kClusterBlocks = kClusterArg;
+  static_assert(kClusterBlocks == 1 || (kClusterBlocks == 2 && kMma == ExpertMma::WgmmaTmaPrefetch),
+                "two-block clusters share TMA loads: TMA variants only");
   // Whole 8-row swizzle atoms per box (each box lands 1 KB-aligned), whole boxes per tile.
   static_assert(kRowBoxRows % 8 == 0 && kExpertTileM % kRowBoxRows == 0, "A row boxes must tile the 128 rows");
   static constexpr int kMinBlocksPerSm = kBlocksPerSm;

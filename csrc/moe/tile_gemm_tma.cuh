@@ -22,9 +22,11 @@ namespace flashdmoe {
 // or M / N (64-element panels of 64 K rows).
 enum class Major { K, MN };
 
-template <typename Element, int BN, int STAGES, int ROW_BOX, Major kMajorA = Major::K, Major kMajorB = Major::MN>
+// kCluster = 2: the stage ring is shared with the peer block of a two-block cluster (StagePipeline).
+template <typename Element, int BN, int STAGES, int ROW_BOX, Major kMajorA = Major::K, Major kMajorB = Major::MN,
+          int kCluster = 1>
 struct TmaTileGemm {
-  using Pipeline = StagePipeline<STAGES>;
+  using Pipeline = StagePipeline<STAGES, kCluster>;
   using State = PipelineState<STAGES>;
   static constexpr int kBlockM = 128, kBlockN = BN, kBlockK = 64;
   static constexpr int kPanels = BN / 64;  // MN-major B is stored as 64-column panels
@@ -35,7 +37,7 @@ struct TmaTileGemm {
   static constexpr int kPipelineBytes = STAGES * (kStageBytesA + kStageBytesB);
   static constexpr uint32_t kAtomBytes = 1024;  // 8 rows x 128 bytes: the swizzle repeat
   // A stage is filled by `a_boxes` A row boxes (as many as the tile has rows for) and kPanels weight
-  // panel boxes: its expect_tx byte count. A rows past those boxes keep stale data: they feed only
+  // panel boxes (in a cluster, half of them loaded by the peer): its expect_tx byte count. A rows past those boxes keep stale data: they feed only
   // accumulator rows past the tile's rows, which are never stored (a wgmma row of D reads only its own
   // row of A), or the warpgroup that has none of the tile's rows and skips its wgmma.
   static constexpr TmaBox kRowBox = expert_row_box(ROW_BOX);

@@ -13,6 +13,7 @@ Importing this module needs neither torch nor a GPU: the names are known before 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -36,8 +37,10 @@ _ROW_BOX_DEFAULT = 64  # one m64 warpgroup's rows
 @dataclass(frozen=True)
 class ExpertVariant:
     """One expert-GEMM variant: the C++ ``ExpertVariant<ExpertMma::mma, tile_n, stages, blocks_per_sm,
-    row_box>`` and the input dtypes it is compiled for. ``row_box``: rows of the TMA box A is loaded in
-    (a tile loads the boxes that hold its rows; TMA variants only)."""
+    row_box, cluster>`` and the input dtypes it is compiled for. ``row_box``: rows of the TMA box A is loaded
+    in (a tile loads the boxes that hold its rows; TMA variants only). ``cluster``: blocks per cluster; with
+    2 a task is two row tiles of one expert, one per block, each weight slab loaded once for both
+    (multicast; TMA variants only)."""
 
     mma: str
     tile_n: int
@@ -45,6 +48,7 @@ class ExpertVariant:
     blocks_per_sm: int
     dtypes: tuple[str, ...]
     row_box: int = _ROW_BOX_DEFAULT
+    cluster: int = 1
 
     def __post_init__(self):
         if self.mma not in _FAMILIES:
@@ -61,17 +65,20 @@ class ExpertVariant:
         if self.mma != "WgmmaTmaPrefetch" and self.row_box != _ROW_BOX_DEFAULT:
             raise ValueError(f"row_box={self.row_box}: only TMA variants load A in boxes (leave it at "
                              f"{_ROW_BOX_DEFAULT})")
+        if self.cluster not in (1, 2) or (self.cluster == 2 and self.mma != "WgmmaTmaPrefetch"):
+            raise ValueError(f"cluster={self.cluster}: expected 1, or 2 for a TMA variant (multicast loads)")
 
     @property
     def name(self) -> str:
         prefix, suffix = _FAMILIES[self.mma]
         boxes = "" if self.row_box == _ROW_BOX_DEFAULT else f"-abox{self.row_box}"
-        return f"{prefix}{_TILE_M}x{self.tile_n}-{self.stages}stage{suffix}{boxes}"
+        cluster = "" if self.cluster == 1 else f"-cluster{self.cluster}"
+        return f"{prefix}{_TILE_M}x{self.tile_n}-{self.stages}stage{suffix}{boxes}{cluster}"
 
     @property
     def cpp_type(self) -> str:
         return (f"ExpertVariant<ExpertMma::{self.mma}, {self.tile_n}, {self.stages}, {self.blocks_per_sm}, "
-                f"{self.row_box}>")
+                f"{self.row_box}, {self.cluster}>")
 
 
 VARIANTS: tuple[ExpertVariant, ...] = (
@@ -83,6 +90,11 @@ VARIANTS: tuple[ExpertVariant, ...] = (
     # weight stream, and A comes in 16-row boxes, so that a tile of a token or two streams 2 KB of A per
     # K slab beside 16 KB of weights (choose_variant). Same shared memory as the default (6 x 32 KB stages).
     ExpertVariant("WgmmaTmaPrefetch", tile_n=128, stages=6, blocks_per_sm=1, dtypes=("bf16", "fp16"), row_box=16),
+    # Experts with many row tiles: the default's tiles in two-block clusters, a task being two row tiles of
+    # one expert, each weight slab multicast to both blocks. That halves the weights' L2 reads, not the
+    # bytes each SM takes in; it measured 0.4-5.6% faster with >= 8 row tiles per expert and slower with
+    # fewer (choose_variant; docs/perf-notes.md).
+    ExpertVariant("WgmmaTmaPrefetch", tile_n=256, stages=4, blocks_per_sm=1, dtypes=("bf16", "fp16"), cluster=2),
 )
 
 # name -> id, in id order.
@@ -118,7 +130,10 @@ def expert_phase_estimate(variant: ExpertVariant, tokens: int, hidden: int, ffn:
     the rank's TMA bytes spread over ``blocks`` SMs, one row tile's GEMM1 + GEMM2 chain on one SM (it
     cannot be split), and the distinct local experts' weights at HBM speed. ``tokens`` per source rank
     (``world_size`` of them, ``experts / world_size`` local experts each); expected row tiles from the
-    expected number of (source, local expert) segments hit."""
+    expected number of (source, local expert) segments hit. A two-block cluster variant streams what its
+    single-block twin does (the multicast halves L2 reads, not what each SM takes in), plus the empty tiles
+    that pad each hit expert's row tiles to an even count: about one per expert where experts average at
+    most 1.5 tiles, else every other expert."""
     if tokens <= 0:
         return 0.0
     hit = 1.0 - (1.0 - top_k / experts) ** tokens   # P(a given expert gets a token of one source)
@@ -128,6 +143,8 @@ def expert_phase_estimate(variant: ExpertVariant, tokens: int, hidden: int, ffn:
     a_boxes = -(-min(_TILE_M, rows / tiles) // variant.row_box)
     a_slab = a_boxes * variant.row_box * _SLAB_K * element_bytes
     b_slab = variant.tile_n * _SLAB_K * element_bytes
+    if variant.cluster > 1:
+        tiles += local_hit * (1.0 if tiles <= 1.5 * local_hit else 0.5)
     out_cols = variant.tile_n // 2 if activation == "swiglu" else variant.tile_n
     task1 = hidden // _SLAB_K * (a_slab + b_slab)
     task2 = ffn // _SLAB_K * (a_slab + b_slab)
@@ -140,11 +157,18 @@ def expert_phase_estimate(variant: ExpertVariant, tokens: int, hidden: int, ffn:
     return max(spread, chain, weights)
 
 
+# Row tiles per expert from which the two-block cluster variant is taken on one rank: it measured faster
+# on the two shapes with >= 8 (1024 and 1536 rows per expert) and no faster or slower on those with 1-4.
+_CLUSTER_MIN_TILES_PER_EXPERT = 8
+
+
 def choose_variant(tokens: int, hidden: int, ffn: int, experts: int, top_k: int, activation: str,
                    blocks: int, world_size: int = 1) -> str:
     """The TMA variant with the smallest :func:`expert_phase_estimate` for a 16-bit forward (``tokens``
     and ``blocks`` per rank); the default unless another is estimated at least 10% faster (the model's
-    own error is about that)."""
+    own error is about that). Where the default stands and one rank's experts average at least
+    ``_CLUSTER_MIN_TILES_PER_EXPERT`` row tiles, its two-block cluster twin (measured, not modelled: the
+    streaming model sees no difference)."""
     for name, value in (("tokens", tokens), ("hidden", hidden), ("ffn", ffn), ("experts", experts),
                         ("top_k", top_k), ("blocks", blocks), ("world_size", world_size)):
         if value < (0 if name == "tokens" else 1):
@@ -154,11 +178,17 @@ def choose_variant(tokens: int, hidden: int, ffn: int, experts: int, top_k: int,
                                  top_k=top_k, activation=activation, blocks=blocks, world_size=world_size)
     best, best_time = default, estimate(default)
     for variant in VARIANTS[1:]:
-        if variant.mma != default.mma:
+        if variant.mma != default.mma or variant.cluster > 1:
             continue
         time = estimate(variant)
         if time < 0.9 * best_time:
             best, best_time = variant, time
+    hit_experts = experts * (1.0 - (1.0 - top_k / experts) ** tokens) if tokens > 0 else 0.0
+    if (best is default and world_size == 1 and hit_experts > 0
+            and tokens * top_k / hit_experts >= _CLUSTER_MIN_TILES_PER_EXPERT * _TILE_M):
+        twins = [v for v in VARIANTS if v.cluster == 2 and dataclasses.replace(v, cluster=1) == default]
+        if twins:
+            return twins[0].name
     return best.name
 
 
