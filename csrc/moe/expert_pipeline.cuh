@@ -6,8 +6,9 @@
 // for the epilogue and the next tile's loads overlap this tile's epilogue.
 // Cluster variants (kClusterBlocks = 2): the two blocks of a cluster run each task together, one row
 // tile of the same expert each; each block's producer loads its own rows and half of the task's weight
-// panels, multicast into both blocks' stages, so the L2-to-SM traffic of the weights halves. The first
-// block takes the tasks from the queue and hands each to the second block's producer too.
+// panels, multicast into both blocks' stages, so each weight slab is read from L2 once per pair (each SM
+// still takes in all of it). The first block takes the tasks from the queue and hands each to the
+// second block's producer too.
 #pragma once
 #include "common/cluster.cuh"
 #include "moe/epilogue.cuh"

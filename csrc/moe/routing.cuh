@@ -190,7 +190,8 @@ __device__ inline bool build_dest_tables(const MoEParams& p, const DestTables& t
       int tiles = (rows + kExpertTileM - 1) / kExpertTileM;
       if (pair_tiles && q < segments && q % P == P - 1) {
         int expert_tiles = 0;
-        for (int src = 0; src < P; ++src) expert_tiles += (rows_from(p, tables, src, q / P) + kExpertTileM - 1) / kExpertTileM;
+        for (int src = 0; src < P; ++src)
+          expert_tiles += (rows_from(p, tables, src, q / P) + kExpertTileM - 1) / kExpertTileM;
         tiles += expert_tiles & 1;
       }
       const int rows_incl = warp_inclusive_scan(rows);
