@@ -44,15 +44,6 @@ __device__ __forceinline__ void store_remote(uint32_t remote, int value) {
   asm volatile("st.shared::cluster.s32 [%0], %1;\n" ::"r"(remote), "r"(value) : "memory");
 }
 
-// True once the local barrier's phase of this parity completed, acquiring at cluster scope what the
-// arrivals (local or remote) released.
-__device__ __forceinline__ bool try_wait_parity(uint32_t bar, uint32_t parity) {
-  uint32_t done;
-  asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
-               " selp.u32 %0, 1, 0, p;\n}\n" : "=r"(done) : "r"(bar), "r"(parity) : "memory");
-  return done != 0;
-}
-
 // A 3-d TMA box into shared offset `dst` of every block in `mask` (bit r: cluster rank r), each completing
 // its bytes on its own barrier at offset `bar`.
 __device__ __forceinline__ void load_3d_multicast(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0, int c1,

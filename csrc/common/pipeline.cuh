@@ -28,9 +28,7 @@ struct PipelineState {
 // arrivals of another block of the cluster released (its remote stores) is acquired too.
 template <bool kClusterAcquire = false, typename Params>
 __device__ __forceinline__ bool wait_pipeline(uint32_t bar, uint32_t parity, const Params& p) {
-  auto ready = [&] {
-    return kClusterAcquire ? cluster::try_wait_parity(bar, parity) : tma::try_wait_parity(bar, parity);
-  };
+  auto ready = [&] { return tma::try_wait_parity<kClusterAcquire>(bar, parity); };
   if (ready()) return true;
   const uint64_t start = ptx::global_timer_ns();
   for (uint32_t spin = 1;; ++spin) {

@@ -21,10 +21,17 @@ __device__ __forceinline__ void arrive(uint32_t bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
 // True once the barrier's phase with this parity has completed (the hardware may return early false).
+// kClusterAcquire: what arrivals from another block of the cluster released (its remote stores) is
+// acquired too.
+template <bool kClusterAcquire = false>
 __device__ __forceinline__ bool try_wait_parity(uint32_t bar, uint32_t parity) {
   uint32_t done;
-  asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-               " selp.u32 %0, 1, 0, p;\n}\n" : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+  if constexpr (kClusterAcquire)
+    asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
+                 " selp.u32 %0, 1, 0, p;\n}\n" : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+  else
+    asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                 " selp.u32 %0, 1, 0, p;\n}\n" : "=r"(done) : "r"(bar), "r"(parity) : "memory");
   return done != 0;
 }
 // Generic-proxy global writes (st.global, peers' stores) must be fenced before TMA (async proxy) reads them.

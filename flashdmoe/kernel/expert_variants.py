@@ -124,6 +124,11 @@ _HBM_BYTES_PER_S = 4.3e12
 _SLAB_K = 64          # kTmaSlabK
 
 
+def _experts_hit(experts: int, top_k: int, tokens: int) -> float:
+    """The expected number of the ``experts`` that ``tokens`` tokens' ``top_k`` choices hit."""
+    return experts * (1.0 - (1.0 - top_k / experts) ** tokens)
+
+
 def expert_phase_estimate(variant: ExpertVariant, tokens: int, hidden: int, ffn: int, experts: int, top_k: int,
                           activation: str, blocks: int, world_size: int = 1, element_bytes: int = 2) -> float:
     """Seconds the expert phase of one rank would take on ``variant`` by the streaming model: the larger of
@@ -136,10 +141,10 @@ def expert_phase_estimate(variant: ExpertVariant, tokens: int, hidden: int, ffn:
     most 1.5 tiles, else every other expert."""
     if tokens <= 0:
         return 0.0
-    hit = 1.0 - (1.0 - top_k / experts) ** tokens   # P(a given expert gets a token of one source)
-    rows = tokens * top_k                           # rows this rank's experts take, over all sources
-    tiles = experts * hit + rows / _TILE_M          # world_size x local experts segments, plus full tiles
-    local_hit = experts / world_size * (1.0 - (1.0 - top_k / experts) ** (tokens * world_size))
+    rows = tokens * top_k  # rows this rank's experts take, over all sources
+    # world_size x local experts segments (each source's tokens hit them), plus full tiles
+    tiles = _experts_hit(experts, top_k, tokens) + rows / _TILE_M
+    local_hit = _experts_hit(experts, top_k, tokens * world_size) / world_size
     a_boxes = -(-min(_TILE_M, rows / tiles) // variant.row_box)
     a_slab = a_boxes * variant.row_box * _SLAB_K * element_bytes
     b_slab = variant.tile_n * _SLAB_K * element_bytes
@@ -183,7 +188,7 @@ def choose_variant(tokens: int, hidden: int, ffn: int, experts: int, top_k: int,
         time = estimate(variant)
         if time < 0.9 * best_time:
             best, best_time = variant, time
-    hit_experts = experts * (1.0 - (1.0 - top_k / experts) ** tokens) if tokens > 0 else 0.0
+    hit_experts = _experts_hit(experts, top_k, tokens)
     if (best is default and world_size == 1 and hit_experts > 0
             and tokens * top_k / hit_experts >= _CLUSTER_MIN_TILES_PER_EXPERT * _TILE_M):
         twins = [v for v in VARIANTS if v.cluster == 2 and dataclasses.replace(v, cluster=1) == default]
