@@ -93,3 +93,45 @@ def test_error_measures():
     assert numerics.normwise_error(torch.ones(2), torch.zeros(2)) == math.inf
     with pytest.raises(ValueError, match="shapes differ"):
         numerics.max_normwise_error(torch.ones(2), torch.ones(3))
+
+
+def _gelu_tail_source():
+    """The clamp and the polynomial's coefficients (highest order first) as csrc/moe/activation.cuh has them."""
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).resolve().parents[1] / "csrc/moe/activation.cuh").read_text()
+    body = text[text.index("float normal_tail(float v)"):]
+    body = body[: body.index("return exp2_approx(p);")]
+    clamp = float(re.search(r"constexpr float kGeluTailClamp = ([-+0-9.eE]+)f;", text).group(1))
+    first = re.search(r"float p = ([-+0-9.eE]+)f;", body).group(1)
+    rest = re.findall(r"p = fmaf\(p, t, ([-+0-9.eE]+)f\);", body)
+    return clamp, [float(first)] + [float(c) for c in rest]
+
+
+def test_gelu_normal_tail_polynomial_gives_phi_to_fp32_rounding():
+    """The kernels' GELU takes Phi(-|v|) from 2^p(min(|v|, clamp)) (csrc/moe/activation.cuh). Evaluated
+    as the GPU does (fp32 fused multiply-adds, highest order first), its Phi is within 1e-7 of float64's
+    on a dense grid and past the clamp; the hardware exp2 (2^-22 relative) is not emulated."""
+    import numpy as np
+
+    clamp, high_first = _gelu_tail_source()
+    assert len(high_first) == 8 and clamp == 9.0, (clamp, high_first)
+
+    def tail(v):  # Phi(-|v|) as the kernels compute it, but for the exact exp2
+        t = np.minimum(np.abs(np.asarray(v, np.float32)), np.float32(clamp)).astype(np.float64)
+        p = np.full_like(t, high_first[0])
+        for c in high_first[1:]:  # one rounding per step, as an FFMA
+            p = (p * t + np.float64(np.float32(c))).astype(np.float32).astype(np.float64)
+        return np.exp2(p)
+
+    t = np.concatenate([np.linspace(0.0, clamp, 100_001), [clamp * 1.5, 50.0]]).astype(np.float32)
+    got = tail(t)
+    want = np.array([0.5 * math.erfc(float(x) / math.sqrt(2.0)) for x in t])
+    error = np.abs(got - want)
+    assert error.max() <= 1e-7, f"largest |error| of Phi {error.max():.3e} at t = {t[error.argmax()]}"
+    assert abs(got[0] - 0.5) <= 2 ** -24  # Phi(0) is 1/2 to fp32 rounding
+    # GELU from the tail as the kernels write it (0.5 v + |v| (0.5 - q)), against torch's exact erf form.
+    v = torch.linspace(-12, 12, 4801, dtype=torch.float64)
+    gelu = 0.5 * v + v.abs() * (0.5 - torch.from_numpy(tail(v.numpy())))
+    assert torch.allclose(gelu, torch.nn.functional.gelu(v), rtol=0, atol=1e-6)
