@@ -6,7 +6,7 @@ a Horner chain of fused multiply-adds, one hardware exp2 and two more instructio
 erff took about 25 (both of its branches, selected per lane). The fit weighs each point by q, so the
 error it minimises is the absolute error of Phi, which is what the GELU's value carries.
 
-    python scripts/fit_gelu_cdf.py [--degree 8] [--clamp 9]
+    python scripts/fit_gelu_cdf.py [--degree 7] [--clamp 9]
 
 prints the coefficients (lowest order first) in C and the largest |error| of Phi on a dense grid, with the
 Horner chain evaluated in fp32 fused multiply-adds as the GPU does (the hardware exp2's own error,
@@ -58,7 +58,7 @@ def fit(degree: int, clamp: float, nodes: int = 4000, rounds: int = 30) -> np.nd
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--degree", type=int, default=8)
+    parser.add_argument("--degree", type=int, default=7)
     parser.add_argument("--clamp", type=float, default=9.0)
     args = parser.parse_args()
     c = fit(args.degree, args.clamp)
