@@ -135,3 +135,18 @@ def test_gelu_normal_tail_polynomial_gives_phi_to_fp32_rounding():
     v = torch.linspace(-12, 12, 4801, dtype=torch.float64)
     gelu = 0.5 * v + v.abs() * (0.5 - torch.from_numpy(tail(v.numpy())))
     assert torch.allclose(gelu, torch.nn.functional.gelu(v), rtol=0, atol=1e-6)
+
+
+def test_the_gelu_fit_script_reproduces_a_fit_as_accurate_as_the_sources():
+    """scripts/fit_gelu_cdf.py (how the coefficients were made) still runs and fits Phi to fp32 rounding."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "scripts/fit_gelu_cdf.py"
+    spec = importlib.util.spec_from_file_location("fit_gelu_cdf", path)
+    fit_script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fit_script)
+    clamp, high_first = _gelu_tail_source()
+    coefficients = fit_script.fit(len(high_first) - 1, clamp)
+    assert fit_script.phi_error(coefficients, clamp, points=20_001) <= 1e-7
+    assert fit_script.phi_error(list(reversed(high_first)), clamp, points=20_001) <= 1e-7
