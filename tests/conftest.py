@@ -13,8 +13,10 @@ this run (``RAY_AUTH_TOKEN``: nothing is read from or written to ``~/.ray``), an
 
 from __future__ import annotations
 
+import atexit
 import os
 import secrets
+import sys
 import zlib
 
 import pytest
@@ -24,6 +26,31 @@ os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32), R
 os.environ.pop("RAY_AUTH_TOKEN_PATH", None)
 
 _BASE_SEED = int(os.environ.get("FLASHDMOE_SEED") or int.from_bytes(os.urandom(4), "little"))
+
+
+# pytest's exit status, for _leave_without_teardown.
+_exit_status: int | None = None
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    global _exit_status
+    _exit_status = int(exitstatus)
+
+
+def _leave_without_teardown() -> None:
+    """Once pytest is done, a process that loaded Ray leaves with pytest's status and no interpreter
+    teardown. The tests start and stop in-process Ray sessions several times, and Ray's background
+    threads can then touch freed core-worker state while the interpreter tears down
+    (ray-project/ray#31145): one CI run segfaulted there after every test had passed. Registered before
+    any test module imports Ray, so it runs after Ray's own exit handler (atexit runs last-in, first-out)."""
+    if _exit_status is None or "ray" not in sys.modules:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(_exit_status)
+
+
+atexit.register(_leave_without_teardown)
 
 
 def pytest_configure(config: pytest.Config) -> None:
