@@ -13,7 +13,7 @@ __device__ __forceinline__ float silu(float v) { return v * sigmoid(v); }
 
 // The exact (erf) GELU, v * Phi(v), written as 0.5 v + |v| (0.5 - q) with q = Phi(-|v|) = 2^p(t):
 // t = min(|v|, kGeluTailClamp), p a degree-7 polynomial fit to log2 Phi(-t) (scripts/fit_gelu_cdf.py).
-// One clamp, seven FFMA, one MUFU.EX2 and two more instructions per value, where erff took about 25
+// One clamp, seven FFMA, one MUFU.EX2 and three more instructions per value, where erff took about 25
 // (both its branches, selected per lane), with the tensor cores idle meanwhile: the activation was an
 // eighth of a gelu expert phase (docs/perf-notes.md). The fit's error in Phi is 6.5e-8 at most, plus
 // ex2.approx's 2^-22 relative: Phi to fp32 rounding, as erff gave it, and q keeps its relative accuracy
