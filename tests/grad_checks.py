@@ -338,9 +338,8 @@ def check_config(backend: str, config: GradConfig, seed: int, device) -> dict:
                                           activation=config.activation, normalize_topk=config.normalize)
     kink = None
     if config.activation == "relu":
-        chosen = reference.router_probs(x.double(), router_weight.double()).gather(1, experts.long())
-        if config.normalize:
-            chosen = chosen / chosen.sum(dim=1, keepdim=True)
+        chosen = reference.combine_weights(reference.router_probs(x.double(), router_weight.double()),
+                                           experts.long(), config.normalize)
         kink = relu_kink_alternatives(x, w1, w2, dy, experts, chosen, keep, dtype=config.dtype)
     assert_gradients_close(config, y, grads, want_y, want_grads, magnitude, kink)
     assert_dropped_tokens_get_no_dx(grads[0], keep, str(config))

@@ -109,21 +109,31 @@ def _gelu_tail_source():
     return clamp, [float(first)] + [float(c) for c in rest]
 
 
+def _fit_script():
+    """scripts/fit_gelu_cdf.py as a module: its fp32 Horner evaluation and its error measure."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "scripts/fit_gelu_cdf.py"
+    spec = importlib.util.spec_from_file_location("fit_gelu_cdf", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_gelu_normal_tail_polynomial_gives_phi_to_fp32_rounding():
     """The kernels' GELU takes Phi(-|v|) from 2^p(min(|v|, clamp)) (csrc/moe/activation.cuh). Evaluated
     as the GPU does (fp32 fused multiply-adds, highest order first), its Phi is within 1e-7 of float64's
     on a dense grid and past the clamp; the hardware exp2 (2^-22 relative) is not emulated."""
     import numpy as np
 
+    fit_script = _fit_script()
     clamp, high_first = _gelu_tail_source()
     assert len(high_first) == 8 and clamp == 9.0, (clamp, high_first)
+    low_first = list(reversed(high_first))
 
     def tail(v):  # Phi(-|v|) as the kernels compute it, but for the exact exp2
-        t = np.minimum(np.abs(np.asarray(v, np.float32)), np.float32(clamp)).astype(np.float64)
-        p = np.full_like(t, high_first[0])
-        for c in high_first[1:]:  # one rounding per step, as an FFMA
-            p = (p * t + np.float64(np.float32(c))).astype(np.float32).astype(np.float64)
-        return np.exp2(p)
+        return np.exp2(fit_script.horner_fp32(low_first, np.minimum(np.abs(np.asarray(v, np.float32)), clamp)))
 
     t = np.concatenate([np.linspace(0.0, clamp, 100_001), [clamp * 1.5, 50.0]]).astype(np.float32)
     got = tail(t)
@@ -139,13 +149,7 @@ def test_gelu_normal_tail_polynomial_gives_phi_to_fp32_rounding():
 
 def test_the_gelu_fit_script_reproduces_a_fit_as_accurate_as_the_sources():
     """scripts/fit_gelu_cdf.py (how the coefficients were made) still runs and fits Phi to fp32 rounding."""
-    import importlib.util
-    import pathlib
-
-    path = pathlib.Path(__file__).resolve().parents[1] / "scripts/fit_gelu_cdf.py"
-    spec = importlib.util.spec_from_file_location("fit_gelu_cdf", path)
-    fit_script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(fit_script)
+    fit_script = _fit_script()
     clamp, high_first = _gelu_tail_source()
     coefficients = fit_script.fit(len(high_first) - 1, clamp)
     assert fit_script.phi_error(coefficients, clamp, points=20_001) <= 1e-7

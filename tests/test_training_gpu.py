@@ -219,9 +219,8 @@ def check_emulated(config, xs, router_weight, w1s, w2s, dys, leaves, ys, routing
         magnitude += router_gradient_magnitude(xs[rank], router_weight, w1_all, w2_all, experts, keep, dy,
                                                activation=config.activation, normalize_topk=config.normalize)
         if config.activation == "relu":
-            chosen = reference.router_probs(xs[rank].double(), router_weight.double()).gather(1, experts)
-            if config.normalize:
-                chosen = chosen / chosen.sum(dim=1, keepdim=True)
+            chosen = reference.combine_weights(reference.router_probs(xs[rank].double(), router_weight.double()),
+                                               experts, config.normalize)
             kinks = relu_kink_alternatives(xs[rank], w1_all, w2_all, dy, experts, chosen, keep, dtype=config.dtype)
             dx_kinks[rank], w1_kinks = kinks["dx"], w1_kinks + kinks["dw1"]
     want_router, want_w1, want_w2, *want_xs = torch.autograd.grad(loss, [router64, w1_64, w2_64, *xs64])
