@@ -35,18 +35,6 @@ __device__ __forceinline__ int split_begin(const MoEParams& p, int split) {
   return split * gate_slabs<Element>(p) / p.gate_splits;
 }
 
-__device__ __forceinline__ void warp_argmax(float& value, int& index) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) {
-    const float other_value = __shfl_xor_sync(0xffffffffu, value, offset);
-    const int other_index = __shfl_xor_sync(0xffffffffu, index, offset);
-    if (other_value > value || (other_value == value && other_index < index)) {
-      value = other_value;
-      index = other_index;
-    }
-  }
-}
-
 // Where the gate's K slabs come from: the workers' own cp.async copies, or the producer warp's TMA boxes
 // through a stage pipeline (TMA feed only; `at` is this thread's position in it, kept across tiles).
 template <int STAGES>
@@ -133,80 +121,138 @@ __device__ __forceinline__ float* gate_logits(char* smem) {
   return reinterpret_cast<float*>(smem + gate_pipeline_bytes(STAGES));
 }
 
-// Softmax, top-k and the tile's counts from the tile's full logits in shared memory; a tile the gate routes
-// (routes_in_gate) also leaves its counts, choices and their ranks in shared memory (RoutedTile).
-template <int STAGES>
-__device__ void finish_gate_tile(const MoEParams& p, int tile, char* smem) {
+// Softmax and top-k of token rows by groups of G lanes (G = 32: a warp per row, for a few rows; G = 8: four
+// rows per warp, so that a full tile's 32 rows run at once instead of four after another on each warp).
+// Lane g of a group reads experts g, g + G, ... The row's sum is formed in the tree of a 32-lane butterfly
+// over per-lane partials of experts e = L mod 32 (the first levels inside each lane, the rest by shuffles),
+// and max and argmax do not depend on order: every G gives the same bits. Ties go to the lower expert.
+// A chosen expert's probability is overwritten with -inf, which excludes it from the next rounds.
+// Not inlined: one copy per G instead of one per caller and pipeline depth, and the training
+// instance's registers elsewhere stay as they were.
+template <int G>
+static __device__ __noinline__ void softmax_topk_rows(const MoEParams& p, float* logits, int stride, int first_token,
+                                                  int tile_tokens, int* choice, float* weight) {
+  constexpr int kLanesPerG = 32 / G;  // a lane's partials of the butterfly
+  constexpr int kGroups = kThreads / G;
   const int E = p.experts, k = p.top_k;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int first_token = tile * kGateTileM;
-  const int tile_tokens = min(kGateTileM, p.tokens - first_token);
-  const int stride = gate_logits_stride(E);
-  float* logits = gate_logits<STAGES>(smem);
-  int* choice = reinterpret_cast<int*>(smem + gate_pipeline_bytes(STAGES) + round_up16(kGateTileM * stride * 4));
-
-  // ---- softmax + top-k: one warp per token ----
-  for (int row = warp; row < tile_tokens; row += kThreads / 32) {
-    float* prob = logits + row * stride;
+  const int g = threadIdx.x & (G - 1), group = threadIdx.x / G;
+  // Every group of a warp takes the same number of rounds (the shuffles are warp-wide); a group past the
+  // tile's rows computes on its zero rows and stores nothing.
+  for (int base = 0; base < tile_tokens; base += kGroups) {
+    const int row = base + group;
+    const bool valid = row < tile_tokens;
+    float* prob = logits + row * stride;  // rows past the tile's tokens stay in the buffer's 32
     float max_logit = -INFINITY;
     bool finite = true;
-    for (int e = lane; e < E; e += 32) {
+    for (int e = g; e < E; e += G) {
       const float v = prob[e];
       finite &= isfinite(v);
       max_logit = fmaxf(max_logit, v);
     }
 #pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1)
+    for (int offset = G / 2; offset > 0; offset >>= 1)
       max_logit = fmaxf(max_logit, __shfl_xor_sync(0xffffffffu, max_logit, offset));
-    if (!__all_sync(0xffffffffu, finite) && lane == 0) atomicOr(p.status_flags, kStatusNonFiniteLogits);
-    float sum = 0.f;
-    for (int e = lane; e < E; e += 32) {
-      const float ex = expf(prob[e] - max_logit);
-      prob[e] = ex;
-      sum += ex;
-    }
+    if (valid && !finite) atomicOr(p.status_flags, kStatusNonFiniteLogits);
+    float part[kLanesPerG];
 #pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-    for (int e = lane; e < E; e += 32) prob[e] = prob[e] / sum;
+    for (int u = 0; u < kLanesPerG; ++u) part[u] = 0.f;
+    for (int e0 = 0; e0 < E; e0 += 32) {
+#pragma unroll
+      for (int u = 0; u < kLanesPerG; ++u) {
+        const int e = e0 + u * G + g;
+        if (e < E) {
+          const float ex = expf(prob[e] - max_logit);
+          if (valid) prob[e] = ex;
+          part[u] += ex;
+        }
+      }
+    }
+    // Butterfly levels 16 .. G inside the lane (partials u and u ^ (offset / G) are lanes L and L ^ offset).
+#pragma unroll
+    for (int offset = 16; offset >= G; offset >>= 1) {
+      float next[kLanesPerG];
+#pragma unroll
+      for (int u = 0; u < kLanesPerG; ++u) next[u] = part[u] + part[u ^ (offset / G)];
+#pragma unroll
+      for (int u = 0; u < kLanesPerG; ++u) part[u] = next[u];
+    }
+    float sum = part[0];
+#pragma unroll
+    for (int offset = G / 2; offset > 0; offset >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+    if (valid)
+      for (int e = g; e < E; e += G) prob[e] = prob[e] / sum;
 
-    uint32_t taken = 0;  // bit i: expert lane + 32 i already chosen (E <= 1024)
     float chosen_sum = 0.f;
-    const int token = first_token + row;
     for (int j = 0; j < k; ++j) {
       float best = -INFINITY;
       int best_expert = INT_MAX;
-      for (int e = lane, i = 0; e < E; e += 32, ++i)
-        if (!((taken >> i) & 1u) && prob[e] > best) {  // ascending e: strict '>' keeps the lower index
-          best = prob[e];
+      for (int e = g; e < E; e += G) {
+        const float v = prob[e];
+        if (v > best) {  // ascending e: strict '>' keeps the lower index
+          best = v;
           best_expert = e;
         }
-      warp_argmax(best, best_expert);
+      }
+#pragma unroll
+      for (int offset = G / 2; offset > 0; offset >>= 1) {
+        const float other_value = __shfl_xor_sync(0xffffffffu, best, offset);
+        const int other_index = __shfl_xor_sync(0xffffffffu, best_expert, offset);
+        if (other_value > best || (other_value == best && other_index < best_expert)) {
+          best = other_value;
+          best_expert = other_index;
+        }
+      }
       if (best_expert >= E) best_expert = j;  // only with non-finite logits, which the host reports
-      if ((best_expert & 31) == lane) taken |= 1u << (best_expert >> 5);
+      if (valid && (best_expert & (G - 1)) == g) prob[best_expert] = -INFINITY;
       chosen_sum += best;
-      if (lane == 0) {
+      if (valid && g == 0) {
         choice[row * k + j] = best_expert;
-        p.topk_expert[static_cast<size_t>(token) * k + j] = best_expert;
-        p.topk_weight[static_cast<size_t>(token) * k + j] = best;  // normalised below
+        weight[row * k + j] = best;
+        p.topk_expert[static_cast<size_t>(first_token + row) * k + j] = best_expert;
       }
     }
-    __syncwarp();  // lane 0's weight stores are read back by the other lanes
-    if (p.normalize_topk && lane < k) {
-      const size_t at = static_cast<size_t>(token) * k + lane;
-      p.topk_weight[at] = p.topk_weight[at] / chosen_sum;
-    }
+    __syncwarp();  // the group's lane 0 wrote the weights
+    if (valid)
+      for (int j = g; j < k; j += G) {
+        const float w = weight[row * k + j];
+        p.topk_weight[static_cast<size_t>(first_token + row) * k + j] = p.normalize_topk ? w / chosen_sum : w;
+      }
   }
+}
+
+// Softmax, top-k and the tile's counts from the tile's full logits in shared memory; a tile the gate routes
+// (routes_in_gate) also leaves its counts, choices and their ranks in shared memory (RoutedTile).
+template <int STAGES>
+__device__ void finish_gate_tile(const MoEParams& p, int tile, char* smem) {
+  const int E = p.experts, k = p.top_k;
+  const int first_token = tile * kGateTileM;
+  const int tile_tokens = min(kGateTileM, p.tokens - first_token);
+  const int stride = gate_logits_stride(E);
+  float* logits = gate_logits<STAGES>(smem);
+  int* choice = reinterpret_cast<int*>(smem + gate_pipeline_bytes(STAGES) + round_up16(kGateTileM * stride * 4));
+  float* weight = reinterpret_cast<float*>(choice) + round_up16(kGateTileM * k * 4) / 4;
+  if (tile_tokens > kThreads / 32)
+    softmax_topk_rows<8>(p, logits, stride, first_token, tile_tokens, choice, weight);
+  else
+    softmax_topk_rows<32>(p, logits, stride, first_token, tile_tokens, choice, weight);
   sync_workers();
 
   // ---- per-expert counts of this tile, and each choice's rank among them (token order) ----
+  // A token chooses an expert at most once, so the tile's choices of expert e are the set bits of a
+  // 32-bit mask over its rows: count = popc(mask), a choice's rank = the bits of the rows before its own.
+  // (The logits are read no more: the masks go where they were.)
+  static_assert(kGateTileM <= 32, "a gate tile's rows fit a 32-bit mask");
+  uint32_t* rows_of = reinterpret_cast<uint32_t*>(logits);
+  for (int expert = threadIdx.x; expert < E; expert += kThreads) rows_of[expert] = 0;
+  sync_workers();
   const int pairs = tile_tokens * k;
+  for (int pair = threadIdx.x; pair < pairs; pair += kThreads) atomicOr(rows_of + choice[pair], 1u << (pair / k));
+  sync_workers();
   // Routed: the gate's stages are done with (one tile, one item per block: gate_splits_for).
   const RoutedTile routed = routes_in_gate(p) ? routed_tile(smem, E, k) : RoutedTile{};
   for (int pair = threadIdx.x; pair < pairs; pair += kThreads) {
     const int expert = choice[pair];
-    const int token_row = pair / k;
-    int rank = 0;
-    for (int q = 0; q < token_row * k; ++q) rank += choice[q] == expert;
+    const int rank = __popc(rows_of[expert] & ((1u << (pair / k)) - 1u));
     p.slot_in_tile[static_cast<size_t>(first_token) * k + pair] = rank;
     if (routed.count != nullptr) {
       routed.expert[pair] = expert;
@@ -214,8 +260,7 @@ __device__ void finish_gate_tile(const MoEParams& p, int tile, char* smem) {
     }
   }
   for (int expert = threadIdx.x; expert < E; expert += kThreads) {
-    int count = 0;
-    for (int q = 0; q < pairs; ++q) count += choice[q] == expert;
+    const int count = __popc(rows_of[expert]);
     p.tile_expert_count[static_cast<size_t>(tile) * E + expert] = count;
     if (routed.count != nullptr) routed.count[expert] = count;
   }
