@@ -37,16 +37,10 @@ __device__ __forceinline__ int split_begin(const MoEParams& p, int split) {
 
 // Where the gate's K slabs come from: the workers' own cp.async copies, or the producer warp's TMA boxes
 // through a stage pipeline (TMA feed only; `at` is this thread's position in it, kept across tiles).
-// A TMA stage holds two K slabs (STAGES slab buffers, STAGES / 2 stages): a slab's tensor-core work is
-// short, and a stage's handshake (the wait for it, the release, the producer's wait for the release)
-// cost about as much again (scripts/gate_phase_probe.sh, nofeed and stamps).
-constexpr int kGateSlabsPerStage = 2;
 template <int STAGES>
 struct GateFeed {
-  static constexpr int kRing = STAGES / kGateSlabsPerStage;
-  static_assert(STAGES % kGateSlabsPerStage == 0, "whole stages of slabs");
-  StagePipeline<kRing>* pipe;
-  PipelineState<kRing> at;
+  StagePipeline<STAGES>* pipe;
+  PipelineState<STAGES> at;
 };
 
 // Router GEMM of one gate tile over K slabs [k_begin, k_end): store(row, expert, partial logit) for
@@ -74,16 +68,11 @@ __device__ void router_gemm(const MoEParams& p, int tile, int k_begin, int k_end
       // ldmatrix traffic and MMAs would be for columns that are never stored.
       const bool has_experts = e0 + (threadIdx.x >> 5) * Gemm::kWarpN < E;
       gemm.zero_acc();
-      for (int kt = k_begin; kt < k_end; kt += kGateSlabsPerStage, feed.at.advance()) {
+      for (int kt = k_begin; kt < k_end; ++kt, feed.at.advance()) {
         feed.pipe->consumer_wait(feed.at, p);  // a failure is in the error word
-        const uint32_t slab = feed.at.index() * kGateSlabsPerStage;
-        if (has_experts) {
-#pragma unroll
-          for (int h = 0; h < kGateSlabsPerStage; ++h)
-            if (kt + h < k_end)
-              gemm.mma_stage(base + (slab + h) * Gemm::kStageBytesA,
-                             base + STAGES * Gemm::kStageBytesA + (slab + h) * Gemm::kStageBytesB);
-        }
+        const uint32_t s = feed.at.index();
+        if (has_experts)
+          gemm.mma_stage(base + s * Gemm::kStageBytesA, base + STAGES * Gemm::kStageBytesA + s * Gemm::kStageBytesB);
         __syncwarp();
         if (lane0) feed.pipe->consumer_release(feed.at);
       }
@@ -104,8 +93,8 @@ __device__ void router_gemm(const MoEParams& p, int tile, int k_begin, int k_end
   sync_workers();
 }
 
-// The producer warp's side of router_gemm (lane 0 issues): per K slab (two to a stage), a 32-token box
-// of x and a box of up to 128 router rows (rows past T or E are zero-filled and still count as bytes). Stage rows past
+// The producer warp's side of router_gemm (lane 0 issues): per slab, a 32-token box of x and a box of
+// up to 128 router rows (rows past T or E are zero-filled and still count as bytes). Stage rows past
 // the router box keep stale data: they only feed logit columns >= E, which are never stored.
 template <typename Element, int STAGES>
 __device__ bool router_loads(const MoEParams& p, int tile, int k_begin, int k_end, char* smem, GateFeed<STAGES>& feed) {
@@ -116,17 +105,12 @@ __device__ bool router_loads(const MoEParams& p, int tile, int k_begin, int k_en
                 gate_router_box(kMaxExperts).bytes() == Gemm::kStageBytesB, "a gate B stage holds a router box");
   const uint32_t base = ptx::smem_addr(smem);
   for (int e0 = 0; e0 < p.experts; e0 += kGateTileN) {
-    for (int kt = k_begin; kt < k_end; kt += kGateSlabsPerStage, feed.at.advance()) {
+    for (int kt = k_begin; kt < k_end; ++kt, feed.at.advance()) {
       if (!feed.pipe->producer_acquire(feed.at, p)) return false;
-      const uint32_t slab = feed.at.index() * kGateSlabsPerStage;
-      const int slabs = min(kGateSlabsPerStage, k_end - kt);
-      const uint32_t full =
-          feed.pipe->producer_commit(feed.at, slabs * (kGateTokenBox.bytes() + gate_router_box_bytes(p.experts)));
-      for (int h = 0; h < slabs; ++h) {
-        const int k0 = (kt + h) * 64;
-        tma::load_2d(base + (slab + h) * Gemm::kStageBytesA, &p.maps.gate_x, full, k0, tile * kGateTileM);
-        tma::load_2d(base + STAGES * Gemm::kStageBytesA + (slab + h) * Gemm::kStageBytesB, &p.maps.router, full, k0, e0);
-      }
+      const uint32_t s = feed.at.index();
+      const uint32_t full = feed.pipe->producer_commit(feed.at, kGateTokenBox.bytes() + gate_router_box_bytes(p.experts));
+      tma::load_2d(base + s * Gemm::kStageBytesA, &p.maps.gate_x, full, kt * 64, tile * kGateTileM);
+      tma::load_2d(base + STAGES * Gemm::kStageBytesA + s * Gemm::kStageBytesB, &p.maps.router, full, kt * 64, e0);
     }
   }
   return true;
@@ -376,7 +360,7 @@ __device__ bool gate_split_item(const MoEParams& p, int item, char* smem, const 
 // finished a tile (workers; false for the producer warp).
 template <typename Element, int STAGES, bool kTma>
 __device__ bool gate_all_tiles(const MoEParams& p, char* smem, const SmemLayout& layout) {
-  __shared__ StagePipeline<GateFeed<STAGES>::kRing> pipe;
+  __shared__ StagePipeline<STAGES> pipe;
   const bool producer = threadIdx.x >= kThreads;
   GateFeed<STAGES> feed{kTma ? &pipe : nullptr, {}};
   if constexpr (kTma) {
