@@ -128,13 +128,21 @@ __device__ __forceinline__ float* gate_logits(char* smem) {
 // and max and argmax do not depend on order: every G gives the same bits. Ties go to the lower expert.
 // A chosen expert's probability is overwritten with -inf, which excludes it from the next rounds.
 // Not inlined: one copy per G instead of one per caller and pipeline depth, and the training
-// instance's registers elsewhere stay as they were.
+// instance's registers elsewhere stay as they were. What it needs of the parameters comes by value in
+// `out` (through a reference it loaded them from the parameter space by generic loads).
+struct GateRows {
+  int experts, top_k;
+  bool normalize;
+  int* topk_expert;    // [T, k]
+  float* topk_weight;  // [T, k]
+  uint32_t* status_flags;
+};
 template <int G>
-static __device__ __noinline__ void softmax_topk_rows(const MoEParams& p, float* logits, int stride, int first_token,
-                                                  int tile_tokens, int* choice, float* weight) {
+static __device__ __noinline__ void softmax_topk_rows(const GateRows out, float* logits, int stride, int first_token,
+                                                     int tile_tokens, int* choice, float* weight) {
   constexpr int kLanesPerG = 32 / G;  // a lane's partials of the butterfly
   constexpr int kGroups = kThreads / G;
-  const int E = p.experts, k = p.top_k;
+  const int E = out.experts, k = out.top_k;
   const int g = threadIdx.x & (G - 1), group = threadIdx.x / G;
   // Every group of a warp takes the same number of rounds (the shuffles are warp-wide); a group past the
   // tile's rows computes on its zero rows and stores nothing.
@@ -152,7 +160,7 @@ static __device__ __noinline__ void softmax_topk_rows(const MoEParams& p, float*
 #pragma unroll
     for (int offset = G / 2; offset > 0; offset >>= 1)
       max_logit = fmaxf(max_logit, __shfl_xor_sync(0xffffffffu, max_logit, offset));
-    if (valid && !finite) atomicOr(p.status_flags, kStatusNonFiniteLogits);
+    if (valid && !finite) atomicOr(out.status_flags, kStatusNonFiniteLogits);
     float part[kLanesPerG];
 #pragma unroll
     for (int u = 0; u < kLanesPerG; ++u) part[u] = 0.f;
@@ -208,14 +216,14 @@ static __device__ __noinline__ void softmax_topk_rows(const MoEParams& p, float*
       if (valid && g == 0) {
         choice[row * k + j] = best_expert;
         weight[row * k + j] = best;
-        p.topk_expert[static_cast<size_t>(first_token + row) * k + j] = best_expert;
+        out.topk_expert[static_cast<size_t>(first_token + row) * k + j] = best_expert;
       }
     }
     __syncwarp();  // the group's lane 0 wrote the weights
     if (valid)
       for (int j = g; j < k; j += G) {
         const float w = weight[row * k + j];
-        p.topk_weight[static_cast<size_t>(first_token + row) * k + j] = p.normalize_topk ? w / chosen_sum : w;
+        out.topk_weight[static_cast<size_t>(first_token + row) * k + j] = out.normalize ? w / chosen_sum : w;
       }
   }
 }
@@ -231,10 +239,11 @@ __device__ void finish_gate_tile(const MoEParams& p, int tile, char* smem) {
   float* logits = gate_logits<STAGES>(smem);
   int* choice = reinterpret_cast<int*>(smem + gate_pipeline_bytes(STAGES) + round_up16(kGateTileM * stride * 4));
   float* weight = reinterpret_cast<float*>(choice) + round_up16(kGateTileM * k * 4) / 4;
+  const GateRows out{E, k, p.normalize_topk, p.topk_expert, p.topk_weight, p.status_flags};
   if (tile_tokens > kThreads / 32)
-    softmax_topk_rows<8>(p, logits, stride, first_token, tile_tokens, choice, weight);
+    softmax_topk_rows<8>(out, logits, stride, first_token, tile_tokens, choice, weight);
   else
-    softmax_topk_rows<32>(p, logits, stride, first_token, tile_tokens, choice, weight);
+    softmax_topk_rows<32>(out, logits, stride, first_token, tile_tokens, choice, weight);
   sync_workers();
 
   // ---- per-expert counts of this tile, and each choice's rank among them (token order) ----
