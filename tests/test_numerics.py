@@ -1,7 +1,9 @@
 """The tolerance model of flashdmoe.numerics against the arithmetic it describes (CPU).
 
 Each bound is checked from both sides: the error of an emulation of the kernel's roundings stays under
-the bound, and is not so far under it that the bound would hide a real fault."""
+the bound, and is not so far under it that the bound would hide a real fault. Also emulated here: the
+fitted GELU's polynomial, and the gate's softmax sum, whose bits must not depend on how many lanes take a
+token."""
 
 from __future__ import annotations
 
@@ -154,3 +156,55 @@ def test_the_gelu_fit_script_reproduces_a_fit_as_accurate_as_the_sources():
     coefficients = fit_script.fit(len(high_first) - 1, clamp)
     assert fit_script.phi_error(coefficients, clamp, points=20_001) <= 1e-7
     assert fit_script.phi_error(list(reversed(high_first)), clamp, points=20_001) <= 1e-7
+
+
+def _lane_partials(ex: torch.Tensor) -> torch.Tensor:
+    """[rows, 32] float32: lane L's partial, the experts e = L mod 32 added in ascending order (0 if none)."""
+    rows, E = ex.shape
+    part = torch.zeros(rows, 32, dtype=torch.float32)
+    for e in range(E):
+        part[:, e % 32] = part[:, e % 32] + ex[:, e]
+    return part
+
+
+def _gate_row_sum(part: torch.Tensor, group: int) -> torch.Tensor:
+    """The gate's softmax sum (csrc/moe/gate.cuh softmax_topk_rows) with `group` lanes per row: lane g
+    holds the partials of lanes g + group * u; butterfly levels 16 .. group inside the lane, the rest
+    between lanes (xor shuffles). Returns every lane's result, [rows, group]."""
+    rows = part.shape[0]
+    per_lane = 32 // group
+    held = part.reshape(rows, per_lane, group).transpose(1, 2)  # [rows, lane g, u] = partial g + group * u
+    offset = 16
+    while offset >= group:
+        u = torch.arange(per_lane)
+        held = held + held[:, :, u ^ (offset // group)]
+        offset //= 2
+    value = held[:, :, 0]
+    offset = group // 2
+    while offset > 0:
+        lanes = torch.arange(group)
+        value = value + value[:, lanes ^ offset]
+        offset //= 2
+    return value
+
+
+@pytest.mark.parametrize("experts", [8, 40, 64, 128, 1000])
+def test_gate_softmax_sum_is_one_tree_for_every_group_size(seed, experts):
+    """A full gate tile takes a token's softmax with 8 lanes, a decode batch with a warp: both must give
+    the 32-lane butterfly's bits (and every lane of a group the same value), or the routing of a token
+    would depend on the batch it came in."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(64, experts, generator=g) * 4
+    ex = torch.exp(logits - logits.max(dim=1, keepdim=True).values)
+    part = _lane_partials(ex)
+    warp = _gate_row_sum(part, 32)
+    assert torch.equal(warp, warp[:, :1].expand_as(warp)), f"seed {seed}: lanes of a warp disagree"
+    for group in (16, 8, 4, 2, 1):
+        sums = _gate_row_sum(part, group)
+        assert torch.equal(sums, warp[:, :group]), f"seed {seed}: {group} lanes per row give other bits than 32"
+    # Not vacuous: a sequential sum of the same values differs from the tree in some rows.
+    sequential = torch.zeros(64)
+    for e in range(experts):
+        sequential = sequential + ex[:, e]
+    if experts >= 64:
+        assert not torch.equal(sequential, warp[:, 0]), f"seed {seed}: the tree's order made no difference"
