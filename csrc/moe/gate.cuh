@@ -145,7 +145,8 @@ static __device__ __noinline__ void softmax_topk_rows(const GateRows out, float*
   const int E = out.experts, k = out.top_k;
   const int g = threadIdx.x & (G - 1), group = threadIdx.x / G;
   // Every group of a warp takes the same number of rounds (the shuffles are warp-wide); a group past the
-  // tile's rows computes on its zero rows and stores nothing.
+  // tile's rows computes on whatever its row of the buffer holds (zeros, or a split tile's stale rows),
+  // within its own lanes, and stores nothing.
   for (int base = 0; base < tile_tokens; base += kGroups) {
     const int row = base + group;
     const bool valid = row < tile_tokens;
