@@ -130,6 +130,10 @@ __device__ __forceinline__ float* gate_logits(char* smem) {
 // Not inlined: one copy per G instead of one per caller and pipeline depth, and the training
 // instance's registers elsewhere stay as they were. What it needs of the parameters comes by value in
 // `out` (through a reference it loaded them from the parameter space by generic loads).
+// Every loop stays rolled (`unroll 1`): a block runs this once per tile, at decode once per launch, with
+// its instructions not yet in the SM's cache, and fetching them cost more than the loops' overhead
+// (unrolled, the copy for G = 32 was 19.5 KB of SASS, 7.2 KB rolled; docs/perf-notes.md, "Instruction
+// fetch in the decode forward").
 struct GateRows {
   int experts, top_k;
   bool normalize;
@@ -153,6 +157,7 @@ static __device__ __noinline__ void softmax_topk_rows(const GateRows out, float*
     float* prob = logits + row * stride;  // rows past the tile's tokens stay in the buffer's 32
     float max_logit = -INFINITY;
     bool finite = true;
+#pragma unroll 1
     for (int e = g; e < E; e += G) {
       const float v = prob[e];
       finite &= isfinite(v);
@@ -165,6 +170,7 @@ static __device__ __noinline__ void softmax_topk_rows(const GateRows out, float*
     float part[kLanesPerG];
 #pragma unroll
     for (int u = 0; u < kLanesPerG; ++u) part[u] = 0.f;
+#pragma unroll 1
     for (int e0 = 0; e0 < E; e0 += 32) {
 #pragma unroll
       for (int u = 0; u < kLanesPerG; ++u) {
@@ -189,12 +195,15 @@ static __device__ __noinline__ void softmax_topk_rows(const GateRows out, float*
 #pragma unroll
     for (int offset = G / 2; offset > 0; offset >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
     if (valid)
+#pragma unroll 1
       for (int e = g; e < E; e += G) prob[e] = prob[e] / sum;
 
     float chosen_sum = 0.f;
+#pragma unroll 1
     for (int j = 0; j < k; ++j) {
       float best = -INFINITY;
       int best_expert = INT_MAX;
+#pragma unroll 1
       for (int e = g; e < E; e += G) {
         const float v = prob[e];
         if (v > best) {  // ascending e: strict '>' keeps the lower index
@@ -222,6 +231,7 @@ static __device__ __noinline__ void softmax_topk_rows(const GateRows out, float*
     }
     __syncwarp();  // the group's lane 0 wrote the weights
     if (valid)
+#pragma unroll 1
       for (int j = g; j < k; j += G) {
         const float w = weight[row * k + j];
         out.topk_weight[static_cast<size_t>(first_token + row) * k + j] = out.normalize ? w / chosen_sum : w;
@@ -291,16 +301,19 @@ __device__ void gate_tile(const MoEParams& p, int tile, char* smem, const SmemLa
 // at `first`. A split's partials for the tile's rows are rows * E consecutive floats, 16-byte aligned
 // (the workspace region is, and a split's are 32 * E floats apart): summed four at a time, four splits'
 // loads in flight, each element in split order (the scalar tail sums the same way). Not inlined: the
-// kernel's register allocation elsewhere (the training instance's epilogue) stays as it was.
+// kernel's register allocation elsewhere (the training instance's epilogue) stays as it was. Its loops
+// stay rolled for the reason softmax_topk_rows gives (11.6 KB of SASS unrolled, 3.6 KB rolled).
 static __device__ __noinline__ void sum_gate_partials(const float* first, int splits, int rows, int E, float* logits,
                                                       int stride) {
   const size_t split_stride = static_cast<size_t>(kGateTileM) * E;
   const int count = rows * E;
   constexpr int kBatch = 4;
   auto to_logits = [&](int i, float v) { logits[(i / E) * stride + i % E] = v; };
+#pragma unroll 1
   for (int q = threadIdx.x; q < count / 4; q += kThreads) {
     float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
     int s = 0;
+#pragma unroll 1
     for (; s + kBatch <= splits; s += kBatch) {
       float4 v[kBatch];
 #pragma unroll
@@ -313,6 +326,7 @@ static __device__ __noinline__ void sum_gate_partials(const float* first, int sp
         sum.w += v[j].w;
       }
     }
+#pragma unroll 1
     for (; s < splits; ++s) {
       const float4 v = __ldcg(reinterpret_cast<const float4*>(first + s * split_stride) + q);
       sum.x += v.x;
@@ -327,6 +341,7 @@ static __device__ __noinline__ void sum_gate_partials(const float* first, int sp
   }
   for (int i = count / 4 * 4 + threadIdx.x; i < count; i += kThreads) {
     float sum = 0.f;
+#pragma unroll 1
     for (int s = 0; s < splits; ++s) sum += __ldcg(first + s * split_stride + i);
     to_logits(i, sum);
   }
