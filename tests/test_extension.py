@@ -12,6 +12,7 @@ check can never pass by skipping.
 from __future__ import annotations
 
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -348,6 +349,30 @@ def _needed_libraries(so_path: Path) -> list[str]:
     return [line.split("[", 1)[1].rstrip("]") for line in dynamic.splitlines() if "(NEEDED)" in line]
 
 
+# The gate's out-of-line helpers run once per tile, at decode once per launch, from a cold instruction
+# cache: their loops are kept rolled, and their size was their cost (docs/perf-notes.md, "Instruction fetch
+# in the decode forward": 19.5 / 17.0 / 11.6 KB of SASS unrolled, 7.2 / 6.9 / 3.6 KB rolled).
+_ONCE_PER_TILE_SASS_LIMITS = {"softmax_topk_rows": 12 << 10, "sum_gate_partials": 8 << 10}
+
+
+def _sass_function_sizes(so_path, names):
+    """(name, bytes) of every copy of the named device functions in the built module's cubins, from the
+    symbol tables ``cuobjdump -elf`` prints."""
+    result = subprocess.run([str(extension.find_cuda_tool("cuobjdump")), "-elf", str(so_path)], capture_output=True,
+                            text=True, check=False)
+    assert result.returncode == 0, result.stderr
+    pattern = re.compile(r"^\s*0x[0-9a-f]+\s+0x[0-9a-f]+\s+(0x[0-9a-f]+)\s+FUNC\b.*?(" + "|".join(names) + r")")
+    return [(m.group(2), int(m.group(1), 16)) for m in map(pattern.match, result.stdout.splitlines()) if m]
+
+
+def _check_once_per_tile_code_is_small(so_path):
+    sizes = _sass_function_sizes(so_path, _ONCE_PER_TILE_SASS_LIMITS)
+    found = {name for name, _ in sizes}
+    assert found == set(_ONCE_PER_TILE_SASS_LIMITS), f"expected copies of {sorted(_ONCE_PER_TILE_SASS_LIMITS)}, found {sorted(found)}"
+    over = [(name, size) for name, size in sizes if size > _ONCE_PER_TILE_SASS_LIMITS[name]]
+    assert not over, f"once-per-tile gate code grew past its limit (bytes): {sorted(set(over))}"
+
+
 @pytest.mark.cuda_compile
 def test_real_csrc_compiles_for_sm_90a(toolchain, tmp_path, capsys, record_property):
     """CI's compile check: the real kernel compiles for sm_90a, holds sm_90a SASS, needs no driver."""
@@ -365,6 +390,7 @@ def test_real_csrc_compiles_for_sm_90a(toolchain, tmp_path, capsys, record_prope
 
     archs = extension.embedded_cubin_archs(so_path)
     assert archs and set(archs) == {"sm_90a"}, archs
+    _check_once_per_tile_code_is_small(so_path)
     report = extension.parse_ptxas_report((tmp_path / "build" / extension.BUILD_LOG_NAME).read_text())
     assert report and {entry.arch for entry in report} == {"sm_90a"}
     needed = _needed_libraries(so_path)
