@@ -2,8 +2,9 @@
 launch (skipped with --launch-skip) then one profiled launch per shape. A development probe.
 
 "decode" is Qwen3-30B-A3B's layer at one token, where most of the kernel's code runs once per launch: its
-warp stall reasons (`ncu --section WarpStateStats --section SchedulerStats`) say whether instruction
-fetch ("no instruction") is what the gate's chain of steps waits on."""
+warp stall reasons (`ncu --section WarpStateStats --section SourceCounters -o R`) say where instruction
+fetch ("no instruction") is waited on; `ncu --import R.ncu-rep --page source --csv --print-source sass`
+then `scripts/sass_samples.py` sum them by source line."""
 
 import math
 import sys

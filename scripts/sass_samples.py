@@ -1,0 +1,103 @@
+"""Nsight Compute's per-instruction samples of one kernel, summed by source file and line.
+
+Reads the source page of an ``ncu`` report (``ncu --import R --page source --csv --print-source sass``),
+and the same kernel's SASS with line information (``nvdisasm -g`` of the built module: the build compiles
+with ``-lineinfo``). Prints, per source file and then for the top lines: how many distinct instructions ran
+(their bytes are the code the launch had to fetch), the warp samples stalled on "no instruction" (waiting
+for the instruction fetch), and all warp samples. A development probe (docs/perf-notes.md, "Instruction
+fetch in the decode forward").
+
+    python scripts/sass_samples.py --csv decode_sass.csv --module <flashdmoe_cuda...so> [--kernel TEXT] [--top N]
+
+The module must be the build the report profiled (same SASS): the kernel is the one whose name matches and
+whose instruction count is the report's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import csv
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from flashdmoe.kernel import extension
+
+
+def report_rows(path: Path):
+    """(kernel name, [(offset, executed, no-instruction samples, all samples)]) of the CSV's one kernel."""
+    rows = list(csv.reader(path.open()))
+    kernel = rows[0][1] if rows and rows[0] and rows[0][0] == "Kernel Name" else ""
+    header = next(r for r in rows if r and r[0] == "Address")
+    at = {name: i for i, name in enumerate(header)}
+    body = [r for r in rows[rows.index(header) + 1:] if len(r) == len(header)]
+    base = int(body[0][at["Address"]], 16)
+    number = lambda text: int(text) if text.strip().isdigit() else 0  # noqa: E731
+    return kernel, [(int(r[at["Address"]], 16) - base, number(r[at["Instructions Executed"]]),
+                     number(r[at["stall_no_inst"]]), number(r[at["Warp Stall Sampling (All Samples)"]])) for r in body]
+
+
+def line_table(module: Path, kernel: str, instructions: int):
+    """Offset -> (file, line) for the kernel of the module whose mangled name holds every word of ``kernel``
+    (template parameters like ``T3`` aside) and which has ``instructions`` instructions (that tells a training
+    instance from the inference one of the same variant)."""
+    tool = lambda name: str(extension.find_cuda_tool(name) or sys.exit(f"{name} not found"))  # noqa: E731
+    with tempfile.TemporaryDirectory() as scratch:
+        subprocess.run([tool("cuobjdump"), "-xelf", "all", str(module.resolve())], cwd=scratch, check=True,
+                       capture_output=True)
+        words = [w for w in re.split(r"\W+", kernel) if w and w not in ("void", "int", "flashdmoe")
+                 and not re.fullmatch(r"T\d+", w)]
+        seen = []
+        for cubin in sorted(Path(scratch).glob("*.cubin")):
+            listing = subprocess.run([tool("nvdisasm"), "-g", "-c", str(cubin)], check=True, capture_output=True,
+                                     text=True).stdout
+            for section in re.split(r"\n//-+ \.text\.", listing)[1:]:
+                name = section.split(" ", 1)[0]
+                if all(w in name for w in words):
+                    where, table = None, {}
+                    for line in section.splitlines():
+                        m = re.search(r'//## File "([^"]+)", line (\d+)', line)
+                        if m:
+                            where = (re.sub(r".*/(csrc|include)/", "", m.group(1)), int(m.group(2)))
+                        elif m := re.match(r"\s+/\*([0-9a-f]{4,})\*/", line):
+                            table[int(m.group(1), 16)] = where
+                    if len(table) == instructions:
+                        return name, table
+                    seen.append(f"{name[:80]}... ({len(table)} instructions)")
+    sys.exit(f"no kernel of {module} matches {kernel!r} with {instructions} instructions (the profiled build?); "
+             f"by name: {seen}")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--csv", type=Path, required=True)
+    parser.add_argument("--module", type=Path, required=True)
+    parser.add_argument("--kernel", help="words of the kernel's name (default: the report's)")
+    parser.add_argument("--top", type=int, default=25)
+    args = parser.parse_args(argv)
+    kernel, rows = report_rows(args.csv)
+    name, table = line_table(args.module, args.kernel or kernel, len(rows))
+    by_file, by_line = collections.defaultdict(lambda: [0, 0, 0]), collections.defaultdict(lambda: [0, 0, 0])
+    for offset, executed, no_instruction, samples in rows:
+        where = table.get(offset) or ("?", 0)
+        for key, sums in ((where[0], by_file), (where, by_line)):
+            sums[key][0] += executed > 0
+            sums[key][1] += no_instruction
+            sums[key][2] += samples
+    ran = sum(v[0] for v in by_file.values())
+    print(f"{name[:100]}: {ran} of {len(rows)} instructions ran ({16 * ran / 1024:.1f} KB); "
+          f"{sum(v[1] for v in by_file.values())} of {sum(v[2] for v in by_file.values())} samples with no instruction")
+    print(f"{'file':<40} {'ran':>6} {'KB':>6} {'no-inst':>8} {'samples':>8}")
+    for file, (count, no_instruction, samples) in sorted(by_file.items(), key=lambda kv: -kv[1][1]):
+        if count:
+            print(f"{file:<40} {count:>6} {16 * count / 1024:>6.1f} {no_instruction:>8} {samples:>8}")
+    print(f"\ntop {args.top} lines by no-instruction samples:")
+    for (file, line), (count, no_instruction, samples) in sorted(by_line.items(), key=lambda kv: -kv[1][1])[:args.top]:
+        print(f"{file + ':' + str(line):<40} {count:>6} {'':>6} {no_instruction:>8} {samples:>8}")
+
+
+if __name__ == "__main__":
+    main()
