@@ -15,10 +15,9 @@ so such a graph stays correct while its launches succeed; a failed one would lea
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
-
-import os
 
 import torch
 
@@ -91,6 +90,7 @@ def persistent_graphs(sets, eager, k, activation):
 
 def main(argv):
     shapes = argv or SHAPES
+    persistent = bool(os.environ.get("GRAPH_PROBE_PERSISTENT"))
     flashdmoe.set_sync_checks(False)
     for text in shapes:
         T, H, I, E, k = (int(v) for v in text.split("/")[:5])
@@ -117,7 +117,7 @@ def main(argv):
                 "eager, 1 set": per_call_ms(eager[:1]),
                 "replay, 1 set": per_call_ms(replays[:1]),
             }
-            if os.environ.get("GRAPH_PROBE_PERSISTENT"):
+            if persistent:
                 kept = persistent_graphs(sets, eager, k, activation)
                 kept_replays = [g.replay for g, _ in kept]
                 rows["kept ws, 2 sets"] = per_call_ms(kept_replays)
@@ -133,7 +133,7 @@ def main(argv):
                 print(f"  {name:<16} {median:8.3f} ms (min {low:.3f}, max {high:.3f})")
             trace(lambda: [r() for r in replays], "replays (2 sets, x2)", count=2)
             trace(lambda: [c() for c in eager], "eager (2 sets, x2)", count=2)
-            if os.environ.get("GRAPH_PROBE_PERSISTENT"):
+            if persistent:
                 trace(lambda: [r() for r in kept_replays], "kept-workspace replays (2 sets, x2)", count=2)
                 del kept, kept_replays
             flashdmoe.synchronize()
