@@ -39,7 +39,7 @@ from flashdmoe.kernel.kernel_codes import ACTIVATION_CODES, DTYPE_CODES
 from flashdmoe.kernel.launch_knobs import DEFAULT_TIMEOUT_MS, DebugKnobs, debug, timeout_ms  # noqa: F401 (re-exported)
 from flashdmoe.kernel.launch_report import LaunchShape
 from flashdmoe.parallel.team import mps_thread_percentage
-from flashdmoe.kernel.workspace_pool import WorkspacePool
+from flashdmoe.kernel.workspace_pool import GraphSyncBlocks, WorkspacePool, graph_sync
 
 
 
@@ -272,18 +272,26 @@ def _plan(ext, kind, team, xs, router_weight, w2s, top_k, activation, normalize_
     if plan is None:
         plan = _make_plan(ext, kind, team, tokens, H, I, E, top_k, xs[0].dtype, activation, normalize_topk,
                           capacity_factor)
+        if xs[0].is_cuda and not torch.cuda.is_current_stream_capturing():
+            graph_sync.reserve(xs[0].device)  # for graphs captured later (see workspace_pool)
         if len(cache) >= _PLAN_CACHE_LIMIT:
             cache.clear()
         cache[key] = plan
     return plan
 
 
-def _captured_workspace(plan: _Plan, device) -> torch.Tensor:
-    """A captured launch's workspace, from the graph's private pool, its sync words zeroed inside the
-    capture: between replays the graph's memory may hold its other tensors."""
+def _captured_workspace(plan: _Plan, device, ranks: int = 1) -> tuple[torch.Tensor, int, int]:
+    """A captured launch's workspace from the graph's private pool, and where its ranks' sync words are:
+    ``(workspace, sync address, sync stride)``. The sync words are a block the graph keeps for good
+    (:class:`GraphSyncBlocks`: no zeroing step in the graph), else, with none left, the workspace's own,
+    zeroed inside the capture (address 0: the kernel takes them from the workspace)."""
     workspace = torch.empty(plan.workspace_bytes, dtype=torch.uint8, device=device)
-    workspace.view(-1, plan.stride)[:, :plan.sync_bytes].zero_()
-    return workspace
+    sync_stride = -(-plan.sync_bytes // GraphSyncBlocks.ALIGN) * GraphSyncBlocks.ALIGN
+    sync = graph_sync.take(device, sync_stride * ranks)
+    if sync is None:
+        workspace.view(-1, plan.stride)[:, :plan.sync_bytes].zero_()
+        return workspace, 0, 0
+    return workspace, sync, sync_stride
 
 
 def _poison(y: torch.Tensor, routing: FusedRouting) -> None:
@@ -339,8 +347,9 @@ def launch_one(plan: _Plan, x, router_weight, w1, w2, saved_pre=None, weight_add
             status_checks.settle_through()  # debug mode: what this call queued (a weight scan) raises here
         return y, routing
     handle = _current_stream_handle(index)
+    sync = 0  # the sync words lead the workspace
     if capturing:  # from the graph's pool, alive until the launch is recorded (see workspace_pool)
-        captured_workspace = _captured_workspace(plan, x.device)
+        captured_workspace, sync, _ = _captured_workspace(plan, x.device)
         workspace = captured_workspace.data_ptr()
     else:
         workspace = _pool.address(x.device, index, handle, plan.stride, plan.sync_bytes)
@@ -349,7 +358,7 @@ def launch_one(plan: _Plan, x, router_weight, w1, w2, saved_pre=None, weight_add
     block = routing.block.data_ptr()
     size = plan.routing_stride
     addresses = [router_address, x.data_ptr(), w1_address, w2_address, y.data_ptr(), block, block + size,
-                 block + 2 * size, block + 3 * size, 0 if saved_pre is None else saved_pre.data_ptr(), workspace]
+                 block + 2 * size, block + 3 * size, 0 if saved_pre is None else saved_pre.data_ptr(), workspace, sync]
     status_checks.record_launch(status_checks.claim_slot(index, capturing), plan.launch,
                                 (plan.prepared, addresses, 1, handle), plan.shape, index, capturing, routing=(routing,))
     return y, routing
@@ -410,8 +419,9 @@ def _run_forward(xs, router_weight, w1s, w2s, *, top_k, activation, normalize_to
             status_checks.settle_through()
         return outputs
 
+    sync, sync_stride = 0, 0  # the sync words lead each rank's share of the workspace
     if capturing:
-        workspace = _captured_workspace(plan, device)
+        workspace, sync, sync_stride = _captured_workspace(plan, device, len(xs))
         base = workspace.data_ptr()
     else:
         base = _pool.address(device, device.index, handle, plan.stride, plan.sync_bytes, len(xs))
@@ -420,7 +430,7 @@ def _run_forward(xs, router_weight, w1s, w2s, *, top_k, activation, normalize_to
     pre_address = 0 if saved_pre is None else saved_pre.data_ptr()
     for i, (x, w1, w2, (y, routing)) in enumerate(zip(xs, w1s, w2s, outputs)):
         addresses += (x.data_ptr(), w1.data_ptr(), w2.data_ptr(), y.data_ptr(), *routing.addresses(), pre_address,
-                      base + i * stride)
+                      base + i * stride, sync and sync + i * sync_stride)
     # The slot first: claiming it may raise an earlier launch's error.
     try:
         slot = status_checks.claim_slot(device.index, capturing, len(xs))

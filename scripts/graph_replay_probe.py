@@ -7,10 +7,9 @@ set repeated; then one profiler trace of a few replays and a few eager calls lis
 
     python scripts/graph_replay_probe.py [T/H/I/E/k/act ...]
 
-GRAPH_PROBE_PERSISTENT=1 adds graphs whose launches take a workspace allocated and zeroed before the
-capture and kept for the graph's life, instead of one from the graph's pool with its sync words zeroed
-inside the graph: what the zeroing step costs a replay (each replay's last block leaves the words zero,
-so such a graph stays correct while its launches succeed; a failed one would leave them dirty).
+GRAPH_PROBE_ZEROING=1 adds graphs captured with no kept sync words left (flashdmoe.kernel.workspace_pool), which
+zero the launch's sync words in a step of their own before it, as every capture did before kept blocks:
+what that step costs a replay, timed in alternation with the default graphs.
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ import sys
 import torch
 
 import flashdmoe
-from flashdmoe import cuda_backend
+from flashdmoe.kernel import workspace_pool
 from flashdmoe.bench.results import BenchShape
 from flashdmoe.bench.workload import make_inputs
 
@@ -60,37 +59,25 @@ def trace(fn, label, count=4):
         previous_end = e.time_range.end
 
 
-def persistent_graphs(sets, eager, k, activation):
-    """One graph per input set whose launch takes a workspace made before the capture (see the docstring)."""
-    made = []
-    for s in sets:
-        plan = cuda_backend.single_plan(s.x, s.router_weight, s.w2, top_k=k, activation=activation,
-                                        normalize_topk=True, capacity_factor=None)
-        made.append(torch.zeros(plan.workspace_bytes, dtype=torch.uint8, device=s.x.device))
-    original, taken = cuda_backend._captured_workspace, []
-
-    def kept_workspace(plan, device):
-        taken.append(made[len(taken)])
-        return taken[-1]
-
-    cuda_backend._captured_workspace = kept_workspace
+def zeroing_graphs(eager):
+    """One graph per call captured as if no kept sync-word block were left (see the docstring)."""
+    graphs = []
+    workspace_pool.graph_sync.take = lambda device, nbytes: None
     try:
-        graphs = []
         for call in eager:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 out = call()
             graphs.append((graph, out))
     finally:
-        cuda_backend._captured_workspace = original
-    assert len(taken) == len(eager), f"the capture took {len(taken)} kept workspaces, expected {len(eager)}"
+        del workspace_pool.graph_sync.take  # the class's method again
     flashdmoe.synchronize()
     return graphs
 
 
 def main(argv):
     shapes = argv or SHAPES
-    persistent = bool(os.environ.get("GRAPH_PROBE_PERSISTENT"))
+    zeroing = bool(os.environ.get("GRAPH_PROBE_ZEROING"))
     flashdmoe.set_sync_checks(False)
     for text in shapes:
         T, H, I, E, k = (int(v) for v in text.split("/")[:5])
@@ -117,25 +104,25 @@ def main(argv):
                 "eager, 1 set": per_call_ms(eager[:1]),
                 "replay, 1 set": per_call_ms(replays[:1]),
             }
-            if persistent:
-                kept = persistent_graphs(sets, eager, k, activation)
-                kept_replays = [g.replay for g, _ in kept]
-                rows["kept ws, 2 sets"] = per_call_ms(kept_replays)
-                rows["kept ws, 1 set"] = per_call_ms(kept_replays[:1])
+            if zeroing:
+                zeroed = zeroing_graphs(eager)
+                zeroed_replays = [g.replay for g, _ in zeroed]
+                rows["zeroing, 2 sets"] = per_call_ms(zeroed_replays)
+                rows["zeroing, 1 set"] = per_call_ms(zeroed_replays[:1])
                 rows["replay, 2 sets (again)"] = per_call_ms(replays)
-                rows["kept ws, 2 sets (again)"] = per_call_ms(kept_replays)
-                for (graph, out), call in zip(kept, eager):
+                rows["zeroing, 2 sets (again)"] = per_call_ms(zeroed_replays)
+                for (graph, out), call in zip(zeroed, eager):
                     graph.replay()
                     same = torch.equal(out, call())
-                    print(f"  kept-workspace replay bitwise the eager call: {same}")
+                    print(f"  zeroing replay bitwise the eager call: {same}")
             print(f"{text}:")
             for name, (median, low, high) in rows.items():
                 print(f"  {name:<16} {median:8.3f} ms (min {low:.3f}, max {high:.3f})")
             trace(lambda: [r() for r in replays], "replays (2 sets, x2)", count=2)
             trace(lambda: [c() for c in eager], "eager (2 sets, x2)", count=2)
-            if persistent:
-                trace(lambda: [r() for r in kept_replays], "kept-workspace replays (2 sets, x2)", count=2)
-                del kept, kept_replays
+            if zeroing:
+                trace(lambda: [r() for r in zeroed_replays], "zeroing replays (2 sets, x2)", count=2)
+                del zeroed, zeroed_replays
             flashdmoe.synchronize()
         del sets, graphs, replays, eager
         torch.cuda.empty_cache()

@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-# csrc/bindings.cpp kAddressesPerRank: x, w1, w2, y, four routing outputs, saved_pre, workspace (last)
-ADDRESSES_PER_RANK = 10
+# csrc/moe/launch.h kAddressesPerRank: x, w1, w2, y, four routing outputs, saved_pre, workspace, sync words
+# (last: 0 while they lead the workspace)
+ADDRESSES_PER_RANK = 11
 
 # The real block (csrc/moe/params.cuh): error word, phase clock [6], traffic [2], status flags, and the
 # completion word the kernel sets last.
@@ -192,7 +193,8 @@ class FakeExtension:
         if self.record:
             self.launches.append({"sequence": sequence, "stream": stream, "ranks": len(ranks),
                                   "completion": completion, "status_host": status_host, "addresses": list(addresses),
-                                  "workspace": addresses[ADDRESSES_PER_RANK::ADDRESSES_PER_RANK]})
+                                  "workspace": addresses[ADDRESSES_PER_RANK - 1::ADDRESSES_PER_RANK],
+                                  "sync": addresses[ADDRESSES_PER_RANK::ADDRESSES_PER_RANK]})
         return (132, 1, 200_000)
 
     def synchronize(self) -> None:

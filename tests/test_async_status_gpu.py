@@ -466,6 +466,76 @@ def test_emulated_team_graph_replays_equal_eager_calls_bitwise(backend, seed):
     assert not team.failed
 
 
+def _replayed_kernels(graph, replays=2):
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def _kept_block(backend, plan):
+    """The kept sync-word block the last captured launch took, as a uint8 view (flashdmoe.kernel.workspace_pool)."""
+    from flashdmoe.kernel.workspace_pool import GraphSyncBlocks, graph_sync
+
+    chunks, free_at, _ = graph_sync._devices[torch.cuda.current_device()]
+    size = -(-plan.sync_bytes // GraphSyncBlocks.ALIGN) * GraphSyncBlocks.ALIGN
+    address = free_at - size
+    (chunk,) = [c for c in chunks if c.data_ptr() <= address < c.data_ptr() + c.numel()]
+    return chunk[address - chunk.data_ptr():][:plan.sync_bytes]
+
+
+def test_a_replay_runs_the_forward_alone_on_sync_words_it_leaves_zero(backend, knobs, seed, monkeypatch):
+    """A captured forward takes kept sync words (no zeroing step in the graph): a replay is the one kernel,
+    every replay's exit -- a timed-out one's too -- leaves them zero, and replays equal eager calls. With no
+    kept block left the capture zeroes the workspace's own words in the graph, with the same bits."""
+    from flashdmoe.kernel import workspace_pool
+
+    T, H, I, E, k = 4, 512, 256, 16, 2
+    x, router, w1, w2 = make_inputs(T, H, I, E, "swiglu", seed=seed)
+    static_x = x.clone()
+    call = lambda: flashdmoe.moe(static_x, router, w1, w2, top_k=k, activation="swiglu", backend="cuda")  # noqa: E731
+    plan = backend.single_plan(x, router, w2, top_k=k, activation="swiglu", normalize_topk=True,
+                               capacity_factor=None)
+    with torch.no_grad():
+        kept, y = capture(call)
+        block = _kept_block(backend, plan)
+        names = _replayed_kernels(kept)
+        assert len(names) == 2 and all("moe_forward_kernel" in n for n in names), names
+        assert not block.any()
+        want = call()
+        torch.cuda.synchronize()
+        assert torch.equal(y, want)
+
+        knobs.withhold_phase, knobs.timeout_ms = 5, 200  # baked into the next capture (no eager warm-up)
+        stuck = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(stuck):
+            call()
+        knobs.withhold_phase, knobs.timeout_ms = 0, None
+        stuck_block = _kept_block(backend, plan)
+        for _ in range(2):
+            stuck.replay()
+            with pytest.raises(flashdmoe.KernelTimeout, match="grid barrier before the combine"):
+                flashdmoe.synchronize()
+            assert not stuck_block.any(), "a timed-out replay leaves its sync words zero"
+
+        monkeypatch.setattr(workspace_pool.graph_sync, "take", lambda device, nbytes: None)
+        zeroing, y_zeroing = capture(call)
+        names = _replayed_kernels(zeroing, replays=1)
+        assert len(names) == 2 and "moe_forward_kernel" in names[-1], names
+        for step in range(1, 3):
+            static_x.copy_(tokens_like(x, seed + step))
+            kept.replay()
+            zeroing.replay()
+            want = call()
+            torch.cuda.synchronize()
+            assert torch.equal(y, want) and torch.equal(y_zeroing, want), f"input set {step}"
+    flashdmoe.synchronize()
+
+
 def test_graph_replay_errors_surface_at_synchronize(backend, knobs, seed):
     x, router, w1, w2 = make_inputs(512, 256, 256, 16, "gelu", seed=seed)
     static_x = x.clone()

@@ -597,6 +597,83 @@ def test_captured_launch_has_its_own_slot_and_workspace_and_surfaces_at_synchron
         flashdmoe.check_errors()
 
 
+def kept_sync_blocks(monkeypatch, chunk_bytes):
+    """The process's GraphSyncBlocks emptied and given ``chunk_bytes`` chunks (CPU memory for the fake)."""
+    from flashdmoe.kernel import workspace_pool
+
+    blocks = workspace_pool.graph_sync
+    monkeypatch.setattr(blocks, "_devices", {})
+    monkeypatch.setattr(blocks, "chunk_bytes", chunk_bytes)
+    monkeypatch.setattr(blocks, "reserve_bytes", chunk_bytes)
+    return blocks
+
+
+def test_captured_launches_take_kept_sync_words_until_none_are_left(monkeypatch):
+    """A captured launch's sync words come from a block kept for the graph (never one handed out before),
+    the launch's scratch from the graph's pool; with no block left the capture falls back to the
+    workspace's own sync words (address 0), zeroed inside the graph."""
+    capturing = {"on": False}
+    with fake_cuda(monkeypatch, capturing=lambda: capturing["on"]) as (ext, _, _):
+        x, router, w1, w2 = inputs()
+        forward(x, router, w1, w2)
+        (plan,) = cuda_backend._single_plans.values()  # fake_cuda starts with none
+        assert ext.launches[-1]["sync"] == [0], "an eager launch's sync words lead its pooled workspace"
+        size = -(-plan.sync_bytes // 256) * 256
+        blocks = kept_sync_blocks(monkeypatch, 2 * size)
+        blocks.reserve(x.device)
+        chunk = blocks._devices[-1][0][0]
+        flashdmoe.synchronize()
+        capturing["on"] = True
+        for _ in range(3):
+            forward(x, router, w1, w2)
+        capturing["on"] = False
+        kept = [launch["sync"][0] for launch in ext.launches[-3:]]
+        assert kept == [chunk.data_ptr(), chunk.data_ptr() + size, 0]
+        assert all(launch["workspace"][0] != ext.launches[0]["workspace"][0] for launch in ext.launches[-3:])
+        blocks.reserve(x.device)  # a new chunk once the last one is spent (outside a capture)
+        assert len(blocks._devices[-1][0]) == 2 and blocks.take(x.device, 1) == blocks._devices[-1][0][1].data_ptr()
+        flashdmoe.synchronize()
+
+
+def test_captured_team_ranks_take_one_kept_block_each(monkeypatch):
+    capturing = {"on": False}
+    with fake_cuda(monkeypatch, capturing=lambda: capturing["on"]) as (ext, _, _):
+        team = emulated_team(P=4)
+        emulated_forward(team, tokens=(16, 5, 9, 1))
+        flashdmoe.synchronize()
+        (plan,) = team.launch_plans.values()
+        size = -(-plan.sync_bytes // 256) * 256
+        blocks = kept_sync_blocks(monkeypatch, 8 * size)
+        blocks.reserve(team.device)
+        capturing["on"] = True
+        emulated_forward(team, tokens=(16, 5, 9, 1))
+        capturing["on"] = False
+        first = blocks._devices[-1][0][0].data_ptr()
+        assert ext.launches[-1]["sync"] == [first + i * size for i in range(4)]
+        flashdmoe.synchronize()
+
+
+def test_graph_sync_blocks_are_aligned_never_shared_and_bounded():
+    from flashdmoe.kernel.workspace_pool import GraphSyncBlocks
+
+    cpu = torch.device("cpu")
+    blocks = GraphSyncBlocks(chunk_bytes=4096, reserve_bytes=1024, limit_bytes=8192)
+    assert blocks.take(cpu, 100) is None, "nothing before a reserve"
+    blocks.reserve(cpu)
+    (chunk,) = blocks._devices[-1][0]
+    assert chunk.dtype == torch.uint8 and int(chunk.count_nonzero()) == 0
+    taken = [blocks.take(cpu, n) for n in (1, 256, 257, 1000)]
+    assert taken == [chunk.data_ptr() + o for o in (0, 256, 512, 1024)]
+    assert blocks.take(cpu, 3000) is None, "2048 bytes left"
+    blocks.reserve(cpu)  # 2048 free >= 1024: nothing new
+    assert blocks.held_bytes(cpu) == 4096
+    assert blocks.take(cpu, 1536) == chunk.data_ptr() + 2048
+    blocks.reserve(cpu)  # 512 free: a second chunk, the limit's last
+    blocks.take(cpu, 4096)
+    blocks.reserve(cpu)
+    assert blocks.held_bytes(cpu) == 8192 and blocks.take(cpu, 1) is None, "the limit holds"
+
+
 def test_a_team_launch_takes_its_sequence_numbers_from_the_device_count(fake):
     """Every rank of a team launch names its own device words (count, failed forward); the host passes
     no sequence number."""

@@ -34,7 +34,7 @@ namespace flashdmoe {
 namespace py = pybind11;
 
 // Addresses of a one-rank launch, in the order `launch` takes them (csrc/moe/launch.h CallAddress).
-inline constexpr int kOneRankAddresses = 11;
+inline constexpr int kOneRankAddresses = 12;
 
 // WorkspaceTable::claim's answers.
 enum Need : int { kReady = 0, kGrow = 1, kZero = 2 };
@@ -222,7 +222,8 @@ class LaunchQueue {
           reinterpret_cast<uintptr_t>(router.data_ptr()), reinterpret_cast<uintptr_t>(x.data_ptr()),
           reinterpret_cast<uintptr_t>(w1.data_ptr()), reinterpret_cast<uintptr_t>(w2.data_ptr()),
           reinterpret_cast<uintptr_t>(y.data_ptr()), base, base + p.routing_stride, base + 2 * p.routing_stride,
-          base + 3 * p.routing_stride, saved_pre ? reinterpret_cast<uintptr_t>(saved_pre->data_ptr()) : 0, workspace};
+          base + 3 * p.routing_stride, saved_pre ? reinterpret_cast<uintptr_t>(saved_pre->data_ptr()) : 0, workspace,
+          0 /* the sync words lead the workspace */};
       run(p, addresses, stream, status, info);
     } catch (...) {
       slots(device).free.push_back(slot);  // nothing was launched on it

@@ -56,10 +56,12 @@ struct LaunchInfo {
 
 // Per-call addresses of one rank, in this order (after the router [E, H], which leads the list): x [T, H],
 // w1 [L, H, I or 2I], w2 [L, I, H], y [T, H], the routing outputs, saved_pre ([T*k, I or 2I] GEMM1's
-// pre-activations by packed row, or 0; one rank only) and the rank's workspace.
+// pre-activations by packed row, or 0; one rank only), the rank's workspace, and where its sync words are:
+// 0 for the workspace's first `sync_bytes`, else `sync_bytes` of their own (a launch captured in a CUDA
+// graph keeps zeroed sync words for the graph's life, while its scratch comes from the graph's pool).
 enum CallAddress : int {
   kAddrX, kAddrW1, kAddrW2, kAddrY, kAddrTopkExpert, kAddrTopkWeight, kAddrTopkRow, kAddrExpertCounts,
-  kAddrSavedPre, kAddrWorkspace, kAddressesPerRank
+  kAddrSavedPre, kAddrWorkspace, kAddrSyncWords, kAddressesPerRank
 };
 
 // One rank of a prepared launch: its parameters with every per-call address null (the workspace pieces

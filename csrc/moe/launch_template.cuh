@@ -21,6 +21,8 @@ inline void bind_addresses(const PreparedRank& prepared, const void* router, con
                            uint32_t sequence, void* status_host, MoEParams& p) {
   const WorkspaceLayout& ws = prepared.layout;
   char* base = reinterpret_cast<char*>(address[kAddrWorkspace]);
+  // The sync words (offsets below ws.sync_bytes) where the caller put them: in the workspace or apart.
+  char* sync = address[kAddrSyncWords] != 0 ? reinterpret_cast<char*>(address[kAddrSyncWords]) : base;
   p.sequence = sequence;
   if (p.world_size == 1)
     p.peers[0] = {base + ws.own_recv, base + ws.own_comb, reinterpret_cast<uint32_t*>(base + ws.own_signals)};
@@ -34,23 +36,23 @@ inline void bind_addresses(const PreparedRank& prepared, const void* router, con
   p.topk_row = reinterpret_cast<int*>(address[kAddrTopkRow]);
   p.expert_counts = reinterpret_cast<int*>(address[kAddrExpertCounts]);
   p.saved_pre = reinterpret_cast<void*>(address[kAddrSavedPre]);
-  p.barrier_counter = reinterpret_cast<uint32_t*>(base + ws.barrier_counter);
-  p.task_counter = reinterpret_cast<uint32_t*>(base + ws.task_counter);
-  p.error_word = reinterpret_cast<unsigned long long*>(base + ws.error_word);
-  p.status_flags = reinterpret_cast<uint32_t*>(base + ws.status_flags);
-  p.phase_clock = reinterpret_cast<unsigned long long*>(base + ws.phase_clock);
-  p.traffic = reinterpret_cast<unsigned long long*>(base + ws.traffic);
-  p.result_rows_done = reinterpret_cast<uint32_t*>(base + ws.result_rows_done);
-  p.row_tile_done = reinterpret_cast<uint32_t*>(base + ws.row_tile_done);
+  p.barrier_counter = reinterpret_cast<uint32_t*>(sync + ws.barrier_counter);
+  p.task_counter = reinterpret_cast<uint32_t*>(sync + ws.task_counter);
+  p.error_word = reinterpret_cast<unsigned long long*>(sync + ws.error_word);
+  p.status_flags = reinterpret_cast<uint32_t*>(sync + ws.status_flags);
+  p.phase_clock = reinterpret_cast<unsigned long long*>(sync + ws.phase_clock);
+  p.traffic = reinterpret_cast<unsigned long long*>(sync + ws.traffic);
+  p.result_rows_done = reinterpret_cast<uint32_t*>(sync + ws.result_rows_done);
+  p.row_tile_done = reinterpret_cast<uint32_t*>(sync + ws.row_tile_done);
   p.slot_in_tile = reinterpret_cast<int*>(base + ws.slot_in_tile);
   p.tile_expert_count = reinterpret_cast<int*>(base + ws.tile_expert_count);
   p.tile_expert_offset = reinterpret_cast<int*>(base + ws.tile_expert_offset);
   p.expert_kept = reinterpret_cast<int*>(base + ws.expert_kept);
   p.intermediate = base + ws.intermediate;
   p.gate_partial = reinterpret_cast<float*>(base + ws.gate_partial);
-  p.gate_arrivals = reinterpret_cast<uint32_t*>(base + ws.gate_arrivals);
-  p.exit_counter = reinterpret_cast<uint32_t*>(base + ws.exit_counter);
-  p.sync_words = reinterpret_cast<uint32_t*>(base);
+  p.gate_arrivals = reinterpret_cast<uint32_t*>(sync + ws.gate_arrivals);
+  p.exit_counter = reinterpret_cast<uint32_t*>(sync + ws.exit_counter);
+  p.sync_words = reinterpret_cast<uint32_t*>(sync);
   p.sync_words_count = static_cast<int>(ws.sync_bytes / 4);
   p.status_host = status_host;
 }

@@ -73,7 +73,7 @@ from flashdmoe.backward.expert_backward import grouped_mm_supported, packed_row_
 from flashdmoe.kernel.kernel_codes import DTYPE_CODES
 from flashdmoe.kernel.launch_knobs import debug, timeout_ms
 from flashdmoe.kernel.launch_report import LaunchReport, LaunchShape, status_layout
-from flashdmoe.kernel.workspace_pool import WorkspacePool
+from flashdmoe.kernel.workspace_pool import WorkspacePool, captured_sync_words
 
 __all__ = ["ForwardCounts", "OwnerLayout", "emulated_backward", "exchange_traffic", "forward_count_words",
            "host_owner_layout", "owner_layout", "team_backward", "unsupported"]
@@ -299,9 +299,8 @@ def _launch(ext, team, rank_args: list[dict], device: torch.device, what_tokens:
     sync_bytes = ext.ep_rows_sync_bytes()
     stride = -(-sync_bytes // 256) * 256
     held = None  # a captured launch's own sync words, alive until it is launched
-    if capturing:  # the graph's own, zeroed inside the graph (see workspace_pool)
-        held = torch.zeros(stride * len(rank_args), dtype=torch.uint8, device=device)
-        sync = held.data_ptr()
+    if capturing:  # kept by the graph, or zeroed inside it (see workspace_pool)
+        sync, held = captured_sync_words(device, stride * len(rank_args))
     else:
         sync = _pool.address(device, index, stream, stride, sync_bytes, len(rank_args))
     status_bytes = status_layout().bytes

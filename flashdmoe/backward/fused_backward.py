@@ -27,7 +27,7 @@ from flashdmoe.kernel import status_checks
 from flashdmoe.kernel.kernel_codes import ACTIVATION_CODES, DTYPE_CODES
 from flashdmoe.kernel.launch_knobs import debug, timeout_ms
 from flashdmoe.kernel.launch_report import LaunchShape
-from flashdmoe.kernel.workspace_pool import WorkspacePool
+from flashdmoe.kernel.workspace_pool import WorkspacePool, captured_sync_words
 
 __all__ = ["FusedGrads", "launch", "unsupported"]
 
@@ -91,9 +91,8 @@ def launch(x: torch.Tensor, dy: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor
     capturing = torch.cuda.is_current_stream_capturing()
     status_checks.before_launch(index, None, capturing)
     stream = torch._C._cuda_getCurrentRawStream(index)
-    if capturing:  # the graph's own, zeroed inside the graph (see workspace_pool)
-        sync = torch.zeros(layout["sync_bytes"], dtype=torch.uint8, device=device)
-        sync_address = sync.data_ptr()
+    if capturing:  # kept by the graph, or zeroed inside it (see workspace_pool)
+        sync_address, sync = captured_sync_words(device, layout["sync_bytes"])
     else:
         sync_address = _pool.address(device, index, stream, layout["sync_bytes"], layout["sync_bytes"])
     scratch = torch.empty(layout["scratch_bytes"], dtype=torch.uint8, device=device)
