@@ -1,4 +1,5 @@
-"""Scratch memory of the fused kernel: one reusable buffer per (device, stream), not one per call.
+"""Scratch memory of the kernels: one reusable buffer per (device, stream), not one per call, and the sync words
+of launches captured in CUDA graphs.
 
 Launches on one stream run one after another, so they can all use the same workspace. A launch needs each
 rank's sync words (the first ``sync_bytes`` of its ``stride``-byte share) zero, and no longer zeroes them
