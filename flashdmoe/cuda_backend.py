@@ -286,7 +286,7 @@ def _captured_workspace(plan: _Plan, device, ranks: int = 1) -> tuple[torch.Tens
     (:class:`GraphSyncBlocks`: no zeroing step in the graph), else, with none left, the workspace's own,
     zeroed inside the capture (address 0: the kernel takes them from the workspace)."""
     workspace = torch.empty(plan.workspace_bytes, dtype=torch.uint8, device=device)
-    sync_stride = -(-plan.sync_bytes // GraphSyncBlocks.ALIGN) * GraphSyncBlocks.ALIGN
+    sync_stride = GraphSyncBlocks.block_bytes(plan.sync_bytes)
     sync = graph_sync.take(device, sync_stride * ranks)
     if sync is None:
         workspace.view(-1, plan.stride)[:, :plan.sync_bytes].zero_()

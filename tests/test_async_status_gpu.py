@@ -482,7 +482,7 @@ def _kept_block(backend, plan):
     from flashdmoe.kernel.workspace_pool import GraphSyncBlocks, graph_sync
 
     chunks, free_at, _ = graph_sync._devices[torch.cuda.current_device()]
-    size = -(-plan.sync_bytes // GraphSyncBlocks.ALIGN) * GraphSyncBlocks.ALIGN
+    size = GraphSyncBlocks.block_bytes(plan.sync_bytes)
     address = free_at - size
     (chunk,) = [c for c in chunks if c.data_ptr() <= address < c.data_ptr() + c.numel()]
     return chunk[address - chunk.data_ptr():][:plan.sync_bytes]

@@ -112,7 +112,6 @@ def device_key(index: int | None) -> int:
     return -1 if index is None else index
 
 
-
 class GraphSyncBlocks:
     """Zeroed sync words for launches captured in CUDA graphs, per device; a block is never handed out twice.
 
@@ -126,6 +125,12 @@ class GraphSyncBlocks:
     """
 
     ALIGN = 256  # bytes; the kernels' sync words are 128-byte aligned from their base
+
+    @classmethod
+    def block_bytes(cls, nbytes: int) -> int:
+        """What :meth:`take` hands out for ``nbytes``: rounded up to ``ALIGN`` (a team's ranks' blocks lie
+        that far apart)."""
+        return -(-nbytes // cls.ALIGN) * cls.ALIGN
 
     def __init__(self, chunk_bytes: int = 4 << 20, reserve_bytes: int = 1 << 20, limit_bytes: int = 256 << 20):
         self.chunk_bytes, self.reserve_bytes, self.limit_bytes = chunk_bytes, reserve_bytes, limit_bytes
@@ -155,7 +160,7 @@ class GraphSyncBlocks:
     def take(self, device: torch.device, nbytes: int) -> int | None:
         """The address of ``nbytes`` zero bytes on ``device`` that no other launch will be given, or ``None``
         when the reserved chunk has fewer left (the caller then zeroes sync words of its own)."""
-        size = -(-nbytes // self.ALIGN) * self.ALIGN
+        size = self.block_bytes(nbytes)
         with self._lock:
             state = self._devices.get(device_key(device.index))
             if state is None or state[2] < size:
