@@ -78,7 +78,9 @@ def check_against_reference(backend, x, router, w1, w2, *, top_k, activation, no
         edge = min(top_k, E - 1)  # adjacent pairs up to the k-th/(k+1)-th boundary
         gaps = (sorted_p[:, :edge] - sorted_p[:, 1 : edge + 1]).abs().min(dim=1).values
         assert (gaps < 1e-4).all(), f"{int(differs.sum())} tokens routed differently without a near-tie"
-    assert differs.float().mean() < 0.01
+    # Near-ties are rare: at most 1% of the tokens, and one token in a batch of fewer than 200 (a batch of
+    # 100 with one near-tied token once failed a bound of < 1%).
+    assert int(differs.sum()) <= max(1, T // 100), f"{int(differs.sum())} of {T} tokens routed differently"
     # Weights on the kernel's routing.
     ref_probs = ref_route.probs.gather(1, kernel_experts)
     ref_w = ref_probs / ref_probs.sum(1, keepdim=True) if normalize else ref_probs
