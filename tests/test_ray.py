@@ -42,6 +42,7 @@ from flashdmoe.job.data import StepInputs
 from flashdmoe.job.verification import compare, verify_step
 from mps_checks import started_daemon
 from job_checks import check_results_schema
+from ray_jobs import submit_when_agent_up
 from ray_checks import check_against_reference as _check_against_reference
 from ray_actors import cluster as ray_cluster
 from ray_actors import worker
@@ -317,8 +318,9 @@ def _free_port() -> int:
 
 @pytest.fixture
 def ray_head(tmp_path):
-    """``ray start --head`` on 127.0.0.1 with the job server; yields the dashboard address. Started with
-    ``--block`` in its own session so stopping it stops exactly this cluster's processes."""
+    """``ray start --head`` on 127.0.0.1 with the job server; yields the dashboard address, the environment
+    and Ray's temp folder. Started with ``--block`` in its own session so stopping it stops exactly this
+    cluster's processes."""
     dashboard_port = _free_port()
     env = dict(os.environ)  # token authentication and loopback addresses: tests/conftest.py
     # Ray's unix socket paths must stay under 107 bytes: pytest's tmp_path is too deep
@@ -341,7 +343,7 @@ def ray_head(tmp_path):
             if head.poll() is not None or time.monotonic() > deadline:
                 pytest.fail(f"ray start did not come up: {(tmp_path / 'ray_start.log').read_text()[-3000:]}")
             time.sleep(2)
-        yield address, env
+        yield address, env, ray_temp
     finally:
         head.send_signal(signal.SIGTERM)  # `ray start --block` stops the processes it started
         try:
@@ -354,7 +356,7 @@ def ray_head(tmp_path):
 
 
 def test_ray_job_submit_end_to_end(ray_head, tmp_path):
-    address, env = ray_head
+    address, env, ray_temp = ray_head
     # the job's working dir: only what the driver and workers import, and the config
     working_dir = tmp_path / "job"
     ignore = shutil.ignore_patterns("__pycache__", "*.so")
@@ -366,14 +368,7 @@ def test_ray_job_submit_end_to_end(ray_head, tmp_path):
     command = [RAY, "job", "submit", "--address", address, "--working-dir", str(working_dir), "--",
                sys.executable, "-m", "flashdmoe", "run", "--config", "configs/tiny.yaml", "--address", "auto",
                "--verify", "--no-progress", "--output", str(output)]
-    deadline = time.monotonic() + 90
-    while True:
-        submitted = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-        logs = submitted.stdout + submitted.stderr
-        # The job server answers before the node's job agent is up; Ray asks to try again later.
-        if "No available agent to submit job" not in logs or time.monotonic() > deadline:
-            break
-        time.sleep(3)
+    submitted, logs = submit_when_agent_up(command, env, ray_temp)
     assert submitted.returncode == 0, logs[-4000:]
     assert "succeeded" in logs, logs[-4000:]
     flat = " ".join(logs.split())

@@ -24,6 +24,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from ray_jobs import submit_when_agent_up
 
 REPO = Path(__file__).resolve().parents[1]
 #: The `ray` command of this interpreter's Ray (another one on PATH may be another version).
@@ -229,7 +230,7 @@ def readme_head(tmp_path):
     """README's recipe: `ray get-auth-token --generate`, then `ray start --head` on 127.0.0.1 with
     RAY_AUTH_MODE=token and RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 (here with --block, in a session of its
     own, so that stopping it stops exactly this cluster). Yields (dashboard URL, the user's environment,
-    the token, the head process)."""
+    the token, the head process, Ray's temp folder)."""
     home = tmp_path / "home"
     env = clean_env(home, RAY_AUTH_MODE="token", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
     generated = subprocess.run([RAY, "get-auth-token", "--generate"], env=env, capture_output=True, text=True,
@@ -254,7 +255,7 @@ def readme_head(tmp_path):
             if head.poll() is not None or time.monotonic() > deadline:
                 pytest.fail(f"ray start did not come up:\n{log_path.read_text()[-3000:]}")
             time.sleep(2)
-        yield dashboard, env, token, head
+        yield dashboard, env, token, head, ray_temp
     finally:
         head.send_signal(signal.SIGTERM)  # `ray start --block` stops the processes it started
         stop_session(head)
@@ -262,7 +263,7 @@ def readme_head(tmp_path):
 
 
 def test_readme_ray_start_refuses_unauthenticated_clients(readme_head, tmp_path):
-    dashboard, env, token, head = readme_head
+    dashboard, env, token, head, ray_temp = readme_head
     sockets = listening_addresses(process_tree(head.pid))
     assert len(sockets) >= 4 and all(is_loopback(address) for address, _ in sockets), sorted(sockets)
 
@@ -279,11 +280,5 @@ def test_readme_ray_start_refuses_unauthenticated_clients(readme_head, tmp_path)
                              capture_output=True, text=True, timeout=120)
     assert guessed.returncode != 0 and "Forbidden: Invalid authentication token" in guessed.stderr, guessed.stderr
 
-    deadline = time.monotonic() + 90
-    while True:  # the job server answers before the node's job agent is up; Ray asks to try again
-        accepted = subprocess.run(submit, env=env, capture_output=True, text=True, timeout=300)
-        logs = accepted.stdout + accepted.stderr
-        if "No available agent to submit job" not in logs or time.monotonic() > deadline:
-            break
-        time.sleep(3)
+    accepted, logs = submit_when_agent_up(submit, env, ray_temp)
     assert accepted.returncode == 0 and "ran here" in logs and "succeeded" in logs, logs[-3000:]
