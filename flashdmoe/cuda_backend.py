@@ -39,7 +39,7 @@ from flashdmoe.kernel.kernel_codes import ACTIVATION_CODES, DTYPE_CODES
 from flashdmoe.kernel.launch_knobs import DEFAULT_TIMEOUT_MS, DebugKnobs, debug, timeout_ms  # noqa: F401 (re-exported)
 from flashdmoe.kernel.launch_report import LaunchShape
 from flashdmoe.parallel.team import mps_thread_percentage
-from flashdmoe.kernel.workspace_pool import GraphSyncBlocks, WorkspacePool, graph_sync
+from flashdmoe.kernel.workspace_pool import GraphSyncBlocks, WorkspacePool, captured_sync_words, graph_sync
 
 
 
@@ -280,18 +280,15 @@ def _plan(ext, kind, team, xs, router_weight, w2s, top_k, activation, normalize_
     return plan
 
 
-def _captured_workspace(plan: _Plan, device, ranks: int = 1) -> tuple[torch.Tensor, int, int]:
-    """A captured launch's workspace from the graph's private pool, and where its ranks' sync words are:
-    ``(workspace, sync address, sync stride)``. The sync words are a block the graph keeps for good
-    (:class:`GraphSyncBlocks`: no zeroing step in the graph), else, with none left, the workspace's own,
-    zeroed inside the capture (address 0: the kernel takes them from the workspace)."""
+def _captured_workspace(plan: _Plan, device, ranks: int = 1) -> tuple[torch.Tensor, int, int, torch.Tensor | None]:
+    """A captured launch's workspace from the graph's private pool and its ranks' zero sync words:
+    ``(workspace, sync address, sync stride, held)``. The sync words come from :func:`captured_sync_words`
+    (a block the graph keeps, or ``held``, zeroed inside the capture, which the caller keeps alive with the
+    workspace until the launch is recorded)."""
     workspace = torch.empty(plan.workspace_bytes, dtype=torch.uint8, device=device)
     sync_stride = GraphSyncBlocks.block_bytes(plan.sync_bytes)
-    sync = graph_sync.take(device, sync_stride * ranks)
-    if sync is None:
-        workspace.view(-1, plan.stride)[:, :plan.sync_bytes].zero_()
-        return workspace, 0, 0
-    return workspace, sync, sync_stride
+    sync, held = captured_sync_words(device, sync_stride * ranks)
+    return workspace, sync, sync_stride, held
 
 
 def _poison(y: torch.Tensor, routing: FusedRouting) -> None:
@@ -349,7 +346,7 @@ def launch_one(plan: _Plan, x, router_weight, w1, w2, saved_pre=None, weight_add
     handle = _current_stream_handle(index)
     sync = 0  # the sync words lead the workspace
     if capturing:  # from the graph's pool, alive until the launch is recorded (see workspace_pool)
-        captured_workspace, sync, _ = _captured_workspace(plan, x.device)
+        captured_workspace, sync, _, held_sync = _captured_workspace(plan, x.device)  # noqa: F841 (kept alive)
         workspace = captured_workspace.data_ptr()
     else:
         workspace = _pool.address(x.device, index, handle, plan.stride, plan.sync_bytes)
@@ -421,7 +418,7 @@ def _run_forward(xs, router_weight, w1s, w2s, *, top_k, activation, normalize_to
 
     sync, sync_stride = 0, 0  # the sync words lead each rank's share of the workspace
     if capturing:
-        workspace, sync, sync_stride = _captured_workspace(plan, device, len(xs))
+        workspace, sync, sync_stride, held_sync = _captured_workspace(plan, device, len(xs))  # noqa: F841
         base = workspace.data_ptr()
     else:
         base = _pool.address(device, device.index, handle, plan.stride, plan.sync_bytes, len(xs))

@@ -491,7 +491,7 @@ def _kept_block(backend, plan):
 def test_a_replay_runs_the_forward_alone_on_sync_words_it_leaves_zero(backend, knobs, seed, monkeypatch):
     """A captured forward takes kept sync words (no zeroing step in the graph): a replay is the one kernel,
     every replay's exit -- a timed-out one's too -- leaves them zero, and replays equal eager calls. With no
-    kept block left the capture zeroes the workspace's own words in the graph, with the same bits."""
+    kept block left the capture zeroes sync words of its own in the graph, with the same bits."""
     from flashdmoe.kernel import workspace_pool
 
     T, H, I, E, k = 4, 512, 256, 16, 2
