@@ -205,7 +205,7 @@ def stand_in_report(args) -> None:
     import pytest
 
     sys.path.insert(0, str(REPO / "tests"))
-    from fake_cuda import FakeExtension, fake_cuda
+    from fake_cuda import ADDRESSES_PER_RANK, FakeExtension, fake_cuda
 
     from flashdmoe import validation
 
@@ -224,7 +224,7 @@ def stand_in_report(args) -> None:
                                        after=flashdmoe.synchronize)
                     plan = api.remembered_call(x, router, w1, w2, k, activation, True, None, "cuda", False).plan
                     slot = status_checks.claim_slot(None, False)
-                    addresses = [0] * (1 + 10)
+                    addresses = [0] * (1 + ADDRESSES_PER_RANK)
                     parts["  (the fake's launch)"] = per_call_us(
                         lambda: fake.launch(plan.prepared, addresses, 1, 7, slot.address),
                         args.calls * 10, args.trials)

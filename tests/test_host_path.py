@@ -457,3 +457,20 @@ def test_check_finite_input_names_x(seed):
     poison(x, seed)
     with pytest.raises(ValueError, match=r"^x: contains 1 non-finite"):
         validation.check_finite_input(x)
+
+
+def test_the_host_overhead_script_times_the_steady_call_on_the_stand_in():
+    """scripts/host_overhead.py --stand-in runs (its fake launch takes the addresses a launch passes) and finds
+    every steady call of each shape on the C++ launch path."""
+    import pathlib
+    import re
+    import subprocess
+    import sys
+
+    repo = pathlib.Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, str(repo / "scripts" / "host_overhead.py"), "--stand-in", "--calls", "3",
+                          "--trials", "2"], capture_output=True, text=True, timeout=600, cwd=repo)
+    assert run.returncode == 0, run.stderr[-3000:]
+    shares = re.findall(r"calls on the Python path\s+(\d+) of (\d+)", run.stdout)
+    assert len(shares) == 3 and all(path == "0" and calls == "3" for path, calls in shares), run.stdout
+    assert len(re.findall(r"\(the fake's launch\)\s+[\d.]+ us/call", run.stdout)) == 3, run.stdout
