@@ -25,6 +25,7 @@ teams); across processes the same GPU steps with the rows moved by the device
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 
@@ -280,15 +281,21 @@ def _plan(ext, kind, team, xs, router_weight, w2s, top_k, activation, normalize_
     return plan
 
 
-def _captured_workspace(plan: _Plan, device, ranks: int = 1) -> tuple[torch.Tensor, int, int, torch.Tensor | None]:
-    """A captured launch's workspace from the graph's private pool and its ranks' zero sync words:
-    ``(workspace, sync address, sync stride, held)``. The sync words come from :func:`captured_sync_words`
-    (a block the graph keeps, or ``held``, zeroed inside the capture, which the caller keeps alive with the
-    workspace until the launch is recorded)."""
-    workspace = torch.empty(plan.workspace_bytes, dtype=torch.uint8, device=device)
+class _Captured(NamedTuple):
+    """A captured launch's memory from the graph's private pool, alive until the launch is recorded."""
+
+    workspace: torch.Tensor
+    sync: int                 # the ranks' zero sync words (captured_sync_words)
+    sync_stride: int
+    held: torch.Tensor | None  # the sync words' tensor where no kept block was left
+
+
+def _captured_workspace(plan: _Plan, device, ranks: int = 1) -> _Captured:
+    """A captured launch's workspace and its ranks' zero sync words (a block the graph keeps, or zeroed
+    inside the capture: :func:`captured_sync_words`)."""
     sync_stride = GraphSyncBlocks.block_bytes(plan.sync_bytes)
     sync, held = captured_sync_words(device, sync_stride * ranks)
-    return workspace, sync, sync_stride, held
+    return _Captured(torch.empty(plan.workspace_bytes, dtype=torch.uint8, device=device), sync, sync_stride, held)
 
 
 def _poison(y: torch.Tensor, routing: FusedRouting) -> None:
@@ -346,8 +353,8 @@ def launch_one(plan: _Plan, x, router_weight, w1, w2, saved_pre=None, weight_add
     handle = _current_stream_handle(index)
     sync = 0  # the sync words lead the workspace
     if capturing:  # from the graph's pool, alive until the launch is recorded (see workspace_pool)
-        captured_workspace, sync, _, held_sync = _captured_workspace(plan, x.device)  # noqa: F841 (kept alive)
-        workspace = captured_workspace.data_ptr()
+        captured = _captured_workspace(plan, x.device)
+        workspace, sync = captured.workspace.data_ptr(), captured.sync
     else:
         workspace = _pool.address(x.device, index, handle, plan.stride, plan.sync_bytes)
     router_address, w1_address, w2_address = weight_addresses or (router_weight.data_ptr(), w1.data_ptr(),
@@ -418,8 +425,8 @@ def _run_forward(xs, router_weight, w1s, w2s, *, top_k, activation, normalize_to
 
     sync, sync_stride = 0, 0  # the sync words lead each rank's share of the workspace
     if capturing:
-        workspace, sync, sync_stride, held_sync = _captured_workspace(plan, device, len(xs))  # noqa: F841
-        base = workspace.data_ptr()
+        captured = _captured_workspace(plan, device, len(xs))
+        base, sync, sync_stride = captured.workspace.data_ptr(), captured.sync, captured.sync_stride
     else:
         base = _pool.address(device, device.index, handle, plan.stride, plan.sync_bytes, len(xs))
     stride = plan.stride

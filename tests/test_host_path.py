@@ -15,6 +15,10 @@ from __future__ import annotations
 
 import contextlib
 import math
+import pathlib
+import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -462,11 +466,6 @@ def test_check_finite_input_names_x(seed):
 def test_the_host_overhead_script_times_the_steady_call_on_the_stand_in():
     """scripts/host_overhead.py --stand-in runs (its fake launch takes the addresses a launch passes) and finds
     every steady call of each shape on the C++ launch path."""
-    import pathlib
-    import re
-    import subprocess
-    import sys
-
     repo = pathlib.Path(__file__).resolve().parents[1]
     run = subprocess.run([sys.executable, str(repo / "scripts" / "host_overhead.py"), "--stand-in", "--calls", "3",
                           "--trials", "2"], capture_output=True, text=True, timeout=600, cwd=repo)
