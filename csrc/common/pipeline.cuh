@@ -25,9 +25,11 @@ struct PipelineState {
 };
 
 // Bounded wait for the completion of the barrier's phase of this parity. kClusterAcquire: what the
-// arrivals of another block of the cluster released (its remote stores) is acquired too.
+// arrivals of another block of the cluster released (its remote stores) is acquired too. `phase`: what a
+// timeout reports (an expert tile's pipeline unless named).
 template <bool kClusterAcquire = false, typename Params>
-__device__ __forceinline__ bool wait_pipeline(uint32_t bar, uint32_t parity, const Params& p) {
+__device__ __forceinline__ bool wait_pipeline(uint32_t bar, uint32_t parity, const Params& p,
+                                              uint32_t phase = kPhaseTilePipeline) {
   auto ready = [&] { return tma::try_wait_parity<kClusterAcquire>(bar, parity); };
   if (ready()) return true;
   const uint64_t start = ptx::global_timer_ns();
@@ -36,7 +38,7 @@ __device__ __forceinline__ bool wait_pipeline(uint32_t bar, uint32_t parity, con
     if ((spin & 15) == 0) {
       if (ptx::load_relaxed_u64(p.error_word) != 0) return false;
       if (ptx::global_timer_ns() - start > p.timeout_ns) {
-        report_timeout(p, kPhaseTilePipeline, p.rank);
+        report_timeout(p, phase, p.rank);
         return false;
       }
     }

@@ -45,6 +45,13 @@ __device__ __forceinline__ void prefetch_l2(const void* src, uint32_t bytes) {
                : "memory");
 }
 
+// Copies `bytes` (a multiple of 16; both addresses 16-byte aligned) from global memory into this block's
+// shared memory, completing them on `bar` (a bulk copy: no tensor map).
+__device__ __forceinline__ void copy_1d(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+               ::"r"(dst), "l"(reinterpret_cast<uint64_t>(src)), "r"(bytes), "r"(bar) : "memory");
+}
+
 __device__ __forceinline__ void load_2d(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0, int c1) {
   asm volatile(
       "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];\n"

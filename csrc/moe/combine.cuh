@@ -2,6 +2,7 @@
 // never floating-point atomics: the output is bitwise reproducible). result(t,j) is row(t,j) of this
 // rank's comb buffer, region [owner of the chosen expert]. Dropped choices add zero.
 #pragma once
+#include "common/pipeline.cuh"
 #include "common/tma.cuh"
 #include "moe/expert_ffn.cuh"
 
@@ -85,13 +86,10 @@ struct CombineItem {
   float weight;
 };
 
-// The rank's tokens over every warp of the rank, one warp per (token, chunk of columns). A warp's routing
-// runs two items ahead: after this item's rows it loads the routing of the item after next, so an item
-// waits for one round trip to memory, not two; and with kPrefetchNext, before this item's rows, it asks
-// L2 for the next item's rows (whose routing came with the previous item's rows), so that they are on
-// their way a whole item early (a hint: the same loads, the same bits; more bytes in flight without
-// more registers).
-template <typename Element, int kParts, int kGroup, bool kPrefetchNext>
+// The rank's tokens over every warp of the rank, one warp per (token, chunk of columns), from registers. A
+// warp's routing runs two items ahead: after this item's rows it loads the routing of the item after next,
+// so an item waits for one round trip to memory, not two.
+template <typename Element, int kParts, int kGroup>
 __device__ __forceinline__ void combine_token_chunks(const MoEParams& p) {
   const int H = p.hidden, k = p.top_k;
   const int lane = threadIdx.x & 31;
@@ -128,12 +126,6 @@ __device__ __forceinline__ void combine_token_chunks(const MoEParams& p) {
   CombineItem mine = take_item();
   CombineItem next = take_item();
   while (mine.token < p.tokens) {
-    if (kPrefetchNext && next.token < p.tokens) {
-      const int row = comb_row(next);
-      if (row >= 0)
-        tma::prefetch_l2(comb + static_cast<size_t>(row) * H + next.c0,
-                         static_cast<uint32_t>(min(kChunkColumns, H - next.c0) * sizeof(Element)));
-    }
     CombineItem later;
     combine_chunk<Element, kParts, kGroup>(p, comb, y, mine.token, mine.c0, comb_row(mine), mine.weight, [&] {
       asm volatile("" ::: "memory");  // issued after this item's rows: a wait for either then waits for both
@@ -144,26 +136,163 @@ __device__ __forceinline__ void combine_token_chunks(const MoEParams& p) {
   }
 }
 
-// Large batches: each lane keeps 64 bytes of each of two choices in flight (the combine is bound by the
-// bytes in flight per SM). Small batches, whose few (token, chunk) items would leave most warps idle and
-// each chain k / 2 round trips to L2 (decode: ~4 µs of a one-token forward), take 256 columns per warp
-// and all of a token's choices at once (up to 8; 4 in float32).
+// ---- large batches: result rows staged in shared memory by bulk copies ----
+// Each worker warp runs a ring of kCombineDepth stages in the block's scratch (free once the expert phase is
+// done). A stage holds one item's rows (its kept choices, each the item's columns of one result row), put
+// there by the async proxy (one bulk copy per kept choice, issued by lane j for choice j), and beside them
+// the item's token, first column, kept mask and weights. The bytes in flight per SM are then the rings'
+// (up to ~190 KB) and not what the lanes' registers hold (32 KB at 128 bytes per lane), which is what
+// bounded the register-load combine of a large batch: ~2.3 TB/s, as Little's law gives for 4 MB in flight
+// over the GPU at ~2 us a round trip under load. The sum is the same as combine_chunk's (fmaf in choice
+// order, dropped choices skipped), so the bits are too.
+constexpr int kCombineDepth = 4;
+constexpr int kCombinePart = 32 * 8;  // columns a warp sums per step: 8 per lane
+
+struct CombineStages {
+  int parts;        // kCombinePart-column steps per item (the last item of a token may need fewer)
+  int chunks;       // items per token
+  int meta_stride;  // bytes of a stage's header: token, first column, kept mask, pad, then k weights
+  int stage_bytes;  // k result rows x parts * kCombinePart columns
+  int warp_bytes;   // one warp's ring: barriers, headers, stages
+};
+
+// The stages' sizes for this shape in `scratch_bytes` of shared memory, or false where k rows of even one
+// part do not fit a stage of every warp's ring (the caller then combines from registers).
 template <typename Element>
-__device__ void combine_tokens(const MoEParams& p) {
-  constexpr int kParts = 8 / static_cast<int>(sizeof(Element));  // 4 for 16-bit inputs, 2 for fp32
+__device__ __forceinline__ bool combine_stages(const MoEParams& p, int scratch_bytes, CombineStages& g) {
+  const int k = p.top_k;
+  g.meta_stride = round_up16(16 + 4 * k);
+  g.warp_bytes = scratch_bytes / (kThreads / 32) / 128 * 128;
+  const int header = round_up16(8 * kCombineDepth) + kCombineDepth * g.meta_stride;
+  const int stage_max = (g.warp_bytes - (header + 127) / 128 * 128) / kCombineDepth / 16 * 16;
+  const int part_bytes = k * kCombinePart * static_cast<int>(sizeof(Element));
+  const int max_parts = stage_max / part_bytes;
+  if (max_parts < 1) return false;
+  const int all_parts = (p.hidden + kCombinePart - 1) / kCombinePart;
+  g.chunks = (all_parts + max_parts - 1) / max_parts;
+  g.parts = (all_parts + g.chunks - 1) / g.chunks;  // spread evenly over the token's items
+  g.stage_bytes = g.parts * part_bytes;
+  return true;
+}
+
+template <typename Element>
+__device__ void combine_staged(const MoEParams& p, char* smem, const CombineStages& g) {
+  const int H = p.hidden, k = p.top_k, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int warps = p.blocks * (kThreads / 32);
-  const long long wide_items = static_cast<long long>(p.tokens) * ((p.hidden + kParts * 256 - 1) / (kParts * 256));
+  const int columns = g.parts * kCombinePart;  // an item's columns (fewer in a token's last item if H ends there)
+  const Element* comb = static_cast<const Element*>(p.peers[p.rank].comb);
+  Element* y = static_cast<Element*>(p.y);
+  char* ring = smem + warp * g.warp_bytes;
+  const uint32_t bars = ptx::smem_addr(ring);
+  char* meta = ring + round_up16(8 * kCombineDepth);
+  const uint32_t stages = ptx::smem_addr(ring) +
+                          (round_up16(8 * kCombineDepth) + kCombineDepth * g.meta_stride + 127) / 128 * 128;
+  char* stage_ptr = ring + (stages - bars);
+  if (lane == 0) {
+    for (int s = 0; s < kCombineDepth; ++s) tma::mbarrier_init(bars + 8 * s, 1);
+    tma::fence_barrier_init();
+  }
+  tma::fence_proxy_async_global();  // the copies (async proxy) read results other blocks and peers stored
+  __syncwarp();
+
+  // This warp's items are (token, chunk) pairs `warps` apart, stepped without a division.
+  const int step_tokens = warps / g.chunks, step_chunks = warps % g.chunks;
+  const int first = block_in_rank(p) * (kThreads / 32) + warp;
+  int token = first / g.chunks, chunk = first % g.chunks;
+  // The routing of the next item to issue, loaded an item ahead (lane j: choice j).
+  int row = -1, expert = 0;
+  float weight = 0.f;
+  auto load_route = [&] {
+    if (token < p.tokens && lane < k) {
+      const size_t at = static_cast<size_t>(token) * k + lane;
+      row = __ldcg(p.topk_row + at);
+      expert = __ldcg(p.topk_expert + at);
+      weight = __ldcg(p.topk_weight + at);
+    }
+  };
+  auto issue = [&](int s) {  // the next item into stage s; advances (token, chunk)
+    const int c0 = chunk * columns;
+    const int from = row >= 0 ? row + (expert / p.local_experts) * p.stream_rows : -1;
+    const bool kept = lane < k && from >= 0;
+    const uint32_t mask = __ballot_sync(0xffffffffu, kept);
+    const uint32_t bytes = static_cast<uint32_t>((min(H, c0 + columns) - c0) * sizeof(Element));
+    int* head = reinterpret_cast<int*>(meta + s * g.meta_stride);
+    if (lane < k) reinterpret_cast<float*>(head + 4)[lane] = weight;
+    if (lane == 0) {
+      head[0] = token;
+      head[1] = c0;
+      head[2] = static_cast<int>(mask);
+      tma::arrive_expect_tx(bars + 8 * s, __popc(mask) * bytes);
+    }
+    __syncwarp();
+    if (kept)
+      tma::copy_1d(stages + s * g.stage_bytes + lane * columns * static_cast<int>(sizeof(Element)),
+                   comb + static_cast<size_t>(from) * H + c0, bytes, bars + 8 * s);
+    chunk += step_chunks;
+    token += step_tokens;
+    if (chunk >= g.chunks) {
+      chunk -= g.chunks;
+      ++token;
+    }
+    load_route();
+  };
+
+  load_route();
+  int in_ring = 0;
+  for (int s = 0; s < kCombineDepth && token < p.tokens; ++s, ++in_ring) issue(s);
+  PipelineState<kCombineDepth> at{};
+  for (; in_ring > 0; --in_ring) {
+    const int s = static_cast<int>(at.index());
+    // Warp-uniform: a lane that gave up (the watchdog) takes the whole warp out.
+    if (!__all_sync(0xffffffffu, wait_pipeline(bars + 8 * s, at.phase(), p, kPhaseCombineCopy))) return;
+    const int* head = reinterpret_cast<const int*>(meta + s * g.meta_stride);
+    const float* weights = reinterpret_cast<const float*>(head + 4);
+    const int t = head[0], c0 = head[1];
+    const uint32_t mask = static_cast<uint32_t>(head[2]);
+    const char* rows = stage_ptr + s * g.stage_bytes;
+    for (int u = 0; u < g.parts; ++u) {
+      const int c = u * kCombinePart + lane * 8;  // column within the item
+      if (c0 + c >= H) break;
+      float acc[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[i] = 0.f;
+      for (int j = 0; j < k; ++j) {
+        if (!((mask >> j) & 1u)) continue;
+        const float w = weights[j];
+        const Pack8<Element> v =
+            *reinterpret_cast<const Pack8<Element>*>(rows + (static_cast<size_t>(j) * columns + c) * sizeof(Element));
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[i] = fmaf(w, static_cast<float>(v.v[i]), acc[i]);
+      }
+      Pack8<Element> pack;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) pack.v[i] = static_cast<Element>(acc[i]);
+      *reinterpret_cast<Pack8<Element>*>(y + static_cast<size_t>(t) * H + c0 + c) = pack;
+    }
+    __syncwarp();  // every lane is done reading the stage before it is filled again
+    if (token < p.tokens) {
+      issue(s);
+      ++in_ring;
+    }
+    at.advance();
+  }
+}
+
+// Small batches, whose few (token, chunk) items would leave most warps idle and each chain k / 2 round trips
+// to L2 (decode: ~4 us of a one-token forward), take 256 columns per warp and all of a token's choices at
+// once from registers (up to 8; 4 in float32). Large batches stage their rows in shared memory
+// (combine_staged) where a stage holds k rows of 256 columns, else (k too large for the scratch) take the
+// small batches' path too. A copy that never landed sets the error word (the watchdog) and ends the warp's share.
+template <typename Element>
+__device__ void combine_tokens(const MoEParams& p, char* smem, int scratch_bytes) {
+  const int warps = p.blocks * (kThreads / 32);
+  const long long wide_items = static_cast<long long>(p.tokens) * ((p.hidden + 4 * 256 - 1) / (4 * 256));
   constexpr int kSmallGroup = sizeof(Element) == 4 ? 4 : 8;  // 16 or 32 bytes per choice in flight per lane
-  constexpr int kWideGroup = 2;                               // choices in flight per lane, large batches
-  // The L2 prefetch of the next item's rows only where an item is one group (k <= kWideGroup): with k = 8 an item
-  // already chains four groups of loads, and the prefetch's 8 rows per item made the phase slower
-  // (0.146 -> 0.176 ms on 8192/2048/768/128/8, docs/perf-notes.md).
-  if (wide_items < warps)
-    combine_token_chunks<Element, 1, kSmallGroup, false>(p);
-  else if (p.top_k <= kWideGroup)
-    combine_token_chunks<Element, kParts, kWideGroup, true>(p);
+  CombineStages stages;
+  if (wide_items >= warps && combine_stages<Element>(p, scratch_bytes, stages))
+    combine_staged<Element>(p, smem, stages);
   else
-    combine_token_chunks<Element, kParts, kWideGroup, false>(p);
+    combine_token_chunks<Element, 1, kSmallGroup>(p);
 }
 
 }  // namespace flashdmoe

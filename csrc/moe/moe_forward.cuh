@@ -75,7 +75,7 @@ __device__ __forceinline__ void forward_block(const MoEParams& p, char* smem) {
   // ---- 5. combine, once every peer returned its results ----
   if (!worker) return;
   if (!wait_for_results(p)) return;
-  combine_tokens<Element>(p);
+  combine_tokens<Element>(p, smem, layout.scratch_bytes);
   sync_workers();
   if (threadIdx.x == 0) atomicMax(p.phase_clock + kPhaseClockSlots - 1, ptx::global_timer_ns());
 }

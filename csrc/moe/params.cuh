@@ -26,6 +26,7 @@ enum Phase : uint32_t {
   kPhaseRelayFree = 23,       // a source waiting for its relay to free the region of its previous batch
   kPhaseRelayIn = 24,         // a relay waiting for a source's batch of rows
   kPhaseRelayForwarded = 25,  // grid barrier after a relay stored its batches' rows into the owners' buffers
+  kPhaseCombineCopy = 26,     // the combine's copy of result rows into shared memory (a stage that never filled)
 };
 
 // Most ranks in one team (and virtual ranks in one emulated launch): the size of the peer table.

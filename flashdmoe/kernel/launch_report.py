@@ -70,6 +70,7 @@ PHASE_NAMES = {
     23: "hierarchical exchange: waiting for a relay on another node to free this rank's batch region",
     24: "hierarchical exchange: a relay waiting for a source's batch of rows",
     25: "hierarchical exchange: grid barrier after the relayed rows were stored",
+    26: "combine: a copy of result rows into shared memory that never landed",
 }
 #: The backward exchange's phases (csrc/backward/ep_rows.cuh, EpBackwardPhase).
 BACKWARD_EXCHANGE_PHASES = range(14, 23)
