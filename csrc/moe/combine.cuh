@@ -86,30 +86,34 @@ struct CombineItem {
   float weight;
 };
 
-// The rank's tokens over every warp of the rank, one warp per (token, chunk of columns), from registers. A
-// warp's routing runs two items ahead: after this item's rows it loads the routing of the item after next,
-// so an item waits for one round trip to memory, not two.
-template <typename Element, int kParts, int kGroup>
-__device__ __forceinline__ void combine_token_chunks(const MoEParams& p) {
-  const int H = p.hidden, k = p.top_k;
-  const int lane = threadIdx.x & 31;
-  const int warps = p.blocks * (kThreads / 32);
-  const Element* comb = static_cast<const Element*>(p.peers[p.rank].comb);
-  Element* y = static_cast<Element*>(p.y);
-  constexpr int kChunkColumns = kParts * 32 * 8;
-  const int chunks = (H + kChunkColumns - 1) / kChunkColumns;
-  // A warp's items are (token, chunk) pairs `warps` apart, stepped without a division (a 64-bit one is a
-  // call, which waits for every load in flight).
-  const int step_tokens = warps / chunks, step_chunks = warps % chunks;
-  const int first = block_in_rank(p) * (kThreads / 32) + (threadIdx.x >> 5);
-  int token = first / chunks, chunk = first % chunks;
-  auto take_item = [&]() {  // the next of this warp's items; advances (token, chunk)
-    CombineItem it{token, chunk * kChunkColumns, -1, 0, 0.f};
-    const size_t at = static_cast<size_t>(token) * k;
+// The choice's row in this rank's comb buffer (its owner's region), or -1 if dropped.
+__device__ __forceinline__ int comb_row(const MoEParams& p, const CombineItem& it) {
+  return it.row >= 0 ? it.row + (it.expert / p.local_experts) * p.stream_rows : -1;
+}
+
+// A warp's items: (token, chunk of `columns`) pairs `warps` apart over the rank's tokens, stepped without
+// a division (a 64-bit one is a call, which waits for every load in flight).
+struct WarpItems {
+  int token, chunk, chunks, columns, step_tokens, step_chunks;
+
+  __device__ __forceinline__ WarpItems(const MoEParams& p, int chunk_columns) : columns(chunk_columns) {
+    const int warps = p.blocks * (kThreads / 32);
+    chunks = (p.hidden + columns - 1) / columns;
+    step_tokens = warps / chunks;
+    step_chunks = warps % chunks;
+    const int first = block_in_rank(p) * (kThreads / 32) + (threadIdx.x >> 5);
+    token = first / chunks;
+    chunk = first % chunks;
+  }
+  // The next item, its routing loaded (lanes < k; past the last token, no loads: token >= p.tokens).
+  __device__ __forceinline__ CombineItem take(const MoEParams& p) {
+    const int k = p.top_k, lane = threadIdx.x & 31;
+    CombineItem it{token, chunk * columns, -1, 0, 0.f};
     if (token < p.tokens && lane < k) {
-      it.row = __ldcg(p.topk_row + at + lane);
-      it.expert = __ldcg(p.topk_expert + at + lane);
-      it.weight = __ldcg(p.topk_weight + at + lane);
+      const size_t at = static_cast<size_t>(token) * k + lane;
+      it.row = __ldcg(p.topk_row + at);
+      it.expert = __ldcg(p.topk_expert + at);
+      it.weight = __ldcg(p.topk_weight + at);
     }
     chunk += step_chunks;
     token += step_tokens;
@@ -118,18 +122,24 @@ __device__ __forceinline__ void combine_token_chunks(const MoEParams& p) {
       ++token;
     }
     return it;
-  };
-  // The choice's row in this rank's comb buffer: its owner's region.
-  auto comb_row = [&](const CombineItem& it) {
-    return it.row >= 0 ? it.row + (it.expert / p.local_experts) * p.stream_rows : -1;
-  };
-  CombineItem mine = take_item();
-  CombineItem next = take_item();
+  }
+};
+
+// The rank's tokens over every warp of the rank, one warp per (token, chunk of columns), from registers. A
+// warp's routing runs two items ahead: after this item's rows it loads the routing of the item after next,
+// so an item waits for one round trip to memory, not two.
+template <typename Element, int kParts, int kGroup>
+__device__ __forceinline__ void combine_token_chunks(const MoEParams& p) {
+  const Element* comb = static_cast<const Element*>(p.peers[p.rank].comb);
+  Element* y = static_cast<Element*>(p.y);
+  WarpItems items(p, kParts * 32 * 8);
+  CombineItem mine = items.take(p);
+  CombineItem next = items.take(p);
   while (mine.token < p.tokens) {
     CombineItem later;
-    combine_chunk<Element, kParts, kGroup>(p, comb, y, mine.token, mine.c0, comb_row(mine), mine.weight, [&] {
+    combine_chunk<Element, kParts, kGroup>(p, comb, y, mine.token, mine.c0, comb_row(p, mine), mine.weight, [&] {
       asm volatile("" ::: "memory");  // issued after this item's rows: a wait for either then waits for both
-      later = take_item();
+      later = items.take(p);
     });
     mine = next;
     next = later;
@@ -150,7 +160,6 @@ constexpr int kCombinePart = 32 * 8;  // columns a warp sums per step: 8 per lan
 
 struct CombineStages {
   int parts;        // kCombinePart-column steps per item (the last item of a token may need fewer)
-  int chunks;       // items per token
   int meta_stride;  // bytes of a stage's header: token, first column, kept mask, pad, then k weights
   int stage_bytes;  // k result rows x parts * kCombinePart columns
   int warp_bytes;   // one warp's ring: barriers, headers, stages
@@ -169,8 +178,8 @@ __device__ __forceinline__ bool combine_stages(const MoEParams& p, int scratch_b
   const int max_parts = stage_max / part_bytes;
   if (max_parts < 1) return false;
   const int all_parts = (p.hidden + kCombinePart - 1) / kCombinePart;
-  g.chunks = (all_parts + max_parts - 1) / max_parts;
-  g.parts = (all_parts + g.chunks - 1) / g.chunks;  // spread evenly over the token's items
+  const int chunks = (all_parts + max_parts - 1) / max_parts;  // items per token
+  g.parts = (all_parts + chunks - 1) / chunks;                 // spread evenly over the token's items
   g.stage_bytes = g.parts * part_bytes;
   return true;
 }
@@ -178,7 +187,6 @@ __device__ __forceinline__ bool combine_stages(const MoEParams& p, int scratch_b
 template <typename Element>
 __device__ void combine_staged(const MoEParams& p, char* smem, const CombineStages& g) {
   const int H = p.hidden, k = p.top_k, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int warps = p.blocks * (kThreads / 32);
   const int columns = g.parts * kCombinePart;  // an item's columns (fewer in a token's last item if H ends there)
   const Element* comb = static_cast<const Element*>(p.peers[p.rank].comb);
   Element* y = static_cast<Element*>(p.y);
@@ -195,51 +203,31 @@ __device__ void combine_staged(const MoEParams& p, char* smem, const CombineStag
   tma::fence_proxy_async_global();  // the copies (async proxy) read results other blocks and peers stored
   __syncwarp();
 
-  // This warp's items are (token, chunk) pairs `warps` apart, stepped without a division.
-  const int step_tokens = warps / g.chunks, step_chunks = warps % g.chunks;
-  const int first = block_in_rank(p) * (kThreads / 32) + warp;
-  int token = first / g.chunks, chunk = first % g.chunks;
-  // The routing of the next item to issue, loaded an item ahead (lane j: choice j).
-  int row = -1, expert = 0;
-  float weight = 0.f;
-  auto load_route = [&] {
-    if (token < p.tokens && lane < k) {
-      const size_t at = static_cast<size_t>(token) * k + lane;
-      row = __ldcg(p.topk_row + at);
-      expert = __ldcg(p.topk_expert + at);
-      weight = __ldcg(p.topk_weight + at);
-    }
-  };
-  auto issue = [&](int s) {  // the next item into stage s; advances (token, chunk)
-    const int c0 = chunk * columns;
-    const int from = row >= 0 ? row + (expert / p.local_experts) * p.stream_rows : -1;
+  // This warp's items; the next one to issue is taken (its routing loaded) an item ahead.
+  WarpItems items(p, columns);
+  CombineItem next = items.take(p);
+  auto issue = [&](int s) {  // `next` into stage s, then the item after it taken
+    const int from = comb_row(p, next);
     const bool kept = lane < k && from >= 0;
     const uint32_t mask = __ballot_sync(0xffffffffu, kept);
-    const uint32_t bytes = static_cast<uint32_t>((min(H, c0 + columns) - c0) * sizeof(Element));
+    const uint32_t bytes = static_cast<uint32_t>((min(H, next.c0 + columns) - next.c0) * sizeof(Element));
     int* head = reinterpret_cast<int*>(meta + s * g.meta_stride);
-    if (lane < k) reinterpret_cast<float*>(head + 4)[lane] = weight;
+    if (lane < k) reinterpret_cast<float*>(head + 4)[lane] = next.weight;
     if (lane == 0) {
-      head[0] = token;
-      head[1] = c0;
+      head[0] = next.token;
+      head[1] = next.c0;
       head[2] = static_cast<int>(mask);
       tma::arrive_expect_tx(bars + 8 * s, __popc(mask) * bytes);
     }
     __syncwarp();
     if (kept)
       tma::copy_1d(stages + s * g.stage_bytes + lane * columns * static_cast<int>(sizeof(Element)),
-                   comb + static_cast<size_t>(from) * H + c0, bytes, bars + 8 * s);
-    chunk += step_chunks;
-    token += step_tokens;
-    if (chunk >= g.chunks) {
-      chunk -= g.chunks;
-      ++token;
-    }
-    load_route();
+                   comb + static_cast<size_t>(from) * H + next.c0, bytes, bars + 8 * s);
+    next = items.take(p);
   };
 
-  load_route();
   int in_ring = 0;
-  for (int s = 0; s < kCombineDepth && token < p.tokens; ++s, ++in_ring) issue(s);
+  for (int s = 0; s < kCombineDepth && next.token < p.tokens; ++s, ++in_ring) issue(s);
   PipelineState<kCombineDepth> at{};
   for (; in_ring > 0; --in_ring) {
     const int s = static_cast<int>(at.index());
@@ -270,7 +258,7 @@ __device__ void combine_staged(const MoEParams& p, char* smem, const CombineStag
       *reinterpret_cast<Pack8<Element>*>(y + static_cast<size_t>(t) * H + c0 + c) = pack;
     }
     __syncwarp();  // every lane is done reading the stage before it is filled again
-    if (token < p.tokens) {
+    if (next.token < p.tokens) {
       issue(s);
       ++in_ring;
     }
