@@ -150,11 +150,11 @@ __device__ __forceinline__ void combine_token_chunks(const MoEParams& p) {
 // Each worker warp runs a ring of kCombineDepth stages in the block's scratch (free once the expert phase is
 // done). A stage holds one item's rows (its kept choices, each the item's columns of one result row), put
 // there by the async proxy (one bulk copy per kept choice, issued by lane j for choice j), and beside them
-// the item's token, first column, kept mask and weights. The bytes in flight per SM are then the rings'
-// (up to ~190 KB) and not what the lanes' registers hold (32 KB at 128 bytes per lane), which is what
-// bounded the register-load combine of a large batch: ~2.3 TB/s, as Little's law gives for 4 MB in flight
-// over the GPU at ~2 us a round trip under load. The sum is the same as combine_chunk's (fmaf in choice
-// order, dropped choices skipped), so the bits are too.
+// the item's token, first column, kept mask and weights. A warp then holds up to four items' rows in flight
+// (~190 KB per SM) without registers for them, and an item's k rows arrive in one round trip where the
+// register loads it replaced chained k / 2. Measured against those (docs/perf-notes.md): the phase 15% shorter with
+// k = 8, within a few percent with k = 2, so the bytes in flight were not what held it at ~2.3 TB/s. The sum
+// is the same as combine_chunk's (fmaf in choice order, dropped choices skipped), so the bits are too.
 constexpr int kCombineDepth = 4;
 constexpr int kCombinePart = 32 * 8;  // columns a warp sums per step: 8 per lane
 
