@@ -152,9 +152,9 @@ __device__ __forceinline__ void combine_token_chunks(const MoEParams& p) {
 // there by the async proxy (one bulk copy per kept choice, issued by lane j for choice j), and beside them
 // the item's token, first column, kept mask and weights. A warp then holds up to four items' rows in flight
 // (~190 KB per SM) without registers for them, and an item's k rows arrive in one round trip where the
-// register loads it replaced chained k / 2. Measured against those (docs/perf-notes.md): the phase 15% shorter with
-// k = 8, within a few percent with k = 2, so the bytes in flight were not what held it at ~2.3 TB/s. The sum
-// is the same as combine_chunk's (fmaf in choice order, dropped choices skipped), so the bits are too.
+// register loads it replaced chained k / 2. On an H100 it runs at the dispatch's rate (the HBM's), where the
+// register loads were 15% slower with k = 8 and 0-10% with k = 2 (docs/perf-notes.md). The sum is the
+// same as combine_chunk's (fmaf in choice order, dropped choices skipped), so the bits are too.
 constexpr int kCombineDepth = 4;
 constexpr int kCombinePart = 32 * 8;  // columns a warp sums per step: 8 per lane
 
