@@ -8,6 +8,8 @@
 
 namespace flashdmoe {
 
+constexpr int kCombinePart = 32 * 8;  // columns a warp sums per step: 8 per lane
+
 // Bounded wait for every peer's results-done flag. The worker threads call it.
 __device__ inline bool wait_for_results(const MoEParams& p) {
   bool ok = true;
@@ -18,26 +20,22 @@ __device__ inline bool wait_for_results(const MoEParams& p) {
   return sync_workers_and(ok);
 }
 
-// One warp's share of a token's combine: columns c0 + u * 256 + lane * 8 (u < kParts) of y[token], from
-// the token's k choices (lane j holds choice j's row and weight, k <= 32), kGroup choices' loads in flight
-// before any is summed. The sum is in choice order whatever kParts and kGroup are, so every shape of the
-// loop gives the same bits. No lane-divergent branch sits between a group's loads (with one, the compiler
-// converted each choice's values before it issued the next choice's loads, one choice in flight): a
-// dropped choice (row -1) loads row 0 and leaves the sum as it was, a column past H loads column 0 and is
-// never stored; only the choices past k are skipped, warp-uniformly. `loads_issued()` runs once the
-// first group's loads are issued, before anything waits for them.
-template <typename Element, int kParts, int kGroup, typename Hook>
+// One warp's share of a token's combine: columns c0 + lane * 8 (256 in all) of y[token], from the token's
+// k choices (lane j holds choice j's row and weight, k <= 32), kGroup choices' loads in flight before any
+// is summed. The sum is in choice order whatever kGroup is, so the bits are the same as the staged path's.
+// No lane-divergent branch sits between a group's loads (with one, the compiler converted each choice's
+// values before it issued the next choice's loads, one choice in flight): a dropped choice (row -1) loads
+// row 0 and leaves the sum as it was, a column past H loads column 0 and is never stored; only the choices
+// past k are skipped, warp-uniformly. `loads_issued()` runs once the first group's loads are issued,
+// before anything waits for them.
+template <typename Element, int kGroup, typename Hook>
 __device__ __forceinline__ void combine_chunk(const MoEParams& p, const Element* comb, Element* y, int token, int c0,
                                               int my_row, float my_weight, Hook&& loads_issued) {
   const int H = p.hidden, k = p.top_k, lane = threadIdx.x & 31;
-  int c[kParts];
+  const int c = c0 + lane * 8;
+  float acc[8];
 #pragma unroll
-  for (int u = 0; u < kParts; ++u) c[u] = c0 + u * 32 * 8 + lane * 8;
-  float acc[kParts][8];
-#pragma unroll
-  for (int u = 0; u < kParts; ++u)
-#pragma unroll
-    for (int i = 0; i < 8; ++i) acc[u][i] = 0.f;
+  for (int i = 0; i < 8; ++i) acc[i] = 0.f;
   for (int j0 = 0; j0 < k; j0 += kGroup) {
     int row[kGroup];
     float w[kGroup];
@@ -47,13 +45,12 @@ __device__ __forceinline__ void combine_chunk(const MoEParams& p, const Element*
       row[q] = __shfl_sync(0xffffffffu, my_row, j);
       w[q] = __shfl_sync(0xffffffffu, my_weight, j);
     }
-    Pack8<Element> raw[kGroup][kParts];
+    Pack8<Element> raw[kGroup];
 #pragma unroll
     for (int q = 0; q < kGroup; ++q) {
       if (j0 + q >= k) break;
       const Element* src = comb + static_cast<size_t>(max(row[q], 0)) * H;
-#pragma unroll
-      for (int u = 0; u < kParts; ++u) raw[q][u] = load_pack8_cg(src + (c[u] < H ? c[u] : 0));
+      raw[q] = load_pack8_cg(src + (c < H ? c : 0));
     }
     if (j0 == 0) loads_issued();
 #pragma unroll
@@ -61,22 +58,17 @@ __device__ __forceinline__ void combine_chunk(const MoEParams& p, const Element*
       if (j0 + q >= k) break;
       const bool kept = row[q] >= 0;
 #pragma unroll
-      for (int u = 0; u < kParts; ++u)
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          const float sum = fmaf(w[q], static_cast<float>(raw[q][u].v[i]), acc[u][i]);
-          acc[u][i] = kept ? sum : acc[u][i];
-        }
+      for (int i = 0; i < 8; ++i) {
+        const float sum = fmaf(w[q], static_cast<float>(raw[q].v[i]), acc[i]);
+        acc[i] = kept ? sum : acc[i];
+      }
     }
   }
+  if (c >= H) return;
+  Pack8<Element> pack;
 #pragma unroll
-  for (int u = 0; u < kParts; ++u) {
-    if (c[u] >= H) continue;
-    Pack8<Element> pack;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) pack.v[i] = static_cast<Element>(acc[u][i]);
-    *reinterpret_cast<Pack8<Element>*>(y + static_cast<size_t>(token) * H + c[u]) = pack;
-  }
+  for (int i = 0; i < 8; ++i) pack.v[i] = static_cast<Element>(acc[i]);
+  *reinterpret_cast<Pack8<Element>*>(y + static_cast<size_t>(token) * H + c) = pack;
 }
 
 // One item of the combine as lane j holds it: the token, the first column, and choice j's stream row to
@@ -125,19 +117,19 @@ struct WarpItems {
   }
 };
 
-// The rank's tokens over every warp of the rank, one warp per (token, chunk of columns), from registers. A
-// warp's routing runs two items ahead: after this item's rows it loads the routing of the item after next,
-// so an item waits for one round trip to memory, not two.
-template <typename Element, int kParts, int kGroup>
+// The rank's tokens over every warp of the rank, one warp per (token, 256 columns), from registers. A warp's
+// routing runs two items ahead: after this item's rows it loads the routing of the item after next, so an
+// item waits for one round trip to memory, not two.
+template <typename Element, int kGroup>
 __device__ __forceinline__ void combine_token_chunks(const MoEParams& p) {
   const Element* comb = static_cast<const Element*>(p.peers[p.rank].comb);
   Element* y = static_cast<Element*>(p.y);
-  WarpItems items(p, kParts * 32 * 8);
+  WarpItems items(p, kCombinePart);
   CombineItem mine = items.take(p);
   CombineItem next = items.take(p);
   while (mine.token < p.tokens) {
     CombineItem later;
-    combine_chunk<Element, kParts, kGroup>(p, comb, y, mine.token, mine.c0, comb_row(p, mine), mine.weight, [&] {
+    combine_chunk<Element, kGroup>(p, comb, y, mine.token, mine.c0, comb_row(p, mine), mine.weight, [&] {
       asm volatile("" ::: "memory");  // issued after this item's rows: a wait for either then waits for both
       later = items.take(p);
     });
@@ -156,7 +148,6 @@ __device__ __forceinline__ void combine_token_chunks(const MoEParams& p) {
 // register loads were 15% slower with k = 8 and 0-10% with k = 2 (docs/perf-notes.md). The sum is the
 // same as combine_chunk's (fmaf in choice order, dropped choices skipped), so the bits are too.
 constexpr int kCombineDepth = 4;
-constexpr int kCombinePart = 32 * 8;  // columns a warp sums per step: 8 per lane
 
 struct CombineStages {
   int parts;        // kCombinePart-column steps per item (the last item of a token may need fewer)
@@ -280,7 +271,7 @@ __device__ void combine_tokens(const MoEParams& p, char* smem, int scratch_bytes
   if (wide_items >= warps && combine_stages<Element>(p, scratch_bytes, stages))
     combine_staged<Element>(p, smem, stages);
   else
-    combine_token_chunks<Element, 1, kSmallGroup>(p);
+    combine_token_chunks<Element, kSmallGroup>(p);
 }
 
 }  // namespace flashdmoe
