@@ -41,6 +41,14 @@ BATCH, PROMPT, NEW_TOKENS = 2, 8, 8
 ATTEMPTS = 20  # prompts drawn before a test gives up on finding one without near-ties
 
 
+def _transformers_class(name: str):
+    """A transformers class the installed release may lack (families newer than 5.0): skip the case then."""
+    found = getattr(transformers, name, None)
+    if found is None:
+        pytest.skip(f"transformers {transformers.__version__} has no {name}")
+    return found
+
+
 def _config(family: str, *, layers: int = LAYERS, hidden: int = HIDDEN, intermediate: int = INTERMEDIATE):
     common = dict(vocab_size=VOCAB, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=64, eos_token_id=None, pad_token_id=0,
@@ -58,16 +66,36 @@ def _config(family: str, *, layers: int = LAYERS, hidden: int = HIDDEN, intermed
                                            moe_intermediate_size=intermediate, num_experts=EXPERTS,
                                            num_experts_per_tok=4, head_dim=16,
                                            norm_topk_prob=family == "qwen3_moe")
+    if family == "qwen3_next":  # shared expert, renormalised; full attention only (the MoE block is what counts)
+        config = _transformers_class("Qwen3NextConfig")
+        return config(**common, intermediate_size=intermediate, moe_intermediate_size=intermediate,
+                      shared_expert_intermediate_size=intermediate, num_experts=EXPERTS, num_experts_per_tok=4,
+                      norm_topk_prob=True, head_dim=16, layer_types=["full_attention"] * layers,
+                      decoder_sparse_step=1, mlp_only_layers=[])
+    if family == "qwen3_5_moe":  # shared expert, always renormalised
+        config = _transformers_class("Qwen3_5MoeTextConfig")
+        return config(**common, moe_intermediate_size=intermediate, shared_expert_intermediate_size=intermediate,
+                      num_experts=EXPERTS, num_experts_per_tok=4, head_dim=16, layer_types=["full_attention"] * layers)
     if family == "olmoe":
         return transformers.OlmoeConfig(**common, intermediate_size=intermediate, num_experts=EXPERTS,
                                         num_experts_per_tok=2, norm_topk_prob=False)
+    if family == "flex_olmo":
+        config = _transformers_class("FlexOlmoConfig")
+        return config(**common, intermediate_size=intermediate, num_experts=EXPERTS, num_experts_per_tok=2,
+                      norm_topk_prob=False)
+    if family == "minimax":  # always renormalised; full attention only
+        config = _transformers_class("MiniMaxConfig")
+        return config(**common, intermediate_size=intermediate, num_local_experts=EXPERTS, num_experts_per_tok=2,
+                      head_dim=16, layer_types=["full_attention"] * layers)
     raise AssertionError(family)
 
 
-FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "qwen3_moe-plain", "olmoe"]
+FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "qwen3_moe-plain", "qwen3_next", "qwen3_5_moe", "olmoe", "flex_olmo",
+            "minimax"]
 BLOCKS = {"mixtral": "MixtralSparseMoeBlock", "qwen2_moe": "Qwen2MoeSparseMoeBlock",
           "qwen3_moe": "Qwen3MoeSparseMoeBlock", "qwen3_moe-plain": "Qwen3MoeSparseMoeBlock",
-          "olmoe": "OlmoeSparseMoeBlock"}
+          "qwen3_next": "Qwen3NextSparseMoeBlock", "qwen3_5_moe": "Qwen3_5MoeSparseMoeBlock",
+          "olmoe": "OlmoeSparseMoeBlock", "flex_olmo": "FlexOlmoSparseMoeBlock", "minimax": "MiniMaxSparseMoeBlock"}
 
 
 def _model(family: str, seed: int, **sizes) -> nn.Module:
@@ -299,6 +327,91 @@ def test_relayout_for_the_kernel_keeps_values_shapes_and_identity(seed, tmp_path
     model.save_pretrained(tmp_path)  # a re-laid model still saves as a standard checkpoint
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
     assert torch.equal(reloaded.model.layers[0].mlp.experts.gate_up_proj, before["gate_up_proj"][1])
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The text MoE blocks of multimodal models, one block at a time
+# ----------------------------------------------------------------------------------------------------------
+#
+# Qwen3-VL-MoE's and Qwen3-Omni-MoE's models need their vision and audio towers to run; their text blocks
+# are what patch_moe replaces, so each is checked on its own: output and gradients (of the input and of
+# every parameter) against the unmodified block, in float32 on CPU. One block: GEMM1 over H, GEMM2 over
+# I and the combine over k in other orders (depth 3); its backward adds three more (depth 6, over
+# max(H, 2I, E, T) terms).
+
+
+def _multimodal_block(kind: str) -> nn.Module:
+    omni_config = pytest.importorskip("transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe")
+    omni = pytest.importorskip("transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe")
+    vl_config = pytest.importorskip("transformers.models.qwen3_vl_moe.configuration_qwen3_vl_moe")
+    vl = pytest.importorskip("transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe")
+
+    sizes = dict(hidden_size=HIDDEN, moe_intermediate_size=INTERMEDIATE, num_experts=EXPERTS, num_experts_per_tok=4,
+                 hidden_act="silu")
+    if kind == "qwen3_vl_moe":  # always renormalised
+        config, block = vl_config.Qwen3VLMoeTextConfig(**sizes), vl.Qwen3VLMoeTextSparseMoeBlock
+    elif kind == "qwen3_omni_thinker":
+        config, block = omni_config.Qwen3OmniMoeTextConfig(**sizes, norm_topk_prob=False), \
+            omni.Qwen3OmniMoeThinkerTextSparseMoeBlock
+    elif kind == "qwen3_omni_talker":  # shared expert with its sigmoid gate
+        config = omni_config.Qwen3OmniMoeTalkerTextConfig(**sizes, norm_topk_prob=True,
+                                                          shared_expert_intermediate_size=INTERMEDIATE)
+        block = omni.Qwen3OmniMoeTalkerTextSparseMoeBlock
+    else:
+        raise AssertionError(kind)
+    config._experts_implementation = "eager"  # what a loaded model dispatches to by default
+    return block(config)
+
+
+class _Layer(nn.Module):
+    """A decoder layer's place for the block: patch_moe replaces ``mlp``."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.mlp = block
+
+    def forward(self, x):
+        return self.mlp(x)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_vl_moe", "qwen3_omni_thinker", "qwen3_omni_talker"])
+def test_multimodal_text_block_matches(seed, kind):
+    layer = _Layer(_multimodal_block(kind))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():  # built outside a model, the block has no initialised weights: draw them
+        for name, parameter in layer.named_parameters():
+            fan_in = parameter.shape[-1]
+            parameter.copy_(torch.randn(parameter.shape, generator=generator) / fan_in ** 0.5)
+    patched = copy.deepcopy(layer)
+    assert hf.patch_moe(patched) == ["mlp"]
+    assert isinstance(patched.mlp, hf.FlashDMoEBlock) and patched.mlp.replaced == type(layer.mlp).__name__
+    assert list(patched.state_dict()) == list(layer.state_dict())
+    margin = lambda index, x, weight: (2 * numerics.reorder_tolerance(torch.float32, HIDDEN) * x.norm(dim=1)
+                                       * weight.norm(dim=1).max())
+    for _ in range(ATTEMPTS):
+        x = torch.randn(BATCH, PROMPT, HIDDEN, generator=generator)
+        clear, _ = _routing_clear(layer, lambda: layer(x), margin)
+        if clear:
+            break
+    else:
+        pytest.fail(f"no input among {ATTEMPTS} drawn from seed {seed} routes without a near-tie")
+    dy = torch.randn(BATCH, PROMPT, HIDDEN, generator=generator)
+    results = []
+    for run in (layer, patched):
+        xs = x.clone().requires_grad_(True)
+        y = run(xs)
+        (y * dy).sum().backward()
+        results.append((y.detach(), xs.grad, {name: p.grad for name, p in run.named_parameters()}))
+    (want_y, want_dx, want_grads), (got_y, got_dx, got_grads) = results
+    assert_normwise_close(got_y, want_y, numerics.reorder_tolerance(torch.float32, max(HIDDEN, INTERMEDIATE), depth=3),
+                          "output")
+    tolerance = numerics.reorder_tolerance(torch.float32, max(HIDDEN, 2 * INTERMEDIATE, EXPERTS, BATCH * PROMPT),
+                                           depth=6)
+    assert_normwise_close(got_dx, want_dx, tolerance, "grad of the input")
+    assert want_grads.keys() == got_grads.keys()
+    for name, grad in want_grads.items():
+        assert grad is not None and got_grads[name] is not None, name
+        assert_normwise_close(got_grads[name], grad, tolerance, f"grad of {name}")
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -10,7 +10,9 @@ hold their experts as two fused 3-D parameters and route in a ``TopKRouter`` sub
 (one ``nn.Linear`` per expert projection, routing inline) are not handled.
 
 Replaced: the blocks whose routing is flashdmoe's (softmax top-k, renormalised or not) into SwiGLU experts
--- Mixtral, Qwen2-MoE (its shared expert kept), Qwen3-MoE, OLMoE. Any other block holding ``experts``
+-- Mixtral, Qwen2-MoE, Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE, the text blocks of Qwen3-VL-MoE and Qwen3-Omni-MoE
+(thinker and talker), OLMoE, FlexOlmo, MiniMax; a shared expert with its sigmoid gate (Qwen2-MoE,
+Qwen3-Next, Qwen3.5-MoE, the Omni talker) is kept. Any other block holding ``experts``
 (DeepSeek-V3's sigmoid scores with a correction bias and group-limited top-k, GPT-OSS, ...) is refused
 with what differs named, and nothing is patched. The replacement holds the original submodules, so
 parameter names, ``state_dict`` keys and the parameter objects are unchanged; the experts are read as
@@ -53,8 +55,24 @@ _FAMILIES = {
                                       "Qwen2MoeTopKRouter", "Qwen2MoeExperts", "norm_topk_prob", True),
     "Qwen3MoeSparseMoeBlock": _Family("Qwen3-MoE", "transformers.models.qwen3_moe.modeling_qwen3_moe",
                                       "Qwen3MoeTopKRouter", "Qwen3MoeExperts", "norm_topk_prob", False),
+    "Qwen3NextSparseMoeBlock": _Family("Qwen3-Next", "transformers.models.qwen3_next.modeling_qwen3_next",
+                                       "Qwen3NextTopKRouter", "Qwen3NextExperts", "norm_topk_prob", True),
+    "Qwen3_5MoeSparseMoeBlock": _Family("Qwen3.5-MoE", "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe",
+                                        "Qwen3_5MoeTopKRouter", "Qwen3_5MoeExperts", None, True),
+    "Qwen3VLMoeTextSparseMoeBlock": _Family("Qwen3-VL-MoE", "transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe",
+                                            "Qwen3VLMoeTextTopKRouter", "Qwen3VLMoeTextExperts", None, False),
+    "Qwen3OmniMoeThinkerTextSparseMoeBlock": _Family(
+        "Qwen3-Omni-MoE thinker", "transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe",
+        "Qwen3OmniMoeThinkerTextTopKRouter", "Qwen3OmniMoeThinkerTextExperts", "norm_topk_prob", False),
+    "Qwen3OmniMoeTalkerTextSparseMoeBlock": _Family(
+        "Qwen3-Omni-MoE talker", "transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe",
+        "Qwen3OmniMoeTalkerTextTopKRouter", "Qwen3OmniMoeTalkerTextExperts", "norm_topk_prob", True),
     "OlmoeSparseMoeBlock": _Family("OLMoE", "transformers.models.olmoe.modeling_olmoe",
                                    "OlmoeTopKRouter", "OlmoeExperts", "norm_topk_prob", False),
+    "FlexOlmoSparseMoeBlock": _Family("FlexOlmo", "transformers.models.flex_olmo.modeling_flex_olmo",
+                                      "FlexOlmoTopKRouter", "FlexOlmoExperts", "norm_topk_prob", False),
+    "MiniMaxSparseMoeBlock": _Family("MiniMax", "transformers.models.minimax.modeling_minimax",
+                                     "MiniMaxTopKRouter", "MiniMaxExperts", None, False),
 }
 
 _CONTRACT = ("flashdmoe routes with softmax(x @ router.T), a top-k and the k weights renormalised or not, "
@@ -114,7 +132,7 @@ class FlashDMoEBlock(nn.Module):
     """A transformers sparse MoE block computed by flashdmoe (made by :func:`patch_moe`).
 
     Holds the original block's ``gate`` and ``experts`` (and ``shared_expert``, ``shared_expert_gate``
-    for Qwen2-MoE). ``forward(hidden_states [B, S, H]) -> [B, S, H]``: the routed experts through
+    where the family has them). ``forward(hidden_states [B, S, H]) -> [B, S, H]``: the routed experts through
     :func:`flashdmoe.ops.moe` (or :func:`flashdmoe.reference.moe` for ``backend="reference"`` on CUDA),
     plus ``sigmoid(shared_expert_gate(x)) * shared_expert(x)`` where the original adds it.
     """
