@@ -87,15 +87,30 @@ def _config(family: str, *, layers: int = LAYERS, hidden: int = HIDDEN, intermed
         config = _transformers_class("MiniMaxConfig")
         return config(**common, intermediate_size=intermediate, num_local_experts=EXPERTS, num_experts_per_tok=2,
                       head_dim=16, layer_types=["full_attention"] * layers)
+    if family in ("granitemoe", "granitemoeshared", "granitemoehybrid"):  # softmax over the top-k logits
+        config = _transformers_class({"granitemoe": "GraniteMoeConfig", "granitemoeshared": "GraniteMoeSharedConfig",
+                                      "granitemoehybrid": "GraniteMoeHybridConfig"}[family])
+        extra = {} if family == "granitemoe" else {"shared_intermediate_size": intermediate}
+        if family == "granitemoehybrid":
+            extra["layer_types"] = ["attention"] * layers  # no Mamba layers
+        return config(**common, intermediate_size=intermediate, num_local_experts=EXPERTS, num_experts_per_tok=2,
+                      **extra)
     raise AssertionError(family)
 
 
 FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "qwen3_moe-plain", "qwen3_next", "qwen3_5_moe", "olmoe", "flex_olmo",
-            "minimax"]
+            "minimax", "granitemoe", "granitemoeshared", "granitemoehybrid"]
 BLOCKS = {"mixtral": "MixtralSparseMoeBlock", "qwen2_moe": "Qwen2MoeSparseMoeBlock",
           "qwen3_moe": "Qwen3MoeSparseMoeBlock", "qwen3_moe-plain": "Qwen3MoeSparseMoeBlock",
           "qwen3_next": "Qwen3NextSparseMoeBlock", "qwen3_5_moe": "Qwen3_5MoeSparseMoeBlock",
-          "olmoe": "OlmoeSparseMoeBlock", "flex_olmo": "FlexOlmoSparseMoeBlock", "minimax": "MiniMaxSparseMoeBlock"}
+          "olmoe": "OlmoeSparseMoeBlock", "flex_olmo": "FlexOlmoSparseMoeBlock", "minimax": "MiniMaxSparseMoeBlock",
+          "granitemoe": "GraniteMoeMoE", "granitemoeshared": "GraniteMoeSharedMoE",
+          "granitemoehybrid": "GraniteMoeHybridMoE"}
+
+
+def _block_attr(family: str) -> str:
+    """The decoder layer's name for its MoE block."""
+    return "block_sparse_moe" if family.startswith("granite") else "mlp"
 
 
 def _model(family: str, seed: int, **sizes) -> nn.Module:
@@ -127,7 +142,7 @@ def _routing_clear(model: nn.Module, run, margin_at):
             if k < weight.shape[0]:
                 top = (x @ weight.T).topk(k + 1, dim=-1).values
                 clear[0] &= bool((top[:, k - 1] - top[:, k] > margin_at(index, x, weight)).all())
-        handles.append(block.gate.register_forward_pre_hook(look))
+        handles.append(block._modules[hf._family_of(block).router_attr].register_forward_pre_hook(look))
     try:
         result = run()
     finally:
@@ -205,7 +220,7 @@ def test_weights_are_kept_not_copied(seed, family):
     originals = dict(model.named_parameters())
     keys = list(model.state_dict())
     replaced = hf.patch_moe(model)
-    assert replaced == [f"model.layers.{i}.mlp" for i in range(LAYERS)]
+    assert replaced == [f"model.layers.{i}.{_block_attr(family)}" for i in range(LAYERS)]
     assert list(model.state_dict()) == keys
     assert all(parameter is originals[name] for name, parameter in model.named_parameters())
     for name in replaced:
@@ -499,8 +514,8 @@ def _gpu_patched_pair(family, seed, dtype):
     extension.load()  # a build failure on the GPU machine is a failure, not a skip
     model = _model(family, seed, layers=1).to(device="cuda", dtype=dtype)
     patched = copy.deepcopy(model)
-    assert hf.patch_moe(patched, backend="cuda") == ["model.layers.0.mlp"]
-    block = patched.model.layers[0].mlp
+    assert hf.patch_moe(patched, backend="cuda") == [f"model.layers.0.{_block_attr(family)}"]
+    block = getattr(patched.model.layers[0], _block_attr(family))
     assert block.kernel and block.experts.gate_up_proj.transpose(1, 2).is_contiguous()
     return model, patched
 
@@ -553,7 +568,7 @@ def test_gpu_float32_logits_generation_and_gradients(seed, family):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_gpu_bfloat16_logits(seed, family):
     model, patched = _gpu_patched_pair(family, seed, torch.bfloat16)
-    top_k = patched.model.layers[0].mlp.top_k
+    top_k = getattr(patched.model.layers[0], _block_attr(family)).top_k
     tolerance = numerics.kernel_tolerance(torch.bfloat16) + numerics.rounding_tolerance(torch.bfloat16, 4 + top_k)
     unit = numerics.precision(torch.bfloat16).unit_roundoff
 

@@ -11,7 +11,7 @@ hold their experts as two fused 3-D parameters and route in a ``TopKRouter`` sub
 
 Replaced: the blocks whose routing is flashdmoe's (softmax top-k, renormalised or not) into SwiGLU experts
 -- Mixtral, Qwen2-MoE, Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE, the text blocks of Qwen3-VL-MoE and Qwen3-Omni-MoE
-(thinker and talker), OLMoE, FlexOlmo, MiniMax; a shared expert with its sigmoid gate (Qwen2-MoE,
+(thinker and talker), OLMoE, FlexOlmo, MiniMax, Granite-MoE (plain, shared, hybrid); a shared expert with its sigmoid gate (Qwen2-MoE,
 Qwen3-Next, Qwen3.5-MoE, the Omni talker) is kept. Any other block holding ``experts``
 (DeepSeek-V3's sigmoid scores with a correction bias and group-limited top-k, GPT-OSS, ...) is refused
 with what differs named, and nothing is patched. The replacement holds the original submodules, so
@@ -46,6 +46,7 @@ class _Family:
     experts: str
     renormalise: str | None  # the router attribute that says whether the top-k are renormalised; None: always
     shared_expert: bool
+    router_attr: str = "gate"  # the block's name for its router submodule
 
 
 _FAMILIES = {
@@ -73,6 +74,16 @@ _FAMILIES = {
                                       "FlexOlmoTopKRouter", "FlexOlmoExperts", "norm_topk_prob", False),
     "MiniMaxSparseMoeBlock": _Family("MiniMax", "transformers.models.minimax.modeling_minimax",
                                      "MiniMaxTopKRouter", "MiniMaxExperts", None, False),
+    # Granite: softmax over the top-k logits, which is the top-k of the softmax renormalised; the shared MLP
+    # (GraniteMoeShared, GraniteMoeHybrid) sits in the decoder layer, outside the block.
+    "GraniteMoeMoE": _Family("Granite-MoE", "transformers.models.granitemoe.modeling_granitemoe",
+                             "GraniteMoeTopKRouter", "GraniteMoeExperts", None, False, "router"),
+    "GraniteMoeSharedMoE": _Family(
+        "Granite-MoE-Shared", "transformers.models.granitemoeshared.modeling_granitemoeshared",
+        "GraniteMoeSharedTopKRouter", "GraniteMoeSharedExperts", None, False, "router"),
+    "GraniteMoeHybridMoE": _Family(
+        "Granite-MoE-Hybrid", "transformers.models.granitemoehybrid.modeling_granitemoehybrid",
+        "GraniteMoeHybridTopKRouter", "GraniteMoeHybridExperts", None, False, "router"),
 }
 
 _CONTRACT = ("flashdmoe routes with softmax(x @ router.T), a top-k and the k weights renormalised or not, "
@@ -131,8 +142,8 @@ def _router_logits_recorded() -> bool:
 class FlashDMoEBlock(nn.Module):
     """A transformers sparse MoE block computed by flashdmoe (made by :func:`patch_moe`).
 
-    Holds the original block's ``gate`` and ``experts`` (and ``shared_expert``, ``shared_expert_gate``
-    where the family has them). ``forward(hidden_states [B, S, H]) -> [B, S, H]``: the routed experts through
+    Holds the original block's router (``gate``, or ``router`` for Granite) and ``experts`` (and
+    ``shared_expert``, ``shared_expert_gate`` where the family has them). ``forward(hidden_states [B, S, H]) -> [B, S, H]``: the routed experts through
     :func:`flashdmoe.ops.moe` (or :func:`flashdmoe.reference.moe` for ``backend="reference"`` on CUDA),
     plus ``sigmoid(shared_expert_gate(x)) * shared_expert(x)`` where the original adds it.
     """
@@ -144,7 +155,8 @@ class FlashDMoEBlock(nn.Module):
         self.has_shared_expert = family.shared_expert
         self.family = family.name
         self.replaced = type(block).__name__
-        self.top_k = int(block.gate.top_k)
+        self.router_attr = family.router_attr
+        self.top_k = int(self.router.top_k)
         self.normalize_topk = normalize_topk
         self.jitter_noise = float(getattr(block, "jitter_noise", 0.0) or 0.0)
         self.backend = backend
@@ -157,22 +169,28 @@ class FlashDMoEBlock(nn.Module):
             noise = torch.empty_like(hidden_states).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
             hidden_states = hidden_states * noise
         x = hidden_states.reshape(-1, shape[-1])
+        router = self.router
         if _router_logits_recorded():
-            self.gate(x)  # for transformers' hooks (router logits, load-balancing loss); its routing is unused
+            router(x)  # for transformers' hooks (router logits, load-balancing loss); its routing is unused
         # transformers computes chunk(x @ gate_up_proj[e].T, 2) = (gate, up): w1 [E, H, 2I], gate half first
         w1 = self.experts.gate_up_proj.transpose(1, 2)
         w2 = self.experts.down_proj.transpose(1, 2)
         options = dict(top_k=self.top_k, activation="swiglu", normalize_topk=self.normalize_topk)
         if x.is_cuda and not self.kernel:
-            y = reference.moe(x, self.gate.weight, w1, w2, **options)
+            y = reference.moe(x, router.weight, w1, w2, **options)
         else:
-            y = ops.moe(x, self.gate.weight, w1, w2, **options)
+            y = ops.moe(x, router.weight, w1, w2, **options)
         if self.has_shared_expert:
             y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return y.reshape(shape)
 
+    @property
+    def router(self) -> nn.Module:
+        """The original block's router module (held under its original name)."""
+        return self._modules[self.router_attr]
+
     def extra_repr(self) -> str:
-        return (f"family={self.family}, replaced={self.replaced}, experts={self.gate.weight.shape[0]}, "
+        return (f"family={self.family}, replaced={self.replaced}, experts={self.router.weight.shape[0]}, "
                 f"top_k={self.top_k}, normalize_topk={self.normalize_topk}, backend={self.backend}, "
                 f"kernel={self.kernel}")
 
@@ -243,18 +261,19 @@ def _check_supported(name: str, block: nn.Module, family: _Family) -> bool:
     """Structural checks of a block of a supported family; returns whether it renormalises its top-k.
     Raises ValueError naming the block and what differs from the layout this module reads."""
     where = f"{name} ({type(block).__name__})"
-    gate, experts = block._modules.get("gate"), block._modules.get("experts")
+    router = family.router_attr
+    gate, experts = block._modules.get(router), block._modules.get("experts")
     if type(gate).__name__ != family.router or type(experts).__name__ != family.experts:
-        raise ValueError(f"{where}: expected gate {family.router} and experts {family.experts}, found "
+        raise ValueError(f"{where}: expected {router} {family.router} and experts {family.experts}, found "
                          f"{type(gate).__name__} and {type(experts).__name__}")
     gate_params = {n for n, _ in gate.named_parameters(recurse=False)}
     expert_params = {n for n, _ in experts.named_parameters(recurse=False)}
     if gate_params != {"weight"} or expert_params != {"gate_up_proj", "down_proj"}:
-        raise ValueError(f"{where}: expected gate parameters {{'weight'}} and expert parameters "
+        raise ValueError(f"{where}: expected {router} parameters {{'weight'}} and expert parameters "
                          f"{{'gate_up_proj', 'down_proj'}} (no biases), found {gate_params} and {expert_params}")
     router_weight, gate_up, down = gate.weight, experts.gate_up_proj, experts.down_proj
     if router_weight.dim() != 2 or gate_up.dim() != 3 or down.dim() != 3:
-        raise ValueError(f"{where}: expected gate.weight [E, H], experts.gate_up_proj [E, 2I, H] and "
+        raise ValueError(f"{where}: expected {router}.weight [E, H], experts.gate_up_proj [E, 2I, H] and "
                          f"experts.down_proj [E, H, I], found {list(router_weight.shape)}, {list(gate_up.shape)} "
                          f"and {list(down.shape)}")
     num_experts, hidden = router_weight.shape
@@ -263,14 +282,14 @@ def _check_supported(name: str, block: nn.Module, family: _Family) -> bool:
             num_experts, hidden, intermediate):
         raise ValueError(f"{where}: expected experts.gate_up_proj [E={num_experts}, 2I, H={hidden}] and "
                          f"experts.down_proj [E, H, I], found {list(gate_up.shape)} and {list(down.shape)}")
-    tensors = {"gate.weight": router_weight, "experts.gate_up_proj": gate_up, "experts.down_proj": down}
+    tensors = {f"{router}.weight": router_weight, "experts.gate_up_proj": gate_up, "experts.down_proj": down}
     if len({(t.dtype, t.device) for t in tensors.values()}) != 1 or router_weight.is_meta:
         found = ", ".join(f"{n} {t.dtype} on {t.device}" for n, t in tensors.items())
         raise ValueError(f"{where}: flashdmoe needs the router and the experts in one dtype on one device, "
                          f"resident (not offloaded to the meta device); {found}")
     top_k = getattr(gate, "top_k", None)
     if not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
-        raise ValueError(f"{where}: gate.top_k={top_k!r}; expected an int in [1, {num_experts}]")
+        raise ValueError(f"{where}: {router}.top_k={top_k!r}; expected an int in [1, {num_experts}]")
     if not _silu(experts.act_fn):
         raise ValueError(f"{where}: the experts' activation {type(experts.act_fn).__name__} is not silu; "
                          "flashdmoe's swiglu is silu(gate) * up")
@@ -278,7 +297,7 @@ def _check_supported(name: str, block: nn.Module, family: _Family) -> bool:
         return True
     value = getattr(gate, family.renormalise, None)
     if not isinstance(value, bool):
-        raise ValueError(f"{where}: gate.{family.renormalise}={value!r}; expected True or False")
+        raise ValueError(f"{where}: {router}.{family.renormalise}={value!r}; expected True or False")
     return value
 
 
@@ -343,7 +362,7 @@ def patch_moe(model: nn.Module, *, backend: str = "auto") -> list[str]:
         raise ValueError(f"model ({type(model).__name__}): no sparse MoE block found; {_CONTRACT}")
     replaced = []
     for name, block, family, normalize_topk in plan:
-        kernel = resolve_backend(block.gate.weight, backend) == "cuda"
+        kernel = resolve_backend(block._modules[family.router_attr].weight, backend) == "cuda"
         if kernel:
             _relayout_for_kernel(block.experts)
         parent_name, _, child = name.rpartition(".")
