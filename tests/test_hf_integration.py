@@ -87,6 +87,11 @@ def _config(family: str, *, layers: int = LAYERS, hidden: int = HIDDEN, intermed
         config = _transformers_class("MiniMaxConfig")
         return config(**common, intermediate_size=intermediate, num_local_experts=EXPERTS, num_experts_per_tok=2,
                       head_dim=16, layer_types=["full_attention"] * layers)
+    if family.startswith("cohere2_moe"):  # softmax over the top-k logits; shared experts averaged or summed in
+        config = _transformers_class("Cohere2MoeConfig")
+        return config(**common, intermediate_size=intermediate, num_experts=EXPERTS, num_experts_per_tok=2,
+                      head_dim=16, layer_types=["full_attention"] * layers, num_shared_experts=1,
+                      shared_expert_combination_strategy="sum" if family == "cohere2_moe-sum" else "average")
     if family in ("granitemoe", "granitemoeshared", "granitemoehybrid"):  # softmax over the top-k logits
         config = _transformers_class({"granitemoe": "GraniteMoeConfig", "granitemoeshared": "GraniteMoeSharedConfig",
                                       "granitemoehybrid": "GraniteMoeHybridConfig"}[family])
@@ -99,13 +104,14 @@ def _config(family: str, *, layers: int = LAYERS, hidden: int = HIDDEN, intermed
 
 
 FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "qwen3_moe-plain", "qwen3_next", "qwen3_5_moe", "olmoe", "flex_olmo",
-            "minimax", "granitemoe", "granitemoeshared", "granitemoehybrid"]
+            "minimax", "granitemoe", "granitemoeshared", "granitemoehybrid", "cohere2_moe", "cohere2_moe-sum"]
 BLOCKS = {"mixtral": "MixtralSparseMoeBlock", "qwen2_moe": "Qwen2MoeSparseMoeBlock",
           "qwen3_moe": "Qwen3MoeSparseMoeBlock", "qwen3_moe-plain": "Qwen3MoeSparseMoeBlock",
           "qwen3_next": "Qwen3NextSparseMoeBlock", "qwen3_5_moe": "Qwen3_5MoeSparseMoeBlock",
           "olmoe": "OlmoeSparseMoeBlock", "flex_olmo": "FlexOlmoSparseMoeBlock", "minimax": "MiniMaxSparseMoeBlock",
           "granitemoe": "GraniteMoeMoE", "granitemoeshared": "GraniteMoeSharedMoE",
-          "granitemoehybrid": "GraniteMoeHybridMoE"}
+          "granitemoehybrid": "GraniteMoeHybridMoE", "cohere2_moe": "Cohere2MoeSparseMoeBlock",
+          "cohere2_moe-sum": "Cohere2MoeSparseMoeBlock"}
 
 
 def _block_attr(family: str) -> str:
@@ -485,6 +491,17 @@ def test_backend_argument(seed):
     with pytest.raises(BackendUnavailable, match="CUDA"):
         hf.patch_moe(model, backend="cuda")  # CPU parameters: the kernel cannot run them
     assert hf.patch_moe(model, backend="reference") == ["model.layers.0.mlp", "model.layers.1.mlp"]
+
+
+def test_cohere2_sigmoid_selection_is_refused(seed):
+    config = _config("cohere2_moe")
+    config.expert_selection_fn = "sigmoid"
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with pytest.raises(ValueError, match=r"gate\.expert_selection_fn='sigmoid'; flashdmoe's routing is the "
+                                         r"expert_selection_fn='softmax' one"):
+        hf.patch_moe(model)
+    assert not any(isinstance(m, hf.FlashDMoEBlock) for m in model.modules())
 
 
 def test_activation_other_than_silu_is_refused(seed):

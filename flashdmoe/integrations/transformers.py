@@ -11,8 +11,9 @@ hold their experts as two fused 3-D parameters and route in a ``TopKRouter`` sub
 
 Replaced: the blocks whose routing is flashdmoe's (softmax top-k, renormalised or not) into SwiGLU experts
 -- Mixtral, Qwen2-MoE, Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE, the text blocks of Qwen3-VL-MoE and Qwen3-Omni-MoE
-(thinker and talker), OLMoE, FlexOlmo, MiniMax, Granite-MoE (plain, shared, hybrid); a shared expert with its sigmoid gate (Qwen2-MoE,
-Qwen3-Next, Qwen3.5-MoE, the Omni talker) is kept. Any other block holding ``experts``
+(thinker and talker), OLMoE, FlexOlmo, MiniMax, Granite-MoE (plain, shared, hybrid), Cohere2-MoE (its
+softmax selection); a shared expert (the Qwen families' sigmoid-gated one, Cohere2-MoE's summed or averaged
+one) is kept. Any other block holding ``experts``
 (DeepSeek-V3's sigmoid scores with a correction bias and group-limited top-k, GPT-OSS, ...) is refused
 with what differs named, and nothing is patched. The replacement holds the original submodules, so
 parameter names, ``state_dict`` keys and the parameter objects are unchanged; the experts are read as
@@ -45,45 +46,54 @@ class _Family:
     router: str
     experts: str
     renormalise: str | None  # the router attribute that says whether the top-k are renormalised; None: always
-    shared_expert: bool
+    # A shared expert beside the routed ones: "gated" (shared_expert, scaled by sigmoid(shared_expert_gate(x))
+    # and added), "combined" (shared_experts where the block's num_shared_experts > 0, summed with or averaged
+    # into the routed output as its shared_expert_combination_strategy says), or None.
+    shared: str | None
     router_attr: str = "gate"  # the block's name for its router submodule
+    router_requires: tuple[tuple[str, str], ...] = ()  # (router attribute, the value flashdmoe's routing needs)
 
 
 _FAMILIES = {
     "MixtralSparseMoeBlock": _Family("Mixtral", "transformers.models.mixtral.modeling_mixtral",
-                                     "MixtralTopKRouter", "MixtralExperts", None, False),
+                                     "MixtralTopKRouter", "MixtralExperts", None, None),
     "Qwen2MoeSparseMoeBlock": _Family("Qwen2-MoE", "transformers.models.qwen2_moe.modeling_qwen2_moe",
-                                      "Qwen2MoeTopKRouter", "Qwen2MoeExperts", "norm_topk_prob", True),
+                                      "Qwen2MoeTopKRouter", "Qwen2MoeExperts", "norm_topk_prob", "gated"),
     "Qwen3MoeSparseMoeBlock": _Family("Qwen3-MoE", "transformers.models.qwen3_moe.modeling_qwen3_moe",
-                                      "Qwen3MoeTopKRouter", "Qwen3MoeExperts", "norm_topk_prob", False),
+                                      "Qwen3MoeTopKRouter", "Qwen3MoeExperts", "norm_topk_prob", None),
     "Qwen3NextSparseMoeBlock": _Family("Qwen3-Next", "transformers.models.qwen3_next.modeling_qwen3_next",
-                                       "Qwen3NextTopKRouter", "Qwen3NextExperts", "norm_topk_prob", True),
+                                       "Qwen3NextTopKRouter", "Qwen3NextExperts", "norm_topk_prob", "gated"),
     "Qwen3_5MoeSparseMoeBlock": _Family("Qwen3.5-MoE", "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe",
-                                        "Qwen3_5MoeTopKRouter", "Qwen3_5MoeExperts", None, True),
+                                        "Qwen3_5MoeTopKRouter", "Qwen3_5MoeExperts", None, "gated"),
     "Qwen3VLMoeTextSparseMoeBlock": _Family("Qwen3-VL-MoE", "transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe",
-                                            "Qwen3VLMoeTextTopKRouter", "Qwen3VLMoeTextExperts", None, False),
+                                            "Qwen3VLMoeTextTopKRouter", "Qwen3VLMoeTextExperts", None, None),
     "Qwen3OmniMoeThinkerTextSparseMoeBlock": _Family(
         "Qwen3-Omni-MoE thinker", "transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe",
-        "Qwen3OmniMoeThinkerTextTopKRouter", "Qwen3OmniMoeThinkerTextExperts", "norm_topk_prob", False),
+        "Qwen3OmniMoeThinkerTextTopKRouter", "Qwen3OmniMoeThinkerTextExperts", "norm_topk_prob", None),
     "Qwen3OmniMoeTalkerTextSparseMoeBlock": _Family(
         "Qwen3-Omni-MoE talker", "transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe",
-        "Qwen3OmniMoeTalkerTextTopKRouter", "Qwen3OmniMoeTalkerTextExperts", "norm_topk_prob", True),
+        "Qwen3OmniMoeTalkerTextTopKRouter", "Qwen3OmniMoeTalkerTextExperts", "norm_topk_prob", "gated"),
     "OlmoeSparseMoeBlock": _Family("OLMoE", "transformers.models.olmoe.modeling_olmoe",
-                                   "OlmoeTopKRouter", "OlmoeExperts", "norm_topk_prob", False),
+                                   "OlmoeTopKRouter", "OlmoeExperts", "norm_topk_prob", None),
     "FlexOlmoSparseMoeBlock": _Family("FlexOlmo", "transformers.models.flex_olmo.modeling_flex_olmo",
-                                      "FlexOlmoTopKRouter", "FlexOlmoExperts", "norm_topk_prob", False),
+                                      "FlexOlmoTopKRouter", "FlexOlmoExperts", "norm_topk_prob", None),
     "MiniMaxSparseMoeBlock": _Family("MiniMax", "transformers.models.minimax.modeling_minimax",
-                                     "MiniMaxTopKRouter", "MiniMaxExperts", None, False),
+                                     "MiniMaxTopKRouter", "MiniMaxExperts", None, None),
+    # Cohere2-MoE: a top-k of the logits, then the softmax of those k (the same weights as the softmax's top-k
+    # renormalised); its sigmoid selection is another routing.
+    "Cohere2MoeSparseMoeBlock": _Family("Cohere2-MoE", "transformers.models.cohere2_moe.modeling_cohere2_moe",
+                                        "Cohere2MoeTopKRouter", "Cohere2MoeExperts", None, "combined",
+                                        router_requires=(("expert_selection_fn", "softmax"),)),
     # Granite: softmax over the top-k logits, which is the top-k of the softmax renormalised; the shared MLP
     # (GraniteMoeShared, GraniteMoeHybrid) sits in the decoder layer, outside the block.
     "GraniteMoeMoE": _Family("Granite-MoE", "transformers.models.granitemoe.modeling_granitemoe",
-                             "GraniteMoeTopKRouter", "GraniteMoeExperts", None, False, "router"),
+                             "GraniteMoeTopKRouter", "GraniteMoeExperts", None, None, "router"),
     "GraniteMoeSharedMoE": _Family(
         "Granite-MoE-Shared", "transformers.models.granitemoeshared.modeling_granitemoeshared",
-        "GraniteMoeSharedTopKRouter", "GraniteMoeSharedExperts", None, False, "router"),
+        "GraniteMoeSharedTopKRouter", "GraniteMoeSharedExperts", None, None, "router"),
     "GraniteMoeHybridMoE": _Family(
         "Granite-MoE-Hybrid", "transformers.models.granitemoehybrid.modeling_granitemoehybrid",
-        "GraniteMoeHybridTopKRouter", "GraniteMoeHybridExperts", None, False, "router"),
+        "GraniteMoeHybridTopKRouter", "GraniteMoeHybridExperts", None, None, "router"),
 }
 
 _CONTRACT = ("flashdmoe routes with softmax(x @ router.T), a top-k and the k weights renormalised or not, "
@@ -142,17 +152,21 @@ def _router_logits_recorded() -> bool:
 class FlashDMoEBlock(nn.Module):
     """A transformers sparse MoE block computed by flashdmoe (made by :func:`patch_moe`).
 
-    Holds the original block's router (``gate``, or ``router`` for Granite) and ``experts`` (and
-    ``shared_expert``, ``shared_expert_gate`` where the family has them). ``forward(hidden_states [B, S, H]) -> [B, S, H]``: the routed experts through
-    :func:`flashdmoe.ops.moe` (or :func:`flashdmoe.reference.moe` for ``backend="reference"`` on CUDA),
-    plus ``sigmoid(shared_expert_gate(x)) * shared_expert(x)`` where the original adds it.
+    Holds the original block's router (``gate``, or ``router`` for Granite) and ``experts``, and its
+    shared expert where the family has one. ``forward(hidden_states [B, S, H]) -> [B, S, H]``: the routed
+    experts through :func:`flashdmoe.ops.moe` (or :func:`flashdmoe.reference.moe` for ``backend="reference"``
+    on CUDA), plus the shared expert as the original adds it: ``sigmoid(shared_expert_gate(x)) *
+    shared_expert(x)`` (Qwen), or ``shared_experts(x)`` summed or averaged in (Cohere2-MoE).
     """
 
     def __init__(self, block: nn.Module, family: _Family, *, normalize_topk: bool, backend: str, kernel: bool):
         super().__init__()
         for name, child in block.named_children():  # in the original's order: state_dict keys stay the same
             self.add_module(name, child)
-        self.has_shared_expert = family.shared_expert
+        self.shared = family.shared
+        # Cohere2-MoE: "sum" or "average" where the block has shared experts (checked by patch_moe), else None
+        self.shared_combination = (block.shared_expert_combination_strategy
+                                   if family.shared == "combined" and block.num_shared_experts > 0 else None)
         self.family = family.name
         self.replaced = type(block).__name__
         self.router_attr = family.router_attr
@@ -180,8 +194,11 @@ class FlashDMoEBlock(nn.Module):
             y = reference.moe(x, router.weight, w1, w2, **options)
         else:
             y = ops.moe(x, router.weight, w1, w2, **options)
-        if self.has_shared_expert:
+        if self.shared == "gated":
             y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        elif self.shared_combination is not None:
+            shared = self.shared_experts(x)
+            y = y + shared if self.shared_combination == "sum" else (y + shared) / 2
         return y.reshape(shape)
 
     @property
@@ -241,11 +258,24 @@ def _router_differences(block: nn.Module) -> list[str]:
     scale = attribute("routed_scaling_factor")
     if isinstance(scale, (int, float)) and scale != 1:
         found.append(f"combine weights scaled by routed_scaling_factor={scale}")
+    if attribute("moe_statics") is not None:
+        found.append("a score-correction bias added before the top-k (moe_statics)")
+    if "sparsemixer" in code:
+        found.append("sparsemixer routing (each choice from its own masked softmax, not a top-k of one softmax)")
+    if "sigmoid" not in code and attribute("expert_selection_fn") == "sigmoid":
+        found.append("sigmoid scores instead of a softmax (expert_selection_fn='sigmoid')")
     if isinstance(getattr(router, "bias", None), torch.Tensor):
         found.append("a router bias")
+    router_weights = [p for p in router.parameters() if p.dim() == 2]
+    expert_weights = [p for p in block.experts.parameters() if p.dim() == 3]
+    if router_weights and expert_weights and router_weights[0].dtype != expert_weights[0].dtype:
+        found.append(f"the router in {router_weights[0].dtype} and the experts in {expert_weights[0].dtype}")
     expert_biases = [name for name, _ in block.experts.named_parameters() if "bias" in name]
     if expert_biases:
         found.append(f"expert biases ({', '.join(expert_biases[:4])})")
+    for name in ("shared_experts", "shared_mlp"):  # added without a gate: not a form this module reads
+        if name in block._modules:
+            found.append(f"a shared expert added without a sigmoid gate ({name})")
     return found
 
 
@@ -293,6 +323,22 @@ def _check_supported(name: str, block: nn.Module, family: _Family) -> bool:
     if not _silu(experts.act_fn):
         raise ValueError(f"{where}: the experts' activation {type(experts.act_fn).__name__} is not silu; "
                          "flashdmoe's swiglu is silu(gate) * up")
+    for attribute, needed in family.router_requires:
+        value = getattr(gate, attribute, None)
+        if value != needed:
+            raise ValueError(f"{where}: {router}.{attribute}={value!r}; flashdmoe's routing is the "
+                             f"{attribute}={needed!r} one")
+    if family.shared == "gated" and not {"shared_expert", "shared_expert_gate"} <= set(block._modules):
+        raise ValueError(f"{where}: expected the shared_expert and shared_expert_gate submodules of its family")
+    if family.shared == "combined":
+        shared = getattr(block, "num_shared_experts", None)
+        strategy = getattr(block, "shared_expert_combination_strategy", None)
+        if not isinstance(shared, int) or shared < 0 or (shared > 0 and "shared_experts" not in block._modules):
+            raise ValueError(f"{where}: num_shared_experts={shared!r} with submodules {list(block._modules)}; "
+                             "expected 0, or a count and a shared_experts submodule")
+        if shared > 0 and strategy not in ("sum", "average"):
+            raise ValueError(f"{where}: shared_expert_combination_strategy={strategy!r}; expected 'sum' or "
+                             "'average'")
     if family.renormalise is None:
         return True
     value = getattr(gate, family.renormalise, None)
