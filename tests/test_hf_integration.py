@@ -459,6 +459,27 @@ def test_deepseek_v3_is_refused_naming_what_differs(seed):
     assert not any(isinstance(m, hf.FlashDMoEBlock) for m in model.modules())
 
 
+@pytest.mark.parametrize("family, block, expected", [
+    ("Ernie4_5_MoeConfig", "Ernie4_5_MoeSparseMoeBlock", "a score-correction bias added before the top-k (moe_statics)"),
+    ("PhimoeConfig", "PhimoeSparseMoeBlock", "sparsemixer routing"),
+    ("HunYuanMoEV1Config", "HunYuanMoEV1Moe", "a shared expert added without a sigmoid gate (shared_mlp)"),
+])
+def test_other_families_are_refused_naming_what_differs(seed, family, block, expected):
+    config = _transformers_class(family)()
+    sizes = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
+                 moe_intermediate_size=INTERMEDIATE, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=16, num_experts=EXPERTS, num_local_experts=EXPERTS)
+    for name, value in sizes.items():
+        if hasattr(config, name):
+            setattr(config, name, value)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with pytest.raises(ValueError) as error:
+        hf.patch_moe(model)
+    assert f"({block}): " in str(error.value) and expected in str(error.value)
+    assert not any(isinstance(m, hf.FlashDMoEBlock) for m in model.modules())
+
+
 class _OtherMoE(nn.Module):
     """An MoE block of a family patch_moe does not know."""
 
