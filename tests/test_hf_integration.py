@@ -306,9 +306,10 @@ def test_patched_model_compiles_without_graph_breaks(seed):
     assert isinstance(copied.model.layers[0].mlp, hf.FlashDMoEBlock)
 
 
-def test_mixtral_router_jitter_is_applied_in_training(seed):
+@pytest.mark.parametrize("family", ["mixtral", "minimax"])
+def test_router_jitter_is_applied_in_training(seed, family):
     torch.manual_seed(seed)
-    config = _config("mixtral")
+    config = _config(family)
     config.router_jitter_noise = 0.1
     model = transformers.AutoModelForCausalLM.from_config(config).train()
     patched = copy.deepcopy(model)

@@ -180,8 +180,9 @@ class FlashDMoEBlock(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         shape = hidden_states.shape
         if self.training and self.jitter_noise > 0:
-            noise = torch.empty_like(hidden_states).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
-            hidden_states = hidden_states * noise
+            # In place, as the originals do: MiniMax's decoder layer keeps this very tensor as its residual,
+            # so the jitter reaches the residual stream there too.
+            hidden_states *= torch.empty_like(hidden_states).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
         x = hidden_states.reshape(-1, shape[-1])
         router = self.router
         if _router_logits_recorded():
