@@ -396,28 +396,33 @@ class _Layer(nn.Module):
         return self.mlp(x)
 
 
-@pytest.mark.parametrize("kind", ["qwen3_vl_moe", "qwen3_omni_thinker", "qwen3_omni_talker"])
-def test_multimodal_text_block_matches(seed, kind):
+MULTIMODAL_KINDS = ["qwen3_vl_moe", "qwen3_omni_thinker", "qwen3_omni_talker"]
+
+
+def _compare_multimodal_block(kind, seed, *, device, backend, output_tolerance, grad_tolerance, router_margin):
+    """The block of ``kind`` (weights drawn from ``seed``) on ``device``, patched with ``backend``, against
+    itself unpatched: output and the gradients of the input and of every parameter, on an input drawn
+    from ``seed`` whose routing clears ``router_margin``."""
     layer = _Layer(_multimodal_block(kind))
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():  # built outside a model, the block has no initialised weights: draw them
         for name, parameter in layer.named_parameters():
             fan_in = parameter.shape[-1]
             parameter.copy_(torch.randn(parameter.shape, generator=generator) / fan_in ** 0.5)
+    layer = layer.to(device)
     patched = copy.deepcopy(layer)
-    assert hf.patch_moe(patched) == ["mlp"]
+    assert hf.patch_moe(patched, backend=backend) == ["mlp"]
     assert isinstance(patched.mlp, hf.FlashDMoEBlock) and patched.mlp.replaced == type(layer.mlp).__name__
     assert list(patched.state_dict()) == list(layer.state_dict())
-    margin = lambda index, x, weight: (2 * numerics.reorder_tolerance(torch.float32, HIDDEN) * x.norm(dim=1)
-                                       * weight.norm(dim=1).max())
     for _ in range(ATTEMPTS):
-        x = torch.randn(BATCH, PROMPT, HIDDEN, generator=generator)
-        clear, _ = _routing_clear(layer, lambda: layer(x), margin)
+        x = torch.randn(BATCH, PROMPT, HIDDEN, generator=generator).to(device)
+        with torch.no_grad():
+            clear, _ = _routing_clear(layer, lambda: layer(x), router_margin)
         if clear:
             break
     else:
         pytest.fail(f"no input among {ATTEMPTS} drawn from seed {seed} routes without a near-tie")
-    dy = torch.randn(BATCH, PROMPT, HIDDEN, generator=generator)
+    dy = torch.randn(BATCH, PROMPT, HIDDEN, generator=generator).to(device)
     results = []
     for run in (layer, patched):
         xs = x.clone().requires_grad_(True)
@@ -425,15 +430,22 @@ def test_multimodal_text_block_matches(seed, kind):
         (y * dy).sum().backward()
         results.append((y.detach(), xs.grad, {name: p.grad for name, p in run.named_parameters()}))
     (want_y, want_dx, want_grads), (got_y, got_dx, got_grads) = results
-    assert_normwise_close(got_y, want_y, numerics.reorder_tolerance(torch.float32, max(HIDDEN, INTERMEDIATE), depth=3),
-                          "output")
-    tolerance = numerics.reorder_tolerance(torch.float32, max(HIDDEN, 2 * INTERMEDIATE, EXPERTS, BATCH * PROMPT),
-                                           depth=6)
-    assert_normwise_close(got_dx, want_dx, tolerance, "grad of the input")
+    assert_normwise_close(got_y, want_y, output_tolerance, "output")
+    assert_normwise_close(got_dx, want_dx, grad_tolerance, "grad of the input")
     assert want_grads.keys() == got_grads.keys()
     for name, grad in want_grads.items():
         assert grad is not None and got_grads[name] is not None, name
-        assert_normwise_close(got_grads[name], grad, tolerance, f"grad of {name}")
+        assert_normwise_close(got_grads[name], grad, grad_tolerance, f"grad of {name}")
+
+
+@pytest.mark.parametrize("kind", MULTIMODAL_KINDS)
+def test_multimodal_text_block_matches(seed, kind):
+    _compare_multimodal_block(
+        kind, seed, device="cpu", backend="auto",
+        output_tolerance=numerics.reorder_tolerance(torch.float32, max(HIDDEN, INTERMEDIATE), depth=3),
+        grad_tolerance=numerics.reorder_tolerance(torch.float32, max(HIDDEN, 2 * INTERMEDIATE, EXPERTS, BATCH * PROMPT),
+                                                  depth=6),
+        router_margin=_cpu_router_margin)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -626,3 +638,18 @@ def test_gpu_bfloat16_logits(seed, family):
     with torch.no_grad():
         assert_normwise_close(patched(prompt).logits, want, tolerance, "logits")
 
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", MULTIMODAL_KINDS)
+def test_gpu_multimodal_text_block_float32(seed, kind):
+    """The fused kernel on one multimodal text block, float32 (TF32 expert GEMMs): the tolerances of
+    test_gpu_float32_logits_generation_and_gradients for one block."""
+    from flashdmoe.kernel import extension
+
+    extension.load()  # a build failure on the GPU machine is a failure, not a skip
+    tolerance = numerics.kernel_tolerance(torch.float32)
+    _compare_multimodal_block(
+        kind, seed, device="cuda", backend="cuda", output_tolerance=tolerance,
+        grad_tolerance=2 * tolerance + numerics.reorder_tolerance(
+            torch.float32, max(HIDDEN, 2 * INTERMEDIATE, EXPERTS, BATCH * PROMPT), depth=6),
+        router_margin=_gpu_router_margin)
