@@ -149,11 +149,16 @@ __device__ __forceinline__ void combine_token_chunks(const MoEParams& p) {
 // same as combine_chunk's (fmaf in choice order, dropped choices skipped), so the bits are too.
 constexpr int kCombineDepth = 4;
 
+// A warp's ring: kCombineDepth mbarriers, then the stages' headers from kCombineMetaOffset, then the
+// stages themselves from stages_offset (128-byte aligned, as the bulk copies' destinations want 16).
+constexpr int kCombineMetaOffset = (8 * kCombineDepth + 15) / 16 * 16;
+
 struct CombineStages {
-  int parts;        // kCombinePart-column steps per item (the last item of a token may need fewer)
-  int meta_stride;  // bytes of a stage's header: token, first column, kept mask, pad, then k weights
-  int stage_bytes;  // k result rows x parts * kCombinePart columns
-  int warp_bytes;   // one warp's ring: barriers, headers, stages
+  int parts;          // kCombinePart-column steps per item (the last item of a token may need fewer)
+  int meta_stride;    // bytes of a stage's header: token, first column, kept mask, pad, then k weights
+  int stages_offset;  // where the stages start in the ring
+  int stage_bytes;    // k result rows x parts * kCombinePart columns
+  int warp_bytes;     // one warp's ring: barriers, headers, stages
 };
 
 // The stages' sizes for this shape in `scratch_bytes` of shared memory, or false where k rows of even one
@@ -163,8 +168,8 @@ __device__ __forceinline__ bool combine_stages(const MoEParams& p, int scratch_b
   const int k = p.top_k;
   g.meta_stride = round_up16(16 + 4 * k);
   g.warp_bytes = scratch_bytes / (kThreads / 32) / 128 * 128;
-  const int header = round_up16(8 * kCombineDepth) + kCombineDepth * g.meta_stride;
-  const int stage_max = (g.warp_bytes - (header + 127) / 128 * 128) / kCombineDepth / 16 * 16;
+  g.stages_offset = (kCombineMetaOffset + kCombineDepth * g.meta_stride + 127) / 128 * 128;
+  const int stage_max = (g.warp_bytes - g.stages_offset) / kCombineDepth / 16 * 16;
   const int part_bytes = k * kCombinePart * static_cast<int>(sizeof(Element));
   const int max_parts = stage_max / part_bytes;
   if (max_parts < 1) return false;
@@ -183,10 +188,9 @@ __device__ void combine_staged(const MoEParams& p, char* smem, const CombineStag
   Element* y = static_cast<Element*>(p.y);
   char* ring = smem + warp * g.warp_bytes;
   const uint32_t bars = ptx::smem_addr(ring);
-  char* meta = ring + round_up16(8 * kCombineDepth);
-  const uint32_t stages = ptx::smem_addr(ring) +
-                          (round_up16(8 * kCombineDepth) + kCombineDepth * g.meta_stride + 127) / 128 * 128;
-  char* stage_ptr = ring + (stages - bars);
+  char* meta = ring + kCombineMetaOffset;
+  const uint32_t stages = bars + g.stages_offset;
+  char* stage_ptr = ring + g.stages_offset;
   if (lane == 0) {
     for (int s = 0; s < kCombineDepth; ++s) tma::mbarrier_init(bars + 8 * s, 1);
     tma::fence_barrier_init();

@@ -163,10 +163,11 @@ class FlashDMoEBlock(nn.Module):
         super().__init__()
         for name, child in block.named_children():  # in the original's order: state_dict keys stay the same
             self.add_module(name, child)
+        # How the shared expert joins the routed output: "gated" (Qwen), "sum" or "average" (Cohere2-MoE with
+        # shared experts, its strategy checked by patch_moe), or None
         self.shared = family.shared
-        # Cohere2-MoE: "sum" or "average" where the block has shared experts (checked by patch_moe), else None
-        self.shared_combination = (block.shared_expert_combination_strategy
-                                   if family.shared == "combined" and block.num_shared_experts > 0 else None)
+        if family.shared == "combined":
+            self.shared = block.shared_expert_combination_strategy if block.num_shared_experts > 0 else None
         self.family = family.name
         self.replaced = type(block).__name__
         self.router_attr = family.router_attr
@@ -197,9 +198,10 @@ class FlashDMoEBlock(nn.Module):
             y = ops.moe(x, router.weight, w1, w2, **options)
         if self.shared == "gated":
             y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        elif self.shared_combination is not None:
-            shared = self.shared_experts(x)
-            y = y + shared if self.shared_combination == "sum" else (y + shared) / 2
+        elif self.shared == "sum":
+            y = y + self.shared_experts(x)
+        elif self.shared == "average":
+            y = (y + self.shared_experts(x)) / 2
         return y.reshape(shape)
 
     @property
@@ -409,7 +411,7 @@ def patch_moe(model: nn.Module, *, backend: str = "auto") -> list[str]:
         raise ValueError(f"model ({type(model).__name__}): no sparse MoE block found; {_CONTRACT}")
     replaced = []
     for name, block, family, normalize_topk in plan:
-        kernel = resolve_backend(block._modules[family.router_attr].weight, backend) == "cuda"
+        kernel = resolve_backend(getattr(block, family.router_attr).weight, backend) == "cuda"
         if kernel:
             _relayout_for_kernel(block.experts)
         parent_name, _, child = name.rpartition(".")
