@@ -261,15 +261,20 @@ __device__ void finish_gate_tile(const MoEParams& p, int tile, char* smem) {
   // A token chooses an expert at most once, so the tile's choices of expert e are the set bits of a
   // 32-bit mask over its rows: count = popc(mask), a choice's rank = the bits of the rows before its own.
   // (The logits are read no more: the masks go where they were.)
+  // The loops stay rolled: the function is inlined four times, and unrolled copies cost code size
+  // (instruction-cache misses at decode) for trip counts that are one or two.
   static_assert(kGateTileM <= 32, "a gate tile's rows fit a 32-bit mask");
   uint32_t* rows_of = reinterpret_cast<uint32_t*>(logits);
+#pragma unroll 1
   for (int expert = threadIdx.x; expert < E; expert += kThreads) rows_of[expert] = 0;
   sync_workers();
   const int pairs = tile_tokens * k;
+#pragma unroll 1
   for (int pair = threadIdx.x; pair < pairs; pair += kThreads) atomicOr(rows_of + choice[pair], 1u << (pair / k));
   sync_workers();
   // Routed: the gate's stages are done with (one tile, one item per block: gate_splits_for).
   const RoutedTile routed = routes_in_gate(p) ? routed_tile(smem, E, k) : RoutedTile{};
+#pragma unroll 1
   for (int pair = threadIdx.x; pair < pairs; pair += kThreads) {
     const int expert = choice[pair];
     const int rank = __popc(rows_of[expert] & ((1u << (pair / k)) - 1u));
@@ -279,6 +284,7 @@ __device__ void finish_gate_tile(const MoEParams& p, int tile, char* smem) {
       routed.slot[pair] = rank;
     }
   }
+#pragma unroll 1
   for (int expert = threadIdx.x; expert < E; expert += kThreads) {
     const int count = __popc(rows_of[expert]);
     p.tile_expert_count[static_cast<size_t>(tile) * E + expert] = count;
