@@ -143,7 +143,7 @@ def extension_launch_us(plan, x, router, w1, w2, calls, trials, before, after) -
     workspace = cuda_backend._pool.address(x.device, index, handle, plan.stride, plan.sync_bytes)
     block, size = routing.data_ptr(), plan.routing_stride
     addresses = [router.data_ptr(), x.data_ptr(), w1.data_ptr(), w2.data_ptr(), y.data_ptr(), block, block + size,
-                 block + 2 * size, block + 3 * size, 0, workspace]
+                 block + 2 * size, block + 3 * size, 0, workspace, 0]  # no saved pre; sync words lead the workspace
     flashdmoe.synchronize()
     slot = status_checks.claim_slot(index, False)
     try:
