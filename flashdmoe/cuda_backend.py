@@ -322,6 +322,16 @@ def single_plan(x, router_weight, w2, *, top_k, activation, normalize_topk, capa
                  capacity_factor)
 
 
+def single_addresses(plan: _Plan, router: int, x: int, w1: int, w2: int, y: int, routing_block: int, pre: int,
+                     workspace: int, sync: int) -> list[int]:
+    """The address list a one-rank launch of ``plan`` takes, in the extension's order: the router, then
+    x, w1, w2, y, the routing block's expert, weight, row and counts parts, the saved pre-activations (0:
+    none), the workspace and the sync words (0: they lead the workspace)."""
+    size = plan.routing_stride
+    return [router, x, w1, w2, y, routing_block, routing_block + size, routing_block + 2 * size,
+            routing_block + 3 * size, pre, workspace, sync]
+
+
 def launch_one(plan: _Plan, x, router_weight, w1, w2, saved_pre=None, weight_addresses=None):
     """Launch ``plan`` (:func:`single_plan`) for one rank, no team; does not wait. Returns
     ``(y, FusedRouting)``; the inputs are those :func:`fused_forward` takes, already checked against the
@@ -359,10 +369,9 @@ def launch_one(plan: _Plan, x, router_weight, w1, w2, saved_pre=None, weight_add
         workspace = _pool.address(x.device, index, handle, plan.stride, plan.sync_bytes)
     router_address, w1_address, w2_address = weight_addresses or (router_weight.data_ptr(), w1.data_ptr(),
                                                                   w2.data_ptr())
-    block = routing.block.data_ptr()
-    size = plan.routing_stride
-    addresses = [router_address, x.data_ptr(), w1_address, w2_address, y.data_ptr(), block, block + size,
-                 block + 2 * size, block + 3 * size, 0 if saved_pre is None else saved_pre.data_ptr(), workspace, sync]
+    addresses = single_addresses(plan, router_address, x.data_ptr(), w1_address, w2_address, y.data_ptr(),
+                                 routing.block.data_ptr(), 0 if saved_pre is None else saved_pre.data_ptr(),
+                                 workspace, sync)
     status_checks.record_launch(status_checks.claim_slot(index, capturing), plan.launch,
                                 (plan.prepared, addresses, 1, handle), plan.shape, index, capturing, routing=(routing,))
     return y, routing

@@ -141,9 +141,8 @@ def extension_launch_us(plan, x, router, w1, w2, calls, trials, before, after) -
     y = torch.empty_like(x)
     routing = torch.empty(plan.routing_words, dtype=torch.int32, device=x.device)
     workspace = cuda_backend._pool.address(x.device, index, handle, plan.stride, plan.sync_bytes)
-    block, size = routing.data_ptr(), plan.routing_stride
-    addresses = [router.data_ptr(), x.data_ptr(), w1.data_ptr(), w2.data_ptr(), y.data_ptr(), block, block + size,
-                 block + 2 * size, block + 3 * size, 0, workspace, 0]  # no saved pre; sync words lead the workspace
+    addresses = cuda_backend.single_addresses(plan, router.data_ptr(), x.data_ptr(), w1.data_ptr(), w2.data_ptr(),
+                                              y.data_ptr(), routing.data_ptr(), 0, workspace, 0)
     flashdmoe.synchronize()
     slot = status_checks.claim_slot(index, False)
     try:
