@@ -158,12 +158,20 @@ __device__ inline void route_gate_tile(const MoEParams& p, char* smem) {
   sync_workers();
   if (threadIdx.x < 32) {
     int before = 0;
-    for (int base = 0; base < E; base += 32) {
-      const int e = base + static_cast<int>(threadIdx.x);
-      const int kept = e < E ? tile.count[e] : 0;
-      const int inclusive = warp_inclusive_scan(kept);
-      if (e < E) tile.count[e] = before + inclusive - kept;
-      before += __shfl_sync(0xffffffffu, inclusive, 31);
+    for (int base = 0; base < E; base += 256) {
+      int start[8];
+#pragma unroll
+      for (int u = 0; u < 8; ++u) {
+        const int e = base + static_cast<int>(threadIdx.x) * 8 + u;
+        start[u] = e < E ? tile.count[e] : 0;
+      }
+      const int total = warp_exclusive_scan8(start);
+#pragma unroll
+      for (int u = 0; u < 8; ++u) {
+        const int e = base + static_cast<int>(threadIdx.x) * 8 + u;
+        if (e < E) tile.count[e] = before + start[u];
+      }
+      before += total;
     }
   }
   sync_workers();

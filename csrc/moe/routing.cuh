@@ -17,8 +17,25 @@ __device__ __forceinline__ int warp_inclusive_scan(int v) {
   return v;
 }
 
+// A warp's 256 values, eight per lane in lane-major order (lane l holds elements 8l .. 8l + 7): each
+// becomes its exclusive prefix sum over the 256; returns their total. One warp scan where a scan per 32
+// values was eight (their code, run once per block, is most of what a one-token forward fetches here).
+__device__ __forceinline__ int warp_exclusive_scan8(int (&v)[8]) {
+  int run = 0;
+#pragma unroll
+  for (int u = 0; u < 8; ++u) {
+    const int x = v[u];
+    v[u] = run;
+    run += x;
+  }
+  const int inclusive = warp_inclusive_scan(run);
+#pragma unroll
+  for (int u = 0; u < 8; ++u) v[u] += inclusive - run;
+  return __shfl_sync(0xffffffffu, inclusive, 31);
+}
+
 // One warp per expert across the rank's blocks: exclusive prefix of the expert's count over gate tiles.
-// Up to 8 x 32 tiles' counts are loaded before any is scanned: one round trip to memory per 256 tiles,
+// Up to 8 x 32 tiles' counts (eight consecutive tiles per lane) are loaded before any is scanned: one round trip to memory per 256 tiles,
 // where a load per 32 tiles scanned was one each (16 in a row at 16384 tokens).
 __device__ inline void scan_tile_counts(const MoEParams& p) {
   constexpr int kLoads = 8;
@@ -27,19 +44,19 @@ __device__ inline void scan_tile_counts(const MoEParams& p) {
   for (int expert = block_in_rank(p) * (kThreads / 32) + (threadIdx.x >> 5); expert < p.experts; expert += warps) {
     int carry = 0;
     for (int first = 0; first < p.gate_tiles; first += 32 * kLoads) {
-      int count[kLoads];
+      int offset[kLoads];
 #pragma unroll
       for (int u = 0; u < kLoads; ++u) {
-        const int tile = first + u * 32 + lane;
-        count[u] = tile < p.gate_tiles ? __ldcg(p.tile_expert_count + static_cast<size_t>(tile) * p.experts + expert) : 0;
+        const int tile = first + lane * kLoads + u;
+        offset[u] = tile < p.gate_tiles ? __ldcg(p.tile_expert_count + static_cast<size_t>(tile) * p.experts + expert) : 0;
       }
+      const int total = warp_exclusive_scan8(offset);
 #pragma unroll
       for (int u = 0; u < kLoads; ++u) {
-        const int tile = first + u * 32 + lane;
-        const int inclusive = warp_inclusive_scan(count[u]);
-        if (tile < p.gate_tiles) p.tile_expert_offset[static_cast<size_t>(tile) * p.experts + expert] = carry + inclusive - count[u];
-        carry += __shfl_sync(0xffffffffu, inclusive, 31);
+        const int tile = first + lane * kLoads + u;
+        if (tile < p.gate_tiles) p.tile_expert_offset[static_cast<size_t>(tile) * p.experts + expert] = carry + offset[u];
       }
+      carry += total;
     }
     if (lane == 0) {
       p.expert_counts[expert] = carry;
@@ -158,25 +175,25 @@ __device__ inline bool build_dest_tables(const MoEParams& p, const DestTables& t
   if (!__syncthreads_and(ok)) return false;
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  // Up to 256 of a source's counts loaded at once, then scanned: one round trip to memory where a load
+  // Up to 256 of a source's counts loaded at once (eight consecutive per lane), then scanned: one round trip to memory where a load
   // per 32 experts scanned was one each (at one token, ~4 µs before any expert task could start).
   constexpr int kLoads = 8;
   for (int src = warp; src < P; src += kThreads / 32) {
     int before = 0;
     for (int first = 0; first < L; first += 32 * kLoads) {
-      int count[kLoads];
+      int start[kLoads];
 #pragma unroll
       for (int u = 0; u < kLoads; ++u) {
-        const int local = first + u * 32 + lane;
-        count[u] = local < L ? incoming_count(p, src, local) : 0;
+        const int local = first + lane * kLoads + u;
+        start[u] = local < L ? incoming_count(p, src, local) : 0;
       }
+      const int total = warp_exclusive_scan8(start);
 #pragma unroll
       for (int u = 0; u < kLoads; ++u) {
-        const int local = first + u * 32 + lane;
-        const int inclusive = warp_inclusive_scan(count[u]);
-        if (local < L) tables.stream_start[src * stride + local] = before + inclusive - count[u];
-        before += __shfl_sync(0xffffffffu, inclusive, 31);
+        const int local = first + lane * kLoads + u;
+        if (local < L) tables.stream_start[src * stride + local] = before + start[u];
       }
+      before += total;
     }
     if (lane == 0) tables.stream_start[src * stride + L] = before;
   }
