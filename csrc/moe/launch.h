@@ -69,7 +69,9 @@ enum CallAddress : int {
 // descriptors, `map_base` the base address each was encoded for: a launch re-encodes only the maps whose
 // base moved (x's gate map, usually; weights, router and workspace stay put).
 struct PreparedRank {
-  enum MapIndex : int { kMapW1, kMapW2, kMapRecv, kMapIntermediate, kMapGateX, kMapRouter, kMapCount };
+  enum MapIndex : int {
+    kMapW1, kMapW2, kMapRecv, kMapIntermediate, kMapRecvFull, kMapIntermediateFull, kMapGateX, kMapRouter, kMapCount
+  };
   MoEParams params;
   WorkspaceLayout layout;
   const void* map_base[kMapCount];

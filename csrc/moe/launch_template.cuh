@@ -86,6 +86,12 @@ inline void refresh_expert_tensor_maps(const ForwardArgs& a, PreparedRank& prepa
   refresh(PreparedRank::kMapRecv, p.peers[p.rank].recv, maps.recv, recv_dims, row_box, "the receive buffer");
   refresh(PreparedRank::kMapIntermediate, p.intermediate, maps.intermediate, mid_dims, row_box,
           "the intermediate buffer");
+  if (row_box.dims[1] == 64) {
+    refresh(PreparedRank::kMapRecvFull, p.peers[p.rank].recv, maps.recv_full, recv_dims, expert_row_box(kExpertTileM),
+            "the receive buffer");
+    refresh(PreparedRank::kMapIntermediateFull, p.intermediate, maps.intermediate_full, mid_dims,
+            expert_row_box(kExpertTileM), "the intermediate buffer");
+  }
   refresh(PreparedRank::kMapGateX, p.tokens > 0 ? p.x : p.intermediate, maps.gate_x, x_dims, kGateTokenBox,
           "x (gate)");
   refresh(PreparedRank::kMapRouter, p.router, maps.router, router_dims, gate_router_box(p.experts), "the router");

@@ -128,10 +128,11 @@ static_assert(kStatusNvshmemTraffic == kStatusTraffic + 8 * kTrafficNvshmemDispa
 
 // TMA descriptors of the expert GEMM operands (TMA variant only; 128-byte swizzled boxes, moe/tma_boxes.cuh):
 // w1 [L][H][w1_cols] and w2 [L][I][H] in weight panel boxes, recv [P*stream_rows][H] and intermediate
-// [rows_in][I] in 128-row boxes. Gate: x in kGateTileM-row boxes, the router [E][H] in boxes of up to
-// kGateTileN rows.
+// [rows_in][I] in the variant's row boxes and, for the full tiles of 64-row box variants, in kExpertTileM-row
+// boxes (recv_full, intermediate_full: one TMA request per slab where two ran). Gate: x in kGateTileM-row boxes,
+// the router [E][H] in boxes of up to kGateTileN rows.
 struct ExpertTensorMaps {
-  CUtensorMap w1, w2, recv, intermediate, gate_x, router;
+  CUtensorMap w1, w2, recv, intermediate, recv_full, intermediate_full, gate_x, router;
 };
 
 // The hierarchical cross-node exchange of an NVSHMEM team (docs/design.md §8; NvshmemTransport only):
