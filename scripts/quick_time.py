@@ -1,5 +1,5 @@
 """Quick device-side timing of the fused forward on the shapes of docs/design.md §12 (CUDA events, median of 20
-after warm-up, 3 rotated input sets). A development probe; the benchmark of record is `flashdmoe bench`.
+after warm-up, 3 rotated input sets, fewer where they do not fit). A development probe; the benchmark of record is `flashdmoe bench`.
 
 Environment knobs:
   QUICK_SHAPES="T/H/I/E/k[/activation],..." shapes to time; "decode" (alone or as an item) = the decode rows
@@ -55,6 +55,14 @@ def bytes_floor_ms(T, H, I, E, k, activation):
     return hit * (H * w1_cols + I * H) * 2 / 4.3e12 * 1e3
 
 
+def input_sets(T, H, I, E, cols):
+    """Rotated input sets for a shape: 3, or as many as fit in 60% of the free GPU memory (DeepSeek-V3's
+    layer is 22.5 GB of weights a set: one or two on an 80 GB GPU)."""
+    set_bytes = 2 * (T * H + E * H + E * H * cols + E * I * H)
+    free, _ = torch.cuda.mem_get_info()
+    return max(1, min(3, int(0.6 * free // set_bytes)))
+
+
 def main():
     ext = extension.load()
     for name, code in EXPERT_VARIANTS.items():
@@ -80,12 +88,14 @@ def main():
         cols = 2 * I if activation == "swiglu" else I
         torch.manual_seed(seed)
         sets = []
-        for _ in range(3):
+        for _ in range(input_sets(T, H, I, E, cols)):
+            # drawn in bf16 (an fp32 draw of DeepSeek-V3's w1 alone is 30 GB)
             x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
-            r = (torch.randn(E, H, device="cuda") / math.sqrt(H)).bfloat16()
-            w1 = (torch.randn(E, H, cols, device="cuda") / math.sqrt(H)).bfloat16()
-            w2 = (torch.randn(E, I, H, device="cuda") / math.sqrt(I)).bfloat16()
+            r = torch.randn(E, H, device="cuda", dtype=torch.bfloat16).div_(math.sqrt(H))
+            w1 = torch.randn(E, H, cols, device="cuda", dtype=torch.bfloat16).div_(math.sqrt(H))
+            w2 = torch.randn(E, I, H, device="cuda", dtype=torch.bfloat16).div_(math.sqrt(I))
             sets.append((x, r, w1, w2))
+        print(f"{T}/{H}/{I}/{E}/{k}: {len(sets)} input set(s)")
         for variant in wanted:
             for split in splits:
                 for setting in small:
@@ -109,11 +119,11 @@ def time_one(sets, T, H, I, E, k, activation, variant, split):
     # Events around each forward, no synchronisation in between (a forward never waits): the host runs
     # ahead, so "ms" is the GPU's time per forward (memset + kernel + status copy), not the host's too.
     for i in range(5):
-        run(sets[i % 3])
+        run(sets[i % len(sets)])
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(21)]
     for i, (a, b) in enumerate(events):
         a.record()
-        run(sets[i % 3])
+        run(sets[i % len(sets)])
         b.record()
     flashdmoe.synchronize()
     times = [a.elapsed_time(b) for a, b in events]
@@ -121,7 +131,7 @@ def time_one(sets, T, H, I, E, k, activation, variant, split):
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for i in range(6):
-            run(sets[i % 3])
+            run(sets[i % len(sets)])
         torch.cuda.synchronize()
     flashdmoe.synchronize()
     kern = [e.device_time for e in prof.events() if "moe_forward_kernel" in e.name]
@@ -130,7 +140,7 @@ def time_one(sets, T, H, I, E, k, activation, variant, split):
 
     h0 = _t.perf_counter()
     for i in range(10):
-        run(sets[i % 3])
+        run(sets[i % len(sets)])
     h1 = _t.perf_counter()
     flashdmoe.synchronize()
     host_us = (h1 - h0) / 10 * 1e6
@@ -144,7 +154,7 @@ def time_one(sets, T, H, I, E, k, activation, variant, split):
         profiler = cProfile.Profile()
         profiler.enable()
         for i in range(20):
-            run(sets[i % 3])
+            run(sets[i % len(sets)])
         profiler.disable()
         flashdmoe.synchronize()
         pstats.Stats(profiler).sort_stats("tottime").print_stats(12)
