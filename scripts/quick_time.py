@@ -10,7 +10,7 @@ Environment knobs:
   QUICK_SMALL_EPILOGUE=on,off  the small-tile GEMM1 epilogue settings to compare (on by default).
   QUICK_SAVE_PRE=on      time the training forward instead: the kernel that also saves GEMM1's pre-activations
                          for the backward (what a forward under autograd runs); they join the digest.
-  QUICK_SEED=n           seed of each shape's inputs (0 by default): two builds timed with the same seed
+  QUICK_SEED=n           seed of each shape's first input set (0 by default; set i takes n + i): two builds timed with the same seed
                          get the same inputs, so their digests show whether they compute the same bits.
 Each row prints the graph-free event time, the kernel time from the profiler, the kernel's phase split and
 the weight-bytes floor (the distinct experts' weights expected hit, at 4.3 TB/s), then a "digest" line: a
@@ -18,7 +18,6 @@ hash of the output and routing of the first input set.
 """
 
 import hashlib
-import math
 import os
 import statistics
 
@@ -26,6 +25,8 @@ import torch
 
 import flashdmoe
 from flashdmoe import cuda_backend
+from flashdmoe.bench.results import BenchShape
+from flashdmoe.bench.workload import input_set_bytes, make_inputs, sets_that_fit
 from flashdmoe.kernel import extension
 from flashdmoe.kernel.expert_variants import EXPERT_VARIANTS, choose_variant, variant_id
 
@@ -55,14 +56,6 @@ def bytes_floor_ms(T, H, I, E, k, activation):
     return hit * (H * w1_cols + I * H) * 2 / 4.3e12 * 1e3
 
 
-def input_sets(T, H, I, E, cols):
-    """Rotated input sets for a shape: 3, or as many as fit in 60% of the free GPU memory (DeepSeek-V3's
-    layer is 22.5 GB of weights a set: one or two on an 80 GB GPU)."""
-    set_bytes = 2 * (T * H + E * H + E * H * cols + E * I * H)
-    free, _ = torch.cuda.mem_get_info()
-    return max(1, min(3, int(0.6 * free // set_bytes)))
-
-
 def main():
     ext = extension.load()
     for name, code in EXPERT_VARIANTS.items():
@@ -85,23 +78,22 @@ def main():
     shapes = parse_shapes(os.environ.get("QUICK_SHAPES", ""), activation) or [s + (activation,) for s in SHAPES]
     seed = int(os.environ.get("QUICK_SEED", "0"))
     for T, H, I, E, k, activation in shapes:
-        cols = 2 * I if activation == "swiglu" else I
-        torch.manual_seed(seed)
+        # the bench's inputs (drawn in bf16), 3 rotated sets or as many as fit in 60% of the free memory
+        # (DeepSeek-V3's layer is 22.5 GB of weights a set)
+        shape = BenchShape(T, H, I, E, k)
+        free, _ = torch.cuda.mem_get_info()
+        count = min(3, sets_that_fit(input_set_bytes(shape, activation, 2), 0, int(0.6 * free)))
         sets = []
-        for _ in range(input_sets(T, H, I, E, cols)):
-            # drawn in bf16 (an fp32 draw of DeepSeek-V3's w1 alone is 30 GB)
-            x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
-            r = torch.randn(E, H, device="cuda", dtype=torch.bfloat16).div_(math.sqrt(H))
-            w1 = torch.randn(E, H, cols, device="cuda", dtype=torch.bfloat16).div_(math.sqrt(H))
-            w2 = torch.randn(E, I, H, device="cuda", dtype=torch.bfloat16).div_(math.sqrt(I))
-            sets.append((x, r, w1, w2))
+        for i in range(count):
+            made = make_inputs(shape, activation=activation, dtype=torch.bfloat16, device="cuda", seed=seed + i)
+            sets.append((made.x, made.router_weight, made.w1, made.w2))
         print(f"{T}/{H}/{I}/{E}/{k}: {len(sets)} input set(s)")
         for variant in wanted:
             for split in splits:
                 for setting in small:
                     cuda_backend.debug.small_tile_epilogue = setting == "on"
                     time_one(sets, T, H, I, E, k, activation, variant, split)
-        del sets, x, r, w1, w2  # before the next shape's inputs (DeepSeek-V3's are 22 GB a set)
+        del sets  # before the next shape's inputs (DeepSeek-V3's are 22 GB a set)
         torch.cuda.empty_cache()
 
 

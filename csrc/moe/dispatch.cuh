@@ -156,24 +156,8 @@ __device__ inline void route_gate_tile(const MoEParams& p, char* smem) {
     tile.count[expert] = kept;
   }
   sync_workers();
-  if (threadIdx.x < 32) {
-    int before = 0;
-    for (int base = 0; base < E; base += 256) {
-      int start[8];
-#pragma unroll
-      for (int u = 0; u < 8; ++u) {
-        const int e = base + static_cast<int>(threadIdx.x) * 8 + u;
-        start[u] = e < E ? tile.count[e] : 0;
-      }
-      const int total = warp_exclusive_scan8(start);
-#pragma unroll
-      for (int u = 0; u < 8; ++u) {
-        const int e = base + static_cast<int>(threadIdx.x) * 8 + u;
-        if (e < E) tile.count[e] = before + start[u];
-      }
-      before += total;
-    }
-  }
+  if (threadIdx.x < 32)  // in place: each pass loads its counts before it stores any
+    warp_exclusive_scan_n(E, [&](int e) { return tile.count[e]; }, [&](int e, int start) { tile.count[e] = start; });
   sync_workers();
   dispatch_rows<Element, false>(p, threadIdx.x >> 5, kThreads / 32, [&](size_t pair, int& expert, int& row) {
     expert = tile.expert[pair];

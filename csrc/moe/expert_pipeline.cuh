@@ -62,14 +62,13 @@ __device__ __forceinline__ int task_k_tiles(const MoEParams& p, FfnGemm gemm) {
 }
 
 // The TMA loads of one K slab of a task, one loader per operand. A: the kBoxRows-row boxes that hold
-// the task's rows (a_boxes of them, from row a_row); with 64-row boxes, a full tile's as one 128-row box
-// (the same bytes and shared-memory layout: the boxes land back to back, each whole 1 KB swizzle atoms).
-// Not for the decode variant's 16-row boxes: its tiles are rarely full, and the extra branch measured
-// 1% slower on a one-token forward.
+// the task's rows (a_boxes of them, from row a_row), or a full tile's as one 128-row box where the variant
+// loads them so (loads_full_tile_box: the boxes land back to back in whole 1 KB swizzle atoms, so the
+// shared-memory layout is the same).
 template <int kBoxRows>
 __device__ __forceinline__ void load_a_slab(uint32_t dst, const MoEParams& p, FfnGemm gemm, int a_row, int a_boxes,
                                             int k0, uint32_t bar) {
-  if constexpr (kBoxRows == 64) {
+  if constexpr (loads_full_tile_box(kBoxRows)) {
     if (a_boxes * kBoxRows == kExpertTileM) {
       tma::load_2d(dst, gemm == FfnGemm::Gemm1 ? &p.maps.recv_full : &p.maps.intermediate_full, bar, k0, a_row);
       return;

@@ -86,7 +86,7 @@ inline void refresh_expert_tensor_maps(const ForwardArgs& a, PreparedRank& prepa
   refresh(PreparedRank::kMapRecv, p.peers[p.rank].recv, maps.recv, recv_dims, row_box, "the receive buffer");
   refresh(PreparedRank::kMapIntermediate, p.intermediate, maps.intermediate, mid_dims, row_box,
           "the intermediate buffer");
-  if (row_box.dims[1] == 64) {
+  if (loads_full_tile_box(static_cast<int>(row_box.dims[1]))) {
     refresh(PreparedRank::kMapRecvFull, p.peers[p.rank].recv, maps.recv_full, recv_dims, expert_row_box(kExpertTileM),
             "the receive buffer");
     refresh(PreparedRank::kMapIntermediateFull, p.intermediate, maps.intermediate_full, mid_dims,

@@ -34,30 +34,41 @@ __device__ __forceinline__ int warp_exclusive_scan8(int (&v)[8]) {
   return __shfl_sync(0xffffffffu, inclusive, 31);
 }
 
-// One warp per expert across the rank's blocks: exclusive prefix of the expert's count over gate tiles.
-// Up to 8 x 32 tiles' counts (eight consecutive tiles per lane) are loaded before any is scanned: one round trip to memory per 256 tiles,
-// where a load per 32 tiles scanned was one each (16 in a row at 16384 tokens).
+// A warp's exclusive prefix sums of n values, 256 per pass, all of a pass loaded before any is scanned
+// (one round trip to memory per pass where a load per 32 values scanned was one each):
+// store(i, sum of the values before i) for every i < n; returns the sum of all n. Called by the whole warp.
+template <typename Load, typename Store>
+__device__ __forceinline__ int warp_exclusive_scan_n(int n, const Load& load, const Store& store) {
+  const int lane = threadIdx.x & 31;
+  int carry = 0;
+  for (int first = 0; first < n; first += 256) {
+    int v[8];
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {
+      const int i = first + lane * 8 + u;
+      v[u] = i < n ? load(i) : 0;
+    }
+    const int total = warp_exclusive_scan8(v);
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {
+      const int i = first + lane * 8 + u;
+      if (i < n) store(i, carry + v[u]);
+    }
+    carry += total;
+  }
+  return carry;
+}
+
+// One warp per expert across the rank's blocks: exclusive prefix of the expert's count over gate tiles
+// (a load round trip per 256 tiles: 16 in a row at 16384 tokens when it was one per 32).
 __device__ inline void scan_tile_counts(const MoEParams& p) {
-  constexpr int kLoads = 8;
   const int lane = threadIdx.x & 31;
   const int warps = p.blocks * (kThreads / 32);
   for (int expert = block_in_rank(p) * (kThreads / 32) + (threadIdx.x >> 5); expert < p.experts; expert += warps) {
-    int carry = 0;
-    for (int first = 0; first < p.gate_tiles; first += 32 * kLoads) {
-      int offset[kLoads];
-#pragma unroll
-      for (int u = 0; u < kLoads; ++u) {
-        const int tile = first + lane * kLoads + u;
-        offset[u] = tile < p.gate_tiles ? __ldcg(p.tile_expert_count + static_cast<size_t>(tile) * p.experts + expert) : 0;
-      }
-      const int total = warp_exclusive_scan8(offset);
-#pragma unroll
-      for (int u = 0; u < kLoads; ++u) {
-        const int tile = first + lane * kLoads + u;
-        if (tile < p.gate_tiles) p.tile_expert_offset[static_cast<size_t>(tile) * p.experts + expert] = carry + offset[u];
-      }
-      carry += total;
-    }
+    const int carry = warp_exclusive_scan_n(
+        p.gate_tiles,
+        [&](int tile) { return __ldcg(p.tile_expert_count + static_cast<size_t>(tile) * p.experts + expert); },
+        [&](int tile, int offset) { p.tile_expert_offset[static_cast<size_t>(tile) * p.experts + expert] = offset; });
     if (lane == 0) {
       p.expert_counts[expert] = carry;
       p.expert_kept[expert] = min(carry, p.capacity);
@@ -175,26 +186,12 @@ __device__ inline bool build_dest_tables(const MoEParams& p, const DestTables& t
   if (!__syncthreads_and(ok)) return false;
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  // Up to 256 of a source's counts loaded at once (eight consecutive per lane), then scanned: one round trip to memory where a load
-  // per 32 experts scanned was one each (at one token, ~4 µs before any expert task could start).
-  constexpr int kLoads = 8;
+  // A source's counts scanned 256 at a time (a load round trip each: at one token, one per 32 experts
+  // was ~4 µs before any expert task could start).
   for (int src = warp; src < P; src += kThreads / 32) {
-    int before = 0;
-    for (int first = 0; first < L; first += 32 * kLoads) {
-      int start[kLoads];
-#pragma unroll
-      for (int u = 0; u < kLoads; ++u) {
-        const int local = first + lane * kLoads + u;
-        start[u] = local < L ? incoming_count(p, src, local) : 0;
-      }
-      const int total = warp_exclusive_scan8(start);
-#pragma unroll
-      for (int u = 0; u < kLoads; ++u) {
-        const int local = first + lane * kLoads + u;
-        if (local < L) tables.stream_start[src * stride + local] = before + start[u];
-      }
-      before += total;
-    }
+    const int before = warp_exclusive_scan_n(
+        L, [&](int local) { return incoming_count(p, src, local); },
+        [&](int local, int start) { tables.stream_start[src * stride + local] = start; });
     if (lane == 0) tables.stream_start[src * stride + L] = before;
   }
   __syncthreads();
