@@ -473,6 +473,32 @@ def test_kernel_time_from_profiler_events():
         kernel_profile.profile_kernel([lambda: None], device="cpu", kernel_name="k", calls=0)
 
 
+def test_profiled_calls_taken_apart_into_kernel_other_activities_and_idle_time():
+    cuda = torch.autograd.DeviceType.CUDA
+
+    def event(name, start, end):
+        return argparse.Namespace(name=name, device_time=end - start, device_type=cuda,
+                                  time_range=argparse.Namespace(start=start, end=end))
+
+    # Two calls (µs): a memset then the kernel each, one gap of 100 between the calls, and a copy that
+    # overlaps the second kernel (counted as activity, not twice as busy time).
+    events = [event("Memset (Device)", 0.0, 10.0), event("void moe_forward_kernel<V>()", 10.0, 510.0),
+              event("Memset (Device)", 610.0, 620.0), event("void moe_forward_kernel<V>()", 620.0, 1120.0),
+              event("Memcpy DtoD (Device -> Device)", 700.0, 740.0)]
+    profile = kernel_profile.kernel_time_from_events(events, "moe_forward_kernel", calls=2)
+    assert profile.milliseconds == pytest.approx(0.5) and profile.launches == 2
+    assert profile.span_ms == pytest.approx(1120.0 / 2 / 1e3)
+    assert profile.other_ms == pytest.approx((10 + 10 + 40) / 2 / 1e3)
+    assert profile.idle_ms == pytest.approx(100.0 / 2 / 1e3)  # only the gap between the calls
+    assert profile.others == {"Memcpy DtoD (Device -> Device)": pytest.approx(0.02),
+                              "Memset (Device)": pytest.approx(0.01)}
+    details = profile.details()
+    assert details["span_ms"] == profile.span_ms and details["others"] == profile.others
+    assert "milliseconds" not in details  # the entry's kernel_ms carries it
+    # Without the call count only the kernel's median, as before.
+    assert kernel_profile.kernel_time_from_events(events, "moe_forward_kernel").span_ms is None
+
+
 # ------------------------------------------------------------------------------------------------
 # Metrics and timing
 

@@ -179,7 +179,7 @@ def _run_single_gpu_config(
             result.correct = result.max_relative_error <= tolerance
         options.console.log(
             f"    {entry.label}: "
-            + (f"{result.median_ms:.3f} ms, err {result.max_relative_error:.2e}"
+            + (f"{result.median_ms:.3f} ms, err {result.max_relative_error:.2e}{_profile_text(result)}"
                if result.status == "ok" else f"{result.status}: {result.reason}")
         )
         entries.append(result)
@@ -203,6 +203,15 @@ def _run_single_gpu_config(
     )
     _add_speedups(config)
     return config
+
+
+def _profile_text(result: EntryResult) -> str:
+    """``"; profiled per call: kernel K, other O, idle I ms"`` where the profiler recorded them, else ``""``."""
+    profile = (result.details or {}).get("kernel_profile") or {}
+    if result.kernel_ms is None or profile.get("span_ms") is None:
+        return ""
+    return (f"; profiled per call: kernel {result.kernel_ms:.3f}, other {profile['other_ms']:.3f}, "
+            f"idle {profile['idle_ms']:.3f} ms")
 
 
 def _input_sets_that_fit(
@@ -268,8 +277,7 @@ def _run_entry(
                 [p.run for p in prepared], device=device, kernel_name=entry.profiled_kernel
             )
         kernel_ms = kernel.milliseconds
-        details["kernel_profile"] = {"kernel": entry.profiled_kernel, "launches": kernel.launches,
-                                     "reason": kernel.reason}
+        details["kernel_profile"] = {"kernel": entry.profiled_kernel, **kernel.details()}
     return EntryResult(
         entry.name,
         entry.label,
