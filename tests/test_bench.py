@@ -439,16 +439,58 @@ def test_kernel_time_is_null_on_the_cpu_and_profiled_after_the_timed_runs(monkey
 
     # The profile is a pass of its own after the timed runs, over the same prepared runs.
     order = []
-    real_measure = single_gpu.measure
-    monkeypatch.setattr(single_gpu, "measure", lambda runs, **kw: order.append(("measure", len(runs)))
+    real_measure = timing.measure_phases
+    monkeypatch.setattr(timing, "measure_phases", lambda runs, **kw: order.append(("measure", len(runs)))
                         or real_measure(runs, **kw))
     monkeypatch.setattr(kernel_profile, "profile_kernel", lambda runs, **kw: order.append(("profile", len(runs)))
                         or kernel_profile.KernelTime(0.25, 6))
     options.entries = ["profiled_loop"]
     options.input_sets = 3
     timed = single_gpu.run_single_gpu(options).configs[0].entries[0]
-    assert order == [("measure", 3), ("profile", 3)]
+    # After the copy bandwidth's measurement: repeats=2 as two rounds of one run, then the profile.
+    assert order[1:] == [("measure", 3), ("measure", 3), ("profile", 3)]
     assert timed.kernel_ms == 0.25 and timed.details["kernel_profile"]["launches"] == 6
+
+
+class _CountingEntry(BenchEntry):
+    """The per-expert loop, logging each call under its name (set per test) into ``calls``."""
+
+    calls: list[str] = []
+    fail_after: int | None = None
+
+    def prepare(self, inputs: MoEInputs, problem: MoEProblem) -> PreparedRun:
+        def forward():
+            if self.fail_after is not None and self.calls.count(self.name) >= self.fail_after:
+                raise RuntimeError("lost the device")
+            self.calls.append(self.name)
+            return baselines.per_expert_loop(inputs.x, inputs.router_weight, inputs.w1, inputs.w2, **problem.kwargs())
+
+        return PreparedRun(forward)
+
+
+def test_entries_are_timed_in_turns_so_clock_drift_falls_on_all_of_them(monkeypatch):
+    calls: list[str] = []
+    first = type("_First", (_CountingEntry,), {"name": "first", "label": "first", "calls": calls})
+    second = type("_Second", (_CountingEntry,), {"name": "second", "label": "second", "calls": calls,
+                                                 "fail_after": 8})
+    monkeypatch.setitem(ENTRY_TYPES, "first", first)
+    monkeypatch.setitem(ENTRY_TYPES, "second", second)
+    assert timing.round_sizes(10) == [3, 3, 2, 2] and timing.round_sizes(2) == [1, 1]
+    options = SuiteOptions(
+        suite="single-gpu", device="cpu", dtype="float32", activation="gelu",
+        shapes=[BenchShape(16, 16, 32, 4, 2)], entries=["first", "second"], repeats=8, warmup=2,
+    )
+    one, two = single_gpu.run_single_gpu(options).configs[0].entries
+    # Each entry's correctness call, then the rounds: 2 warm-up runs and 2 timed ones first, then 1 + 2.
+    runs = [name for name in calls]
+    assert runs[:2] == ["first", "second"]
+    rounds = [runs[2:6], runs[6:10], runs[10:13], runs[13:16], runs[16:19]]
+    assert rounds == [["first"] * 4, ["second"] * 4, ["first"] * 3, ["second"] * 3, ["first"] * 3]
+    # The second entry fails in its third round (its 9th call): an error row, the first goes on alone.
+    assert runs[19:] == ["first"] * 3
+    assert one.status == "ok" and len(one.samples_ms) == 8 and one.correct is True
+    assert two.status == "error" and two.reason == "RuntimeError: lost the device"
+    assert "sm_clock_mhz" not in one.details and single_gpu.hardware.sm_clock_mhz("cpu") is None  # no GPU clock
 
 
 def test_kernel_time_from_profiler_events():

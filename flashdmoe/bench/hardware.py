@@ -7,7 +7,9 @@ up in the ceiling too instead of flattering the percentages.
 from __future__ import annotations
 
 import platform
+import shutil
 import socket
+import subprocess
 from typing import TYPE_CHECKING
 
 import torch
@@ -45,6 +47,27 @@ def machine_info(device: torch.device | str) -> dict[str, object]:
         info["cpu"] = platform.processor() or platform.machine()
         info["cpu_threads"] = torch.get_num_threads()
     return info
+
+
+def sm_clock_mhz(device: torch.device | str) -> int | None:
+    """The GPU's SM clock in MHz as the driver last sampled it (an average over its last 1/6 to 1 s), or None
+    off CUDA or where it cannot be read. Through NVML (``torch.cuda.clock_rate``, needs ``pynvml``), else
+    ``nvidia-smi`` when it and torch see one GPU each (so that the two name the same one)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    try:
+        return int(torch.cuda.clock_rate(device))
+    except Exception:  # noqa: BLE001 - no pynvml or no NVML: try nvidia-smi
+        pass
+    if torch.cuda.device_count() != 1 or shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        answer = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm", "--format=csv,noheader,nounits"],
+                                capture_output=True, text=True, timeout=10, check=True).stdout.split()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return int(answer[0]) if len(answer) == 1 and answer[0].isdigit() else None
 
 
 def measure_matmul_ceiling(

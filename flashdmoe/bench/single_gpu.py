@@ -1,13 +1,17 @@
 """The ``single-gpu`` suite: the fused kernel beside the unfused baselines on one device (torch
 ``grouped_mm``, a per-expert loop, the reference), each timed on rotated input sets and checked against
 :func:`flashdmoe.reference.moe`. Entries with a kernel of their own (the fused ones) also get its time
-alone from the profiler, in a pass after their timed runs (:mod:`flashdmoe.bench.kernel_profile`).
+alone from the profiler, in a pass after their timed runs (:mod:`flashdmoe.bench.kernel_profile`). A
+configuration's entries are timed in turns (``TIMING_ROUNDS`` rounds, :func:`flashdmoe.bench.timing.measure_in_turns`),
+so that clock drift during a heavy row falls on all of them alike.
 
 Each configuration may carry its own activation (``--configs 'T,H,I,E,k,swiglu'`` or a named set);
 when a run mixes activations, ``act`` joins the shape columns.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -19,11 +23,12 @@ from flashdmoe.bench.entries import (
     EntryUnavailable,
     MoEInputs,
     MoEProblem,
+    PreparedRun,
     describe_error,
 )
 from flashdmoe.bench.results import BenchConfig, BenchShape, ConfigResult, EntryResult, SuiteResult
 from flashdmoe.bench.suite import Suite, SuiteOptions
-from flashdmoe.bench.timing import measure
+from flashdmoe.bench.timing import TurnTimings, measure_in_turns
 from flashdmoe.bench.workload import (
     free_device_memory,
     input_set_bytes,
@@ -166,10 +171,11 @@ def _run_single_gpu_config(
     )
     tolerance = metrics.ERROR_TOLERANCES[options.dtype]
 
-    entries = []
-    for name in options.entries:
-        entry = ENTRY_TYPES[name]()
-        result = _run_entry(entry, shape, input_sets, problem, expected, compare_rows, device, options)
+    entries = _run_entries(
+        [ENTRY_TYPES[name]() for name in options.entries], shape, input_sets, problem, expected, compare_rows,
+        device, options,
+    )
+    for result in entries:
         if result.status == "ok":
             result.tflops = metrics.tflops(flops, result.median_ms)
             if ceiling_tflops:
@@ -178,11 +184,10 @@ def _run_single_gpu_config(
             result.error_tolerance = tolerance
             result.correct = result.max_relative_error <= tolerance
         options.console.log(
-            f"    {entry.label}: "
+            f"    {result.label}: "
             + (f"{result.median_ms:.3f} ms, err {result.max_relative_error:.2e}{_profile_text(result)}"
                if result.status == "ok" else f"{result.status}: {result.reason}")
         )
-        entries.append(result)
 
     config = ConfigResult(
         label=shape.label,
@@ -233,16 +238,25 @@ def _input_sets_that_fit(
     return sets_that_fit(per_set, oracle, free_bytes + cached)
 
 
-def _run_entry(
+@dataclass
+class _LiveEntry:
+    """An entry prepared and checked, waiting for its timed runs."""
+
+    entry: BenchEntry
+    prepared: list[PreparedRun]
+    max_relative_error: float
+
+
+def _prepare_entry(
     entry: BenchEntry,
     shape: BenchShape,
     input_sets: list[MoEInputs],
     problem: MoEProblem,
     expected: torch.Tensor,
     compare_rows: torch.Tensor,
-    device: torch.device,
     options: SuiteOptions,
-) -> EntryResult:
+) -> _LiveEntry | EntryResult:
+    """The entry's prepared runs and its error on set 0, or the row saying why it does not run."""
     if (
         entry.name == "reference"
         and options.reference_max_tokens is not None
@@ -264,17 +278,53 @@ def _run_entry(
             output = prepared[0].run()
             error_report = metrics.max_relative_error(output, expected, compare_rows)
             del output
-            stats = measure(
-                [p.run for p in prepared], device=device, warmup=options.warmup, repeats=options.repeats
-            )
     except Exception as error:
         return EntryResult(entry.name, entry.label, "error", reason=describe_error(error))
-    details = dict(prepared[0].details)
+    return _LiveEntry(entry, prepared, error_report.max_relative_error)
+
+
+def _run_entries(
+    entries: list[BenchEntry],
+    shape: BenchShape,
+    input_sets: list[MoEInputs],
+    problem: MoEProblem,
+    expected: torch.Tensor,
+    compare_rows: torch.Tensor,
+    device: torch.device,
+    options: SuiteOptions,
+) -> list[EntryResult]:
+    """Every entry prepared and checked, then timed in rounds (TIMING_ROUNDS), then profiled; one result
+    per entry, in order. Each round is warmed up: the first by ``options.warmup`` runs, the later ones by
+    one (the runs before were another entry's)."""
+    outcomes = [
+        _prepare_entry(entry, shape, input_sets, problem, expected, compare_rows, options) for entry in entries
+    ]
+    live = [outcome for outcome in outcomes if isinstance(outcome, _LiveEntry)]
+    with torch.no_grad():
+        turns = measure_in_turns(
+            [[(p.run,) for p in timed.prepared] for timed in live], device=device, warmup=options.warmup,
+            repeats=options.repeats, contexts=[timed.entry.timing_context for timed in live],
+            clock=lambda: hardware.sm_clock_mhz(device),
+        )
+    timed_results = iter([_timed_result(timed, turn, device) for timed, turn in zip(live, turns)])
+    return [next(timed_results) if isinstance(outcome, _LiveEntry) else outcome for outcome in outcomes]
+
+
+def _timed_result(timed: _LiveEntry, turn: TurnTimings, device: torch.device) -> EntryResult:
+    """The result row of an entry that was timed: its statistics over every round, its SM clock after each
+    round (``details["sm_clock_mhz"]``, where the driver reports it) and its profiled kernel time."""
+    entry = timed.entry
+    if turn.error is not None:
+        return EntryResult(entry.name, entry.label, "error", reason=describe_error(turn.error))
+    stats = turn.timings.total
+    details = dict(timed.prepared[0].details)
+    if turn.clocks:
+        details["sm_clock_mhz"] = list(turn.clocks)
     kernel_ms = None
     if entry.profiled_kernel is not None:
         with torch.no_grad(), entry.timing_context():
             kernel = kernel_profile.profile_kernel(
-                [p.run for p in prepared], device=device, kernel_name=entry.profiled_kernel
+                [p.run for p in timed.prepared], device=device, kernel_name=entry.profiled_kernel
             )
         kernel_ms = kernel.milliseconds
         details["kernel_profile"] = {"kernel": entry.profiled_kernel, **kernel.details()}
@@ -287,7 +337,7 @@ def _run_entry(
         p90_ms=stats.p90_ms,
         samples_ms=list(stats.samples_ms),
         kernel_ms=kernel_ms,
-        max_relative_error=error_report.max_relative_error,
+        max_relative_error=timed.max_relative_error,
         details=details,
     )
 

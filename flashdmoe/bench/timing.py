@@ -5,15 +5,17 @@ the end). CPU: ``time.perf_counter`` around every run. The caller passes one zer
 per input set; runs rotate through them so a working set smaller than the L2 cache is not measured
 hot (see ``input_sets_for_cache``). ``measure_phases`` does the same for runs made of consecutive
 phases (a training step's forward, then its backward): one event between phases, one time per phase.
+``measure_in_turns`` times several entries that a table compares in rounds, taking turns.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -119,6 +121,71 @@ def measure_phases(
         phases=tuple(TimingStats.from_samples([run[j] for run, _ in samples]) for j in range(phase_count)),
         total=TimingStats.from_samples([total for _, total in samples]),
     )
+
+
+# The timed runs of several entries (things compared in one table row group) are taken in this many
+# rounds, every entry once per round in turn, so that all of them see the GPU's clocks of the same stretch
+# of time (a long heavy row drifts them by 10-20% within seconds) and their ratios stay fair.
+TIMING_ROUNDS = 4
+
+
+def round_sizes(repeats: int, rounds: int = TIMING_ROUNDS) -> list[int]:
+    """``repeats`` timed runs split over at most ``rounds`` rounds, as evenly as they go."""
+    rounds = min(rounds, repeats)
+    return [repeats // rounds + (1 if index < repeats % rounds else 0) for index in range(rounds)]
+
+
+@dataclass
+class TurnTimings:
+    """One entry's outcome of :func:`measure_in_turns`: its timings over every round, or the error that
+    stopped it (its earlier rounds discarded); ``clocks``: the clock reading after each of its rounds."""
+
+    timings: PhaseTimings | None = None
+    error: BaseException | None = None
+    clocks: list[int] = field(default_factory=list)
+
+
+def measure_in_turns(
+    entries: Sequence[Sequence[Sequence[Callable[[], object]]]],
+    *,
+    device: torch.device | str,
+    warmup: int = 5,
+    repeats: int = 20,
+    contexts: Sequence[Callable[[], contextlib.AbstractContextManager]] | None = None,
+    clock: Callable[[], int | None] | None = None,
+) -> list[TurnTimings]:
+    """:func:`measure_phases` for several entries (``entries[e]``: its runs, as there), their timed runs
+    taken in rounds (:func:`round_sizes`), every entry once per round in turn. The first round is warmed up
+    by ``warmup`` runs, the later ones by one (the runs before were another entry's). An entry that raises
+    drops out with its error; the others go on. ``contexts[e]()`` is entered around each of entry e's rounds;
+    ``clock()`` is read after each (e.g. the SM clock: how the rounds' conditions compare)."""
+    outcomes = [TurnTimings() for _ in entries]
+    samples: list[list[tuple[list[float], float]]] = [[] for _ in entries]
+    for round_index, count in enumerate(round_sizes(repeats)):
+        for index, runs in enumerate(entries):
+            outcome = outcomes[index]
+            if outcome.error is not None:
+                continue
+            context = contexts[index]() if contexts is not None else contextlib.nullcontext()
+            try:
+                with context:
+                    timings = measure_phases(runs, device=device, repeats=count,
+                                             warmup=warmup if round_index == 0 else min(warmup, 1))
+            except Exception as error:  # noqa: BLE001 - the entry's row reports it
+                outcome.error = error
+                continue
+            samples[index].extend(zip(zip(*(phase.samples_ms for phase in timings.phases)),
+                                      timings.total.samples_ms))
+            reading = clock() if clock is not None else None
+            if reading is not None:
+                outcome.clocks.append(reading)
+    for outcome, taken in zip(outcomes, samples):
+        if outcome.error is None:
+            outcome.timings = PhaseTimings(
+                phases=tuple(TimingStats.from_samples([run[j] for run, _ in taken]) for j in range(len(taken[0][0]))),
+                total=TimingStats.from_samples([total for _, total in taken]),
+            )
+    return outcomes
 
 
 # Per timed run: (milliseconds of each phase, milliseconds of the whole run).

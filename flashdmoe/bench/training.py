@@ -15,9 +15,11 @@ Entries, per shape (T/H/I/E/k and an activation):
 * ``grouped_mm`` -- :func:`flashdmoe.bench.baselines.grouped_mm_pipeline` (weights in the layout
   :func:`~flashdmoe.bench.baselines.prepare_grouped_mm_weights` picks) under autograd, the same step.
 
-Timing (:func:`flashdmoe.bench.timing.measure_phases`): a CUDA event before the forward, between forward
+Timing (:func:`flashdmoe.bench.timing.measure_in_turns`): a CUDA event before the forward, between forward
 and backward and after the backward, so forward, backward alone and forward + backward come from the same
-runs; medians over ``--repeats`` runs after ``--warmup``, input sets rotated as in ``single-gpu``.
+runs; medians over ``--repeats`` runs after ``--warmup``, input sets rotated as in ``single-gpu``, the
+entries of a shape timed in turns (rounds of a quarter of the runs each) so that clock drift falls on all
+of them alike.
 
 FLOPs (:mod:`flashdmoe.bench.metrics`): forward = ``moe_flops`` (expert GEMMs + router); backward = twice
 the forward's expert FLOPs + ``4*T*E*H`` (router); forward + backward = their sum. The row's ratio is
@@ -44,7 +46,7 @@ from flashdmoe.bench import baselines, hardware, metrics, report, single_gpu
 from flashdmoe.bench.entries import EntryUnavailable, MoEInputs, MoEProblem, describe_error
 from flashdmoe.bench.results import BenchShape, ConfigResult, EntryResult, SuiteResult
 from flashdmoe.bench.suite import Suite, SuiteOptions
-from flashdmoe.bench.timing import PhaseTimings, TimingStats, measure_phases
+from flashdmoe.bench.timing import TimingStats, TurnTimings, measure_in_turns
 from flashdmoe.bench.workload import free_device_memory, rotated_input_sets, torch_dtype
 from flashdmoe.errors import BackendUnavailable
 
@@ -326,9 +328,8 @@ def _run_config(
     tolerance = metrics.gradient_tolerance(options.dtype, max(shape.tokens, shape.hidden, w1_cols, shape.experts))
     phase_flops = {"forward": forward_flops, "backward": backward_flops}
 
-    entries = []
-    for name in options.entries:
-        result = _run_entry(name, input_sets, dys, problem, oracle, device, options)
+    entries = _run_entries(options.entries, input_sets, dys, problem, oracle, device, options)
+    for result in entries:
         if result.status == "ok":
             result.tflops = metrics.tflops(forward_flops + backward_flops, result.median_ms)
             for phase in PHASES:
@@ -346,8 +347,7 @@ def _run_config(
                f"grad err {result.max_relative_error:.2e}"
                if result.status == "ok" else f"{result.status}: {result.reason}")
         )
-        entries.append(result)
-        free_device_memory(device)
+    free_device_memory(device)
 
     config = ConfigResult(
         label=f"{shape.label} {activation}",
@@ -409,15 +409,16 @@ def _checked_step(step: PreparedStep, device: torch.device) -> int | None:
     return torch.cuda.max_memory_allocated(device) - before if measure_memory else None
 
 
-def _run_entry(
+def _prepare_entry(
     name: str,
     input_sets: list[MoEInputs],
     dys: list[torch.Tensor],
     problem: MoEProblem,
     oracle: Oracle,
     device: torch.device,
-    options: SuiteOptions,
-) -> EntryResult:
+) -> tuple[list[PreparedStep], dict[str, object]] | EntryResult:
+    """The entry's steps (one per input set) and its checked first step's details, or the row saying why it
+    does not run."""
     label = ENTRY_LABELS[name]
     prepare = _preparer(name)
     try:
@@ -430,15 +431,43 @@ def _run_entry(
         details = dict(steps[0].details)
         details["peak_step_bytes"] = _checked_step(steps[0], device)
         details["errors"] = _errors(steps[0], oracle)
-        timings: PhaseTimings = measure_phases(
-            [step.phases for step in steps], device=device, warmup=options.warmup, repeats=options.repeats
-        )
-        _synchronize(device)
     except Exception as error:
         return EntryResult(name, label, "error", reason=describe_error(error))
-    for phase, stats in zip(PHASES, timings.phases):
+    return steps, details
+
+
+def _run_entries(
+    names: list[str],
+    input_sets: list[MoEInputs],
+    dys: list[torch.Tensor],
+    problem: MoEProblem,
+    oracle: Oracle,
+    device: torch.device,
+    options: SuiteOptions,
+) -> list[EntryResult]:
+    """Every entry prepared and checked, then timed in turns (:func:`flashdmoe.bench.timing.measure_in_turns`,
+    so that the GPU's clock drift falls on all of them alike); one result per entry, in order."""
+    outcomes = [_prepare_entry(name, input_sets, dys, problem, oracle, device) for name in names]
+    live = [(name, outcome) for name, outcome in zip(names, outcomes) if not isinstance(outcome, EntryResult)]
+    turns = measure_in_turns(
+        [[step.phases for step in steps] for _, (steps, _) in live], device=device, warmup=options.warmup,
+        repeats=options.repeats, clock=lambda: hardware.sm_clock_mhz(device),
+    )
+    _synchronize(device)
+    timed = iter([_timed_result(name, details, turn) for (name, (_, details)), turn in zip(live, turns)])
+    return [outcome if isinstance(outcome, EntryResult) else next(timed) for outcome in outcomes]
+
+
+def _timed_result(name: str, details: dict[str, object], turn: TurnTimings) -> EntryResult:
+    label = ENTRY_LABELS[name]
+    if turn.error is not None:
+        return EntryResult(name, label, "error", reason=describe_error(turn.error))
+    details = dict(details)
+    for phase, stats in zip(PHASES, turn.timings.phases):
         details[phase] = _stats_dict(stats)
-    total = timings.total
+    if turn.clocks:
+        details["sm_clock_mhz"] = list(turn.clocks)
+    total = turn.timings.total
     return EntryResult(
         name, label, "ok",
         median_ms=total.median_ms, p10_ms=total.p10_ms, p90_ms=total.p90_ms, samples_ms=list(total.samples_ms),
