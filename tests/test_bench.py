@@ -481,11 +481,12 @@ def test_entries_are_timed_in_turns_so_clock_drift_falls_on_all_of_them(monkeypa
         shapes=[BenchShape(16, 16, 32, 4, 2)], entries=["first", "second"], repeats=8, warmup=2,
     )
     one, two = single_gpu.run_single_gpu(options).configs[0].entries
-    # Each entry's correctness call, then the rounds: 2 warm-up runs and 2 timed ones first, then 1 + 2.
+    # Each entry's correctness call, then the rounds: 2 warm-up runs and 2 timed ones first, then 1 + 2;
+    # the second round in reverse order.
     runs = [name for name in calls]
     assert runs[:2] == ["first", "second"]
     rounds = [runs[2:6], runs[6:10], runs[10:13], runs[13:16], runs[16:19]]
-    assert rounds == [["first"] * 4, ["second"] * 4, ["first"] * 3, ["second"] * 3, ["first"] * 3]
+    assert rounds == [["first"] * 4, ["second"] * 4, ["second"] * 3, ["first"] * 3, ["first"] * 3]
     # The second entry fails in its third round (its 9th call): an error row, the first goes on alone.
     assert runs[19:] == ["first"] * 3
     assert one.status == "ok" and len(one.samples_ms) == 8 and one.correct is True

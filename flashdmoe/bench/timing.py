@@ -155,14 +155,19 @@ def measure_in_turns(
     clock: Callable[[], int | None] | None = None,
 ) -> list[TurnTimings]:
     """:func:`measure_phases` for several entries (``entries[e]``: its runs, as there), their timed runs
-    taken in rounds (:func:`round_sizes`), every entry once per round in turn. The first round is warmed up
+    taken in rounds (:func:`round_sizes`), every entry once per round in turn (in order in even rounds, in
+reverse in odd ones). The first round is warmed up
     by ``warmup`` runs, the later ones by one (the runs before were another entry's). An entry that raises
     drops out with its error; the others go on. ``contexts[e]()`` is entered around each of entry e's rounds;
     ``clock()`` is read after each (e.g. the SM clock: how the rounds' conditions compare)."""
     outcomes = [TurnTimings() for _ in entries]
     samples: list[list[tuple[list[float], float]]] = [[] for _ in entries]
     for round_index, count in enumerate(round_sizes(repeats)):
-        for index, runs in enumerate(entries):
+        # Odd rounds in reverse order: no entry always runs right after another (on a GPU that is heating
+        # up, the later entries of a round meet lower clocks).
+        order = range(len(entries)) if round_index % 2 == 0 else range(len(entries) - 1, -1, -1)
+        for index in order:
+            runs = entries[index]
             outcome = outcomes[index]
             if outcome.error is not None:
                 continue
