@@ -1,35 +1,45 @@
 """One fused forward per listed shape for Nsight Compute (`ncu ... python3 scripts/ncu_probe.py`): a warm-up
-launch (skipped with --launch-skip) then one profiled launch per shape. A development probe.
+launch (skipped with --launch-skip) then one profiled launch per shape. A shape is a name below or
+T/H/I/E/k[/activation] (inputs as the bench draws them, in bf16: a DeepSeek-V3 layer fits an 80 GB GPU).
+A development probe.
+
+    ncu --replay-mode application --metrics dram__bytes_read.sum,... python3 scripts/ncu_probe.py 8192/7168/2048/256/8/swiglu
 
 "decode" is Qwen3-30B-A3B's layer at one token, where most of the kernel's code runs once per launch: its
 warp stall reasons (`ncu --section WarpStateStats --section SourceCounters -o R`) say where instruction
 fetch ("no instruction") is waited on; `ncu --import R.ncu-rep --page source --csv --print-source sass`
 then `scripts/sass_samples.py` sum them by source line."""
 
-import math
 import sys
 
 import torch
 
 from flashdmoe import cuda_backend
+from flashdmoe.bench.results import BenchShape
+from flashdmoe.bench.workload import make_inputs
 
 # (T, H, I, E, k, activation); "experts": the expert GEMMs are nearly all of the kernel
 SHAPES = {"paper": (8192, 2048, 2048, 32, 2, "gelu"), "small": (128, 4096, 1408, 64, 6, "gelu"),
           "experts": (16384, 2048, 8192, 8, 1, "gelu"), "decode": (1, 2048, 768, 128, 8, "swiglu")}
 
 
+def parse(item):
+    if item in SHAPES:
+        return SHAPES[item]
+    fields = item.split("/")
+    return tuple(int(v) for v in fields[:5]) + (fields[5] if len(fields) > 5 else "gelu",)
+
+
 def main():
-    for name in sys.argv[1:] or ["paper"]:
-        T, H, I, E, k, activation = SHAPES[name]
-        x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
-        r = (torch.randn(E, H, device="cuda") / math.sqrt(H)).bfloat16()
-        w1_cols = 2 * I if activation == "swiglu" else I  # swiglu: gate and up columns side by side
-        w1 = (torch.randn(E, H, w1_cols, device="cuda") / math.sqrt(H)).bfloat16()
-        w2 = (torch.randn(E, I, H, device="cuda") / math.sqrt(I)).bfloat16()
+    for item in sys.argv[1:] or ["paper"]:
+        T, H, I, E, k, activation = parse(item)
+        inputs = make_inputs(BenchShape(T, H, I, E, k), activation=activation, dtype=torch.bfloat16, device="cuda",
+                             seed=0)
         for _ in range(2):
-            cuda_backend.fused_forward(x, r, w1, w2, top_k=k, activation=activation, normalize_topk=True,
-                                       capacity_factor=None)
+            cuda_backend.fused_forward(inputs.x, inputs.router_weight, inputs.w1, inputs.w2, top_k=k,
+                                       activation=activation, normalize_topk=True, capacity_factor=None)
         torch.cuda.synchronize()
+        del inputs
 
 
 if __name__ == "__main__":
