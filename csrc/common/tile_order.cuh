@@ -14,12 +14,25 @@ struct TileCoord {
   int row, col;
 };
 
-// The index-th tile of a rows x cols grid of tiles (0 <= index < rows * cols).
+// Rows [first, first + rows) of a group.
+struct TileGroup {
+  int first, rows;
+};
+
+// The index-th tile of a grid of `cols` column tiles whose rows are cut into groups, each group's tiles
+// taken column by column: `group` is the group of row index / cols (every group spans all columns, so the
+// tiles before a group are its first row times cols).
+__host__ __device__ __forceinline__ TileCoord grouped_tile(int index, int cols, TileGroup group) {
+  const int in_group = index - group.first * cols;
+  return {group.first + in_group % group.rows, in_group / group.rows};
+}
+
+// The index-th tile of a rows x cols grid of tiles (0 <= index < rows * cols), rows in groups of
+// kTileGroupRows from row 0.
 __host__ __device__ __forceinline__ TileCoord grouped_tile(int index, int rows, int cols) {
   const int first_row = index / (kTileGroupRows * cols) * kTileGroupRows;
   const int group_rows = rows - first_row < kTileGroupRows ? rows - first_row : kTileGroupRows;
-  const int in_group = index - first_row * cols;
-  return {first_row + in_group % group_rows, in_group / group_rows};
+  return grouped_tile(index, cols, TileGroup{first_row, group_rows});
 }
 
 }  // namespace flashdmoe

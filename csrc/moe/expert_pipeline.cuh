@@ -161,7 +161,7 @@ __device__ bool produce_tasks(const MoEParams& p, const DestTables& tables, char
       ring.hand_over(slot, task);
       return task == kTaskEnd;
     }
-    const ExpertTask job = decode_task(task, counts, member, kCluster);
+    const ExpertTask job = decode_task(p, tables, task, counts, member, kCluster);
     const RowTile tile = row_tile_of(p, tables, job.row_tile);
     const bool ready = tile.rows == 0 ||
         (job.gemm == FfnGemm::Gemm2
@@ -195,7 +195,7 @@ __device__ bool consume_tasks(const MoEParams& p, const DestTables& tables, char
   for (typename TaskRing<Variant::kStages>::State slot{};; slot.advance()) {
     const int task = ring.take(slot, p);
     if (task < 0) return task == kTaskEnd;
-    const ExpertTask job = decode_task(task, counts, member, Variant::kClusterBlocks);
+    const ExpertTask job = decode_task(p, tables, task, counts, member, Variant::kClusterBlocks);
     const RowTile tile = row_tile_of(p, tables, job.row_tile);
     const int k_tiles = task_k_tiles(p, job.gemm);
     Gemm gemm;
