@@ -107,17 +107,19 @@ __device__ __forceinline__ BackwardTaskCounts backward_task_counts(const Backwar
   return c;
 }
 
-// Each GEMM's tiles in grouped order (common/tile_order.cuh): row tiles x column tiles for g and dx,
-// m tiles x n tiles of each expert's dW2 and dW1.
+// Each GEMM's tiles in grouped order (common/tile_order.cuh): row tiles x column tiles for g and dx, in
+// groups that never straddle two experts (segment_group over tile_start), m tiles x n tiles of each
+// expert's dW2 and dW1.
 template <int BN>
-__device__ __forceinline__ BackwardTask decode_backward_task(int id, const BackwardTaskCounts& c, int row_tiles) {
+__device__ __forceinline__ BackwardTask decode_backward_task(int id, const BackwardTaskCounts& c, const int* tile_start,
+                                                             int experts) {
   if (id < c.g_tasks) {
-    const TileCoord t = grouped_tile(id, row_tiles, c.g_cols);
+    const TileCoord t = grouped_tile(id, c.g_cols, segment_group(id / c.g_cols, tile_start, experts));
     return {BackwardTaskKind::G, t.row, 0, 0, t.col * BN};
   }
   id -= c.g_tasks;
   if (id < c.dx_tasks) {
-    const TileCoord t = grouped_tile(id, row_tiles, c.dx_cols);
+    const TileCoord t = grouped_tile(id, c.dx_cols, segment_group(id / c.dx_cols, tile_start, experts));
     return {BackwardTaskKind::Dx, t.row, 0, 0, t.col * BN};
   }
   id -= c.dx_tasks;
@@ -385,7 +387,7 @@ __device__ bool produce_backward(const BackwardParams& p, const ExpertTables& t,
       ring.hand_over(slot, kTaskEnd);
       return true;
     }
-    const BackwardTask task = decode_backward_task<Config::kTileN>(id, counts, t.tile_start[p.experts]);
+    const BackwardTask task = decode_backward_task<Config::kTileN>(id, counts, t.tile_start, p.experts);
     bool ready = true;
     if (task.kind == BackwardTaskKind::Dx) {
       ready = wait_at_least(p.row_tile_done + task.row_tile, counts.g_cols, p, kPhaseBackwardRowTile, p.rank);
@@ -446,7 +448,7 @@ __device__ bool consume_backward(const BackwardParams& p, const ExpertTables& t,
   for (typename TaskRing<Config::kStages>::State slot{};; slot.advance()) {
     const int id = ring.take(slot, p);
     if (id < 0) return id == kTaskEnd;
-    const BackwardTask task = decode_backward_task<BN>(id, counts, t.tile_start[p.experts]);
+    const BackwardTask task = decode_backward_task<BN>(id, counts, t.tile_start, p.experts);
     if (task.kind == BackwardTaskKind::G) {
       const BackwardRowTile tile = backward_row_tile(t, p.experts, task.row_tile);
       typename Config::RowGemm gemm;

@@ -81,35 +81,18 @@ __device__ __forceinline__ TaskCounts task_counts(const MoEParams& p, int row_ti
   counts.total = counts.tasks1 + counts.row_units * counts.tiles2;
   return counts;
 }
-// The group of row units that row unit `unit` is taken with: its expert's units (over all sources), cut
-// into groups of kTileGroupRows from the expert's first. Groups never straddle two experts: the row tiles
-// that share an expert's weight panels then run at the same time and read each panel from HBM once.
-// Groups of a fixed size did straddle them (DeepSeek-V3's layer, ~2.5 row tiles per expert: the tiles
-// of an expert cut off by a group's end re-read its panels a wave later). An expert's units: its
-// tiles divided by the cluster size (build_dest_tables pairs an expert's tiles for clusters).
-__device__ __forceinline__ TileGroup expert_unit_group(const MoEParams& p, const DestTables& tables, int unit,
-                                                       int cluster) {
-  const int P = p.world_size, tile = unit * cluster;
-  int lo = 0, hi = p.local_experts;  // invariant: tile_start[lo * P] <= tile < tile_start[hi * P]
-  while (hi - lo > 1) {
-    const int mid = (lo + hi) >> 1;
-    if (tables.tile_start[mid * P] <= tile) lo = mid; else hi = mid;
-  }
-  const int first = tables.tile_start[lo * P] / cluster, end = tables.tile_start[(lo + 1) * P] / cluster;
-  const int group = first + (unit - first) / kTileGroupRows * kTileGroupRows;
-  return {group, min(kTileGroupRows, end - group)};
-}
-
-// Within each GEMM the row tiles are taken in groups (expert_unit_group, common/tile_order.cuh);
-// `member` of a cluster of `cluster` blocks takes row tile member of the task's unit.
+// Within each GEMM the row tiles are taken in groups that never straddle two experts (segment_group,
+// common/tile_order.cuh): expert l's units are its tiles over all sources, tile_start[l * P] to
+// tile_start[(l + 1) * P], divided by the cluster size (build_dest_tables pairs an expert's tiles for
+// clusters). `member` of a cluster of `cluster` blocks takes row tile member of the task's unit.
 __device__ __forceinline__ ExpertTask decode_task(const MoEParams& p, const DestTables& tables, int task,
                                                   const TaskCounts& counts, int member = 0, int cluster = 1) {
   ExpertTask job;
   job.gemm = task >= counts.tasks1 ? FfnGemm::Gemm2 : FfnGemm::Gemm1;
   const int index = job.gemm == FfnGemm::Gemm2 ? task - counts.tasks1 : task;
   const int col_tiles = job.gemm == FfnGemm::Gemm2 ? counts.tiles2 : counts.tiles1;
-  const TileCoord tile =
-      grouped_tile(index, col_tiles, expert_unit_group(p, tables, index / col_tiles, cluster));
+  const TileCoord tile = grouped_tile(
+      index, col_tiles, segment_group(index / col_tiles, tables.tile_start, p.local_experts, p.world_size, cluster));
   job.row_tile = tile.row * cluster + member;
   job.col_tile = tile.col;
   return job;
