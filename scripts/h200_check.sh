@@ -11,7 +11,8 @@
 # steps, the device-exchange backward beside the torch-ops one (scripts/team_backward_bench.py; TEAMBENCH_TRANSPORTS
 # "p2p nvshmem" runs it once per peer transport, TEAMBENCH_ARGS adds its options, e.g. --device-only); EMUBENCH=1 an
 # emulated team's training steps, the exchange backward beside the torch-ops one (scripts/emulated_backward_bench.py;
-# EMUBENCH_ARGS adds its options, e.g. --graph --no-torch --ranks 4);
+# EMUBENCH_ARGS adds its options, e.g. --graph --no-torch --ranks 4); NCU_SHAPES="<T/H/I/E/k/act> ..." the DRAM and L2
+# bytes of one forward per shape (Nsight Compute, application replay, clocks left alone);
 # BACKWARD_AB_BASE=<csrc tree> the fused backward launch against that tree's, in alternation (scripts/backward_ab.sh,
 # where the working tree has it); FORWARD_AB_BASE=<csrc tree> the forward kernel against that tree's and AB_MORE's
 # (scripts/forward_ab.sh: times in alternation, bitwise comparison of the outputs); QUICK_SHAPES=<T/H/I/E/k/act,...>
@@ -131,5 +132,15 @@ if [ "${NCU:-0}" = "1" ] && [ "$(left)" -gt 70 ]; then
   timeout $(( $(left) - 10 )) "$ncu" -k regex:moe_forward_kernel --launch-skip 1 --launch-count 1 --clock-control none \
     --section SpeedOfLight --section MemoryWorkloadAnalysis python3 scripts/ncu_probe.py experts > /tmp/ncu.log 2>&1
   note "ncu rc=$?"; grep -E "Throughput|Frequency|Duration|L2|DRAM" /tmp/ncu.log | head -20
+fi
+if [ -n "${NCU_SHAPES:-}" ]; then
+  ncu=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
+  for shape in $NCU_SHAPES; do
+    [ "$(left)" -gt 60 ] || break
+    timeout 90 "$ncu" --replay-mode application --clock-control none --launch-skip 1 --launch-count 1 \
+      -k regex:moe_forward_kernel --metrics dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct,gpu__time_duration.sum \
+      python3 scripts/ncu_probe.py "$shape" > /tmp/ncu_shape.log 2>&1
+    note "ncu DRAM bytes $shape rc=$?"; grep -E "dram__|lts__|gpu__time|rror" /tmp/ncu_shape.log | head -6
+  done
 fi
 echo; echo "== summary"; printf '%s\n' "${summary[@]}"
