@@ -492,6 +492,10 @@ def test_entries_are_timed_in_turns_so_clock_drift_falls_on_all_of_them(monkeypa
     assert one.status == "ok" and len(one.samples_ms) == 8 and one.correct is True
     assert two.status == "error" and two.reason == "RuntimeError: lost the device"
     assert "sm_clock_mhz" not in one.details and single_gpu.hardware.sm_clock_mhz("cpu") is None  # no GPU clock
+    assert report.clock_text(one) == "–"
+    clocked = EntryResult("fused", "fused", "ok", details={"sm_clock_mhz": [1980, 1455, 1710]})
+    assert report.clock_text(clocked) == "1455–1980"
+    assert report.clock_text(EntryResult("fused", "fused", "ok", details={"sm_clock_mhz": [1980, 1980]})) == "1980"
 
 
 def test_kernel_time_from_profiler_events():

@@ -95,6 +95,16 @@ def spread_text(entry: EntryResult) -> str:
     return "–" if entry.p10_ms is None else f"{entry.p10_ms:.3f}–{entry.p90_ms:.3f}"
 
 
+def clock_text(entry: EntryResult) -> str:
+    """The SM clock after the entry's timing rounds (``details["sm_clock_mhz"]``): ``"min–max"`` MHz, one value
+    when they agree, ``"–"`` where it was not read."""
+    clocks = (entry.details or {}).get("sm_clock_mhz") or []
+    if not clocks:
+        return "–"
+    low, high = min(clocks), max(clocks)
+    return f"{low}" if low == high else f"{low}–{high}"
+
+
 def speedup_text(entry: EntryResult) -> str:
     return "–" if entry.speedup_over_grouped_mm is None else f"{entry.speedup_over_grouped_mm:.2f}x"
 
@@ -150,6 +160,7 @@ DEFAULT_LAYOUT = Layout(
         Column("% of floor", lambda config, entry: number_text(entry.percent_of_floor, 1)),
         Column("vs grouped_mm", lambda config, entry: speedup_text(entry)),
         Column("max rel. error", lambda config, entry: error_text(entry)),
+        Column("SM MHz", lambda config, entry: clock_text(entry)),
         Column("status", lambda config, entry: status_text(entry), "left"),
     ),
     terminal=(

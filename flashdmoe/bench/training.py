@@ -516,6 +516,7 @@ TRAINING_LAYOUT = report.Layout(
         report.Column("vs grouped_mm (fwd+bwd)", lambda config, entry: report.speedup_text(entry)),
         report.Column("step GiB", peak_gigabytes_cell),
         report.Column("grad error", lambda config, entry: report.error_text(entry)),
+        report.Column("SM MHz", lambda config, entry: report.clock_text(entry)),
         report.Column("status", lambda config, entry: report.status_text(entry), "left"),
     ),
     terminal=(
