@@ -17,22 +17,17 @@ import torch
 from flashdmoe import cuda_backend
 from flashdmoe.bench.results import BenchShape
 from flashdmoe.bench.workload import make_inputs
+from quick_time import parse_shapes  # scripts/ is on the path when a script runs
 
 # (T, H, I, E, k, activation); "experts": the expert GEMMs are nearly all of the kernel
 SHAPES = {"paper": (8192, 2048, 2048, 32, 2, "gelu"), "small": (128, 4096, 1408, 64, 6, "gelu"),
           "experts": (16384, 2048, 8192, 8, 1, "gelu"), "decode": (1, 2048, 768, 128, 8, "swiglu")}
 
 
-def parse(item):
-    if item in SHAPES:
-        return SHAPES[item]
-    fields = item.split("/")
-    return tuple(int(v) for v in fields[:5]) + (fields[5] if len(fields) > 5 else "gelu",)
-
-
 def main():
-    for item in sys.argv[1:] or ["paper"]:
-        T, H, I, E, k, activation = parse(item)
+    shapes = [shape for item in sys.argv[1:] or ["paper"]
+              for shape in ([SHAPES[item]] if item in SHAPES else parse_shapes(item, "gelu"))]
+    for T, H, I, E, k, activation in shapes:
         inputs = make_inputs(BenchShape(T, H, I, E, k), activation=activation, dtype=torch.bfloat16, device="cuda",
                              seed=0)
         for _ in range(2):
