@@ -298,32 +298,26 @@ def test_one_kernel_launch_per_forward(backend):
     assert len(kernels) == 1 and "moe_forward_kernel" in kernels[0], kernels
 
 
-# The two-block cluster variant (a task = two row tiles of one expert sharing each weight slab) and the tall
-# tiles (192 rows, the warpgroups splitting the columns).
+# The two-block cluster variant (a task = two row tiles of one expert sharing each weight slab).
 CLUSTER_VARIANT = next(variant.name for variant in VARIANTS if variant.cluster == 2)
-TALL_VARIANT = next(variant.name for variant in VARIANTS if variant.tile_m == 192)
 CLUSTER_CASES = [case for case in random_configs(44) if case[6] != torch.float32][:18] + [
     (8192, 2048, 2048, 32, 2, "gelu", torch.bfloat16, True, None),  # the paper's shape: even tiles per expert
     (3000, 512, 512, 8, 2, "swiglu", torch.float16, False, 1.25),
     (777, 256, 192, 16, 3, "relu", torch.bfloat16, True, None),
-    (1056, 512, 256, 32, 8, "swiglu", torch.bfloat16, True, None),  # ~264 rows an expert: 192 + a partial tile
-    (600, 256, 320, 8, 2, "silu", torch.float16, False, None),  # 150 rows an expert: one tall tile of 3 blocks
 ]
 
 
-@pytest.mark.parametrize("variant", [CLUSTER_VARIANT, TALL_VARIANT])
 @pytest.mark.parametrize("T,H,I,E,k,activation,dtype,normalize,capacity_factor", CLUSTER_CASES)
-def test_variant_is_bitwise_the_default(backend, monkeypatch, variant, T, H, I, E, k, activation, dtype, normalize,
-                                        capacity_factor):
-    """The same K order and products per output as the default variant: the default's bits, and the
-    reference's values. Clusters: two blocks to a task, also where an expert's odd number of row tiles pairs
-    its last with an empty tile (that block writes nothing). Tall tiles: 192 rows, each warpgroup all rows of
-    half the columns, one to three m64 blocks computed. Both with the pre-activations saved too."""
+def test_cluster_variant_is_bitwise_the_default(backend, monkeypatch, T, H, I, E, k, activation, dtype, normalize,
+                                                capacity_factor):
+    """The same tiles, K order and epilogue as the default variant, two blocks to a task: the default's bits,
+    also where an expert's odd number of row tiles pairs its last with an empty tile (that block writes
+    nothing), and with the pre-activations saved."""
     x, router, w1, w2 = make_inputs(T, H, I, E, k, activation, dtype)
     options = dict(top_k=k, activation=activation, normalize_topk=normalize, capacity_factor=capacity_factor)
     monkeypatch.setattr(backend.debug, "expert_variant", VARIANTS[0].name)
     y_default, routing_default = backend.fused_forward(x, router, w1, w2, **options)
-    monkeypatch.setattr(backend.debug, "expert_variant", variant)
+    monkeypatch.setattr(backend.debug, "expert_variant", CLUSTER_VARIANT)
     y, routing = check_against_reference(backend, x, router, w1, w2, top_k=k, activation=activation,
                                          normalize=normalize, capacity_factor=capacity_factor)
     assert torch.equal(y, y_default)
@@ -339,7 +333,7 @@ def test_variant_is_bitwise_the_default(backend, monkeypatch, variant, T, H, I, 
     assert torch.equal(saved.nan_to_num(), saved_default.nan_to_num())
 
 
-@pytest.mark.parametrize("variant", [None, CLUSTER_VARIANT, TALL_VARIANT])
+@pytest.mark.parametrize("variant", [None, CLUSTER_VARIANT])
 @pytest.mark.parametrize("phase,message", [(2, "per-expert offsets"), (5, "before the combine")])
 def test_watchdog_timeout_raises_and_gpu_recovers(backend, monkeypatch, variant, phase, message):
     """Debug mode (set_sync_checks): the call raises. The default (raised later) is in

@@ -15,17 +15,16 @@ from flashdmoe.kernel.expert_variants import EXPERT_VARIANTS, VARIANTS, ExpertVa
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 ELEMENTS = {"__nv_bfloat16": "bf16", "__half": "fp16", "float": "fp32"}
 DTYPE_CODES = {"DType::BFloat16": "bf16", "DType::Float16": "fp16", "DType::Float32": "fp32"}
-CPP_VARIANT = r"ExpertVariant<ExpertMma::(\w+), (\d+), (\d+), (\d+), (\d+), (\d+), (\d+)>"
+CPP_VARIANT = r"ExpertVariant<ExpertMma::(\w+), (\d+), (\d+), (\d+), (\d+), (\d+)>"
 
 
 def _fields(variant: ExpertVariant):
-    return (variant.mma, variant.tile_n, variant.stages, variant.blocks_per_sm, variant.row_box, variant.cluster,
-            variant.tile_m)
+    return variant.mma, variant.tile_n, variant.stages, variant.blocks_per_sm, variant.row_box, variant.cluster
 
 
 def _cpp_fields(match):
-    mma, tile_n, stages, blocks, row_box, cluster, tile_m = match
-    return mma, int(tile_n), int(stages), int(blocks), int(row_box), int(cluster), int(tile_m)
+    mma, tile_n, stages, blocks, row_box, cluster = match
+    return mma, int(tile_n), int(stages), int(blocks), int(row_box), int(cluster)
 
 
 def test_generated_dispatch_reaches_exactly_the_table():
@@ -56,8 +55,8 @@ def test_one_generated_unit_per_variant_and_rank_capacity_instantiates_exactly_i
             text = units[expert_variants.instance_unit(variant, suffix)]
             found = re.findall(rf"template \w+ launch_forward_variant<(\w+), {CPP_VARIANT}, (\w+)>\(", text)
             assert [ELEMENTS[element] for element, *_ in found] == list(variant.dtypes), (variant.name, suffix)
-            assert {_cpp_fields(f[1:8]) for f in found} == {_fields(variant)}
-            assert {f[8] for f in found} == {capacity}
+            assert {_cpp_fields(f[1:7]) for f in found} == {_fields(variant)}
+            assert {f[7] for f in found} == {capacity}
             attributes = re.findall(rf"template \w+ kernel_attributes_variant<(\w+), {CPP_VARIANT}>", text)
             want = list(variant.dtypes) if capacity == "1" else []
             assert [ELEMENTS[element] for element, *_ in attributes] == want, (variant.name, suffix)

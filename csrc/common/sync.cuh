@@ -31,18 +31,6 @@ __device__ __forceinline__ bool sync_workers_and(bool value) {
   return all != 0;
 }
 
-// Named barrier 2 over `threads` threads (the whole block), met from different code paths: warp roles
-// that hold different register counts (setmaxnreg) each meet it inside their own branch, so that the
-// compiler sees every role's count restored where the branches join.
-template <int kBarrierThreads>
-__device__ __forceinline__ bool sync_roles_and(bool value) {
-  int all;
-  asm volatile(
-      "{\n .reg .pred p, q;\n setp.ne.s32 q, %1, 0;\n bar.red.and.pred p, 2, %2, q;\n selp.s32 %0, 1, 0, p;\n}\n"
-      : "=r"(all) : "r"(static_cast<int>(value)), "n"(kBarrierThreads) : "memory");
-  return all != 0;
-}
-
 // This block's index among its rank's blocks (an emulated launch runs several ranks side by side).
 template <typename Params>
 __device__ __forceinline__ int block_in_rank(const Params& p) { return static_cast<int>(blockIdx.x) - p.first_block; }

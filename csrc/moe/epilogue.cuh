@@ -32,12 +32,16 @@ __device__ __forceinline__ int warp_tile_row0() {
   return (warp >> 2) * 64 + (warp & 3) * 16;
 }
 
-// Stores the warp's 16 rows of one 64-column chunk through its staging buffer: pair(j, half) is the lane's
-// packed pair of columns 8j + 2 (lane % 4) + {0, 1} in row lane / 4 + 8 half (the wgmma fragment layout),
-// j < 8, each written to the buffer as it is computed. out points at the warp's first row, column 0 (row
-// stride ld elements); rows from `rows` on are not stored.
-template <typename Element, typename Pair>
-__device__ __forceinline__ void store_warp_chunk(char* staging, Pair&& pair, Element* out, size_t ld, int rows) {
+// Stores the warp's 16 rows of kGroups x 8 columns through its staging buffer: packed[2j + half] is the
+// lane's pair of columns 8j + 2 (lane % 4) + {0, 1} in row lane / 4 + 8 half (the wgmma fragment layout),
+// packed beforehand so that the accumulators they came from die before the stores need registers. out
+// points at the warp's first row, column 0 (row stride ld elements). Rows from `rows` on and 64-column
+// chunks from `cols` on are not stored (cols is a multiple of 64).
+template <typename Element, int kGroups>
+__device__ __forceinline__ void store_warp_rows(char* staging, const uint32_t (&packed)[2 * kGroups], Element* out,
+                                                size_t ld, int rows, int cols) {
+  static_assert(kGroups % 8 == 0, "whole 64-column chunks");
+  if (rows <= 0) return;
   const int lane = threadIdx.x & 31;
   const int frag_row = lane >> 2;
   // The buffer is 128-byte aligned, so chunk j of a row lives at (row address) ^ (j << 4) once the
@@ -48,35 +52,23 @@ __device__ __forceinline__ void store_warp_chunk(char* staging, Pair&& pair, Ele
   const uint32_t read_base = buffer + read_row * 128 + ((read_chunk ^ read_row) << 4);  // rows 4i + read_row
   Element* dst = out + read_row * ld + read_chunk * 8;
 #pragma unroll
-  for (int jj = 0; jj < 8; ++jj)
-#pragma unroll
-    for (int half = 0; half < 2; ++half)
-      *reinterpret_cast<uint32_t*>(staging + (((write_base + half * 8 * 128) ^ (jj << 4)) - buffer)) = pair(jj, half);
-  __syncwarp();
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    // Row 4i + read_row: its swizzle differs from read_row's by (4i & 7) in the chunk index.
-    const uint4 v =
-        *reinterpret_cast<const uint4*>(staging + (((read_base + i * 4 * 128) ^ (((4 * i) & 7) << 4)) - buffer));
-    if (4 * i + read_row < rows) *reinterpret_cast<uint4*>(dst + (4 * i) * ld) = v;
-  }
-  __syncwarp();
-}
-
-// Stores the warp's 16 rows of kGroups x 8 columns through its staging buffer, 64 columns at a time:
-// packed[2j + half] is the lane's pair(j, half) of store_warp_chunk, packed beforehand so that the
-// accumulators they came from die before the stores need registers. Rows from `rows` on and 64-column
-// chunks from `cols` on are not stored (cols is a multiple of 64).
-template <typename Element, int kGroups>
-__device__ __forceinline__ void store_warp_rows(char* staging, const uint32_t (&packed)[2 * kGroups], Element* out,
-                                                size_t ld, int rows, int cols) {
-  static_assert(kGroups % 8 == 0, "whole 64-column chunks");
-  if (rows <= 0) return;
-#pragma unroll
   for (int c = 0; c < kGroups / 8; ++c) {
     if (c * 64 >= cols) break;
-    store_warp_chunk(staging, [&packed, c](int j, int half) { return packed[2 * (c * 8 + j) + half]; }, out + c * 64,
-                     ld, rows);
+#pragma unroll
+    for (int jj = 0; jj < 8; ++jj)
+#pragma unroll
+      for (int half = 0; half < 2; ++half)
+        *reinterpret_cast<uint32_t*>(staging + (((write_base + half * 8 * 128) ^ (jj << 4)) - buffer)) =
+            packed[2 * (c * 8 + jj) + half];
+    __syncwarp();
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      // Row 4i + read_row: its swizzle differs from read_row's by (4i & 7) in the chunk index.
+      const uint4 v =
+          *reinterpret_cast<const uint4*>(staging + (((read_base + i * 4 * 128) ^ (((4 * i) & 7) << 4)) - buffer));
+      if (4 * i + read_row < rows) *reinterpret_cast<uint4*>(dst + (4 * i) * ld + c * 64) = v;
+    }
+    __syncwarp();
   }
 }
 
@@ -237,89 +229,6 @@ __device__ __forceinline__ void gemm2_epilogue_warp(const Gemm& gemm, char* stag
 #pragma unroll
     for (int h = 0; h < 2; ++h) packed[2 * j + h] = pack_pair<Element>(gemm.acc[j * 4 + h * 2], gemm.acc[j * 4 + h * 2 + 1]);
   store_warp_rows<Element, BN / 8>(staging, packed, out + static_cast<size_t>(row0) * H + col0, H, rows - row0, H - col0);
-}
-
-// ---- Tall tiles (192 rows, the warpgroups split the columns: TmaTileGemm's kSplitColumns) ----
-// A thread's accumulators come in three m64 blocks; in each, groups 0-7 are the warpgroup's first 64-column
-// chunk (weight panel w of the tile's first half) and groups 8-15 its second (panel w of the second half),
-// the halves being WeightColumns' lo and hi (expert_pipeline.cuh: load_b_slab places the panels so).
-
-// The calling warp's first row in m64 block `block`.
-__device__ __forceinline__ int tall_warp_row0(int block) { return block * 64 + ((threadIdx.x >> 5) & 3) * 16; }
-
-// GEMM1 epilogue of a tall tile: the same values as gemm1_epilogue_warp. Weight (and saved pre-activation)
-// columns of the warpgroup's chunks: lo = out_col0 + 64 w and hi = lo + 128, or lo + I for swiglu (whose
-// gate chunk j pairs with up chunk j + 8 in the same lane); the intermediate's are lo (and lo + 128).
-template <typename Element, bool kSavePre, typename Gemm>
-__device__ __forceinline__ void gemm1_epilogue_tall(const MoEParams& p, const Gemm& gemm, char* staging,
-                                                    int packed_row0, int rows, int out_col0) {
-  static_assert(Gemm::kSplitColumns && Gemm::kBlockAccumulators == 64, "192 x 256 tiles");
-  constexpr int kA = Gemm::kBlockAccumulators;
-  const int I = p.ffn;
-  const bool gated = p.activation == Activation::Swiglu;
-  const int lo = out_col0 + 64 * (threadIdx.x >> 7), hi = lo + (gated ? I : 128);
-  const size_t pre_ld = gated ? 2 * static_cast<size_t>(I) : I;
-#pragma unroll
-  for (int b = 0; b < Gemm::kRowBlocks; ++b) {
-    const int row0 = tall_warp_row0(b);
-    if (row0 >= rows) break;
-    auto acc = [&](int j, int h, int v) { return gemm.acc[b * kA + j * 4 + h * 2 + v]; };
-    auto pair = [&](int first) {
-      return [&acc, first](int j, int h) { return pack_pair<Element>(acc(first + j, h, 0), acc(first + j, h, 1)); };
-    };
-    if constexpr (kSavePre) {
-      Element* saved = static_cast<Element*>(p.saved_pre) + static_cast<size_t>(packed_row0 + row0) * pre_ld;
-      store_warp_fragments<Element, 8>(pair(0), saved + lo, pre_ld, rows - row0, I - lo);
-      store_warp_fragments<Element, 8>(pair(8), saved + hi, pre_ld, rows - row0, static_cast<int>(pre_ld) - hi);
-    }
-    Element* out = static_cast<Element*>(p.intermediate) + static_cast<size_t>(packed_row0 + row0) * I;
-    auto store_chunk = [&](auto&& f, int col) {
-      if (col < I)
-        store_warp_chunk(staging, [&f](int j, int h) { return pack_pair<Element>(f(j, h, 0), f(j, h, 1)); }, out + col,
-                         I, rows - row0);
-    };
-    if (gated) {
-      store_chunk([&](int j, int h, int v) { return silu(acc(j, h, v)) * acc(j + 8, h, v); }, lo);
-    } else if (p.activation == Activation::Gelu) {
-      auto gelu_pair = [&acc](int first) {
-        return [&acc, first](int j, int h) {
-          return pack_pair<Element>(activate(Activation::Gelu, acc(first + j, h, 0)),
-                                    activate(Activation::Gelu, acc(first + j, h, 1)));
-        };
-      };
-      store_warp_fragments<Element, 8>(gelu_pair(0), out + lo, I, rows - row0, I - lo);
-      store_warp_fragments<Element, 8>(gelu_pair(8), out + hi, I, rows - row0, I - hi);
-    } else if (p.activation == Activation::Relu) {
-      store_chunk([&](int j, int h, int v) { return fmaxf(acc(j, h, v), 0.f); }, lo);
-      store_chunk([&](int j, int h, int v) { return fmaxf(acc(j + 8, h, v), 0.f); }, hi);
-    } else {
-      store_chunk([&](int j, int h, int v) { return silu(acc(j, h, v)); }, lo);
-      store_chunk([&](int j, int h, int v) { return silu(acc(j + 8, h, v)); }, hi);
-    }
-  }
-}
-
-// GEMM2 epilogue of a tall tile: the accumulators as they are, into `out` (the tile's first result row,
-// column col0); the warpgroup's chunks are columns col0 + 64 w and col0 + 128 + 64 w.
-template <typename Element, typename Gemm>
-__device__ __forceinline__ void gemm2_epilogue_tall(const Gemm& gemm, char* staging, Element* out, int H, int rows,
-                                                    int col0) {
-  static_assert(Gemm::kSplitColumns && Gemm::kBlockAccumulators == 64, "192 x 256 tiles");
-  constexpr int kA = Gemm::kBlockAccumulators;
-  const int lo = col0 + 64 * (threadIdx.x >> 7);
-#pragma unroll
-  for (int b = 0; b < Gemm::kRowBlocks; ++b) {
-    const int row0 = tall_warp_row0(b);
-    if (row0 >= rows) break;
-#pragma unroll
-    for (int c = 0; c < 2; ++c) {
-      const int col = lo + 128 * c;
-      if (col >= H) break;
-      store_warp_chunk(staging, [&gemm, b, c](int j, int h) {
-        return pack_pair<Element>(gemm.acc[b * kA + (8 * c + j) * 4 + h * 2], gemm.acc[b * kA + (8 * c + j) * 4 + h * 2 + 1]);
-      }, out + static_cast<size_t>(row0) * H + col, H, rows - row0);
-    }
-  }
 }
 
 }  // namespace flashdmoe

@@ -35,10 +35,7 @@ __device__ __forceinline__ void finish_tile_tma(const MoEParams& p, const DestTa
   constexpr int kTileN = Variant::kTileN;
   if (which == FfnGemm::Gemm1) {
     const int out_col0 = col_tile * gemm1_output_columns<Variant>(p);
-    if constexpr (Variant::kTall)
-      gemm1_epilogue_tall<Element, Variant::kSavePre>(p, gemm, warp_staging<Variant>(smem), tile.packed_row0,
-                                                       tile.rows, out_col0);
-    else if (tile.rows <= 16 && p.small_tile_epilogue)
+    if (tile.rows <= 16 && p.small_tile_epilogue)
       gemm1_epilogue_small<Element, kTileN, Variant::kSavePre>(p, gemm, smem + Variant::kWarpStagingOffset,
                                                                tile.packed_row0, tile.rows, out_col0);
     else
@@ -52,11 +49,8 @@ __device__ __forceinline__ void finish_tile_tma(const MoEParams& p, const DestTa
     }
   } else {
     const int col0 = col_tile * kTileN;
-    Element* out = comb_row<Element>(p, tile.src, tile.stream_row0);
-    if constexpr (Variant::kTall)
-      gemm2_epilogue_tall<Element>(gemm, warp_staging<Variant>(smem), out, p.hidden, tile.rows, col0);
-    else
-      gemm2_epilogue_warp<Element, kTileN>(gemm, warp_staging<Variant>(smem), out, p.hidden, tile.rows, col0);
+    gemm2_epilogue_warp<Element, kTileN>(gemm, warp_staging<Variant>(smem),
+                                         comb_row<Element>(p, tile.src, tile.stream_row0), p.hidden, tile.rows, col0);
     sync_workers();
     if (threadIdx.x == 0) account_results<Element, Variant>(p, tables, tile.src, tile.rows, min(kTileN, p.hidden - col0));
   }
@@ -85,10 +79,8 @@ __device__ __forceinline__ void load_a_slab(uint32_t dst, const MoEParams& p, Ff
     tma::load_2d(dst + box * expert_row_box(kBoxRows).bytes(), rows, bar, k0, a_row + box * kBoxRows);
 }
 // B: the task's kPanels weight panels of its local expert, the first half from cols.lo, the second from cols.hi.
-// In a two-block cluster, block `member` loads half `member` of them into both blocks. kInterleave (tall
-// tiles, whose warpgroups split the columns): panel i of each half side by side, so that warpgroup w's
-// panels hold panel w of both halves (a swiglu lane then has its gate and up columns).
-template <int kPanels, int kCluster, bool kInterleave = false>
+// In a two-block cluster, block `member` loads half `member` of them into both blocks.
+template <int kPanels, int kCluster>
 __device__ __forceinline__ void load_b_slab(uint32_t dst, const MoEParams& p, FfnGemm gemm, const WeightColumns& cols,
                                             int local, int k0, uint32_t bar, int member) {
   const CUtensorMap* weights = gemm == FfnGemm::Gemm1 ? &p.maps.w1 : &p.maps.w2;
@@ -98,10 +90,8 @@ __device__ __forceinline__ void load_b_slab(uint32_t dst, const MoEParams& p, Ff
   for (int own = 0; own < kOwn; ++own) {
     const int panel = member * kOwn + own;
     const int col = panel < kPanels / 2 ? cols.lo + panel * kPanelColumns : cols.hi + (panel - kPanels / 2) * kPanelColumns;
-    constexpr int kHalf = kPanels / 2;
-    const int slot = kInterleave ? panel % kHalf * 2 + panel / kHalf : panel;
     if constexpr (kCluster == 1)
-      tma::load_3d(dst + slot * kWeightPanelBox.bytes(), weights, bar, col, k0, local);
+      tma::load_3d(dst + panel * kWeightPanelBox.bytes(), weights, bar, col, k0, local);
     else
       cluster::load_3d_multicast(dst + panel * kWeightPanelBox.bytes(), weights, bar, col, k0, local, 0b11);
   }
@@ -109,7 +99,7 @@ __device__ __forceinline__ void load_b_slab(uint32_t dst, const MoEParams& p, Ff
 
 template <typename Element, typename Variant>
 using ExpertTmaGemm = TmaTileGemm<Element, Variant::kTileN, Variant::kStages, Variant::kRowBoxRows, Major::K,
-                                  Major::MN, Variant::kClusterBlocks, Variant::kTileM>;
+                                  Major::MN, Variant::kClusterBlocks>;
 
 // This block's place in its cluster's tasks (0 without clusters).
 template <typename Variant>
@@ -172,7 +162,7 @@ __device__ bool produce_tasks(const MoEParams& p, const DestTables& tables, char
       return task == kTaskEnd;
     }
     const ExpertTask job = decode_task(p, tables, task, counts, member, kCluster);
-    const RowTile tile = row_tile_of(p, tables, job.row_tile, Variant::kTileM);
+    const RowTile tile = row_tile_of(p, tables, job.row_tile);
     const bool ready = tile.rows == 0 ||
         (job.gemm == FfnGemm::Gemm2
              ? wait_at_least(p.row_tile_done + job.row_tile, counts.tiles1, p, kPhaseIntermediate, p.rank)
@@ -186,7 +176,7 @@ __device__ bool produce_tasks(const MoEParams& p, const DestTables& tables, char
     const WeightColumns cols = weight_columns<Variant>(p, job.gemm, job.col_tile);
     auto load_slab = [&](uint32_t a_dst, uint32_t b_dst, int k0, uint32_t bar) {
       load_a_slab<Variant::kRowBoxRows>(a_dst, p, job.gemm, a_row, a_boxes, k0, bar);
-      load_b_slab<Gemm::kPanels, kCluster, Variant::kTall>(b_dst, p, job.gemm, cols, tile.local, k0, bar, member);
+      load_b_slab<Gemm::kPanels, kCluster>(b_dst, p, job.gemm, cols, tile.local, k0, bar, member);
     };
     // the error word stops the consumers
     if (!Gemm::produce(smem, stages, stage, k_tiles, Gemm::stage_tx_bytes(a_boxes), p, load_slab)) return false;
@@ -206,11 +196,10 @@ __device__ bool consume_tasks(const MoEParams& p, const DestTables& tables, char
     const int task = ring.take(slot, p);
     if (task < 0) return task == kTaskEnd;
     const ExpertTask job = decode_task(p, tables, task, counts, member, Variant::kClusterBlocks);
-    const RowTile tile = row_tile_of(p, tables, job.row_tile, Variant::kTileM);
+    const RowTile tile = row_tile_of(p, tables, job.row_tile);
     const int k_tiles = task_k_tiles(p, job.gemm);
     Gemm gemm;
-    const bool ok = gemm.consume(smem, stages, stage, k_tiles, p, Variant::kTall || warpgroup_has_rows(tile.rows),
-                                 (tile.rows + 63) / 64);
+    const bool ok = gemm.consume(smem, stages, stage, k_tiles, p, warpgroup_has_rows(tile.rows));
     if (!sync_workers_and(ok)) return false;
     if (tile.rows > 0)
       finish_tile_tma<Element, Variant>(p, tables, gemm, smem, job.gemm, tile, job.row_tile, job.col_tile);
@@ -240,26 +229,6 @@ __device__ bool run_expert_tasks_prefetch(const MoEParams& p, const DestTables& 
     if constexpr (Variant::kClusterBlocks > 1) ok = meet_cluster_peer<Variant>(p);
   }
   if (!__syncthreads_and(ok)) return false;
-  if constexpr (Variant::kTall) {
-    // Registers move to the consumers for the phase and back, each role meeting the block's barrier in its
-    // own branch: the compiler then sees both at the launch count where the branches join (joined at the
-    // producer's lower count, it held the combine to 40 registers and spilled). The producer warpgroup
-    // takes its registers back only past the barrier, which each consumer warp reaches after giving its
-    // own back: earlier, its idle warps could take what a consumer's increase still waits for.
-    if (threadIdx.x < kThreads) {
-      ptx::increase_registers<Variant::kConsumerRegisters>();
-      ok = consume_tasks<Element, Variant>(p, tables, smem, stages, ring, counts);
-      ptx::decrease_registers<Variant::kLaunchRegisters>();
-      ok = sync_roles_and<Variant::kBlockThreads>(ok);
-    } else {
-      ptx::decrease_registers<Variant::kProducerRegisters>();
-      if (threadIdx.x == kThreads) ok = produce_tasks<Element, Variant>(p, tables, smem, stages, ring, handed, counts);
-      __syncwarp();
-      ok = sync_roles_and<Variant::kBlockThreads>(ok);
-      ptx::increase_registers<Variant::kLaunchRegisters>();
-    }
-    return ok;
-  }
   if (threadIdx.x < kThreads)
     ok = consume_tasks<Element, Variant>(p, tables, smem, stages, ring, counts);
   else if (threadIdx.x == kThreads)

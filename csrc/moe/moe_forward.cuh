@@ -59,7 +59,7 @@ __device__ __forceinline__ void forward_block(const MoEParams& p, char* smem) {
 
   // ---- 4. expert FFN tiles from the task queue, rows from every source ----
   const DestTables tables = dest_tables(smem, layout, p);
-  if (!build_dest_tables(p, tables, /*pair_tiles=*/Variant::kClusterBlocks == 2, Variant::kTileM)) return;
+  if (!build_dest_tables(p, tables, /*pair_tiles=*/Variant::kClusterBlocks == 2)) return;
   Transport::template publish_empty_results<Element>(p, tables);
   const Element** a_rows = reinterpret_cast<const Element**>(smem + layout.row_ptrs_offset);
   if constexpr (Variant::kUseTma) {

@@ -175,10 +175,8 @@ __device__ __forceinline__ int incoming_count(const MoEParams& p, int src, int l
 
 // Waits (bounded) for every peer's counts, then builds the tables. Every thread of the block calls it.
 // pair_tiles: each local expert's row tiles (over all sources) are made even, by an empty tile after its
-// last source's, so that tiles 2i and 2i + 1 always share an expert (two-block cluster tasks). tile_rows:
-// the expert variant's row tile height (ExpertVariant::kTileM).
-__device__ inline bool build_dest_tables(const MoEParams& p, const DestTables& tables, bool pair_tiles = false,
-                                         int tile_rows = kExpertTileM) {
+// last source's, so that tiles 2i and 2i + 1 always share an expert (two-block cluster tasks).
+__device__ inline bool build_dest_tables(const MoEParams& p, const DestTables& tables, bool pair_tiles = false) {
   const int P = p.world_size, L = p.local_experts, stride = L + 1;
   bool ok = true;
   if (threadIdx.x < P && static_cast<int>(threadIdx.x) != p.rank) {
@@ -203,11 +201,11 @@ __device__ inline bool build_dest_tables(const MoEParams& p, const DestTables& t
     for (int base = 0; base < segments; base += 32) {
       const int q = base + lane;
       const int rows = q < segments ? rows_from(p, tables, q % P, q / P) : 0;
-      int tiles = (rows + tile_rows - 1) / tile_rows;
+      int tiles = (rows + kExpertTileM - 1) / kExpertTileM;
       if (pair_tiles && q < segments && q % P == P - 1) {
         int expert_tiles = 0;
         for (int src = 0; src < P; ++src)
-          expert_tiles += (rows_from(p, tables, src, q / P) + tile_rows - 1) / tile_rows;
+          expert_tiles += (rows_from(p, tables, src, q / P) + kExpertTileM - 1) / kExpertTileM;
         tiles += expert_tiles & 1;
       }
       const int rows_incl = warp_inclusive_scan(rows);
@@ -231,13 +229,12 @@ __device__ inline bool build_dest_tables(const MoEParams& p, const DestTables& t
 // One expert row tile: which segment, where its rows are, how many.
 struct RowTile {
   int local, src;
-  int rows;         // valid rows (<= the tile height; 0 for the empty tile that pairs an expert's tiles)
+  int rows;         // valid rows (<= kExpertTileM; 0 for the empty tile that pairs an expert's tiles)
   int packed_row0;  // first row in the intermediate buffer
   int stream_row0;  // first row in source src's stream (its region of recv / comb)
 };
 
-__device__ __forceinline__ RowTile row_tile_of(const MoEParams& p, const DestTables& tables, int row_tile,
-                                               int tile_rows = kExpertTileM) {
+__device__ __forceinline__ RowTile row_tile_of(const MoEParams& p, const DestTables& tables, int row_tile) {
   int lo = 0, hi = p.world_size * p.local_experts;  // invariant: tile_start[lo] <= row_tile < tile_start[hi]
   while (hi - lo > 1) {
     const int mid = (lo + hi) >> 1;
@@ -246,8 +243,8 @@ __device__ __forceinline__ RowTile row_tile_of(const MoEParams& p, const DestTab
   RowTile tile;
   tile.local = lo / p.world_size;
   tile.src = lo % p.world_size;
-  const int m0 = (row_tile - tables.tile_start[lo]) * tile_rows;
-  tile.rows = max(0, min(tile_rows, tables.seg_start[lo + 1] - tables.seg_start[lo] - m0));
+  const int m0 = (row_tile - tables.tile_start[lo]) * kExpertTileM;
+  tile.rows = max(0, min(kExpertTileM, tables.seg_start[lo + 1] - tables.seg_start[lo] - m0));
   tile.packed_row0 = tables.seg_start[lo] + m0;
   tile.stream_row0 = tables.stream_start[tile.src * (p.local_experts + 1) + tile.local] + m0;
   return tile;

@@ -64,7 +64,7 @@ static_assert(gate_splits_for(1, 1, 2048, 128, 132) == 32 && gate_splits_for(8, 
               "gate split counts of the decode rows (and Qwen3-Next's 512-expert router at T = 1)");
 __host__ __device__ constexpr int gate_pipeline_bytes(int stages) { return stages * (kGateTileM + kGateTileN) * 64 * 2; }
 
-// Expert FFN GEMMs: 128-row tiles (192 in the tall variant), 128 or 256 columns (per variant), K slabs of 64.
+// Expert FFN GEMMs: 128-row tiles, 128 or 256 columns (per variant), K slabs of 64.
 constexpr int kExpertTileM = 128;
 // Results staging per worker warp in the TMA variant: 16 rows x 64 two-byte columns (moe/epilogue.cuh).
 constexpr int kWarpStagingBytes = 16 * 128;
@@ -82,12 +82,7 @@ enum class ExpertMma : int { MmaSync = 0, WgmmaTmaPrefetch = 1 };
 // rows): 64 (one warpgroup's) for full tiles at two requests per slab, 16 for decode tiles of a row or two.
 // kClusterArg = 2 (TMA variants): the kernel runs in two-block clusters, and a task is a pair of row tiles
 // of one expert, one per block, sharing each weight slab by multicast (moe/expert_pipeline.cuh).
-// kTileMArg = 192 (tall tiles; TMA, 256 columns, one block): each consumer warpgroup computes all 192 rows
-// of half the columns (three m64 accumulator blocks, 192 floats a thread), which takes 56 KB per 64-deep
-// slab for 1.5x the multiply-adds of a 128-row tile's 48 KB, and an expert of 129-192 rows in one tile.
-// Its registers come from a producer warpgroup (setmaxnreg), so the block has 384 threads.
-template <ExpertMma kMma, int kTileNArg, int kStagesArg, int kBlocksPerSm, int kRowBoxRowsArg, int kClusterArg = 1,
-          int kTileMArg = kExpertTileM>
+template <ExpertMma kMma, int kTileNArg, int kStagesArg, int kBlocksPerSm, int kRowBoxRowsArg, int kClusterArg = 1>
 struct ExpertVariant {
   static constexpr ExpertMma kMmaFamily = kMma;
   static constexpr bool kUseTma = kMma == ExpertMma::WgmmaTmaPrefetch;
@@ -95,25 +90,13 @@ struct ExpertVariant {
   static constexpr int kStages = kStagesArg;
   static constexpr int kRowBoxRows = kRowBoxRowsArg;
   static constexpr int kClusterBlocks = kClusterArg;
-  static constexpr int kTileM = kTileMArg;
-  static constexpr bool kTall = kTileM != kExpertTileM;
-  static_assert(!kTall || (kTileM == 192 && kMma == ExpertMma::WgmmaTmaPrefetch && kTileN == 256 && kClusterArg == 1),
-                "tall tiles: 192 x 256, TMA, one block");
   static_assert(kClusterBlocks == 1 || (kClusterBlocks == 2 && kMma == ExpertMma::WgmmaTmaPrefetch),
                 "two-block clusters share TMA loads: TMA variants only");
   // Whole 8-row swizzle atoms per box (each box lands 1 KB-aligned), whole boxes per tile.
-  static_assert(kRowBoxRows % 8 == 0 && kExpertTileM % kRowBoxRows == 0 && kTileM % kRowBoxRows == 0,
-                "A row boxes must tile the tile's rows");
+  static_assert(kRowBoxRows % 8 == 0 && kExpertTileM % kRowBoxRows == 0, "A row boxes must tile the 128 rows");
   static constexpr int kMinBlocksPerSm = kBlocksPerSm;
-  // + the producer warp, or a producer warpgroup (one warp issues, the others only give registers up)
-  static constexpr int kBlockThreads = kUseTma ? kThreads + (kTall ? 128 : 32) : kThreads;
-  // Tall tiles' registers: 168 a thread at launch (all 384), 232 for the consumers and 40 for the producer
-  // warpgroup in the expert phase.
-  static constexpr int kLaunchRegisters = 168, kProducerRegisters = 40, kConsumerRegisters = 232;
-  static_assert(!kTall || (128 * kProducerRegisters + kThreads * kConsumerRegisters <= kBlockThreads * kLaunchRegisters &&
-                           kBlockThreads * kLaunchRegisters <= 65536),
-                "the registers the block holds at launch cover it before and after the move");
-  static constexpr int kPipelineBytes = kStages * (kTileM + kTileN) * 64 * 2;
+  static constexpr int kBlockThreads = kUseTma ? kThreads + 32 : kThreads;  // + the producer warp
+  static constexpr int kPipelineBytes = kStages * (kExpertTileM + kTileN) * 64 * 2;
   // fp32 staging row, padded so that a warp's 8-byte fragment stores (8 rows x 4 column pairs, two
   // phases of 16 lanes) hit every bank once.
   static constexpr int kEpilogueStride = kTileN + 8;

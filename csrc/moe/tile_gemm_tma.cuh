@@ -23,23 +23,14 @@ namespace flashdmoe {
 enum class Major { K, MN };
 
 // kCluster = 2: the stage ring is shared with the peer block of a two-block cluster (StagePipeline).
-// BM = 192 (tall tiles; A K-major, B MN-major): the warpgroups split the columns instead of the rows, each
-// computing all 192 rows (three m64 blocks) of its BN / 2 columns, the B stage's panels [w * kPanels / 2,
-// (w + 1) * kPanels / 2) for warpgroup w.
 template <typename Element, int BN, int STAGES, int ROW_BOX, Major kMajorA = Major::K, Major kMajorB = Major::MN,
-          int kCluster = 1, int BM = 128>
+          int kCluster = 1>
 struct TmaTileGemm {
   using Pipeline = StagePipeline<STAGES, kCluster>;
   using State = PipelineState<STAGES>;
-  static constexpr int kBlockM = BM, kBlockN = BN, kBlockK = 64;
-  static constexpr bool kSplitColumns = BM != 128;
-  static_assert(!kSplitColumns || (BM == 192 && kMajorA == Major::K && kMajorB == Major::MN && kCluster == 1),
-                "tall tiles: 192 rows, A K-major, B MN-major, one block");
+  static constexpr int kBlockM = 128, kBlockN = BN, kBlockK = 64;
   static constexpr int kPanels = BN / 64;  // MN-major B is stored as 64-column panels
-  static constexpr int kRowBlocks = kSplitColumns ? BM / 64 : 1;  // m64 blocks per warpgroup
-  static constexpr int kWarpgroupN = kSplitColumns ? BN / 2 : BN;
-  static constexpr int kBlockAccumulators = kWarpgroupN / 2;  // per thread and m64 block
-  static constexpr int kAccumulators = kRowBlocks * kBlockAccumulators;
+  static constexpr int kAccumulators = BN / 2;
   static constexpr int kStageBytesA = kBlockM * kBlockK * 2;
   static constexpr int kStageBytesB = kBlockK * kBlockN * 2;
   static constexpr int kPanelBytes = kBlockK * 64 * 2;  // one 64-column B panel: 64 K rows x 128 bytes
@@ -60,44 +51,28 @@ struct TmaTileGemm {
                 "a B stage is kPanels weight panel boxes");
 
   // Accumulator j*4+v of a thread: warpgroup rows 64*wg + 16*(warp%4) + lane/4 (+8 for v >= 2),
-  // column 8*j + 2*(lane%4) + (v & 1). Split columns: accumulator b * kBlockAccumulators + j*4+v, rows
-  // 64*b + 16*(warp%4) + lane/4 (+8 for v >= 2), column kWarpgroupN*wg + 8*j + 2*(lane%4) + (v & 1).
+  // column 8*j + 2*(lane%4) + (v & 1).
   float acc[kAccumulators];
 
   __device__ static uint32_t a_stage(uint32_t base, int s) { return base + s * kStageBytesA; }
   __device__ static uint32_t b_stage(uint32_t base, int s) { return base + STAGES * kStageBytesA + s * kStageBytesB; }
 
-  // Issue one 64-deep K slab (4 wgmma per m64 block, kBlocks blocks) as one commit group; does not wait.
-  template <int kBlocks = kRowBlocks>
+  // Issue one 64-deep K slab (4 wgmma) as one commit group; does not wait for it.
   __device__ void issue_stage(uint32_t a_base, uint32_t b_base) {
     const int warpgroup = threadIdx.x >> 7;
     wgmma::fence_operands(acc);
     wgmma::fence();
-    if constexpr (kSplitColumns) {
-      using Block = float[kBlockAccumulators];
 #pragma unroll
-      for (int kk = 0; kk < kBlockK / 16; ++kk)
-#pragma unroll
-        for (int b = 0; b < kBlocks; ++b)
-          wgmma::Mma<kWarpgroupN, Element, false, true>::run(
-              reinterpret_cast<Block&>(acc[b * kBlockAccumulators]),
-              wgmma::smem_descriptor(a_base + b * 64 * 128 + kk * 32, 16, kAtomBytes),
-              wgmma::smem_descriptor(b_base + warpgroup * (kPanels / 2) * kPanelBytes + kk * 16 * 128, kPanelBytes,
-                                     kAtomBytes));
-    } else {
-#pragma unroll
-      for (int kk = 0; kk < kBlockK / 16; ++kk) {
-        // K-major: the next 16 K elements are 32 bytes further inside the swizzled rows (8-row groups
-        // 1024 bytes apart). MN-major: 16 K rows further; 64-element panels kPanelBytes apart.
-        const uint64_t desc_a =
-            kMajorA == Major::K
-                ? wgmma::smem_descriptor(a_base + warpgroup * 64 * 128 + kk * 32, 16, kAtomBytes)
-                : wgmma::smem_descriptor(a_base + warpgroup * kPanelBytes + kk * 16 * 128, kPanelBytes, kAtomBytes);
-        const uint64_t desc_b = kMajorB == Major::K
-                                    ? wgmma::smem_descriptor(b_base + kk * 32, 16, kAtomBytes)
-                                    : wgmma::smem_descriptor(b_base + kk * 16 * 128, kPanelBytes, kAtomBytes);
-        wgmma::Mma<BN, Element, kMajorA == Major::MN, kMajorB == Major::MN>::run(acc, desc_a, desc_b);
-      }
+    for (int kk = 0; kk < kBlockK / 16; ++kk) {
+      // K-major: the next 16 K elements are 32 bytes further inside the swizzled rows (8-row groups
+      // 1024 bytes apart). MN-major: 16 K rows further; 64-element panels kPanelBytes apart.
+      const uint64_t desc_a =
+          kMajorA == Major::K
+              ? wgmma::smem_descriptor(a_base + warpgroup * 64 * 128 + kk * 32, 16, kAtomBytes)
+              : wgmma::smem_descriptor(a_base + warpgroup * kPanelBytes + kk * 16 * 128, kPanelBytes, kAtomBytes);
+      const uint64_t desc_b = kMajorB == Major::K ? wgmma::smem_descriptor(b_base + kk * 32, 16, kAtomBytes)
+                                                  : wgmma::smem_descriptor(b_base + kk * 16 * 128, kPanelBytes, kAtomBytes);
+      wgmma::Mma<BN, Element, kMajorA == Major::MN, kMajorB == Major::MN>::run(acc, desc_a, desc_b);
     }
     wgmma::commit_group();
   }
@@ -124,21 +99,8 @@ struct TmaTileGemm {
   // which would make the compiler serialise the pipeline.
   // A warpgroup whose 64 rows are all past the tile's rows (`active` false) only paces the ring: it waits
   // for each stage and releases it at once, leaving the tensor cores to the other warpgroup.
-  // Split columns: `blocks` (1 to kRowBlocks) is how many m64 blocks hold the tile's rows; the others
-  // are neither computed nor stored.
   template <typename Params>
-  __device__ bool consume(char* smem, Pipeline& pipe, State& at, int k_tiles, const Params& p, bool active = true,
-                          int blocks = kRowBlocks) {
-    if constexpr (kSplitColumns) {
-      static_assert(kRowBlocks == 3, "one K loop per block count");
-      if (blocks == 1) return consume_blocks<1>(smem, pipe, at, k_tiles, p, true);
-      if (blocks == 2) return consume_blocks<2>(smem, pipe, at, k_tiles, p, true);
-    }
-    return consume_blocks<kRowBlocks>(smem, pipe, at, k_tiles, p, active);
-  }
-
-  template <int kBlocks, typename Params>
-  __device__ bool consume_blocks(char* smem, Pipeline& pipe, State& at, int k_tiles, const Params& p, bool active) {
+  __device__ bool consume(char* smem, Pipeline& pipe, State& at, int k_tiles, const Params& p, bool active = true) {
     const uint32_t base = ptx::smem_addr(smem);
     const bool lane0 = (threadIdx.x & 31) == 0;
     bool ok = true;
@@ -155,7 +117,7 @@ struct TmaTileGemm {
     State retiring = at;  // the stage whose wgmma retire next: one slab behind
     for (int kt = 0; kt < k_tiles; ++kt, at.advance()) {
       ok = ok && pipe.consumer_wait(at, p);
-      issue_stage<kBlocks>(a_stage(base, at.index()), b_stage(base, at.index()));
+      issue_stage(a_stage(base, at.index()), b_stage(base, at.index()));
       wgmma::wait_group<1>();
       __syncwarp();
       if (kt > 0) {

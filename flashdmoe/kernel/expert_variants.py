@@ -29,7 +29,6 @@ _DTYPES = {
     "fp32": ("float", "DType::Float32"),
 }
 _TILE_M = 128  # kExpertTileM
-_TALL_TILE_M = 192  # tall tiles: ExpertVariant<..., kTileM = 192>
 
 
 _ROW_BOX_DEFAULT = 64  # one m64 warpgroup's rows
@@ -41,8 +40,7 @@ class ExpertVariant:
     row_box, cluster>`` and the input dtypes it is compiled for. ``row_box``: rows of the TMA box A is loaded
     in (a tile loads the boxes that hold its rows; TMA variants only). ``cluster``: blocks per cluster; with
     2 a task is two row tiles of one expert, one per block, each weight slab loaded once for both
-    (multicast; TMA variants only). ``tile_m``: rows of a row tile, 128, or 192 for the tall tiles (TMA, 256
-    columns, one block: the warpgroups split the columns, 384 threads)."""
+    (multicast; TMA variants only)."""
 
     mma: str
     tile_n: int
@@ -51,7 +49,6 @@ class ExpertVariant:
     dtypes: tuple[str, ...]
     row_box: int = _ROW_BOX_DEFAULT
     cluster: int = 1
-    tile_m: int = _TILE_M
 
     def __post_init__(self):
         if self.mma not in _FAMILIES:
@@ -70,22 +67,18 @@ class ExpertVariant:
                              f"{_ROW_BOX_DEFAULT})")
         if self.cluster not in (1, 2) or (self.cluster == 2 and self.mma != "WgmmaTmaPrefetch"):
             raise ValueError(f"cluster={self.cluster}: expected 1, or 2 for a TMA variant (multicast loads)")
-        if self.tile_m != _TILE_M and (self.tile_m != _TALL_TILE_M or self.mma != "WgmmaTmaPrefetch"
-                                       or self.tile_n != 256 or self.cluster != 1):
-            raise ValueError(f"tile_m={self.tile_m}: expected {_TILE_M}, or {_TALL_TILE_M} for a one-block TMA "
-                             f"variant of 256 columns")
 
     @property
     def name(self) -> str:
         prefix, suffix = _FAMILIES[self.mma]
         boxes = "" if self.row_box == _ROW_BOX_DEFAULT else f"-abox{self.row_box}"
         cluster = "" if self.cluster == 1 else f"-cluster{self.cluster}"
-        return f"{prefix}{self.tile_m}x{self.tile_n}-{self.stages}stage{suffix}{boxes}{cluster}"
+        return f"{prefix}{_TILE_M}x{self.tile_n}-{self.stages}stage{suffix}{boxes}{cluster}"
 
     @property
     def cpp_type(self) -> str:
         return (f"ExpertVariant<ExpertMma::{self.mma}, {self.tile_n}, {self.stages}, {self.blocks_per_sm}, "
-                f"{self.row_box}, {self.cluster}, {self.tile_m}>")
+                f"{self.row_box}, {self.cluster}>")
 
 
 VARIANTS: tuple[ExpertVariant, ...] = (
@@ -102,11 +95,6 @@ VARIANTS: tuple[ExpertVariant, ...] = (
     # bytes each SM takes in; it measured 0.4-5.6% faster with >= 8 row tiles per expert and slower with
     # fewer (choose_variant; docs/perf-notes.md).
     ExpertVariant("WgmmaTmaPrefetch", tile_n=256, stages=4, blocks_per_sm=1, dtypes=("bf16", "fp16"), cluster=2),
-    # Tall tiles: 192 x 256, 56 KB per slab for 1.5x a 128-row tile's multiply-adds (48 KB), and an expert of
-    # 129-192 rows in one tile instead of a full one and a partial one that streams the same weights.
-    # Three stages fit beside the epilogue's staging.
-    ExpertVariant("WgmmaTmaPrefetch", tile_n=256, stages=3, blocks_per_sm=1, dtypes=("bf16", "fp16"),
-                  tile_m=_TALL_TILE_M),
 )
 
 # name -> id, in id order.
@@ -155,9 +143,9 @@ def expert_phase_estimate(variant: ExpertVariant, tokens: int, hidden: int, ffn:
         return 0.0
     rows = tokens * top_k  # rows this rank's experts take, over all sources
     # world_size x local experts segments (each source's tokens hit them), plus full tiles
-    tiles = _experts_hit(experts, top_k, tokens) + rows / variant.tile_m
+    tiles = _experts_hit(experts, top_k, tokens) + rows / _TILE_M
     local_hit = _experts_hit(experts, top_k, tokens * world_size) / world_size
-    a_boxes = -(-min(variant.tile_m, rows / tiles) // variant.row_box)
+    a_boxes = -(-min(_TILE_M, rows / tiles) // variant.row_box)
     a_slab = a_boxes * variant.row_box * _SLAB_K * element_bytes
     b_slab = variant.tile_n * _SLAB_K * element_bytes
     if variant.cluster > 1:
@@ -195,7 +183,7 @@ def choose_variant(tokens: int, hidden: int, ffn: int, experts: int, top_k: int,
                                  top_k=top_k, activation=activation, blocks=blocks, world_size=world_size)
     best, best_time = default, estimate(default)
     for variant in VARIANTS[1:]:
-        if variant.mma != default.mma or variant.cluster > 1 or variant.tile_m != default.tile_m:
+        if variant.mma != default.mma or variant.cluster > 1:
             continue
         time = estimate(variant)
         if time < 0.9 * best_time:
