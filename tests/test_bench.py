@@ -498,6 +498,11 @@ def test_entries_are_timed_in_turns_so_clock_drift_falls_on_all_of_them(monkeypa
     assert report.clock_text(EntryResult("fused", "fused", "ok", details={"sm_clock_mhz": [1980, 1980]})) == "1980"
 
 
+def test_turns_refuse_zero_repeats_instead_of_running_no_round():
+    with pytest.raises(ValueError, match="repeats=0"):
+        timing.measure_in_turns([[(lambda: None,)]], device="cpu", repeats=0)
+
+
 def test_kernel_time_from_profiler_events():
     cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
 

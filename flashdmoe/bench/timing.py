@@ -156,10 +156,13 @@ def measure_in_turns(
 ) -> list[TurnTimings]:
     """:func:`measure_phases` for several entries (``entries[e]``: its runs, as there), their timed runs
     taken in rounds (:func:`round_sizes`), every entry once per round in turn (in order in even rounds, in
-reverse in odd ones). The first round is warmed up
-    by ``warmup`` runs, the later ones by one (the runs before were another entry's). An entry that raises
-    drops out with its error; the others go on. ``contexts[e]()`` is entered around each of entry e's rounds;
-    ``clock()`` is read after each (e.g. the SM clock: how the rounds' conditions compare)."""
+    reverse in odd ones). The first round is warmed up by ``warmup`` runs, the later ones by one (the runs
+    before were another entry's). An entry that raises drops out with its error; the others go on.
+    ``contexts[e]()`` is entered around each of entry e's rounds; ``clock()`` is read after each (e.g. the SM
+    clock: how the rounds' conditions compare)."""
+    # Checked here too: with no round at all no entry would reach measure_phases' own check.
+    if not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats={repeats!r}: expected an integer >= 1")
     outcomes = [TurnTimings() for _ in entries]
     samples: list[list[tuple[list[float], float]]] = [[] for _ in entries]
     for round_index, count in enumerate(round_sizes(repeats)):
