@@ -16,9 +16,9 @@ struct TileCoord {
   int row, col;
 };
 
-// Rows [first, first + rows) of a group.
+// Rows [first, first + rows) of a group, all in segment `segment`.
 struct TileGroup {
-  int first, rows;
+  int first, rows, segment;
 };
 
 // The index-th tile of a grid of `cols` column tiles whose rows are cut into groups, each group's tiles
@@ -42,7 +42,7 @@ __host__ __device__ __forceinline__ TileGroup segment_group(int row, const int* 
   }
   const int first = starts[lo * stride] / divisor, end = starts[(lo + 1) * stride] / divisor;
   const int group = first + (row - first) / kTileGroupRows * kTileGroupRows;
-  return {group, end - group < kTileGroupRows ? end - group : kTileGroupRows};
+  return {group, end - group < kTileGroupRows ? end - group : kTileGroupRows, lo};
 }
 
 // The index-th tile of a rows x cols grid of tiles (0 <= index < rows * cols), rows in groups of
@@ -50,7 +50,7 @@ __host__ __device__ __forceinline__ TileGroup segment_group(int row, const int* 
 __host__ __device__ __forceinline__ TileCoord grouped_tile(int index, int rows, int cols) {
   const int first_row = index / (kTileGroupRows * cols) * kTileGroupRows;
   const int group_rows = rows - first_row < kTileGroupRows ? rows - first_row : kTileGroupRows;
-  return grouped_tile(index, cols, TileGroup{first_row, group_rows});
+  return grouped_tile(index, cols, TileGroup{first_row, group_rows, 0});
 }
 
 }  // namespace flashdmoe

@@ -61,6 +61,7 @@ enum class FfnGemm : int { Gemm1, Gemm2 };
 struct ExpertTask {
   FfnGemm gemm;
   int row_tile, col_tile;
+  int local;  // the local expert whose rows the row tile holds
 };
 // The queue's shape for a number of row tiles. A task covers kClusterBlocks row tiles (one per block of
 // a cluster; row tiles come paired by expert then: build_dest_tables' pair_tiles).
@@ -91,8 +92,10 @@ __device__ __forceinline__ ExpertTask decode_task(const MoEParams& p, const Dest
   job.gemm = task >= counts.tasks1 ? FfnGemm::Gemm2 : FfnGemm::Gemm1;
   const int index = job.gemm == FfnGemm::Gemm2 ? task - counts.tasks1 : task;
   const int col_tiles = job.gemm == FfnGemm::Gemm2 ? counts.tiles2 : counts.tiles1;
-  const TileCoord tile = grouped_tile(
-      index, col_tiles, segment_group(index / col_tiles, tables.tile_start, p.local_experts, p.world_size, cluster));
+  const TileGroup group =
+      segment_group(index / col_tiles, tables.tile_start, p.local_experts, p.world_size, cluster);
+  const TileCoord tile = grouped_tile(index, col_tiles, group);
+  job.local = group.segment;
   job.row_tile = tile.row * cluster + member;
   job.col_tile = tile.col;
   return job;
@@ -299,7 +302,7 @@ __device__ bool run_expert_tasks(const MoEParams& p, const DestTables& tables, c
     // the next tile's barrier, when every thread has read it.
     if (threadIdx.x == 0) next_task[(n + 1) & 1] = static_cast<int>(atomicAdd(p.task_counter, 1u));
     const ExpertTask job = decode_task(p, tables, task, counts);
-    const RowTile tile = row_tile_of(p, tables, job.row_tile);
+    const RowTile tile = row_tile_of(p, tables, job.row_tile, job.local);
     const bool ok = job.gemm == FfnGemm::Gemm2
         ? gemm2_tile<Element, Variant>(p, tables, tile, job.row_tile, job.col_tile, smem, a_rows)
         : gemm1_tile<Element, Variant>(p, tile, job.row_tile, job.col_tile, ready_seen, smem, a_rows);

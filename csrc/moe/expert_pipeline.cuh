@@ -162,7 +162,7 @@ __device__ bool produce_tasks(const MoEParams& p, const DestTables& tables, char
       return task == kTaskEnd;
     }
     const ExpertTask job = decode_task(p, tables, task, counts, member, kCluster);
-    const RowTile tile = row_tile_of(p, tables, job.row_tile);
+    const RowTile tile = row_tile_of(p, tables, job.row_tile, job.local);
     const bool ready = tile.rows == 0 ||
         (job.gemm == FfnGemm::Gemm2
              ? wait_at_least(p.row_tile_done + job.row_tile, counts.tiles1, p, kPhaseIntermediate, p.rank)
@@ -196,7 +196,7 @@ __device__ bool consume_tasks(const MoEParams& p, const DestTables& tables, char
     const int task = ring.take(slot, p);
     if (task < 0) return task == kTaskEnd;
     const ExpertTask job = decode_task(p, tables, task, counts, member, Variant::kClusterBlocks);
-    const RowTile tile = row_tile_of(p, tables, job.row_tile);
+    const RowTile tile = row_tile_of(p, tables, job.row_tile, job.local);
     const int k_tiles = task_k_tiles(p, job.gemm);
     Gemm gemm;
     const bool ok = gemm.consume(smem, stages, stage, k_tiles, p, warpgroup_has_rows(tile.rows));

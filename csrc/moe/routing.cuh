@@ -234,8 +234,10 @@ struct RowTile {
   int stream_row0;  // first row in source src's stream (its region of recv / comb)
 };
 
-__device__ __forceinline__ RowTile row_tile_of(const MoEParams& p, const DestTables& tables, int row_tile) {
-  int lo = 0, hi = p.world_size * p.local_experts;  // invariant: tile_start[lo] <= row_tile < tile_start[hi]
+// `local` is the expert the task's group found (segment_group): only its P sources are searched.
+__device__ __forceinline__ RowTile row_tile_of(const MoEParams& p, const DestTables& tables, int row_tile, int local) {
+  // invariant: tile_start[lo] <= row_tile < tile_start[hi]
+  int lo = local * p.world_size, hi = lo + p.world_size;
   while (hi - lo > 1) {
     const int mid = (lo + hi) >> 1;
     if (tables.tile_start[mid] <= row_tile) lo = mid; else hi = mid;

@@ -1,7 +1,7 @@
 // Host check of common/tile_order.cuh (tests/test_tile_order.py compiles and runs it): over random cuts
 // of the row tiles into segments (experts, some empty, read with a stride and a divisor as the forward's
 // tables are), the grouped order visits every (row, column) tile exactly once, and no group straddles
-// two segments or holds more than kTileGroupRows rows. Prints "ok" or what failed; argv[1]: the seed.
+// two segments or holds more than kTileGroupRows rows, and each group names the segment it lies in. Prints "ok" or what failed; argv[1]: the seed.
 #include <cstdio>
 #include <cstdlib>
 #include <set>
@@ -37,6 +37,11 @@ int main(int argc, char** argv) {
         if (starts[i * stride] / divisor <= group.first && group.first < starts[(i + 1) * stride] / divisor) segment = i;
       if (segment < 0 || group.first + group.rows > starts[(segment + 1) * stride] / divisor) {
         printf("trial %d: group [%d, +%d) straddles a segment boundary\n", trial, group.first, group.rows);
+        return 1;
+      }
+      if (group.segment != segment) {  // the forward's row_tile_of searches only this segment's sources
+        printf("trial %d: group [%d, +%d) names segment %d, lies in %d\n", trial, group.first, group.rows,
+               group.segment, segment);
         return 1;
       }
       seen.insert({tile.row, tile.col});
