@@ -16,9 +16,10 @@ struct TileCoord {
   int row, col;
 };
 
-// Rows [first, first + rows) of a group, all in segment `segment`.
+// Rows [first, first + rows) of a group, all in segment `segment` (0 where the rows are not cut into segments).
 struct TileGroup {
-  int first, rows, segment;
+  int first, rows;
+  int segment = 0;
 };
 
 // The index-th tile of a grid of `cols` column tiles whose rows are cut into groups, each group's tiles
@@ -50,7 +51,7 @@ __host__ __device__ __forceinline__ TileGroup segment_group(int row, const int* 
 __host__ __device__ __forceinline__ TileCoord grouped_tile(int index, int rows, int cols) {
   const int first_row = index / (kTileGroupRows * cols) * kTileGroupRows;
   const int group_rows = rows - first_row < kTileGroupRows ? rows - first_row : kTileGroupRows;
-  return grouped_tile(index, cols, TileGroup{first_row, group_rows, 0});
+  return grouped_tile(index, cols, TileGroup{first_row, group_rows});
 }
 
 }  // namespace flashdmoe

@@ -107,8 +107,7 @@ def measure_phases(
         )
     if not isinstance(warmup, int) or warmup < 0:
         raise ValueError(f"warmup={warmup!r}: expected an integer >= 0")
-    if not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"repeats={repeats!r}: expected an integer >= 1")
+    _require_repeats(repeats)
     device = torch.device(device)
     for index in range(warmup):
         for phase in runs[index % len(runs)]:
@@ -123,6 +122,11 @@ def measure_phases(
     )
 
 
+def _require_repeats(repeats: object) -> None:
+    if not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats={repeats!r}: expected an integer >= 1")
+
+
 # The timed runs of several entries (things compared in one table row group) are taken in this many
 # rounds, every entry once per round in turn, so that all of them see the GPU's clocks of the same stretch
 # of time (a long heavy row drifts them by 10-20% within seconds) and their ratios stay fair.
@@ -130,7 +134,8 @@ TIMING_ROUNDS = 4
 
 
 def round_sizes(repeats: int, rounds: int = TIMING_ROUNDS) -> list[int]:
-    """``repeats`` timed runs split over at most ``rounds`` rounds, as evenly as they go."""
+    """``repeats`` (>= 1) timed runs split over at most ``rounds`` rounds, as evenly as they go."""
+    _require_repeats(repeats)  # zero would give no round at all, so no entry would reach its own check
     rounds = min(rounds, repeats)
     return [repeats // rounds + (1 if index < repeats % rounds else 0) for index in range(rounds)]
 
@@ -160,9 +165,6 @@ def measure_in_turns(
     before were another entry's). An entry that raises drops out with its error; the others go on.
     ``contexts[e]()`` is entered around each of entry e's rounds; ``clock()`` is read after each (e.g. the SM
     clock: how the rounds' conditions compare)."""
-    # Checked here too: with no round at all no entry would reach measure_phases' own check.
-    if not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"repeats={repeats!r}: expected an integer >= 1")
     outcomes = [TurnTimings() for _ in entries]
     samples: list[list[tuple[list[float], float]]] = [[] for _ in entries]
     for round_index, count in enumerate(round_sizes(repeats)):

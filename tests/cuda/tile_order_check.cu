@@ -1,7 +1,8 @@
 // Host check of common/tile_order.cuh (tests/test_tile_order.py compiles and runs it): over random cuts
 // of the row tiles into segments (experts, some empty, read with a stride and a divisor as the forward's
 // tables are), the grouped order visits every (row, column) tile exactly once, and no group straddles
-// two segments or holds more than kTileGroupRows rows, and each group names the segment it lies in. Prints "ok" or what failed; argv[1]: the seed.
+// two segments or holds more than kTileGroupRows rows, and each group names the segment it lies in.
+// Prints "ok" or what failed; argv[1]: the seed.
 #include <cstdio>
 #include <cstdlib>
 #include <set>
