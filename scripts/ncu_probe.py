@@ -8,8 +8,11 @@ A development probe.
 "decode" is Qwen3-30B-A3B's layer at one token, where most of the kernel's code runs once per launch: its
 warp stall reasons (`ncu --section WarpStateStats --section SourceCounters -o R`) say where instruction
 fetch ("no instruction") is waited on; `ncu --import R.ncu-rep --page source --csv --print-source sass`
-then `scripts/sass_samples.py` sum them by source line."""
+then `scripts/sass_samples.py` sum them by source line (`--reasons`: by stall reason, where the expert GEMMs
+wait). NCU_VARIANT=<expert variant> forces one (e.g. the default where the public call picks the cluster
+variant, which the profiler's replay fails on)."""
 
+import os
 import sys
 
 import torch
@@ -25,6 +28,7 @@ SHAPES = {"paper": (8192, 2048, 2048, 32, 2, "gelu"), "small": (128, 4096, 1408,
 
 
 def main():
+    cuda_backend.debug.expert_variant = os.environ.get("NCU_VARIANT") or None
     shapes = [shape for item in sys.argv[1:] or ["paper"]
               for shape in ([SHAPES[item]] if item in SHAPES else parse_shapes(item, "gelu"))]
     for T, H, I, E, k, activation in shapes:

@@ -9,6 +9,10 @@ fetch in the decode forward").
 
     python scripts/sass_samples.py --csv decode_sass.csv --module <flashdmoe_cuda...so> [--kernel TEXT] [--top N]
 
+With --reasons, the samples by stall reason instead (the report's ``stall_*`` columns, issued and not):
+per file, then the top lines by samples with their leading reasons and opcodes (where the expert GEMMs'
+warps wait: a stage's data, the tensor cores, the epilogue; docs/perf-notes.md, "Where the warps wait").
+
 The module must be the build the report profiled (same SASS): the kernel is the one whose name matches and
 whose instruction count is the report's.
 """
@@ -38,6 +42,49 @@ def report_rows(path: Path):
     number = lambda text: int(text) if text.strip().isdigit() else 0  # noqa: E731
     return kernel, [(int(r[at["Address"]], 16) - base, number(r[at["Instructions Executed"]]),
                      number(r[at["stall_no_inst"]]), number(r[at["Warp Stall Sampling (All Samples)"]])) for r in body]
+
+
+def reason_rows(path: Path):
+    """(kernel name, [(offset, Counter of samples by stall reason, with "all"), opcode)]) of the CSV's kernel."""
+    rows = list(csv.reader(path.open()))
+    kernel = rows[0][1] if rows and rows[0] and rows[0][0] == "Kernel Name" else ""
+    header = next(r for r in rows if r and r[0] == "Address")
+    at = {name: i for i, name in enumerate(header)}
+    reasons = [name for name in header if name.startswith("stall_") and "Not Issued" not in name]
+    body = [r for r in rows[rows.index(header) + 1:] if len(r) == len(header)]
+    base = int(body[0][at["Address"]], 16)
+    number = lambda text: int(text) if text.strip().isdigit() else 0  # noqa: E731
+    out = []
+    for r in body:
+        counts = collections.Counter({name[len("stall_"):]: number(r[at[name]]) for name in reasons})
+        counts["all"] = number(r[at["Warp Stall Sampling (All Samples)"]])
+        words = r[at["Source"]].split() if "Source" in at else []
+        opcode = next((w for w in words if not w.startswith("@")), "?")
+        out.append((int(r[at["Address"]], 16) - base, counts, opcode))
+    return kernel, out
+
+
+def print_reasons(args) -> None:
+    kernel, rows = reason_rows(args.csv)
+    name, table = line_table(args.module, args.kernel or kernel, len(rows))
+    by_file, by_line = collections.defaultdict(collections.Counter), collections.defaultdict(collections.Counter)
+    opcodes = collections.defaultdict(collections.Counter)
+    for offset, counts, opcode in rows:
+        where = table.get(offset) or ("?", 0)
+        by_file[where[0]] += counts
+        by_line[where] += counts
+        opcodes[where][opcode] += counts["all"]
+    total = sum(c["all"] for c in by_file.values()) or 1
+    lead = lambda c, n: ", ".join(f"{k} {v}" for k, v in c.most_common(n + 1) if k != "all" and v)  # noqa: E731
+    print(f"{name[:100]}: {total} samples")
+    for file, counts in sorted(by_file.items(), key=lambda kv: -kv[1]["all"]):
+        if counts["all"]:
+            print(f"{file:<40} {counts['all']:>8} {100 * counts['all'] / total:5.1f}%  {lead(counts, 3)}")
+    print(f"\ntop {args.top} lines by samples:")
+    for (file, line), counts in sorted(by_line.items(), key=lambda kv: -kv[1]["all"])[:args.top]:
+        ops = ",".join(f"{op}:{n}" for op, n in opcodes[(file, line)].most_common(3))
+        print(f"{file + ':' + str(line):<40} {counts['all']:>8} {100 * counts['all'] / total:5.1f}%  "
+              f"{lead(counts, 3)}  [{ops}]")
 
 
 def line_table(module: Path, kernel: str, instructions: int):
@@ -77,7 +124,11 @@ def main(argv=None):
     parser.add_argument("--module", type=Path, required=True)
     parser.add_argument("--kernel", help="words of the kernel's name (default: the report's)")
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--reasons", action="store_true", help="samples by stall reason, per file and line")
     args = parser.parse_args(argv)
+    if args.reasons:
+        print_reasons(args)
+        return
     kernel, rows = report_rows(args.csv)
     name, table = line_table(args.module, args.kernel or kernel, len(rows))
     by_file, by_line = collections.defaultdict(lambda: [0, 0, 0]), collections.defaultdict(lambda: [0, 0, 0])
