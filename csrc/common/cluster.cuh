@@ -54,13 +54,4 @@ __device__ __forceinline__ void load_3d_multicast(uint32_t dst, const CUtensorMa
       ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "h"(mask) : "memory");
 }
 
-__device__ __forceinline__ void load_4d_multicast(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0, int c1,
-                                                  int c2, int c3, uint16_t mask) {
-  asm volatile(
-      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
-      " [%0], [%1, {%3, %4, %5, %6}], [%2], %7;\n"
-      ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "h"(mask)
-      : "memory");
-}
-
 }  // namespace flashdmoe::cluster

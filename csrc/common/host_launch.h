@@ -88,14 +88,14 @@ inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
 
 // A row-major tensor of box.rank dims (innermost first), 2-byte elements, read in 128-byte-swizzled boxes.
 inline CUtensorMap make_tensor_map(const void* base, const uint64_t* dims, const TmaBox& box, DType dtype,
-                                   const char* what, const uint64_t* byte_strides = nullptr) {
+                                   const char* what) {
   CUtensorMap map{};
   const int rank = box.rank;
   uint64_t strides[4];
   uint64_t stride = kTmaElementBytes;
   for (int d = 0; d + 1 < rank; ++d) {
     stride *= dims[d];
-    strides[d] = byte_strides != nullptr ? byte_strides[d] : stride;  // packed unless given
+    strides[d] = stride;
   }
   const uint32_t element_strides[4] = {1, 1, 1, 1};
   const CUresult status = tensor_map_encoder()(

@@ -83,25 +83,9 @@ __device__ __forceinline__ void load_a_slab(uint32_t dst, const MoEParams& p, Ff
 template <int kPanels, int kCluster>
 __device__ __forceinline__ void load_b_slab(uint32_t dst, const MoEParams& p, FfnGemm gemm, const WeightColumns& cols,
                                             int local, int k0, uint32_t bar, int member) {
+  const CUtensorMap* weights = gemm == FfnGemm::Gemm1 ? &p.maps.w1 : &p.maps.w2;
   constexpr int kPanelColumns = static_cast<int>(kWeightPanelColumns);
   constexpr int kOwn = kPanels / kCluster;
-  constexpr int kPair = static_cast<int>(kWeightPairPanels);
-  if constexpr (kOwn % kPair == 0 && (kPanels / 2) % kPair == 0) {
-    // Two panels per request where no pair straddles the halves: fewer TMA requests for the same bytes.
-    const CUtensorMap* pairs = gemm == FfnGemm::Gemm1 ? &p.maps.w1_pairs : &p.maps.w2_pairs;
-#pragma unroll
-    for (int own = 0; own < kOwn; own += kPair) {
-      const int panel = member * kOwn + own;
-      const int col = panel < kPanels / 2 ? cols.lo + panel * kPanelColumns : cols.hi + (panel - kPanels / 2) * kPanelColumns;
-      if constexpr (kCluster == 1)
-        tma::load_4d(dst + panel * kWeightPanelBox.bytes(), pairs, bar, 0, k0, col / kPanelColumns, local);
-      else
-        cluster::load_4d_multicast(dst + panel * kWeightPanelBox.bytes(), pairs, bar, 0, k0, col / kPanelColumns,
-                                   local, 0b11);
-    }
-    return;
-  }
-  const CUtensorMap* weights = gemm == FfnGemm::Gemm1 ? &p.maps.w1 : &p.maps.w2;
 #pragma unroll
   for (int own = 0; own < kOwn; ++own) {
     const int panel = member * kOwn + own;

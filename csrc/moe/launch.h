@@ -70,7 +70,7 @@ enum CallAddress : int {
 // base moved (x's gate map, usually; weights, router and workspace stay put).
 struct PreparedRank {
   enum MapIndex : int {
-    kMapW1, kMapW2, kMapRecv, kMapIntermediate, kMapRecvFull, kMapIntermediateFull, kMapGateX, kMapRouter, kMapW1Pairs, kMapW2Pairs, kMapCount
+    kMapW1, kMapW2, kMapRecv, kMapIntermediate, kMapRecvFull, kMapIntermediateFull, kMapGateX, kMapRouter, kMapCount
   };
   MoEParams params;
   WorkspaceLayout layout;

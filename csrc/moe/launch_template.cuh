@@ -69,9 +69,9 @@ inline void refresh_expert_tensor_maps(const ForwardArgs& a, PreparedRank& prepa
                                              : static_cast<uint64_t>(p.world_size) * p.stream_rows;
   ExpertTensorMaps& maps = prepared.params.maps;
   auto refresh = [&](int which, const void* base, CUtensorMap& map, const uint64_t* dims, const TmaBox& box,
-                     const char* what, const uint64_t* strides = nullptr) {
+                     const char* what) {
     if (prepared.map_base[which] == base) return;
-    map = make_tensor_map(base, dims, box, a.dtype, what, strides);
+    map = make_tensor_map(base, dims, box, a.dtype, what);
     prepared.map_base[which] = base;
   };
   const uint64_t w1_dims[3] = {cols, H, L}, w2_dims[3] = {H, I, L};
@@ -83,11 +83,6 @@ inline void refresh_expert_tensor_maps(const ForwardArgs& a, PreparedRank& prepa
   const uint64_t router_dims[2] = {H, static_cast<uint64_t>(p.experts)};
   refresh(PreparedRank::kMapW1, p.w1, maps.w1, w1_dims, kWeightPanelBox, "w1");
   refresh(PreparedRank::kMapW2, p.w2, maps.w2, w2_dims, kWeightPanelBox, "w2");
-  const PanelView w1_panels = weight_panel_view(cols, H, L), w2_panels = weight_panel_view(H, I, L);
-  refresh(PreparedRank::kMapW1Pairs, p.w1, maps.w1_pairs, w1_panels.dims, kWeightPairBox, "w1 (panel pairs)",
-          w1_panels.strides);
-  refresh(PreparedRank::kMapW2Pairs, p.w2, maps.w2_pairs, w2_panels.dims, kWeightPairBox, "w2 (panel pairs)",
-          w2_panels.strides);
   refresh(PreparedRank::kMapRecv, p.peers[p.rank].recv, maps.recv, recv_dims, row_box, "the receive buffer");
   refresh(PreparedRank::kMapIntermediate, p.intermediate, maps.intermediate, mid_dims, row_box,
           "the intermediate buffer");

@@ -133,7 +133,6 @@ static_assert(kStatusNvshmemTraffic == kStatusTraffic + 8 * kTrafficNvshmemDispa
 // the router [E][H] in boxes of up to kGateTileN rows.
 struct ExpertTensorMaps {
   CUtensorMap w1, w2, recv, intermediate, recv_full, intermediate_full, gate_x, router;
-  CUtensorMap w1_pairs, w2_pairs;  // the weights' panel view (kWeightPairBox)
 };
 
 // The hierarchical cross-node exchange of an NVSHMEM team (docs/design.md §8; NvshmemTransport only):

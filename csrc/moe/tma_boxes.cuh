@@ -15,7 +15,7 @@ static_assert(kTmaBoxRowBytes == 128, "a 128B-swizzled box row is 128 bytes");
 
 // A box of `rank` dims, innermost first (dims[0] elements, then rows, then the expert index).
 struct TmaBox {
-  uint32_t dims[4];
+  uint32_t dims[3];
   int rank;
   __host__ __device__ constexpr int bytes() const {
     int n = static_cast<int>(kTmaElementBytes);
@@ -42,34 +42,6 @@ __host__ __device__ constexpr bool loads_full_tile_box(int box_rows) { return bo
 // Expert GEMM B: one 64-column panel of one K slab of one local expert's weights ([L][K][N]).
 constexpr uint32_t kWeightPanelColumns = 64;
 constexpr TmaBox kWeightPanelBox{{kWeightPanelColumns, kTmaSlabK, 1}, 3};
-// Two adjacent weight panels in one request (ExpertTensorMaps::w1_pairs / w2_pairs): the weights seen as
-// [L][N / 64][K][64], the panel index striding 128 bytes, so that the box lands as two panel boxes back
-// to back, the layout two requests would give.
-constexpr uint32_t kWeightPairPanels = 2;
-constexpr TmaBox kWeightPairBox{{kWeightPanelColumns, kTmaSlabK, kWeightPairPanels, 1}, 4};
-static_assert(kWeightPairBox.bytes() == 2 * kWeightPanelBox.bytes(), "a pair box is two panel boxes");
-// Its dims and byte strides for [L][K][N] weights (N a multiple of 64).
-struct PanelView {
-  uint64_t dims[4], strides[3];
-};
-__host__ __device__ constexpr PanelView weight_panel_view(uint64_t n, uint64_t k, uint64_t l) {
-  return {{kWeightPanelColumns, k, n / kWeightPanelColumns, l},
-          {n * kTmaElementBytes, kWeightPanelColumns * kTmaElementBytes, k * n * kTmaElementBytes}};
-}
-// The view's element (c, row, panel, expert) is the weights' (expert, row, panel * 64 + c).
-constexpr bool weight_panel_view_matches(uint64_t n, uint64_t k, uint64_t l) {
-  const PanelView v = weight_panel_view(n, k, l);
-  for (uint64_t e = 0; e < l; ++e)
-    for (uint64_t row = 0; row < k; row += k - 1)
-      for (uint64_t panel = 0; panel < v.dims[2]; ++panel)
-        for (uint64_t c = 0; c < kWeightPanelColumns; c += kWeightPanelColumns - 1) {
-          const uint64_t view = c * kTmaElementBytes + row * v.strides[0] + panel * v.strides[1] + e * v.strides[2];
-          if (view != ((e * k + row) * n + panel * kWeightPanelColumns + c) * kTmaElementBytes) return false;
-        }
-  return true;
-}
-static_assert(weight_panel_view_matches(256, 128, 3) && weight_panel_view_matches(28672, 64, 2),
-              "the panel view addresses the packed [L][K][N] weights");
 // Gate A: one K slab of a kGateTileM-token tile of x.
 constexpr TmaBox kGateTokenBox{{kTmaSlabK, kGateTileM, 1}, 2};
 // Gate B: one K slab of the router rows of up to kGateTileN experts (only the experts there are).
