@@ -9,9 +9,10 @@ fetch in the decode forward").
 
     python scripts/sass_samples.py --csv decode_sass.csv --module <flashdmoe_cuda...so> [--kernel TEXT] [--top N]
 
-With --reasons, the samples by stall reason instead (the report's ``stall_*`` columns, issued and not):
-per file, then the top lines by samples with their leading reasons and opcodes (where the expert GEMMs'
-warps wait: a stage's data, the tensor cores, the epilogue; docs/perf-notes.md, "Where the warps wait").
+With --reasons, the samples by stall reason instead (the report's ``stall_*`` columns): per file, then the
+top lines by samples with their leading reasons and opcodes; --sites counts the shared helpers' instructions
+(common/: pipeline waits, wgmma, TMA) at the project's line that called them, so that the expert GEMMs' stage
+waits, tensor-core waits and epilogue come apart (docs/perf-notes.md, "Where the warps wait").
 
 The module must be the build the report profiled (same SASS): the kernel is the one whose name matches and
 whose instruction count is the report's.
@@ -70,7 +71,8 @@ def print_reasons(args) -> None:
     by_file, by_line = collections.defaultdict(collections.Counter), collections.defaultdict(collections.Counter)
     opcodes = collections.defaultdict(collections.Counter)
     for offset, counts, opcode in rows:
-        where = table.get(offset) or ("?", 0)
+        chain = table.get(offset) or (("?", 0),)
+        where = call_site(chain) if args.sites else chain[0]
         by_file[where[0]] += counts
         by_line[where] += counts
         opcodes[where][opcode] += counts["all"]
@@ -87,10 +89,37 @@ def print_reasons(args) -> None:
               f"{lead(counts, 3)}  [{ops}]")
 
 
+FRAME = re.compile(r'//## File "([^"]+)", line (\d+)')
+OFFSET = re.compile(r"\s+/\*([0-9a-f]{4,})\*/")
+# The project's own code outside the shared helpers: where a helper's instruction was called from.
+SITE_DIRS = ("moe/", "backward/", "comm/", "nvshmem/")
+
+
+def section_chains(section: str) -> dict:
+    """Offset -> inlining chain ((file, line), ...), innermost first, of one kernel's `nvdisasm -gi` listing
+    (each instruction group is preceded by its frames, the innermost "inlined at" the next)."""
+    chain, fresh, table = (), True, {}
+    for line in section.splitlines():
+        if m := FRAME.search(line):
+            frame = (re.sub(r".*/(csrc|include)/", "", m.group(1)), int(m.group(2)))
+            chain = (frame,) if fresh else chain + (frame,)
+            fresh = False
+        elif m := OFFSET.match(line):
+            table[int(m.group(1), 16)] = chain
+            fresh = True
+    return table
+
+
+def call_site(chain) -> tuple:
+    """The chain's innermost frame in the project's own code outside common/ (a pipeline wait is counted where
+    the GEMM or the gate called it), else its innermost frame."""
+    return next((frame for frame in chain if frame[0].startswith(SITE_DIRS)), chain[0] if chain else ("?", 0))
+
+
 def line_table(module: Path, kernel: str, instructions: int):
-    """Offset -> (file, line) for the kernel of the module whose mangled name holds every word of ``kernel``
-    (template parameters like ``T3`` aside) and which has ``instructions`` instructions (that tells a training
-    instance from the inference one of the same variant)."""
+    """Offset -> inlining chain (section_chains) for the kernel of the module whose mangled name holds every
+    word of ``kernel`` (template parameters like ``T3`` aside) and which has ``instructions`` instructions
+    (that tells a training instance from the inference one of the same variant)."""
     tool = lambda name: str(extension.find_cuda_tool(name) or sys.exit(f"{name} not found"))  # noqa: E731
     with tempfile.TemporaryDirectory() as scratch:
         subprocess.run([tool("cuobjdump"), "-xelf", "all", str(module.resolve())], cwd=scratch, check=True,
@@ -99,18 +128,12 @@ def line_table(module: Path, kernel: str, instructions: int):
                  and not re.fullmatch(r"T\d+", w)]
         seen = []
         for cubin in sorted(Path(scratch).glob("*.cubin")):
-            listing = subprocess.run([tool("nvdisasm"), "-g", "-c", str(cubin)], check=True, capture_output=True,
+            listing = subprocess.run([tool("nvdisasm"), "-gi", "-c", str(cubin)], check=True, capture_output=True,
                                      text=True).stdout
             for section in re.split(r"\n//-+ \.text\.", listing)[1:]:
                 name = section.split(" ", 1)[0]
                 if all(w in name for w in words):
-                    where, table = None, {}
-                    for line in section.splitlines():
-                        m = re.search(r'//## File "([^"]+)", line (\d+)', line)
-                        if m:
-                            where = (re.sub(r".*/(csrc|include)/", "", m.group(1)), int(m.group(2)))
-                        elif m := re.match(r"\s+/\*([0-9a-f]{4,})\*/", line):
-                            table[int(m.group(1), 16)] = where
+                    table = section_chains(section)
                     if len(table) == instructions:
                         return name, table
                     seen.append(f"{name[:80]}... ({len(table)} instructions)")
@@ -125,6 +148,8 @@ def main(argv=None):
     parser.add_argument("--kernel", help="words of the kernel's name (default: the report's)")
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--reasons", action="store_true", help="samples by stall reason, per file and line")
+    parser.add_argument("--sites", action="store_true",
+                        help="with --reasons: count a shared helper's samples at its call site (call_site)")
     args = parser.parse_args(argv)
     if args.reasons:
         print_reasons(args)
@@ -133,7 +158,7 @@ def main(argv=None):
     name, table = line_table(args.module, args.kernel or kernel, len(rows))
     by_file, by_line = collections.defaultdict(lambda: [0, 0, 0]), collections.defaultdict(lambda: [0, 0, 0])
     for offset, executed, no_instruction, samples in rows:
-        where = table.get(offset) or ("?", 0)
+        where = (table.get(offset) or (("?", 0),))[0]
         for key, sums in ((where[0], by_file), (where, by_line)):
             sums[key][0] += executed > 0
             sums[key][1] += no_instruction

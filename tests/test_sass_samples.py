@@ -40,3 +40,30 @@ def test_reason_rows_sum_each_instructions_reasons(tmp_path):
         assert [counts[name[len("stall_"):]] for name in REASONS] == reasons
         assert counts["all"] == sum(reasons)
         assert opcode == next(word for word in source.split() if not word.startswith("@"))
+
+
+LISTING = """\t//## File "/repo/csrc/common/tma.cuh", line 34 inlined at "/repo/csrc/common/pipeline.cuh", line 33
+\t//## File "/repo/csrc/common/pipeline.cuh", line 33 inlined at "/repo/csrc/moe/tile_gemm_tma.cuh", line 119
+\t//## File "/repo/csrc/moe/tile_gemm_tma.cuh", line 119 inlined at "/repo/csrc/moe/expert_pipeline.cuh", line 212
+\t//## File "/repo/csrc/moe/expert_pipeline.cuh", line 212
+        /*0d70*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [R47+URZ], R42 ;
+        /*0d80*/               @P0 BRA `(.L_x_906) ;
+\t//## File "/repo/csrc/common/wgmma.cuh", line 26 inlined at "/repo/csrc/moe/tile_gemm_tma.cuh", line 121
+\t//## File "/repo/csrc/moe/tile_gemm_tma.cuh", line 121
+        /*0d90*/                   WARPGROUP.DEPBAR.LE gsb0, 0x1 ;
+\t//## File "/usr/local/cuda/include/sm_20_intrinsics.hpp", line 151
+        /*0da0*/                   LEA R13, R13, R12, 0x18 ;
+"""
+
+
+def test_inlining_chains_and_call_sites():
+    table = sass_samples.section_chains(LISTING)
+    assert sorted(table) == [0xD70, 0xD80, 0xD90, 0xDA0]
+    wait = (("common/tma.cuh", 34), ("common/pipeline.cuh", 33), ("moe/tile_gemm_tma.cuh", 119),
+            ("moe/expert_pipeline.cuh", 212))
+    assert table[0xD70] == wait and table[0xD80] == wait  # a group's instructions share its frames
+    assert table[0xD90] == (("common/wgmma.cuh", 26), ("moe/tile_gemm_tma.cuh", 121))
+    # the helpers' instructions are counted where the GEMM called them; a header's stays where it is
+    assert sass_samples.call_site(table[0xD70]) == ("moe/tile_gemm_tma.cuh", 119)
+    assert sass_samples.call_site(table[0xD90]) == ("moe/tile_gemm_tma.cuh", 121)
+    assert sass_samples.call_site(table[0xDA0]) == ("sm_20_intrinsics.hpp", 151)
