@@ -32,36 +32,39 @@ from pathlib import Path
 from flashdmoe.kernel import extension
 
 
-def report_rows(path: Path):
-    """(kernel name, [(offset, executed, no-instruction samples, all samples)]) of the CSV's one kernel."""
+def read_report(path: Path):
+    """(kernel name, {column: index}, instruction rows, offset of each row from the kernel's first) of the
+    CSV's one kernel."""
     rows = list(csv.reader(path.open()))
     kernel = rows[0][1] if rows and rows[0] and rows[0][0] == "Kernel Name" else ""
     header = next(r for r in rows if r and r[0] == "Address")
     at = {name: i for i, name in enumerate(header)}
     body = [r for r in rows[rows.index(header) + 1:] if len(r) == len(header)]
     base = int(body[0][at["Address"]], 16)
-    number = lambda text: int(text) if text.strip().isdigit() else 0  # noqa: E731
-    return kernel, [(int(r[at["Address"]], 16) - base, number(r[at["Instructions Executed"]]),
-                     number(r[at["stall_no_inst"]]), number(r[at["Warp Stall Sampling (All Samples)"]])) for r in body]
+    return kernel, at, body, [int(r[at["Address"]], 16) - base for r in body]
+
+
+def number(text: str) -> int:
+    return int(text) if text.strip().isdigit() else 0
+
+
+def report_rows(path: Path):
+    """(kernel name, [(offset, executed, no-instruction samples, all samples)]) of the CSV's one kernel."""
+    kernel, at, body, offsets = read_report(path)
+    return kernel, [(offset, number(r[at["Instructions Executed"]]), number(r[at["stall_no_inst"]]),
+                     number(r[at["Warp Stall Sampling (All Samples)"]])) for offset, r in zip(offsets, body)]
 
 
 def reason_rows(path: Path):
     """(kernel name, [(offset, Counter of samples by stall reason, with "all"), opcode)]) of the CSV's kernel."""
-    rows = list(csv.reader(path.open()))
-    kernel = rows[0][1] if rows and rows[0] and rows[0][0] == "Kernel Name" else ""
-    header = next(r for r in rows if r and r[0] == "Address")
-    at = {name: i for i, name in enumerate(header)}
-    reasons = [name for name in header if name.startswith("stall_") and "Not Issued" not in name]
-    body = [r for r in rows[rows.index(header) + 1:] if len(r) == len(header)]
-    base = int(body[0][at["Address"]], 16)
-    number = lambda text: int(text) if text.strip().isdigit() else 0  # noqa: E731
+    kernel, at, body, offsets = read_report(path)
+    reasons = [name for name in at if name.startswith("stall_") and "Not Issued" not in name]
     out = []
-    for r in body:
+    for offset, r in zip(offsets, body):
         counts = collections.Counter({name[len("stall_"):]: number(r[at[name]]) for name in reasons})
         counts["all"] = number(r[at["Warp Stall Sampling (All Samples)"]])
         words = r[at["Source"]].split() if "Source" in at else []
-        opcode = next((w for w in words if not w.startswith("@")), "?")
-        out.append((int(r[at["Address"]], 16) - base, counts, opcode))
+        out.append((offset, counts, next((w for w in words if not w.startswith("@")), "?")))
     return kernel, out
 
 
@@ -151,6 +154,8 @@ def main(argv=None):
     parser.add_argument("--sites", action="store_true",
                         help="with --reasons: count a shared helper's samples at its call site (call_site)")
     args = parser.parse_args(argv)
+    if args.sites and not args.reasons:
+        parser.error("--sites: only with --reasons")
     if args.reasons:
         print_reasons(args)
         return
