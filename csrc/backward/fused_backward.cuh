@@ -390,10 +390,12 @@ __device__ bool produce_backward(const BackwardParams& p, const ExpertTables& t,
     const BackwardTask task = decode_backward_task<Config::kTileN>(id, counts, t.tile_start, p.experts);
     bool ready = true;
     if (task.kind == BackwardTaskKind::Dx) {
-      ready = wait_at_least(p.row_tile_done + task.row_tile, counts.g_cols, p, kPhaseBackwardRowTile, p.rank);
+      ready = wait_at_least(p.row_tile_done + task.row_tile, counts.g_cols * kWorkerWarpgroups, p,
+                            kPhaseBackwardRowTile, p.rank);
     } else if (task.kind != BackwardTaskKind::G) {
       const uint32_t tiles = t.tile_start[task.expert + 1] - t.tile_start[task.expert];
-      ready = wait_at_least(p.expert_done + task.expert, tiles * counts.g_cols, p, kPhaseBackwardExpert, p.rank);
+      ready = wait_at_least(p.expert_done + task.expert, tiles * counts.g_cols * kWorkerWarpgroups, p,
+                            kPhaseBackwardExpert, p.rank);
     }
     tma::fence_proxy_async_global();  // the TMA loads below read rows other blocks stored
     ring.hand_over(slot, ready ? id : kTaskAbort);
@@ -437,7 +439,8 @@ __device__ bool produce_backward(const BackwardParams& p, const ExpertTables& t,
   }
 }
 
-// The consumer warpgroups: the handed tasks in order, wgmma, then each kind's epilogue.
+// The consumer warpgroups: the handed tasks in order, wgmma, then each kind's epilogue. The two
+// warpgroups do not wait for each other between tiles; each signals the g tiles it finished.
 template <typename Element, typename Config>
 __device__ bool consume_backward(const BackwardParams& p, const ExpertTables& t, char* smem,
                                  StagePipeline<Config::kStages>& stages, TaskRing<Config::kStages>& ring,
@@ -454,11 +457,11 @@ __device__ bool consume_backward(const BackwardParams& p, const ExpertTables& t,
       typename Config::RowGemm gemm;
       const int k_tiles = p.hidden / static_cast<int>(kTmaSlabK);
       const bool ok = gemm.consume(smem, stages, stage, k_tiles, p, (threadIdx.x >> 7) * 64 < tile.rows);
-      if (!sync_workers_and(ok)) return false;
+      if (!sync_warpgroup_and(ok)) return false;
       g_epilogue<Element, BN>(p, gemm, staging, tile, task.n0, task.n0 / BN, counts.g_cols);
       tma::fence_proxy_async_global();  // the dx and dW tiles' TMA loads read wh and dpre
-      sync_workers();
-      if (threadIdx.x == 0) {
+      sync_warpgroup();
+      if ((threadIdx.x & 127) == 0) {
         __threadfence();
         ptx::red_release_add_gpu(p.row_tile_done + task.row_tile, 1);
         ptx::red_release_add_gpu(p.expert_done + tile.expert, 1);
@@ -468,7 +471,7 @@ __device__ bool consume_backward(const BackwardParams& p, const ExpertTables& t,
       typename Config::RowGemm gemm;
       const int k_tiles = p.w1_cols / static_cast<int>(kTmaSlabK);
       const bool ok = gemm.consume(smem, stages, stage, k_tiles, p, (threadIdx.x >> 7) * 64 < tile.rows);
-      if (!sync_workers_and(ok)) return false;
+      if (!sync_warpgroup_and(ok)) return false;
       Element* dx_rows = static_cast<Element*>(p.dx_rows) + static_cast<int64_t>(tile.packed_row0) * p.hidden;
       gemm2_epilogue_warp<Element, BN>(gemm, staging, dx_rows, p.hidden, tile.rows, task.n0);
       if (task.n0 == 0 && static_cast<int>(threadIdx.x) < tile.rows) {
@@ -485,7 +488,7 @@ __device__ bool consume_backward(const BackwardParams& p, const ExpertTables& t,
       typename Config::WeightGemm gemm;
       const bool active = slabs > 0 && (threadIdx.x >> 7) * 64 < m_extent - task.m0;
       const bool ok = gemm.consume(smem, stages, stage, slabs > 0 ? slabs : 1, p, active);
-      if (!sync_workers_and(ok)) return false;
+      if (!sync_warpgroup_and(ok)) return false;
       Element* out = static_cast<Element*>(dw2 ? p.dw2 : p.dw1) +
                      (static_cast<int64_t>(task.expert) * m_extent + task.m0) * n_extent;
       gemm2_epilogue_warp<Element, BN>(gemm, staging, out, n_extent, m_extent - task.m0, task.n0);

@@ -26,9 +26,10 @@ __device__ __forceinline__ char* warp_staging(char* smem) {
   return smem + Variant::kWarpStagingOffset + (threadIdx.x >> 5) * kWarpStagingBytes;
 }
 
-// After a TMA tile's K loop (the workers, all of them): the results out from registers, then what they
-// complete. GEMM1: the row tile's count of finished column tiles (GEMM2 tiles wait on it); GEMM2: the
-// source's result rows (its results-done flag once all are in).
+// After a TMA tile's K loop (each consumer warpgroup on its own): the results out from registers, then
+// what they complete. GEMM1: the row tile's count of finished column tiles, one arrival per warpgroup
+// (GEMM2 tiles wait on all of them); GEMM2: the source's result rows, each warpgroup its own 64 (the
+// source's results-done flag once all are in; nothing for this rank's own rows).
 template <typename Element, typename Variant, typename Gemm>
 __device__ __forceinline__ void finish_tile_tma(const MoEParams& p, const DestTables& tables, const Gemm& gemm, char* smem,
                                                 FfnGemm which, const RowTile& tile, int row_tile, int col_tile) {
@@ -42,8 +43,8 @@ __device__ __forceinline__ void finish_tile_tma(const MoEParams& p, const DestTa
       gemm1_epilogue_warp<Element, kTileN, Variant::kSavePre>(p, gemm, warp_staging<Variant>(smem), tile.packed_row0,
                                                               tile.rows, out_col0);
     tma::fence_proxy_async_global();  // GEMM2's TMA loads (async proxy) read these rows
-    sync_workers();
-    if (threadIdx.x == 0) {
+    sync_warpgroup();
+    if ((threadIdx.x & 127) == 0) {
       __threadfence();
       ptx::red_release_add_gpu(p.row_tile_done + row_tile, 1);
     }
@@ -51,8 +52,12 @@ __device__ __forceinline__ void finish_tile_tma(const MoEParams& p, const DestTa
     const int col0 = col_tile * kTileN;
     gemm2_epilogue_warp<Element, kTileN>(gemm, warp_staging<Variant>(smem),
                                          comb_row<Element>(p, tile.src, tile.stream_row0), p.hidden, tile.rows, col0);
-    sync_workers();
-    if (threadIdx.x == 0) account_results<Element, Variant>(p, tables, tile.src, tile.rows, min(kTileN, p.hidden - col0));
+    const int rows = min(64, tile.rows - (static_cast<int>(threadIdx.x) >> 7) * 64);
+    if (tile.src != p.rank && rows > 0) {
+      sync_warpgroup();
+      if ((threadIdx.x & 127) == 0)
+        account_results<Element, Variant>(p, tables, tile.src, rows, min(kTileN, p.hidden - col0));
+    }
   }
 }
 
@@ -165,7 +170,8 @@ __device__ bool produce_tasks(const MoEParams& p, const DestTables& tables, char
     const RowTile tile = row_tile_of(p, tables, job.row_tile, job.local);
     const bool ready = tile.rows == 0 ||
         (job.gemm == FfnGemm::Gemm2
-             ? wait_at_least(p.row_tile_done + job.row_tile, counts.tiles1, p, kPhaseIntermediate, p.rank)
+             ? wait_at_least(p.row_tile_done + job.row_tile, counts.tiles1 * kWorkerWarpgroups, p,
+                             kPhaseIntermediate, p.rank)
              : wait_rows_ready(p, tile.src, ready_seen));
     tma::fence_proxy_async_global();
     ring.hand_over(slot, ready ? task : kTaskAbort);
@@ -184,7 +190,9 @@ __device__ bool produce_tasks(const MoEParams& p, const DestTables& tables, char
 }
 
 // Consumer warpgroups (the workers): take the handed tasks in order, compute, write from registers. A
-// cluster's empty row tile only paces the stage ring (and writes nothing).
+// cluster's empty row tile only paces the stage ring (and writes nothing). The two warpgroups do not
+// wait for each other between tiles (only the small-tile epilogue, which spreads a tile over both, meets
+// them): one may be up to the ring's depth ahead of the other.
 template <typename Element, typename Variant>
 __device__ bool consume_tasks(const MoEParams& p, const DestTables& tables, char* smem,
                               typename ExpertTmaGemm<Element, Variant>::Pipeline& stages,
@@ -200,7 +208,7 @@ __device__ bool consume_tasks(const MoEParams& p, const DestTables& tables, char
     const int k_tiles = task_k_tiles(p, job.gemm);
     Gemm gemm;
     const bool ok = gemm.consume(smem, stages, stage, k_tiles, p, warpgroup_has_rows(tile.rows));
-    if (!sync_workers_and(ok)) return false;
+    if (!sync_warpgroup_and(ok)) return false;
     if (tile.rows > 0)
       finish_tile_tma<Element, Variant>(p, tables, gemm, smem, job.gemm, tile, job.row_tile, job.col_tile);
   }
