@@ -128,4 +128,24 @@ struct TaskRing {
   }
 };
 
+// Where the workers' two warpgroups, which otherwise run apart, must meet (the small-tile epilogue spreads
+// one warpgroup's rows over both): each warp arrives on an mbarrier and waits on it with the watchdog, so
+// that a warpgroup which left after a failure costs the other a reported timeout, never a hang (a named
+// barrier cannot be left). `met` counts the calling thread's meetings (its parity is the phase's).
+// One per block (a static in shared memory: no address to keep in the consumers' registers).
+struct WorkerMeeting {
+  __device__ static uint32_t bar() {
+    __shared__ uint64_t barrier;
+    return ptx::smem_addr(&barrier);
+  }
+  // Thread 0, once per launch, before the block barrier that publishes the stage rings' barriers.
+  __device__ static void init() { tma::mbarrier_init(bar(), kThreads / 32); }
+  template <typename Params>
+  __device__ static __forceinline__ bool meet(uint32_t& met, const Params& p) {
+    __syncwarp();
+    if ((threadIdx.x & 31) == 0) tma::arrive(bar());
+    return wait_pipeline(bar(), met++ & 1u, p);
+  }
+};
+
 }  // namespace flashdmoe

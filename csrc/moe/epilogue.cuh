@@ -9,6 +9,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <type_traits>
+#include "common/pipeline.cuh"
 #include "common/ptx.cuh"
 #include "moe/activation.cuh"
 #include "moe/tile_config.cuh"
@@ -160,21 +161,22 @@ __device__ __forceinline__ void gemm1_epilogue_warp(const MoEParams& p, const Ge
   store_warp_rows<Element, BN / 8>(staging, packed, out, p.ffn, rows - row0, cols);
 }
 
-// GEMM1 epilogue of a tile of at most 16 rows, all of them warp 0's: spread over every worker. Warp 0 puts
+// GEMM1 epilogue of a tile of at most 16 rows, all of them warp 0's: spread over every worker (false
+// when the other warpgroup did not come: a failure elsewhere). Warp 0 puts
 // its fp32 accumulators into the block's staging (the eight warps' buffers together: 16 rows x BN floats),
 // then each worker thread takes (row, 8 output columns) items: the activation, and one 16-byte store.
 // The same values as gemm1_epilogue_warp, which would leave the activation of the whole tile to one warp
 // while seven wait (decode and small batches, where experts get a few rows each). Float pairs are
 // XOR-swizzled by row in groups of four (conflict-light fragment writes, contiguous 32-byte reads).
 template <typename Element, int BN, bool kSavePre, typename Gemm>
-__device__ __forceinline__ void gemm1_epilogue_small(const MoEParams& p, const Gemm& gemm, char* block_staging,
-                                                     int packed_row0, int rows, int out_col0) {
+__device__ __forceinline__ bool gemm1_epilogue_small(const MoEParams& p, const Gemm& gemm, char* block_staging,
+                                                     int packed_row0, int rows, int out_col0, uint32_t& met) {
   static_assert(16 * BN * 4 <= (kThreads / 32) * kWarpStagingBytes, "16 rows of fp32 fit the warps' buffers");
   if constexpr (kSavePre) save_pre_warp<Element, BN>(p, gemm, packed_row0, rows, out_col0);
   float2* staged = reinterpret_cast<float2*>(block_staging);
   constexpr int kPairsPerRow = BN / 2;
   auto at = [](int row, int pair) { return row * kPairsPerRow + (pair ^ ((row & 7) << 2)); };
-  sync_workers();  // every warp is done with its own buffer
+  if (!WorkerMeeting::meet(met, p)) return false;  // every warp is done with its own buffer
   if (threadIdx.x < 32) {
     const int lane = threadIdx.x;
 #pragma unroll
@@ -183,7 +185,7 @@ __device__ __forceinline__ void gemm1_epilogue_small(const MoEParams& p, const G
       for (int h = 0; h < 2; ++h)
         staged[at((lane >> 2) + 8 * h, 4 * j + (lane & 3))] = make_float2(gemm.acc[j * 4 + h * 2], gemm.acc[j * 4 + h * 2 + 1]);
   }
-  sync_workers();
+  if (!WorkerMeeting::meet(met, p)) return false;
   const bool gated = p.activation == Activation::Swiglu;
   const int chunks = (gated ? BN / 2 : BN) / 8;  // 8 output columns each
   const int cols = p.ffn - out_col0;
@@ -216,6 +218,7 @@ __device__ __forceinline__ void gemm1_epilogue_small(const MoEParams& p, const G
     packed.w = pack_pair<Element>(v[6], v[7]);
     *reinterpret_cast<uint4*>(out + static_cast<size_t>(row) * p.ffn + chunk * 8) = packed;
   }
+  return true;
 }
 
 // GEMM2 epilogue: the accumulators as they are, into `out` (the tile's first result row, column col0).

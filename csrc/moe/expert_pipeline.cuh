@@ -31,15 +31,17 @@ __device__ __forceinline__ char* warp_staging(char* smem) {
 // (GEMM2 tiles wait on all of them); GEMM2: the source's result rows, each warpgroup its own 64 (the
 // source's results-done flag once all are in; nothing for this rank's own rows).
 template <typename Element, typename Variant, typename Gemm>
-__device__ __forceinline__ void finish_tile_tma(const MoEParams& p, const DestTables& tables, const Gemm& gemm, char* smem,
-                                                FfnGemm which, const RowTile& tile, int row_tile, int col_tile) {
+__device__ __forceinline__ bool finish_tile_tma(const MoEParams& p, const DestTables& tables, const Gemm& gemm, char* smem,
+                                                FfnGemm which, const RowTile& tile, int row_tile, int col_tile,
+                                                uint32_t& met) {
   constexpr int kTileN = Variant::kTileN;
   if (which == FfnGemm::Gemm1) {
     const int out_col0 = col_tile * gemm1_output_columns<Variant>(p);
-    if (tile.rows <= 16 && p.small_tile_epilogue)
-      gemm1_epilogue_small<Element, kTileN, Variant::kSavePre>(p, gemm, smem + Variant::kWarpStagingOffset,
-                                                               tile.packed_row0, tile.rows, out_col0);
-    else
+    if (tile.rows <= 16 && p.small_tile_epilogue) {
+      if (!gemm1_epilogue_small<Element, kTileN, Variant::kSavePre>(p, gemm, smem + Variant::kWarpStagingOffset,
+                                                                    tile.packed_row0, tile.rows, out_col0, met))
+        return false;
+    } else
       gemm1_epilogue_warp<Element, kTileN, Variant::kSavePre>(p, gemm, warp_staging<Variant>(smem), tile.packed_row0,
                                                               tile.rows, out_col0);
     tma::fence_proxy_async_global();  // GEMM2's TMA loads (async proxy) read these rows
@@ -59,6 +61,7 @@ __device__ __forceinline__ void finish_tile_tma(const MoEParams& p, const DestTa
         account_results<Element, Variant>(p, tables, tile.src, rows, min(kTileN, p.hidden - col0));
     }
   }
+  return true;
 }
 
 // K slabs of a task's GEMM (GEMM1 runs over H, GEMM2 over I).
@@ -192,7 +195,7 @@ __device__ bool produce_tasks(const MoEParams& p, const DestTables& tables, char
 // Consumer warpgroups (the workers): take the handed tasks in order, compute, write from registers. A
 // cluster's empty row tile only paces the stage ring (and writes nothing). The two warpgroups do not
 // wait for each other between tiles (only the small-tile epilogue, which spreads a tile over both, meets
-// them): one may be up to the ring's depth ahead of the other.
+// them, with the watchdog): one may be up to the ring's depth ahead of the other.
 template <typename Element, typename Variant>
 __device__ bool consume_tasks(const MoEParams& p, const DestTables& tables, char* smem,
                               typename ExpertTmaGemm<Element, Variant>::Pipeline& stages,
@@ -200,6 +203,7 @@ __device__ bool consume_tasks(const MoEParams& p, const DestTables& tables, char
   using Gemm = ExpertTmaGemm<Element, Variant>;
   const int member = cluster_member<Variant>();
   typename Gemm::State stage{};
+  uint32_t met = 0;
   for (typename TaskRing<Variant::kStages>::State slot{};; slot.advance()) {
     const int task = ring.take(slot, p);
     if (task < 0) return task == kTaskEnd;
@@ -209,8 +213,9 @@ __device__ bool consume_tasks(const MoEParams& p, const DestTables& tables, char
     Gemm gemm;
     const bool ok = gemm.consume(smem, stages, stage, k_tiles, p, warpgroup_has_rows(tile.rows));
     if (!sync_warpgroup_and(ok)) return false;
-    if (tile.rows > 0)
-      finish_tile_tma<Element, Variant>(p, tables, gemm, smem, job.gemm, tile, job.row_tile, job.col_tile);
+    if (tile.rows > 0 &&
+        !finish_tile_tma<Element, Variant>(p, tables, gemm, smem, job.gemm, tile, job.row_tile, job.col_tile, met))
+      return false;
   }
 }
 
@@ -232,6 +237,7 @@ __device__ bool run_expert_tasks_prefetch(const MoEParams& p, const DestTables& 
   bool ok = true;
   if (threadIdx.x == 0) {
     ring.init();
+    WorkerMeeting::init();
     if constexpr (Variant::kClusterBlocks > 1) handed.init();
     stages.init(kThreads / 32);  // released by every consumer warp (of both blocks in a cluster)
     if constexpr (Variant::kClusterBlocks > 1) ok = meet_cluster_peer<Variant>(p);
