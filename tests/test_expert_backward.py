@@ -250,10 +250,11 @@ def test_auto_picks_fused_for_few_rows_per_expert_with_saved_pre(monkeypatch):
     monkeypatch.setattr(eb.fused_backward, "unsupported", lambda *args: "")
     # (T, E, k, saved pre, elementwise) -> expected back end
     for T, E, k, have_pre, elementwise, want in [
-        (4096, 64, 2, True, "auto", "fused"),            # 128 rows per expert: the limit itself
+        (8192, 32, 2, True, "auto", "fused"),            # 512 rows per expert: the limit itself
         (limit * 8 + 1, 16, 2, True, "auto", "grouped_mm"),  # one row past it
+        (4096, 64, 2, True, "auto", "fused"),            # 128 rows per expert
         (128, 64, 6, True, "cuda", "fused"),
-        (8192, 32, 2, True, "auto", "grouped_mm"),       # 512 rows per expert
+        (4096, 8, 2, True, "auto", "grouped_mm"),        # 1024 rows per expert (Mixtral 8x7B's layer)
         (4096, 64, 2, False, "auto", "grouped_mm"),      # nothing saved: the fused launch cannot run
         (4096, 64, 2, True, "torch", "grouped_mm"),      # torch element-wise ops asked for
     ]:
@@ -274,11 +275,11 @@ def test_the_fused_backward_row_limit_knob_moves_autos_line(monkeypatch):
     cuda = torch.device("cuda")
     monkeypatch.setattr(eb, "grouped_mm_supported", lambda *args: "")
     monkeypatch.setattr(eb.fused_backward, "unsupported", lambda *args: "")
-    monkeypatch.setattr(debug, "fused_backward_max_rows", 512)
-    assert eb.choose_gemm(torch.bfloat16, cuda, 8192, 2048, 2048, 32, 2, True) == "fused"  # 512 per expert
-    assert eb.choose_gemm(torch.bfloat16, cuda, 8193, 2048, 2048, 32, 2, True) == "grouped_mm"
+    monkeypatch.setattr(debug, "fused_backward_max_rows", 128)
+    assert eb.choose_gemm(torch.bfloat16, cuda, 2048, 2048, 2048, 32, 2, True) == "fused"  # 128 per expert
+    assert eb.choose_gemm(torch.bfloat16, cuda, 2049, 2048, 2048, 32, 2, True) == "grouped_mm"
     monkeypatch.setattr(debug, "fused_backward_max_rows", None)
-    assert eb.choose_gemm(torch.bfloat16, cuda, 8192, 2048, 2048, 32, 2, True) == "grouped_mm"
+    assert eb.choose_gemm(torch.bfloat16, cuda, 2049, 2048, 2048, 32, 2, True) == "fused"  # the default line, 512
 
 
 def test_auto_never_picks_fused_on_cpu():
@@ -611,8 +612,8 @@ def test_gpu_fused_needs_selects_gradients(needs, fused_knobs, seed):
 
 @pytest.mark.gpu
 def test_gpu_auto_runs_the_fused_launch_for_few_rows_per_expert(fused_knobs, monkeypatch, seed):
-    """gemm='auto' with saved pre and <= 128 rows per expert: the fused launch (counted), bitwise what
-    gemm='fused' gives; with 512 rows per expert it is not launched."""
+    """gemm='auto' with saved pre and <= 512 rows per expert: the fused launch (counted), bitwise what
+    gemm='fused' gives; with 1024 rows per expert it is not launched."""
     from flashdmoe.backward import expert_backward as eb
 
     launches = []
@@ -626,7 +627,7 @@ def test_gpu_auto_runs_the_fused_launch_for_few_rows_per_expert(fused_knobs, mon
     fused = run(inputs, Case(**{**case.__dict__, "gemm": "fused"}), capacity, pre=pre)
     for name, a, b in zip(GRAD_NAMES, auto, fused):
         assert torch.equal(a, b), f"{name}: auto and fused differ"
-    many = Case(2048, 256, 384, 16, 4, "gelu")  # 512 rows per expert
+    many = Case(4096, 256, 384, 16, 4, "gelu")  # 1024 rows per expert
     inputs, keep, capacity = _gpu_problem(many, seed, torch.bfloat16)
     run(inputs, many, capacity, pre=saved_pre(inputs, keep))
     assert len(launches) == 2  # the gemm='fused' call above, not this one

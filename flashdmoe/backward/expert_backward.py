@@ -40,10 +40,10 @@ GEMM back ends (``gemm=``):
   memory: a fallback for float16 / float32 on CUDA, float64, shapes that break the stride rule, and
   torch without ``_grouped_mm``.
 * ``"auto"`` (default): ``"fused"`` where it runs and the experts get at most
-  ``FUSED_MAX_ROWS_PER_EXPERT`` routed rows on average (``T * k <= 128 * E``), else ``"grouped_mm"``
-  where it runs without a host synchronisation, else ``"padded_bmm"``. On the H200 the fused launch was
-  9–11% faster than the grouped GEMMs at 128 and 12 rows per expert and 4–18% slower at 256 to 1024
-  (docs/perf-notes.md, "Backward").
+  ``FUSED_MAX_ROWS_PER_EXPERT`` routed rows on average (``T * k <= 512 * E``), else ``"grouped_mm"``
+  where it runs without a host synchronisation, else ``"padded_bmm"``. With its consumer warpgroups apart
+  the fused launch's backward was 2–8% faster than the grouped GEMMs' from 256 to 512 rows per expert (an
+  H100 on four shapes, an H200 on two) and level or slower at 1024 (docs/perf-notes.md, "Next steps").
 
 Element-wise back ends (``elementwise=``), for the step between the row GEMMs and for the sum of a
 token's ``k`` rows of ``dx``:
@@ -92,8 +92,8 @@ __all__ = ["expert_backward", "choose_gemm", "PackedRows", "packed_row_grads", "
 GEMM_BACKENDS = ("auto", "fused", "grouped_mm", "padded_bmm")
 ELEMENTWISE_BACKENDS = ("auto", "cuda", "torch")
 # "auto" takes the fused launch up to this many routed rows per expert on average (measured crossover:
-# faster at 128, slower from 256 on; docs/perf-notes.md).
-FUSED_MAX_ROWS_PER_EXPERT = 128
+# faster up to 512, level or slower at 1024; docs/perf-notes.md).
+FUSED_MAX_ROWS_PER_EXPERT = 512
 # What the element-wise kernels take (csrc/backward/expert_grad.h: 16-bit storage).
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 _STORAGE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
