@@ -31,19 +31,21 @@ __device__ __forceinline__ bool sync_workers_and(bool value) {
   return all != 0;
 }
 
+// The workers' warpgroups: a tile counter that each of them signals gets one arrival from each.
+constexpr uint32_t kWorkerWarpgroups = kThreads / 128;
+
 // Named barriers 2 and 3: the calling worker's warpgroup alone (128 threads). The expert tiles' two
 // consumer warpgroups meet only through the stage ring, so that one can run the next tile's MMAs while
 // the other is still in its epilogue.
-// A tile counter a signal of the workers' warpgroups completes gets one arrival from each of them.
-constexpr uint32_t kWorkerWarpgroups = kThreads / 128;
+__device__ __forceinline__ int warpgroup_barrier() { return 2 + (static_cast<int>(threadIdx.x) >> 7); }
 __device__ __forceinline__ void sync_warpgroup() {
-  asm volatile("bar.sync %0, 128;\n" ::"r"(2 + (static_cast<int>(threadIdx.x) >> 7)) : "memory");
+  asm volatile("bar.sync %0, 128;\n" ::"r"(warpgroup_barrier()) : "memory");
 }
 __device__ __forceinline__ bool sync_warpgroup_and(bool value) {
   int all;
   asm volatile(
       "{\n .reg .pred p, q;\n setp.ne.s32 q, %1, 0;\n bar.red.and.pred p, %2, 128, q;\n selp.s32 %0, 1, 0, p;\n}\n"
-      : "=r"(all) : "r"(static_cast<int>(value)), "r"(2 + (static_cast<int>(threadIdx.x) >> 7)) : "memory");
+      : "=r"(all) : "r"(static_cast<int>(value)), "r"(warpgroup_barrier()) : "memory");
   return all != 0;
 }
 

@@ -17,8 +17,12 @@
 
 namespace flashdmoe {
 
-// Whether the calling worker's warpgroup (64 tile rows) holds any of the tile's rows: tiles of at most
-// 64 rows (an expert's last, partial tile) run on one warpgroup at the tensor cores' full rate.
+// How many of a tile's `rows` the calling worker's warpgroup (64 tile rows) holds (none when <= 0), and
+// whether it holds any: tiles of at most 64 rows (an expert's last, partial tile) run on one warpgroup
+// at the tensor cores' full rate.
+__device__ __forceinline__ int warpgroup_rows(int rows) {
+  return min(64, rows - (static_cast<int>(threadIdx.x) >> 7) * 64);
+}
 __device__ __forceinline__ bool warpgroup_has_rows(int rows) { return (threadIdx.x >> 7) * 64 < rows; }
 
 template <typename Variant>
@@ -54,7 +58,7 @@ __device__ __forceinline__ bool finish_tile_tma(const MoEParams& p, const DestTa
     const int col0 = col_tile * kTileN;
     gemm2_epilogue_warp<Element, kTileN>(gemm, warp_staging<Variant>(smem),
                                          comb_row<Element>(p, tile.src, tile.stream_row0), p.hidden, tile.rows, col0);
-    const int rows = min(64, tile.rows - (static_cast<int>(threadIdx.x) >> 7) * 64);
+    const int rows = warpgroup_rows(tile.rows);
     if (tile.src != p.rank && rows > 0) {
       sync_warpgroup();
       if ((threadIdx.x & 127) == 0)
