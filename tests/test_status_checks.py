@@ -91,6 +91,21 @@ def test_status_layout_of_the_fake_is_the_kernels():
             "status_flags": names["kStatusFlags"], "done_word": names["kStatusDone"]} == STATUS_LAYOUT
 
 
+def test_every_phase_the_kernels_name_has_a_name_in_reports():
+    """The ids of the kernels' Phase enums (csrc/moe/params.cuh, csrc/backward/fused_params.cuh,
+    csrc/backward/ep_rows.cuh) and flashdmoe.kernel.launch_report.PHASE_NAMES are the same set."""
+    from flashdmoe.kernel.launch_report import PHASE_NAMES
+
+    ids = {}
+    for path in ("moe/params.cuh", "backward/fused_params.cuh", "backward/ep_rows.cuh"):
+        for name, value in re.findall(r"^\s*(kPhase\w+) = (\d+),", (REPO / "csrc" / path).read_text(), re.M):
+            assert int(value) not in ids, f"{name} reuses phase {value} of {ids.get(int(value))}"
+            ids[int(value)] = name
+    assert len(ids) >= 26, f"the enums were not found: {sorted(ids)}"
+    assert set(ids) == set(PHASE_NAMES), f"named only in the kernels: {sorted(set(ids) - set(PHASE_NAMES))}; " \
+                                         f"only in reports: {sorted(set(PHASE_NAMES) - set(ids))}"
+
+
 def test_decode_a_clean_block():
     raw = status_block(clock=(1_000_000, 3_000_000, 3_500_000, 6_000_000, 16_000_000, 17_000_000), traffic=(4096, 2048),
                        nvshmem_traffic=(1024, 512))
