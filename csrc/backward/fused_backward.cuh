@@ -456,7 +456,7 @@ __device__ bool consume_backward(const BackwardParams& p, const ExpertTables& t,
       const BackwardRowTile tile = backward_row_tile(t, p.experts, task.row_tile);
       typename Config::RowGemm gemm;
       const int k_tiles = p.hidden / static_cast<int>(kTmaSlabK);
-      const bool ok = gemm.consume(smem, stages, stage, k_tiles, p, (threadIdx.x >> 7) * 64 < tile.rows);
+      const bool ok = gemm.consume(smem, stages, stage, k_tiles, p, warpgroup_has_rows(tile.rows));
       if (!sync_warpgroup_and(ok)) return false;
       g_epilogue<Element, BN>(p, gemm, staging, tile, task.n0, task.n0 / BN, counts.g_cols);
       tma::fence_proxy_async_global();  // the dx and dW tiles' TMA loads read wh and dpre
@@ -470,7 +470,7 @@ __device__ bool consume_backward(const BackwardParams& p, const ExpertTables& t,
       const BackwardRowTile tile = backward_row_tile(t, p.experts, task.row_tile);
       typename Config::RowGemm gemm;
       const int k_tiles = p.w1_cols / static_cast<int>(kTmaSlabK);
-      const bool ok = gemm.consume(smem, stages, stage, k_tiles, p, (threadIdx.x >> 7) * 64 < tile.rows);
+      const bool ok = gemm.consume(smem, stages, stage, k_tiles, p, warpgroup_has_rows(tile.rows));
       if (!sync_warpgroup_and(ok)) return false;
       Element* dx_rows = static_cast<Element*>(p.dx_rows) + static_cast<int64_t>(tile.packed_row0) * p.hidden;
       gemm2_epilogue_warp<Element, BN>(gemm, staging, dx_rows, p.hidden, tile.rows, task.n0);
@@ -486,7 +486,7 @@ __device__ bool consume_backward(const BackwardParams& p, const ExpertTables& t,
       const int m_extent = dw2 ? p.ffn : p.hidden, n_extent = dw2 ? p.hidden : p.w1_cols;
       const int slabs = expert_slabs(t, task.expert);
       typename Config::WeightGemm gemm;
-      const bool active = slabs > 0 && (threadIdx.x >> 7) * 64 < m_extent - task.m0;
+      const bool active = slabs > 0 && warpgroup_has_rows(m_extent - task.m0);
       const bool ok = gemm.consume(smem, stages, stage, slabs > 0 ? slabs : 1, p, active);
       if (!sync_warpgroup_and(ok)) return false;
       Element* out = static_cast<Element*>(dw2 ? p.dw2 : p.dw1) +

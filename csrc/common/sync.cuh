@@ -49,6 +49,14 @@ __device__ __forceinline__ bool sync_warpgroup_and(bool value) {
   return all != 0;
 }
 
+// How many of a tile's `rows` the calling worker's warpgroup (64 tile rows) holds (none when <= 0), and
+// whether it holds any: tiles of at most 64 rows (an expert's last, partial tile) run on one warpgroup
+// at the tensor cores' full rate.
+__device__ __forceinline__ int warpgroup_rows(int rows) {
+  return min(64, rows - (static_cast<int>(threadIdx.x) >> 7) * 64);
+}
+__device__ __forceinline__ bool warpgroup_has_rows(int rows) { return (threadIdx.x >> 7) * 64 < rows; }
+
 // This block's index among its rank's blocks (an emulated launch runs several ranks side by side).
 template <typename Params>
 __device__ __forceinline__ int block_in_rank(const Params& p) { return static_cast<int>(blockIdx.x) - p.first_block; }

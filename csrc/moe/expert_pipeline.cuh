@@ -17,14 +17,6 @@
 
 namespace flashdmoe {
 
-// How many of a tile's `rows` the calling worker's warpgroup (64 tile rows) holds (none when <= 0), and
-// whether it holds any: tiles of at most 64 rows (an expert's last, partial tile) run on one warpgroup
-// at the tensor cores' full rate.
-__device__ __forceinline__ int warpgroup_rows(int rows) {
-  return min(64, rows - (static_cast<int>(threadIdx.x) >> 7) * 64);
-}
-__device__ __forceinline__ bool warpgroup_has_rows(int rows) { return (threadIdx.x >> 7) * 64 < rows; }
-
 template <typename Variant>
 __device__ __forceinline__ char* warp_staging(char* smem) {
   return smem + Variant::kWarpStagingOffset + (threadIdx.x >> 5) * kWarpStagingBytes;
