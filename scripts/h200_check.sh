@@ -58,7 +58,7 @@ run_tests one-process ${ONE_PROCESS_LIMIT:-300} ${GPU_TESTS:-tests/test_fused_gp
   $(ls tests/test_async_status*.py tests/test_custom_op.py tests/test_hf_integration.py tests/test_bench.py tests/test_bench_training.py \
        tests/test_training_gpu.py tests/test_training.py tests/test_weight_checks.py 2>/dev/null)}
 skip mp || run_tests multi-process 200 tests/test_ep_multiprocess.py
-skip nvshmem || run_tests nvshmem 240 tests/test_ep_nvshmem_transport.py  # builds the NVSHMEM kernel itself (~45 s)
+skip nvshmem || run_tests nvshmem 240 tests/test_nvshmem_transport.py tests/test_ep_nvshmem_transport.py  # builds the NVSHMEM kernel itself (~45 s)
 skip ray || run_tests ray 200 tests/test_ray.py tests/test_cli.py
 grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -30
 
