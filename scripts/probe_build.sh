@@ -44,6 +44,17 @@ PY
   build_tree "probe_$name" "$src"
 }
 
+# probe_patch NAME PATCH: a copy of csrc/ at /tmp/probe_src_NAME with PATCH applied, a unified diff of
+# csrc/ (`git diff -- csrc` of the change: paths csrc/...), for a change too large for text edits; not
+# built (the A/B scripts build it as one of their trees: AB_BASE or AB_MORE). Non-zero, saying why, when
+# the patch does not apply; PROBE_CHECK_ONLY=1 reports that it applies and returns non-zero, as above.
+probe_patch() {
+  local name=$1 patch_file=$2 src=/tmp/probe_src_$1
+  rm -rf "$src" && cp -r csrc "$src"
+  patch --quiet --forward --batch -p2 -d "$src" < "$patch_file" || { echo "$name: the patch does not apply"; return 1; }
+  if [ -n "${PROBE_CHECK_ONLY:-}" ]; then echo "$name: every edit applies (not built: PROBE_CHECK_ONLY)"; return 1; fi
+}
+
 # ab_builds BASE: for an A/B in one run (forward_ab.sh, backward_ab.sh), the source tree BASE built into
 # /tmp/ab_base_cache, each further tree of AB_MORE ("name=path,name=path": e.g. one branch's csrc/ each)
 # into /tmp/ab_<name>_cache (in subshells: their exports stay there), and the working tree's csrc/ into

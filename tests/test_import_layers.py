@@ -242,13 +242,14 @@ def test_the_device_scripts_import_what_the_package_has():
     assert not missing, "scripts import what the package does not have:\n" + "\n".join(missing)
 
 
-# The scripts that build probe kernels (they call probe_build from scripts/probe_build.sh).
+# The scripts that build probe kernels (they call probe_build or probe_patch from scripts/probe_build.sh).
 PROBE_SCRIPTS = sorted(path.name for path in (PACKAGE.parent / "scripts").glob("*.sh")
-                       if re.search(r"^\s*probe_build ", path.read_text(), flags=re.M))
+                       if re.search(r"^\s*probe_(build|patch) ", path.read_text(), flags=re.M))
 
 
 def test_there_are_probe_scripts():
     assert PROBE_SCRIPTS, "no script under scripts/ calls probe_build"
+    assert "cluster_units_probe.sh" in PROBE_SCRIPTS  # a probe_patch script is found too
 
 
 @pytest.mark.parametrize("script", PROBE_SCRIPTS)
